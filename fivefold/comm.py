@@ -1,0 +1,175 @@
+"""Every collective fivefold issues goes through this module.
+
+`Comm` binds one process group to the name of the mesh dimension it spans ("dp", "tp", ...)
+and a `CommLog`. Each call is recorded with its payload and the ring-wire traffic per rank,
+so tests and `fivefold plan` can check measured communication against the formulas of
+DESIGN.md (seed 001 §communication, seed 003 §NCCL primitives):
+
+    all-reduce      wire = 2(N-1)/N · S      (reduce-scatter followed by all-gather)
+    reduce-scatter  wire =  (N-1)/N · S      (S = the full, unscattered input)
+    all-gather      wire =  (N-1)/N · S      (S = the full, gathered output)
+    broadcast       wire =  (N-1)/N · S      (pipelined ring; the root sends S once)
+    all-to-all      wire =  (N-1)/N · S
+    send / recv     wire =  S
+
+When the log is disabled, recording costs one attribute check per call.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_WIRE_FACTOR = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+
+def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends over the wire for `op` on a ring of `group_size` ranks."""
+    if group_size <= 1 and op not in ("send", "recv"):
+        return 0.0
+    return _WIRE_FACTOR[op](group_size) * payload_bytes
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call as seen by this rank."""
+
+    seq: int  # global order of issue on this rank (shared counter with other events)
+    op: str
+    dim: str
+    dtype: torch.dtype
+    numel: int  # payload elements (full buffer for all-reduce / reduce-scatter / all-gather)
+    payload_bytes: int
+    wire_bytes: float
+    group_size: int
+    tag: str = ""  # free-form label from the caller, e.g. "bucket3"
+
+
+@dataclass
+class CommTotals:
+    calls: int = 0
+    numel: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+@dataclass
+class CommLog:
+    """Per-rank record of collectives. Reset it at a step boundary, read it after."""
+
+    enabled: bool = True
+    records: list[CommRecord] = field(default_factory=list)
+    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    def next_seq(self) -> int:
+        """A tick of the rank-local clock shared by records and other traced events."""
+        return next(self._counter)
+
+    def record(self, op: str, dim: str, tensor: torch.Tensor, group_size: int, tag: str = "",
+               numel: int | None = None) -> None:
+        n = tensor.numel() if numel is None else numel
+        payload = n * tensor.element_size()
+        self.records.append(CommRecord(self.next_seq(), op, dim, tensor.dtype, n, payload,
+                                       ring_wire_bytes(op, payload, group_size), group_size, tag))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def totals(self, op: str | None = None, dim: str | None = None) -> CommTotals:
+        t = CommTotals()
+        for r in self.records:
+            if (op is None or r.op == op) and (dim is None or r.dim == dim):
+                t.calls += 1
+                t.numel += r.numel
+                t.payload_bytes += r.payload_bytes
+                t.wire_bytes += r.wire_bytes
+        return t
+
+    def summary(self) -> dict[tuple[str, str], CommTotals]:
+        """Totals keyed by (op, dim)."""
+        out: dict[tuple[str, str], CommTotals] = defaultdict(CommTotals)
+        for r in self.records:
+            t = out[(r.op, r.dim)]
+            t.calls += 1
+            t.numel += r.numel
+            t.payload_bytes += r.payload_bytes
+            t.wire_bytes += r.wire_bytes
+        return dict(out)
+
+
+class Comm:
+    """Collectives over one process group, logged under the name of its mesh dimension.
+
+    Async calls return the torch work handle; callers `wait()` on it before reading the
+    result (required for NCCL streams, harmless on gloo).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, dim: str = "world",
+                 log: CommLog | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.dim = dim
+        self.log = log if log is not None else CommLog(enabled=False)
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+
+    def _record(self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None) -> None:
+        if self.log.enabled:
+            self.log.record(op, self.dim, tensor, self.size, tag, numel)
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   async_op: bool = False, tag: str = ""):
+        self._record("all_reduce", tensor, tag)
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+        """`input` is the full buffer (size N·len(output)); this rank keeps its slice in `output`."""
+        self._record("reduce_scatter", input, tag)
+        return dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   tag: str = ""):
+        """`output` is the full buffer (size N·len(input)), filled with every rank's `input`."""
+        self._record("all_gather", output, tag)
+        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False,
+                  tag: str = ""):
+        self._record("broadcast", tensor, tag)
+        return dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group,
+                              async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_split_sizes: Sequence[int] | None = None,
+                   input_split_sizes: Sequence[int] | None = None, async_op: bool = False, tag: str = ""):
+        self._record("all_to_all", input, tag)
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                      group=self.group, async_op=async_op)
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], tag: str = "") -> list:
+        """Issue ("send"|"recv", tensor, peer_group_rank) ops as one batch; returns work handles."""
+        p2p = []
+        for kind, tensor, peer in ops:
+            self._record(kind, tensor, tag)
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, tensor, self.global_rank(peer), group=self.group))
+        return dist.batch_isend_irecv(p2p) if p2p else []
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)

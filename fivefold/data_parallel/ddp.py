@@ -1,0 +1,88 @@
+"""DDP: replicated parameters, gradients averaged by bucketed all-reduce overlapped with backward.
+
+Seed 000 (naive DP -> bucketed overlap) and DESIGN.md's DDP row: model states 16Ψ bytes per rank
+with mixed-precision Adam; communication per step one all-reduce of Ψ gradient elements, ring
+wire 2(N-1)/N · Ψ · bytes per rank. Buckets and hooks live in `buckets.py`; this module only says
+what a full bucket does (scale by 1/N, all-reduce) and adds `no_sync()` for gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from fivefold.comm import Comm
+from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket
+
+
+def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to the source rank's (one call per dtype)."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            comm.broadcast(flat, src_group_rank, tag="init")
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class DDP(nn.Module):
+    """Data-parallel wrapper for any module, like `torch.nn.parallel.DistributedDataParallel`.
+
+    - parameters are broadcast from group rank 0 at construction;
+    - each trainable parameter's ``.grad`` is a view into a flat bucket (``bucket_mb`` MiB,
+      reverse registration order); its bucket's async all-reduce starts when its last
+      gradient is accumulated, and backward's end waits for all of them;
+    - tied parameters are one parameter (counted once); frozen ones are ignored; a parameter
+      without a gradient is an error unless ``find_unused=True``;
+    - inside ``no_sync()`` gradients accumulate locally with no communication.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, *, bucket_mb: float = 25.0,
+                 find_unused: bool = False, broadcast_init: bool = True) -> None:
+        super().__init__()
+        self.module = module
+        self.comm = comm
+        if broadcast_init and comm.size > 1:
+            broadcast_module_state(module, comm)
+        self.reducer = BucketedGradReducer(
+            list(module.named_parameters()), bucket_mb * 2**20, launch=self._all_reduce_bucket,
+            find_unused=find_unused)
+
+    def _all_reduce_bucket(self, bucket: GradBucket) -> Any:
+        if self.comm.size == 1:
+            return None
+        # Pre-divide: the sum of g_i / N is the mean, and fp16 sums cannot overflow by N.
+        bucket.grad.div_(self.comm.size)
+        return self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside the context syncs them all."""
+        previous = self.reducer.require_sync
+        self.reducer.require_sync = False
+        try:
+            yield
+        finally:
+            self.reducer.require_sync = previous
+
+    def zero_grad(self, set_to_none: bool = False) -> None:  # noqa: D102 - nn.Module semantics
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+        else:
+            self.reducer.zero_grad()
+
+    @property
+    def buckets(self) -> list[GradBucket]:
+        return self.reducer.buckets

@@ -1,0 +1,1 @@
+"""Training: data, trainer, checkpointing, metrics."""

@@ -1,0 +1,77 @@
+"""Shared helpers for multi-process tests: a toy model with awkward parameters, batches, launching."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.mesh import launch_local
+
+
+def run_workers(fn, world_size: int, *args):
+    """Spawn `world_size` gloo ranks (one thread each, free port) running fn(*args); return results."""
+    return launch_local(fn, world_size, *args, threads=1, timeout_s=240.0)
+
+
+class ToyNet(nn.Module):
+    """Odd sizes on purpose (so flat buffers need padding), a tied embedding/head pair,
+    a frozen layer, and optionally a parameter that never receives a gradient."""
+
+    def __init__(self, vocab: int = 13, dim: int = 6, hidden: int = 10, tie: bool = True,
+                 frozen: bool = True, unused: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.frozen = nn.Linear(dim, dim) if frozen else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+        self.unused = nn.Linear(3, 3) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.fc2(torch.tanh(self.fc1(h)))
+        if self.frozen is not None:
+            h = self.frozen(h)
+        return self.head(h)
+
+
+def build_toy(seed: int = 0, **kw) -> ToyNet:
+    torch.manual_seed(seed)
+    return ToyNet(**kw)
+
+
+def toy_batch(step: int, batch: int = 12, seq: int = 5, vocab: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    y = torch.randint(0, vocab, (batch, seq), generator=g)
+    return x, y
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def reference_training(steps: int, opt_kind: str, grad_accum: int = 1, **model_kw) -> list[dict[str, torch.Tensor]]:
+    """Single-process training on the full global batch; parameters after every step."""
+    model = build_toy(**model_kw)
+    opt = make_optimizer(opt_kind, [p for p in model.parameters() if p.requires_grad])
+    history = []
+    for step in range(steps):
+        x, y = toy_batch(step)
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum)):
+            (lm_loss(model(xs), ys) / grad_accum).backward()
+        opt.step()
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return history
