@@ -117,7 +117,7 @@ def test_ddp_matches_single_process(ddp_results, cfg_index):
             assert got.keys() == want.keys()
             for name in want:
                 torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+                                           msg=f"rank {rank} step {step} {name}")
 
 
 def test_ddp_bucket_sizes_span_one_param_to_one_bucket(ddp_results):

@@ -1,0 +1,56 @@
+"""Command line: ``fivefold train | bench``.
+
+``fivefold train [--config run.toml] [--section.key value ...]`` trains on the embedded default
+(the small Llama on this Python's standard-library sources, 2 local CPU workers) unless told
+otherwise; under torchrun it uses the environment's ranks instead of spawning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fivefold.config import ALIASES, ConfigError, load_config
+
+
+def _train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fivefold train", add_help=True,
+        description="Train a Llama-style model data-parallel. Every config key can be overridden as "
+                    "--section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
+                    + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()))
+    parser.add_argument("--config", help="TOML file with [model] [parallel] [train] [data] [ddp] [run] sections")
+    args, overrides = parser.parse_known_args(argv)
+    from fivefold.train.trainer import run
+
+    try:
+        cfg = load_config(args.config, overrides)
+        run(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"fivefold train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from fivefold.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {"train": _train, "bench": _bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"fivefold: unknown command '{argv[0]}'", file=sys.stderr)
+        print("usage: fivefold {" + ",".join(COMMANDS) + "} [options]   (fivefold COMMAND --help)",
+              file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

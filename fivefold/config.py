@@ -1,0 +1,240 @@
+"""Run configuration: a dataclass schema, TOML files, and dotted command-line overrides.
+
+``fivefold train --config run.toml --train.steps 100 --parallel.dp 2`` — every key is
+``section.field``; unknown sections or fields are rejected with the list of valid ones, and
+values are converted to the field's type. The embedded defaults are the `make run` job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class ModelSection:
+    preset: str = "small"
+    # Any LlamaConfig field overrides the preset; None keeps the preset's value.
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class ParallelSection:
+    dp: int = -1  # -1: the rest of the world after pp × cp × tp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+@dataclass
+class TrainSection:
+    steps: int = 150
+    # Give any two of these three; the third is derived (global = micro × accum × dp). With one
+    # or none given, grad_accum defaults to 1 (and micro_batch to 8).
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    seq_len: int = 128
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr × this
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    seed: int = 0
+    eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
+    eval_batches: int = 8
+
+
+@dataclass
+class DataSection:
+    path: str | None = None  # text file, folder, comma list, or nanoGPT .bin / folder; None = stdlib sources
+    val_fraction: float = 0.05
+    max_bytes: int | None = None
+
+
+@dataclass
+class DDPSection:
+    bucket_mb: float = 25.0
+    find_unused: bool = False
+
+
+@dataclass
+class RunSection:
+    name: str = "default"
+    out_dir: str = "runs"
+    nproc: int = 2  # local CPU workers spawned when not under torchrun
+    device: str = "auto"  # auto | cpu | cuda | ...
+    progress: bool = True
+    plot: bool = True
+    log_every: int = 10
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    ddp: DDPSection = field(default_factory=DDPSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Short flags for the most common keys.
+ALIASES = {"nproc": "run.nproc", "data": "data.path", "name": "run.name", "steps": "train.steps",
+           "preset": "model.preset", "device": "run.device"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    """Convert a TOML or command-line value to the field type `tp` (which may be Optional)."""
+    args = typing.get_args(tp)
+    optional = (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args
+    base = next((a for a in args if a is not type(None)), tp) if optional else tp
+    if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
+        return None
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} cannot be empty")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if base is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    sections = _sections()
+    if "." not in dotted:
+        raise ConfigError(f"'{dotted}' is not a section.key; valid sections: {', '.join(sections)}; "
+                          f"short flags: {', '.join('--' + a for a in ALIASES)}")
+    section, key = dotted.split(".", 1)
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}'; valid sections: {', '.join(sections)}")
+    types_ = _field_types(sections[section])
+    if key not in types_:
+        raise ConfigError(f"unknown key '{dotted}'; valid keys in [{section}]: {', '.join(types_)}")
+    setattr(getattr(cfg, section), key, _convert(dotted, value, types_[key]))
+
+
+def apply_overrides(cfg: Config, args: list[str]) -> Config:
+    """Apply ``--section.key value`` / ``--section.key=value`` / ``--alias value`` pairs."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key value")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value")
+            value = args[i + 1]
+            i += 2
+        _set(cfg, ALIASES.get(key, key), value)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file (if any), then command-line overrides."""
+    cfg = Config()
+    if path is not None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                _set(cfg, ALIASES.get(section, section), values)
+                continue
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    return apply_overrides(cfg, overrides or [])
+
+
+DEFAULT_MICRO_BATCH = 8
+
+
+def resolve_batch(global_batch: int | None, micro_batch: int | None, grad_accum: int | None,
+                  dp: int) -> tuple[int, int, int]:
+    """Return (global_batch, micro_batch, grad_accum) with global = micro × accum × dp.
+
+    Any two determine the third; all three must agree.
+    """
+    given = {k: v for k, v in (("global_batch", global_batch), ("micro_batch", micro_batch),
+                               ("grad_accum", grad_accum)) if v is not None}
+    for k, v in given.items():
+        if v <= 0:
+            raise ConfigError(f"train.{k}={v} must be positive")
+    if len(given) < 2:
+        if grad_accum is None:
+            grad_accum = 1
+        elif micro_batch is None:
+            micro_batch = DEFAULT_MICRO_BATCH
+        if global_batch is None and micro_batch is None:
+            micro_batch = DEFAULT_MICRO_BATCH
+    if global_batch is None:
+        return micro_batch * grad_accum * dp, micro_batch, grad_accum
+    if micro_batch is None:
+        if global_batch % (grad_accum * dp):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by grad_accum({grad_accum}) × dp({dp}) = "
+                f"{grad_accum * dp}; change global_batch to a multiple of {grad_accum * dp}")
+        return global_batch, global_batch // (grad_accum * dp), grad_accum
+    if grad_accum is None:
+        if global_batch % (micro_batch * dp):
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by micro_batch({micro_batch}) × dp({dp}) = "
+                f"{micro_batch * dp}; change global_batch to a multiple of {micro_batch * dp}")
+        return global_batch, micro_batch, global_batch // (micro_batch * dp)
+    if micro_batch * grad_accum * dp != global_batch:
+        raise ConfigError(
+            f"train.global_batch={global_batch} but micro_batch({micro_batch}) × grad_accum({grad_accum}) × "
+            f"dp({dp}) = {micro_batch * grad_accum * dp}; set one of the three to none (e.g. "
+            "--train.grad_accum none) to derive it, or make them agree")
+    return global_batch, micro_batch, grad_accum

@@ -1,0 +1,213 @@
+"""The training loop of one rank, and the launcher that starts all ranks.
+
+One step (DESIGN.md data flow): for each of `grad_accum` micro-batches of this DP rank's slice
+of the global batch, forward + backward (the DDP wrapper all-reduces buckets during the last
+micro-step's backward only) -> clip by the global gradient norm -> AdamW step with warmup +
+cosine LR -> zero the flat gradient buckets. Rank 0 logs loss, tokens/s, step time and the
+measured model-state bytes per rank, evaluates periodically, and plots the loss at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fivefold.comm import CommLog
+from fivefold.config import Config, resolve_batch
+from fivefold.data_parallel import DDP
+from fivefold.memory import model_state_bytes
+from fivefold.mesh import ParallelDims, ParallelMesh, default_device, init_distributed, is_torchrun_env, launch_local
+from fivefold.models import build_model, count_params, get_config
+from fivefold.train.data import TokenDataset
+from fivefold.train.metrics import MetricsWriter, Progress, plot_loss
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to train.lr, then cosine decay to lr × min_lr_ratio at the last step."""
+    t = cfg.train
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    min_lr = t.lr * t.min_lr_ratio
+    return min_lr + 0.5 * (t.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: no weight decay for norms, biases and embeddings (1-D or embedding weights)."""
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 or id(p) in embedding_weights else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    first_loss: float
+    final_loss: float
+    final_val_loss: float | None
+    params: int
+    tokens_per_s: float
+    run_dir: str | None
+    model_state_mb: float
+
+
+def _resolve_device(name: str) -> torch.device:
+    return default_device() if name == "auto" else torch.device(name)
+
+
+def _check_supported(dims: ParallelDims) -> None:
+    for dim in ("tp", "pp", "cp"):
+        if getattr(dims, dim) != 1:
+            raise NotImplementedError(
+                f"parallel.{dim}={getattr(dims, dim)}: the trainer supports data parallelism only so far; "
+                f"set parallel.{dim}=1")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: TokenDataset, cfg: Config, mesh: ParallelMesh,
+             device: torch.device) -> float:
+    """Mean validation loss over cfg.train.eval_batches fixed batches, sharded across DP ranks."""
+    dp, rank = mesh.size("dp"), mesh.rank("dp")
+    n_batches = max(dp, cfg.train.eval_batches - cfg.train.eval_batches % dp)
+    mb = cfg.train.micro_batch or 8
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for x, y in data.val_batches(n_batches, mb, dp_rank=rank, dp_size=dp):
+        logits = model(x.to(device))
+        total += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+    mesh.comm("dp").all_reduce(total, tag="metrics")
+    return (total / n_batches).item()
+
+
+def train(cfg: Config) -> TrainResult:
+    """Train on this rank (torch.distributed already initialised); returns a summary."""
+    device = _resolve_device(cfg.run.device)
+    log = CommLog(enabled=True)
+    mesh = ParallelMesh(ParallelDims(**dataclasses.asdict(cfg.parallel)), device, log)
+    _check_supported(mesh.dims)
+    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
+    t = cfg.train
+    global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
+    t = cfg.train = dataclasses.replace(t, global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum)
+    is_main = dist.get_rank() == 0
+
+    data = TokenDataset.from_path(cfg.data.path, t.seq_len, val_fraction=cfg.data.val_fraction, seed=t.seed,
+                                  max_bytes=cfg.data.max_bytes)
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    max_token = int(max(data.train_tokens.max(), data.val_tokens.max() if len(data.val_tokens) else 0))
+    model_cfg = get_config(cfg.model.preset, **overrides)
+    if max_token >= model_cfg.vocab_size:
+        # Pre-tokenized data with a larger vocabulary (e.g. GPT-2's): round up to a multiple of 64.
+        model_cfg = get_config(cfg.model.preset, **overrides, vocab_size=-(-(max_token + 1) // 64) * 64)
+    if t.seq_len > model_cfg.max_seq_len:
+        model_cfg = get_config(cfg.model.preset, **{**overrides, "vocab_size": model_cfg.vocab_size},
+                               max_seq_len=t.seq_len)
+    model = build_model(model_cfg, seed=t.seed, device=device)
+    n_params = count_params(model)
+    ddp = DDP(model, mesh.comm("dp"), bucket_mb=cfg.ddp.bucket_mb, find_unused=cfg.ddp.find_unused)
+    optimizer = torch.optim.AdamW(decay_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name if is_main else None
+    writer = MetricsWriter(run_dir)
+    if is_main:
+        writer.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
+                      "params": n_params, "world": dist.get_world_size(), "dp": dp})
+    progress = Progress(t.steps, enabled=is_main and cfg.run.progress, desc=cfg.run.name)
+    progress.write(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, dp={dp}, "
+                   f"global batch {global_batch} × {t.seq_len} tokens (micro {micro_batch} × accum {grad_accum}), "
+                   f"{data}")
+
+    first_loss = final_loss = float("nan")
+    val_loss = None
+    tokens_per_step = global_batch * t.seq_len
+    step_times: list[float] = []
+    state_mb = 0.0
+    for step in range(t.steps):
+        t0 = time.perf_counter()
+        log.reset()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(grad_accum):
+            x, y = data.micro_batch(step, global_batch, micro, grad_accum, dp_rank, dp)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            last = micro == grad_accum - 1
+            with ddp.no_sync() if not last else contextlib.nullcontext():
+                loss = F.cross_entropy(ddp(x).flatten(0, 1).float(), y.flatten()) / grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        # After DDP's all-reduce the gradients are identical on every rank: the local norm is global.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        optimizer.step()
+        ddp.zero_grad()
+        grad_bytes_comm = log.totals(dim="dp")
+        mesh.comm("dp").all_reduce(loss_sum, tag="metrics")
+        step_loss = loss_sum.item() / dp
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        if step == 0:
+            first_loss = step_loss
+            state_mb = model_state_bytes(model, optimizer).total / 2**20
+        final_loss = step_loss
+        if is_main and (step % cfg.run.log_every == 0 or step == t.steps - 1):
+            writer.write({"kind": "train", "step": step, "loss": step_loss, "lr": lr_at(step, cfg),
+                          "grad_norm": float(grad_norm), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                          "model_state_mb": state_mb, "comm_calls": grad_bytes_comm.calls,
+                          "comm_payload_bytes": grad_bytes_comm.payload_bytes,
+                          "comm_wire_bytes": grad_bytes_comm.wire_bytes})
+        if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
+            val_loss = evaluate(ddp, data, cfg, mesh, device)
+            if is_main:
+                writer.write({"kind": "val", "step": step, "val_loss": val_loss})
+                progress.write(f"step {step + 1}: val loss {val_loss:.3f}")
+        progress.update(1, loss=f"{step_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+                        step_ms=f"{dt * 1e3:.0f}", state_MB=f"{state_mb:.1f}")
+    progress.close()
+    steady = sorted(step_times[1:] or step_times)
+    median = steady[len(steady) // 2]
+    result = TrainResult(t.steps, first_loss, final_loss, val_loss, n_params, tokens_per_step / median,
+                         str(run_dir) if run_dir else None, state_mb)
+    if is_main:
+        writer.write({"kind": "summary", **dataclasses.asdict(result)})
+        writer.close()
+        if cfg.run.plot:
+            png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png",
+                            title=f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}")
+            print(f"fivefold: loss {first_loss:.3f} -> {final_loss:.3f}"
+                  + (f" (val {val_loss:.3f})" if val_loss is not None else "")
+                  + f", {tokens_per_step / median:,.0f} tokens/s; wrote {run_dir / 'metrics.jsonl'} and {png}")
+    return result
+
+
+def run(cfg: Config) -> TrainResult:
+    """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo)."""
+    if is_torchrun_env():
+        init_distributed()
+        try:
+            return train(cfg)
+        finally:
+            dist.destroy_process_group()
+    if cfg.run.device not in ("auto", "cpu"):
+        raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for "
+                         f"accelerators")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
+    # Validate what can be checked before spawning, so errors are immediate and in this process.
+    dims = ParallelDims(**dataclasses.asdict(cfg.parallel)).resolve(cfg.run.nproc)
+    resolve_batch(cfg.train.global_batch, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp)
+    threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
+    return launch_local(train, cfg.run.nproc, cfg, threads=threads, timeout_s=1800.0)[0]

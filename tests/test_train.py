@@ -1,0 +1,62 @@
+"""The trainer end to end (2 spawned gloo workers) and the model-state memory meter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fivefold.config import ConfigError, load_config
+from fivefold.memory import model_state_bytes
+from fivefold.models import build_model, get_config
+from fivefold.train.trainer import lr_at, run
+
+
+def test_trainer_end_to_end_two_workers(tmp_path):
+    cfg = load_config(None, ["--preset", "tiny", "--steps", "20", "--nproc", "2", "--run.out_dir", str(tmp_path),
+                             "--run.name", "e2e", "--run.progress", "false", "--train.eval_every", "10",
+                             "--train.seq_len", "64", "--train.lr", "3e-3", "--run.log_every", "1"])
+    result = run(cfg)
+    assert result.final_loss < result.first_loss - 1.0, result
+    assert 5.0 < result.first_loss < 6.0  # ≈ ln(256) for a fresh byte-level model
+    records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(20))
+    assert [r["step"] for r in records if r["kind"] == "val"] == [9, 19]
+    assert records[0]["kind"] == "config" and records[0]["dp"] == 2
+    # DDP traffic per step: all-reduce of every gradient element once (fp32), one call per bucket.
+    psi = records[0]["params"]
+    assert all(r["comm_payload_bytes"] == 4 * psi for r in train)
+    assert all(r["comm_wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi) for r in train)
+    assert (tmp_path / "e2e" / "loss.png").stat().st_size > 1000
+
+
+def test_trainer_rejects_bad_layout_before_spawning():
+    cfg = load_config(None, ["--nproc", "2", "--parallel.dp", "3"])
+    with pytest.raises(ValueError, match=r"dp\(3\).*world size is 2"):
+        run(cfg)
+    cfg = load_config(None, ["--nproc", "2", "--train.global_batch", "30", "--train.micro_batch", "4"])
+    with pytest.raises(ConfigError, match=r"global_batch=30 is not divisible by micro_batch\(4\) × dp\(2\) = 8"):
+        run(cfg)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = load_config(None, ["--train.lr", "1.0", "--train.warmup_steps", "10", "--steps", "110",
+                             "--train.min_lr_ratio", "0.1"])
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+
+
+def test_model_state_bytes_fp32_adam_is_16_psi():
+    model = build_model(get_config("tiny", tie_embeddings=True))
+    psi = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    m = model_state_bytes(model, opt)
+    n_tensors = len(list(model.parameters()))
+    assert m.params == 4 * psi and m.grads == 4 * psi
+    assert m.optimizer == 8 * psi + 4 * n_tensors  # exp_avg + exp_avg_sq, plus a scalar fp32 step each
