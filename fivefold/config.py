@@ -83,7 +83,7 @@ class RunSection:
     device: str = "auto"  # auto | cpu | cuda | ...
     progress: bool = True
     plot: bool = True
-    log_every: int = 10
+    log_every: int = 1
 
 
 @dataclass
