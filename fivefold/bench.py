@@ -19,7 +19,9 @@ as the built-in path). Wire bytes are the ring formula 2(N-1)/N · payload for b
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +45,7 @@ __all__ = [
     "Runner",
     "bench_ddp",
     "format_table",
+    "main",
     "run_contest",
 ]
 
@@ -351,3 +354,35 @@ def format_table(results: dict) -> str:
         out += [f"- {note}" for note in r["notes"]]
     return "\n".join(out)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fivefold bench ddp [options]`` / ``python bench/run.py ddp [options]``: print the table."""
+    parser = argparse.ArgumentParser(prog="fivefold bench",
+                                     description="Time fivefold against torch's reference implementations "
+                                                 "on local gloo CPU ranks (one launch, interleaved blocks).")
+    sub = parser.add_subparsers(dest="what", required=True)
+    ddp = sub.add_parser("ddp", help="fivefold DDP vs torch DistributedDataParallel")
+    d = BenchSpec()
+    ddp.add_argument("--preset", default=d.preset)
+    ddp.add_argument("--world", type=int, default=d.world, help="number of gloo ranks")
+    ddp.add_argument("--steps", type=int, default=d.steps, help="timed steps per implementation")
+    ddp.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per implementation")
+    ddp.add_argument("--repeats", type=int, default=d.repeats,
+                     help="alternating blocks the timed steps are split into")
+    ddp.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step")
+    ddp.add_argument("--seq-len", type=int, default=d.seq_len)
+    ddp.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
+    ddp.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    ddp.add_argument("--json", metavar="PATH", help="also write the full result (every step) as JSON")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    results = bench_ddp(preset=args.preset, world=args.world, steps=args.steps, warmup=args.warmup,
+                        repeats=args.repeats, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                        bucket_mb=args.bucket_mb, threads=args.threads)
+    print(format_table(results))
+    print(f"(wall time {time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives; keep working on torch >= 2.6.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _WIRE_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -139,15 +143,19 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
-        """`input` is the full buffer (size N·len(output)); this rank keeps its slice in `output`."""
+        """`input` is the full buffer (size N·len(output)); this rank keeps its slice in `output`.
+
+        `output` may be this rank's own slice of `input` (in place), as ZeRO-1 does."""
         self._record("reduce_scatter", input, tag)
-        return dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+        return _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                    tag: str = ""):
-        """`output` is the full buffer (size N·len(input)), filled with every rank's `input`."""
+        """`output` is the full buffer (size N·len(input)), filled with every rank's `input`.
+
+        `input` may be this rank's own slice of `output` (in place)."""
         self._record("all_gather", output, tag)
-        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return _all_gather_flat(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False,
                   tag: str = ""):

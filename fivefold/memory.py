@@ -53,6 +53,10 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     kept by a sharded optimizer count as optimizer state instead: pass them via the optimizer).
     """
     seen: set[tuple[str, int]] = set()
+    if hasattr(model, "model_state_tensors"):  # ZeRO engines know what they hold (shards, buffers)
+        held = model.model_state_tensors()
+        return ModelStateBytes(_storage_bytes(held["params"], seen), _storage_bytes(held["grads"], seen),
+                               _storage_bytes(held["optimizer"], seen))
     params = list(model.parameters())
     p_bytes = _storage_bytes([*params, *extra_params], seen)
     g_bytes = _storage_bytes((p.grad for p in params), seen)

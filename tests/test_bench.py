@@ -40,3 +40,11 @@ def test_same_loss_trajectory(result):
 def test_table(result):
     table = format_table(result)
     assert "fivefold/torch" in table and "| fivefold" in table and "| torch" in table
+
+
+def test_cli_help(capsys):
+    from fivefold.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["ddp", "--help"])
+    assert e.value.code == 0 and "--bucket-mb" in capsys.readouterr().out

@@ -92,35 +92,73 @@ def assign_buckets(named_params: NamedParams, bucket_bytes: float) -> list[list[
 
 
 class GradBucket:
-    """One bucket: its parameters, the flat gradient buffer they view into, and readiness."""
+    """One bucket: its parameters, the flat gradient buffer laid out by `layout`, and readiness.
 
-    def __init__(self, index: int, named_params: NamedParams, pad_to: int, grad_dtype: torch.dtype | None) -> None:
+    Two ways to get gradients in:
+    - views (DDP, ZeRO-1 with matching dtypes): ``param.grad`` *is* a view of the buffer, autograd
+      accumulates in place, and the buffer lives for the whole run;
+    - copy (ZeRO-2/3, or a reduce dtype unlike the parameter's): the hook adds ``param.grad`` into
+      the buffer and drops it; the buffer exists only from the first gradient of a sync window
+      until the bucket's collective has finished (`release`), so non-owned gradients are freed.
+    """
+
+    def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
+                 keep_buffer: bool = True) -> None:
         self.index = index
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.layout = FlatLayout(named_params, pad_to)
-        first = self.params[0]
-        self.grad = torch.zeros(self.layout.padded_numel, dtype=grad_dtype or first.dtype, device=first.device)
+        self.layout = layout
+        self.grad_dtype = grad_dtype
+        self.device = self.params[0].device
+        self.keep_buffer = keep_buffer
+        self.views = keep_buffer and all(p.dtype == grad_dtype for p in self.params)
+        self.grad: torch.Tensor | None = None
+        if self.views:
+            self._allocate()
+            for i in range(len(self.params)):
+                self.bind_grad(i)
         self.pending = len(self.params)
         self.launched = False
         self.work = None  # async handle of this step's collective
+        self.out: torch.Tensor | None = None  # where the collective leaves this rank's result
+
+    def _allocate(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad
 
     def grad_view(self, i: int) -> torch.Tensor:
-        return self.layout.view(self.grad, i)
+        return self.layout.view(self._allocate(), i)
 
     def bind_grad(self, i: int) -> None:
-        """Make params[i].grad the bucket view, keeping whatever gradient it currently holds."""
+        """Bring params[i]'s current gradient into the buffer (views: make .grad the view)."""
         p, view = self.params[i], self.grad_view(i)
-        if p.grad is None:
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-        p.grad = view
+        if self.views:
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        elif p.grad is not None:
+            view.add_(p.grad)
+            p.grad = None
+
+    def release(self) -> None:
+        """Free a copy-mode buffer once its collective is done."""
+        if not self.keep_buffer:
+            self.grad = None
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.launched = False
         self.work = None
+
+
+def make_grad_buckets(named_params: NamedParams, bucket_bytes: float, pad_to: int = 1,
+                      grad_dtype: torch.dtype | None = None, keep_buffer: bool = True) -> list[GradBucket]:
+    """Buckets of `bucket_bytes` in reverse registration order, each with its own flat layout."""
+    return [GradBucket(i, group, FlatLayout(group, pad_to), grad_dtype or group[0][1].dtype, keep_buffer)
+            for i, group in enumerate(assign_buckets(named_params, bucket_bytes))]
 
 
 # launch(bucket) -> async work handle (or None); finish(bucket) runs after the handle completed.
@@ -131,17 +169,16 @@ FinishFn = Callable[[GradBucket], None]
 class BucketedGradReducer:
     """Hooks gradients into buckets and launches each bucket's collective as soon as it is full."""
 
-    def __init__(self, named_params: NamedParams, bucket_bytes: float, launch: LaunchFn,
-                 finish: FinishFn | None = None, pad_to: int = 1, find_unused: bool = False,
-                 grad_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, buckets: list[GradBucket], launch: LaunchFn, finish: FinishFn | None = None,
+                 find_unused: bool = False, on_backward_end: Callable[[], None] | None = None) -> None:
         self.launch_fn = launch
         self.finish_fn = finish
         self.find_unused = find_unused
         self.require_sync = True
         self.trace: list[tuple[int, str, str]] | None = None  # (seq, event, name) for overlap tests
         self.trace_clock: Callable[[], int] | None = None
-        self.buckets = [GradBucket(i, group, pad_to, grad_dtype)
-                        for i, group in enumerate(assign_buckets(named_params, bucket_bytes))]
+        self.on_backward_end = on_backward_end
+        self.buckets = buckets
         self._next_to_launch = 0
         self._callback_queued = False
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
@@ -150,7 +187,6 @@ class BucketedGradReducer:
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, i)
-                bucket.bind_grad(i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # -- hooks -------------------------------------------------------------------------------
@@ -186,9 +222,10 @@ class BucketedGradReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        if not self.require_sync:
-            return
-        self.flush()
+        if self.require_sync:
+            self.flush()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     # -- public ------------------------------------------------------------------------------
     def unready_names(self) -> list[str]:
@@ -215,6 +252,7 @@ class BucketedGradReducer:
                 bucket.work.wait()
             if self.finish_fn is not None:
                 self.finish_fn(bucket)
+            bucket.release()
             bucket.reset()
         self._next_to_launch = 0
         self._ready.clear()
@@ -222,9 +260,14 @@ class BucketedGradReducer:
     def zero_grad(self) -> None:
         """Zero every bucket in place and re-point `.grad` at the views (cheaper than set_to_none)."""
         for bucket in self.buckets:
-            bucket.grad.zero_()
-            for i, p in enumerate(bucket.params):
-                p.grad = bucket.grad_view(i)
+            if bucket.views:
+                bucket.grad.zero_()
+                for i in range(len(bucket.params)):
+                    bucket.bind_grad(i)
+            else:
+                bucket.grad = None
+                for p in bucket.params:
+                    p.grad = None
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

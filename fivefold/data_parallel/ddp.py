@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fivefold.comm import Comm
-from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket
+from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, make_grad_buckets
 
 
 def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 0) -> None:
@@ -53,9 +53,8 @@ class DDP(nn.Module):
         self.comm = comm
         if broadcast_init and comm.size > 1:
             broadcast_module_state(module, comm)
-        self.reducer = BucketedGradReducer(
-            list(module.named_parameters()), bucket_mb * 2**20, launch=self._all_reduce_bucket,
-            find_unused=find_unused)
+        buckets = make_grad_buckets(list(module.named_parameters()), bucket_mb * 2**20)
+        self.reducer = BucketedGradReducer(buckets, launch=self._all_reduce_bucket, find_unused=find_unused)
 
     def _all_reduce_bucket(self, bucket: GradBucket) -> Any:
         if self.comm.size == 1:

@@ -1,0 +1,148 @@
+"""`FlatParam`: a bucket's (ZeRO-0/1/2) or unit's (ZeRO-3) parameters as views of one flat buffer.
+
+Seed 000/001 (ZeRO): every rank owns a contiguous 1/N shard of each flat buffer (padded to a
+multiple of N, never uneven), keeps the fp32 master weights and optimizer state only for that
+shard, and receives only that shard of the averaged gradient.
+
+Layout of one FlatParam (``[ decay params | no-decay params | padding ]``, each rank a 1/N slice):
+
+- ``full``   compute dtype, the whole buffer; the module's parameters are views into it. ZeRO-3
+             frees its storage between uses (``untyped_storage().resize_(0)``) and all-gathers
+             into it again, so tensors autograd saved stay valid.
+- ``local``  this rank's shard in compute dtype: a view of ``full`` (ZeRO-0/1/2) or its own
+             persistent tensor (ZeRO-3, the only copy of the parameters between uses).
+- ``master`` the fp32 master shard the optimizer steps: ``local`` itself when the compute dtype
+             is fp32, otherwise an fp32 copy.
+- ``grad_shard`` the averaged gradient for this shard (reduce dtype), filled by the bucket's
+             reduce-scatter (or all-reduce at stage 0) and consumed by the optimizer step.
+
+Parameters are ordered by optimizer group inside the buffer, so a shard meets at most one
+contiguous segment per group: each segment becomes one fp32 `nn.Parameter` of the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from fivefold.comm import Comm
+from fivefold.data_parallel.buckets import FlatLayout
+
+GroupOf = Callable[[str, nn.Parameter], int]
+
+
+class FlatParam:
+    def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]], comm: Comm, *,
+                 group_of: GroupOf, param_dtype: torch.dtype, sharded: bool, reshard: bool = False) -> None:
+        ordered = sorted(named_params, key=lambda item: group_of(*item))  # stable: groups contiguous
+        self.index = index
+        self.comm = comm
+        self.names = [n for n, _ in ordered]
+        self.params = [p for _, p in ordered]
+        self.group_ids = [group_of(n, p) for n, p in ordered]
+        self.sharded = sharded and comm.size > 1
+        self.world = comm.size if self.sharded else 1
+        self.rank = comm.rank if self.sharded else 0
+        self.layout = FlatLayout(ordered, pad_to=self.world)
+        self.start, self.end = self.layout.shard_range(self.rank, self.world)
+        self.param_dtype = param_dtype
+        self.reshard_enabled = reshard and self.sharded
+        device = self.params[0].device
+        self.full = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=device)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.layout.view(self.full, i)
+                view.copy_(p.detach())
+                p.data = view
+        self._full_bytes = self.full.untyped_storage().nbytes()
+        self._empty = torch.empty(0, dtype=param_dtype, device=device)
+        self._gather_work = None
+        if self.reshard_enabled:
+            self.local = self.full[self.start:self.end].clone()
+            self.is_unsharded = True
+            self.reshard()
+        else:
+            self.local = self.full[self.start:self.end]
+            self.is_unsharded = True
+        self.master = self.local if param_dtype == torch.float32 else self.local.detach().float().clone()
+        self.segments = self._group_segments()
+        self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
+        self.grad_shard: torch.Tensor | None = None
+
+    def _group_segments(self) -> list[tuple[int, int, int]]:
+        """(group, a, b): the part [a, b) of this rank's shard (local coordinates) in each group."""
+        segments = []
+        for g in sorted(set(self.group_ids)):
+            members = [i for i, gid in enumerate(self.group_ids) if gid == g]
+            lo = self.layout.slots[members[0]].offset
+            last = self.layout.slots[members[-1]]
+            hi = last.offset + last.numel
+            a, b = max(lo, self.start), min(hi, self.end)
+            if a < b:
+                segments.append((g, a - self.start, b - self.start))
+        return segments
+
+    @property
+    def shard_numel(self) -> int:
+        return self.end - self.start
+
+    # -- ZeRO-3: gather before use, free after --------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Re-grow ``full`` and all-gather every rank's ``local`` into it (no-op if already there)."""
+        if self.is_unsharded:
+            return
+        if self._gather_work is None:
+            self.full.untyped_storage().resize_(self._full_bytes)
+            for i, p in enumerate(self.params):
+                p.data = self.layout.view(self.full, i)
+            self._gather_work = self.comm.all_gather(self.full, self.local, async_op=True, tag=f"unit{self.index}")
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self.is_unsharded = True
+
+    @property
+    def gathering(self) -> bool:
+        return self._gather_work is not None
+
+    def reshard(self) -> None:
+        if self.reshard_enabled and (self.is_unsharded or self._gather_work is not None):
+            self.wait_unshard()
+            self.full.untyped_storage().resize_(0)
+            # Parameters point at an empty tensor while sharded, so stray use fails loudly instead of
+            # reading freed memory; views saved by autograd keep the storage and see it regrown.
+            for p in self.params:
+                p.data = self._empty
+            self.is_unsharded = False
+
+    # -- gradients and optimizer -------------------------------------------------------
+    def accumulate_grad(self, shard_grad: torch.Tensor) -> None:
+        if self.grad_shard is None:
+            self.grad_shard = shard_grad
+        else:
+            self.grad_shard += shard_grad
+
+    def write_back(self) -> None:
+        """Copy the updated fp32 master shard into the compute-dtype shard (if they differ)."""
+        if self.master is not self.local:
+            with torch.no_grad():
+                self.local.copy_(self.master)
+
+    def gather_params(self):
+        """ZeRO-1/2 after the step: all-gather the updated shards in place; returns the work."""
+        return self.comm.all_gather(self.full, self.local, async_op=True, tag=f"bucket{self.index}")
+
+    def full_master(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this buffer at fp32 master precision, gathered from all shards."""
+        if self.sharded:
+            flat = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
+            self.comm.all_gather(flat, self.master.detach(), tag="state_dict")
+        else:
+            flat = self.master.detach()
+        return {name: self.layout.view(flat, i).clone() for i, name in enumerate(self.names)}

@@ -1,0 +1,157 @@
+"""ZeRO-3 / FSDP: parameters live as shards; a unit is gathered just before use and freed after.
+
+Seed 000 (ZeRO-3 flow): forward all-gathers a layer's parameters, computes, frees them; backward
+all-gathers them again, computes, reduce-scatters the gradients and frees — communication
+2Ψ all-gather + Ψ reduce-scatter per step (DESIGN.md), memory 16Ψ/N.
+
+This module owns *when* units are gathered and freed (module hooks, the pre-backward hook, and
+prefetching); the flat buffers are `FlatParam`s and the post-backward reduce-scatter is the
+shared `BucketedGradReducer` (a unit is one bucket), both driven by `ZeroDataParallel`.
+
+- forward pre-hook: gather the unit (waiting for a prefetch in flight), then prefetch the next
+  `prefetch` units in the recorded forward order;
+- forward post-hook: free the unit (``reshard_after_forward``) and wrap its outputs in
+  `_PreBackward`, whose backward gathers it again and prefetches the next units in the recorded
+  backward order;
+- post-backward: when the unit's last gradient is accumulated its bucket is launched — the
+  engine then reduce-scatters and frees the unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fivefold.data_parallel.flat_param import FlatParam
+
+UnitSpec = Sequence[type] | Callable[[str, nn.Module], bool] | None
+
+
+def default_unit_classes(module: nn.Module) -> tuple[type, ...]:
+    """Transformer blocks: fivefold's `TransformerBlock`, or any class named like one."""
+    names = ("TransformerBlock", "Block", "DecoderLayer", "EncoderLayer")
+    return tuple({type(m) for m in module.modules() if type(m).__name__.endswith(names)})
+
+
+def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[str, nn.Module]]:
+    """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only,
+    then the root itself for every parameter no unit claimed (embedding, final norm, head)."""
+    if spec is None:
+        classes = default_unit_classes(module)
+        match = lambda name, m: isinstance(m, classes) if classes else False  # noqa: E731
+    elif callable(spec) and not isinstance(spec, type | tuple | list):
+        match = spec
+    else:
+        classes = tuple(spec)
+        match = lambda name, m: isinstance(m, classes)  # noqa: E731
+    units: list[tuple[str, nn.Module]] = []
+    claimed: set[str] = set()
+    for name, m in module.named_modules():
+        if m is module or any(name.startswith(c + ".") for c in claimed):
+            continue
+        if match(name, m):
+            units.append((name, m))
+            claimed.add(name)
+    units.append(("", module))
+    return units
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward runs before the unit's own backward."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.hook = hook
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+class FSDPHooks:
+    """Installs the gather/free/prefetch hooks of ZeRO-3 on the unit modules."""
+
+    def __init__(self, units: list[tuple[nn.Module, FlatParam]], *, reshard_after_forward: bool = True,
+                 prefetch: int = 1) -> None:
+        self.units = units
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.forward_order: list[int] = []  # unit indices as first seen in a forward
+        self.backward_order: list[int] = []
+        self._recording_forward = True
+        self._recording_backward = True
+        self.trace: list[tuple[str, int, int]] | None = None  # (event, unit, #units unsharded)
+        self._handles = []
+        for i, (module, _) in enumerate(units):
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(i)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(i)))
+
+    def n_unsharded(self) -> int:
+        return sum(1 for _, f in self.units if f.is_unsharded or f.gathering)
+
+    def _record(self, event: str, i: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, i, self.n_unsharded()))
+
+    def _prefetch_after(self, order: list[int], i: int) -> None:
+        if self.prefetch <= 0 or i not in order:
+            return
+        pos = order.index(i)
+        for j in order[pos + 1:pos + 1 + self.prefetch]:
+            self.units[j][1].unshard(async_op=True)
+
+    def _make_pre_forward(self, i: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            flat = self.units[i][1]
+            if self._recording_forward:
+                if i in self.forward_order:
+                    self._recording_forward = False
+                else:
+                    self.forward_order.append(i)
+            flat.unshard()
+            self._prefetch_after(self.forward_order, i)  # nothing to prefetch until the order is known
+            self._record("forward", i)
+        return hook
+
+    def _make_post_forward(self, i: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            flat = self.units[i][1]
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                flat.reshard()
+            if not torch.is_grad_enabled():
+                return output
+            leaves, spec = tree_flatten(output)
+            idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not idx:
+                return output
+            wrapped = _PreBackward.apply(lambda: self._pre_backward(i), *[leaves[k] for k in idx])
+            wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+            for k, t in zip(idx, wrapped):
+                leaves[k] = t
+            return tree_unflatten(leaves, spec)
+        return hook
+
+    def _pre_backward(self, i: int) -> None:
+        if self._recording_backward and i not in self.backward_order:
+            self.backward_order.append(i)
+        self.units[i][1].unshard()
+        self._prefetch_after(self.backward_order, i)
+        self._record("backward", i)
+
+    def backward_done(self) -> None:
+        """End of a backward: orders are known from now on; nothing stays gathered."""
+        if self.backward_order:
+            self._recording_backward = False
+        for _, flat in self.units:
+            flat.reshard()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

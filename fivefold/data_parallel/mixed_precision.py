@@ -1,0 +1,69 @@
+"""Mixed-precision policy and dynamic loss scaling.
+
+Seed 001 (ZeRO paper §3 / mixed-precision Adam): parameters and gradients in 16-bit (2Ψ + 2Ψ),
+an fp32 master copy of the weights plus Adam's m and v in the optimizer (KΨ, K = 12). The
+master copy lives inside the (sharded) optimizer; the compute copy is what forward uses.
+fp16 needs loss scaling: the loss is multiplied by S before backward, gradients are divided by
+S before the step, and a step whose gradients overflowed (inf/nan on *any* rank) is skipped and
+S halved; after `growth_interval` clean steps S doubles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; use one of fp32, bf16, fp16")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """param_dtype: storage and compute of the model's parameters; reduce_dtype: gradient buckets
+    and collectives (None = fp32); master weights and optimizer state are always fp32."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_names(cls, param: str, reduce: str | None = None) -> MixedPrecision:
+        return cls(parse_dtype(param), parse_dtype(reduce) if reduce not in (None, "", "none") else None)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or torch.float32
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return self.param_dtype == torch.float16
+
+
+class DynamicLossScaler:
+    """Loss scale S for fp16: halve on overflow (step skipped), double after a run of good steps."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000, min_scale: float = 1.0) -> None:
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self._good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        """Called with the decision agreed by every rank."""
+        if found_inf:
+            self.scale = max(self.scale / 2, self.min_scale)
+            self._good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self._good_steps += 1
+            if self._good_steps % self.growth_interval == 0:
+                self.scale *= 2

@@ -1,0 +1,189 @@
+"""`ShardedOptimizer`: any elementwise torch optimizer stepping only this rank's shard.
+
+Seed 000 (ZeRO-1): "for AdamW, knowing part of the gradient is enough to compute that part's
+first and second moments and update that part of the parameters" — so a torch optimizer over
+the fp32 master *shard* of each flat buffer is exact, and its state (m, v) exists only for the
+shard: optimizer memory KΨ/N. After the step the updated shards are all-gathered (ZeRO-1/2) or
+simply kept (ZeRO-3). Optimizers that are not elementwise (Muon orthogonalises whole matrices,
+Adafactor factors them) would compute something else on a shard, and are refused.
+
+Used two ways:
+- standalone, like `torch.distributed.optim.ZeroRedundancyOptimizer`: ``ShardedOptimizer(params,
+  torch.optim.AdamW, comm, lr=...)`` after the gradients were averaged (e.g. by DDP);
+- by the ZeRO engine, whose reduce-scatter already delivered the gradient shards.
+
+One `step` does, in order: fp32 gradient shards -> unscale (fp16 loss scaling) -> one all-reduce of
+the squared norm (global norm for clipping, and inf/nan detection agreed by every rank) -> skip or
+clip -> inner optimizer step -> write back to the compute dtype -> all-gather (ZeRO-1/2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fivefold.comm import Comm
+from fivefold.data_parallel.flat_param import FlatParam
+from fivefold.data_parallel.mixed_precision import DynamicLossScaler
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
+)
+
+
+def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
+    if elementwise is None:
+        elementwise = issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)
+    if not elementwise:
+        raise ValueError(
+            f"{optimizer_class.__name__} is not known to be elementwise: sharding its state would change its "
+            "math (Muon orthogonalises whole matrices, Adafactor factors them). Use an elementwise optimizer "
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) or pass elementwise=True if it is one")
+
+
+class ShardedOptimizer:
+    """An inner torch optimizer over the fp32 master shards of a list of `FlatParam`s."""
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], optimizer_class: type,
+                 comm: Comm, *, elementwise: bool | None = None, **defaults: Any) -> None:
+        """Standalone use: flattens `params` (tensors or torch-style param-group dicts) into one
+        flat buffer per (dtype, device); each parameter's ``.data`` becomes a view into it."""
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        group_kwargs = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        group_index = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        for gi, g in enumerate(groups):
+            for pi, p in enumerate(g["params"]):
+                if p.requires_grad:
+                    by_kind.setdefault((p.dtype, p.device), []).append((f"group{gi}.param{pi}", p))
+        flats = [FlatParam(i, named, comm, group_of=lambda n, p: group_index[id(p)], param_dtype=dtype, sharded=True)
+                 for i, ((dtype, _), named) in enumerate(by_kind.items())]
+        self._setup(flats, optimizer_class, group_kwargs, comm, elementwise=elementwise, grads_from_params=True,
+                    defaults=defaults)
+
+    @classmethod
+    def for_flat_params(cls, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]],
+                        comm: Comm, *, loss_scaler: DynamicLossScaler | None = None, elementwise: bool | None = None,
+                        **defaults: Any) -> ShardedOptimizer:
+        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter."""
+        self = cls.__new__(cls)
+        self._setup(flats, optimizer_class, group_kwargs, comm, elementwise=elementwise, grads_from_params=False,
+                    defaults=defaults, loss_scaler=loss_scaler)
+        return self
+
+    def _setup(self, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]], comm: Comm,
+               *, elementwise: bool | None, grads_from_params: bool, defaults: dict[str, Any],
+               loss_scaler: DynamicLossScaler | None = None) -> None:
+        check_elementwise(optimizer_class, elementwise)
+        self.flats = flats
+        self.comm = comm
+        self.grads_from_params = grads_from_params
+        self.loss_scaler = loss_scaler
+        self.sharded = any(f.sharded for f in flats)
+        inner_groups = []
+        for g, kwargs in enumerate(group_kwargs):
+            members = [mp for f in flats for (gid, _, _), mp in zip(f.segments, f.master_params) if gid == g]
+            if members:
+                inner_groups.append({"params": members, **kwargs})
+        if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
+            inner_groups = [{"params": [nn.Parameter(torch.zeros(0))], **(group_kwargs[0] if group_kwargs else {})}]
+        self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
+        self.last_step_skipped = False
+
+    # torch.optim.Optimizer look-alikes, so LR schedules and checkpoints work unchanged.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _grad_shards_from_params(self) -> None:
+        """Standalone: cut this rank's shard out of each (already averaged) full parameter gradient."""
+        for f in self.flats:
+            shard = torch.zeros(f.shard_numel, dtype=f.param_dtype, device=f.local.device)
+            for slot, p in zip(f.layout.slots, f.params):
+                a, b = max(slot.offset, f.start), min(slot.offset + slot.numel, f.end)
+                if a < b and p.grad is not None:
+                    shard[a - f.start:b - f.start] = p.grad.reshape(-1)[a - slot.offset:b - slot.offset]
+            f.grad_shard = shard
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        grads = []
+        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        for f in self.flats:
+            for (_, a, b), mp in zip(f.segments, f.master_params):
+                if f.grad_shard is None:
+                    mp.grad = torch.zeros_like(mp)
+                else:
+                    g = f.grad_shard[a:b]
+                    mp.grad = g.float() if g.dtype != torch.float32 else g
+                if inv_scale != 1.0:
+                    mp.grad.mul_(inv_scale)
+                grads.append(mp.grad)
+        return grads
+
+    @torch.no_grad()
+    def step(self, max_norm: float | None = None) -> float | None:
+        """Step the shards; returns the global gradient norm when it was computed (clipping or fp16).
+
+        The norm is computed from the shards with one all-reduce of a scalar; a non-finite norm
+        means some rank overflowed, and every rank skips the step together.
+        """
+        if self.grads_from_params:
+            self._grad_shards_from_params()
+        grads = self._master_grads()
+        norm = None
+        if max_norm is not None or self.loss_scaler is not None:
+            sq = torch.zeros((), dtype=torch.float32, device=self.flats[0].local.device if self.flats else "cpu")
+            for g in grads:
+                sq += g.float().pow(2).sum()
+            if self.sharded:
+                self.comm.all_reduce(sq, tag="grad_norm")
+            norm = math.sqrt(sq.item()) if math.isfinite(sq.item()) else math.inf
+            found_inf = not math.isfinite(norm)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf)
+            if found_inf:
+                self.last_step_skipped = True
+                self.zero_grad()
+                return norm
+            if max_norm is not None:
+                coef = min(1.0, max_norm / (norm + 1e-6))
+                if coef < 1.0:
+                    for g in grads:
+                        g.mul_(coef)
+        self.last_step_skipped = False
+        self.optimizer.step()
+        works = []
+        for f in self.flats:
+            f.write_back()
+            if f.sharded and not f.reshard_enabled:
+                works.append(f.gather_params())
+        for w in works:
+            w.wait()
+        self.zero_grad()
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for f in self.flats:
+            f.grad_shard = None
+            for mp in f.master_params:
+                mp.grad = None
+            if self.grads_from_params:
+                for p in f.params:
+                    p.grad = None

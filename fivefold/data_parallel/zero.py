@@ -1,0 +1,235 @@
+"""`ZeroDataParallel`: one data-parallel engine for ZeRO stages 0, 1, 2 and 3 (FSDP).
+
+DESIGN.md / seed 001 table, Ψ parameters, N ranks, mixed-precision Adam (K = 12):
+
+| stage | what is sharded            | model states / rank | collectives per step                       |
+|-------|----------------------------|---------------------|--------------------------------------------|
+| 0     | nothing (DDP)              | 2Ψ + 2Ψ + 12Ψ       | all-reduce Ψ                               |
+| 1     | optimizer state            | 2Ψ + 2Ψ + 12Ψ/N     | reduce-scatter Ψ + all-gather Ψ            |
+| 2     | + gradients                | 2Ψ + 14Ψ/N          | reduce-scatter Ψ + all-gather Ψ            |
+| 3     | + parameters               | 16Ψ/N               | all-gather 2Ψ + reduce-scatter Ψ           |
+
+Where each stage differs (everything else is shared):
+
+- what a full gradient bucket does: `_launch_bucket` — all-reduce (0) or reduce-scatter (1-3),
+  in place into the rank's own slice for stage 1 (the full gradient buffer is kept anyway);
+- what is kept afterwards: `_finish_bucket` — **ZeRO-2/3 free the non-owned gradients here**
+  (`GradBucket.release` after the shard was accumulated), ZeRO-1 keeps the full buffer;
+- stage 3 frees each unit's parameters after its reduce-scatter is launched and gathers them
+  around each use (`fsdp.FSDPHooks`).
+
+Gradient accumulation: each backward outside `no_sync()` reduces its buckets and accumulates the
+result into the sharded gradient (memory stays at the stage's formula; communication is paid
+every micro-step). Inside `no_sync()` gradients accumulate unreduced in full-size buffers and
+are reduced once, by the first backward outside it (one reduction per step, but stage 2/3 then
+hold full gradients until it — the DDP trade-off). ZeRO-1 keeps full buffers regardless, so
+deferring costs it no memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from fivefold.comm import Comm
+from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, assign_buckets
+from fivefold.data_parallel.ddp import broadcast_module_state
+from fivefold.data_parallel.flat_param import FlatParam
+from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
+from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
+
+
+def default_no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    """Norm weights, biases (1-D) and embedding tables get no weight decay."""
+    if param.ndim < 2:
+        return True
+    return any(isinstance(m, nn.Embedding) and m.weight is param for m in module.modules())
+
+
+class ZeroDataParallel(nn.Module):
+    """Data parallelism with ZeRO stage 0-3 on flat padded buffers, owning its sharded optimizer.
+
+    Use: ``model = ZeroDataParallel(module, comm, zero_stage=2, lr=1e-3)``; per step
+    ``model.backward(loss)`` (scales for fp16) for each micro-batch, then
+    ``norm = model.step(max_norm)`` and nothing else (gradients are cleared by the step).
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
+                 mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
+                 optimizer_class: type = torch.optim.AdamW, weight_decay: float = 0.0,
+                 no_decay: Any = default_no_decay, find_unused: bool = False, units: UnitSpec = None,
+                 reshard_after_forward: bool = True, prefetch: int = 1,
+                 loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
+                 elementwise: bool | None = None, **optimizer_kwargs: Any) -> None:
+        super().__init__()
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
+        self.module = module
+        self.comm = comm
+        self.zero_stage = zero_stage
+        self.mp = mixed_precision or MixedPrecision()
+        if broadcast_init and comm.size > 1:
+            broadcast_module_state(module, comm)
+        with torch.no_grad():  # buffers (e.g. RoPE tables) compute in the parameter dtype too
+            for b in module.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(self.mp.param_dtype)
+        # Frozen parameters are not sharded: they stay replicated, cast to the compute dtype.
+        for p in module.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(self.mp.param_dtype)
+
+        def group_of(name: str, p: nn.Parameter) -> int:
+            return 1 if no_decay is not None and no_decay(name, p, module) else 0
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.fsdp: FSDPHooks | None = None
+        if zero_stage < 3:
+            groups = assign_buckets(named, bucket_mb * 2**20)
+            self.flats = [FlatParam(i, g, comm, group_of=group_of, param_dtype=self.mp.param_dtype,
+                                    sharded=zero_stage >= 1) for i, g in enumerate(groups)]
+        else:
+            self.flats, unit_modules = self._build_units(module, named, units, group_of)
+            self.fsdp = FSDPHooks(list(zip(unit_modules, self.flats)), reshard_after_forward=reshard_after_forward,
+                                  prefetch=prefetch)
+        keep_full_grads = zero_stage <= 1
+        self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
+                                   keep_buffer=keep_full_grads) for f in self.flats]
+        self.reducer = BucketedGradReducer(self.buckets, launch=self._launch_bucket, finish=self._finish_bucket,
+                                           find_unused=find_unused, on_backward_end=self._on_backward_end)
+        if loss_scaler is None and self.mp.needs_loss_scaling:
+            loss_scaler = DynamicLossScaler()
+        self.loss_scaler = loss_scaler
+        group_kwargs = [{"weight_decay": weight_decay}, {"weight_decay": 0.0}]
+        self.optimizer = ShardedOptimizer.for_flat_params(
+            self.flats, optimizer_class, group_kwargs, comm, loss_scaler=loss_scaler, elementwise=elementwise,
+            **optimizer_kwargs)
+        self._reduced_since_step = False
+
+    def _build_units(self, module: nn.Module, named: list[tuple[str, nn.Parameter]], spec: UnitSpec,
+                     group_of: Any) -> tuple[list[FlatParam], list[nn.Module]]:
+        owner: dict[int, str] = {}
+        by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        unit_mods = dict(find_unit_modules(module, spec))
+        for name, p in named:
+            # The innermost unit whose prefix owns the name (the root "" owns the rest).
+            unit = max((u for u in unit_mods if u == "" or name.startswith(u + ".")), key=len)
+            if id(p) in owner and owner[id(p)] != unit:
+                raise ValueError(f"parameter '{name}' is shared by units '{owner[id(p)]}' and '{unit}'; tied "
+                                 "parameters must live in one ZeRO-3 unit (put both users in the same unit)")
+            owner[id(p)] = unit
+            by_unit.setdefault(unit, []).append((name, p))
+        # Bucket order = reverse order of each unit's first parameter: roughly when backward finishes it.
+        first_index = {u: min(i for i, (n, _) in enumerate(named) if n in {x for x, _ in ps})
+                       for u, ps in by_unit.items()}
+        order = sorted(by_unit, key=lambda u: -first_index[u])
+        flats = [FlatParam(i, by_unit[u], self.comm, group_of=group_of, param_dtype=self.mp.param_dtype,
+                           sharded=True, reshard=True) for i, u in enumerate(order)]
+        return flats, [unit_mods[u] for u in order]
+
+    # -- the per-stage part ----------------------------------------------------------------
+    def _launch_bucket(self, bucket: GradBucket) -> Any:
+        flat = self.flats[bucket.index]
+        if self.zero_stage == 3:
+            flat.reshard()  # every gradient of this unit exists: its parameters are not needed any more
+        if self.comm.size == 1:
+            bucket.out = bucket.grad[flat.start:flat.end]
+            return None
+        bucket.grad.div_(self.comm.size)  # pre-divide: the sum of g_i / N is the mean
+        if self.zero_stage == 0:
+            bucket.out = bucket.grad
+            return self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
+        if self.zero_stage == 1:  # in place: the shard lands in this rank's own slice of the kept buffer
+            bucket.out = bucket.grad[flat.start:flat.end]
+        else:
+            bucket.out = torch.empty(flat.shard_numel, dtype=bucket.grad.dtype, device=bucket.grad.device)
+        return self.comm.reduce_scatter(bucket.out, bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
+
+    def _finish_bucket(self, bucket: GradBucket) -> None:
+        flat = self.flats[bucket.index]
+        if self.zero_stage == 0:
+            flat.grad_shard = bucket.out  # the all-reduced buffer itself: no copy
+        else:
+            flat.accumulate_grad(bucket.out)
+        bucket.out = None
+        self._reduced_since_step = True
+        # ZeRO-2/3: this is where non-owned gradients are freed — the reducer calls
+        # bucket.release() next, dropping the full-size buffer (keep_buffer=False).
+
+    def _on_backward_end(self) -> None:
+        if self.fsdp is not None:
+            self.fsdp.backward_done()
+
+    def _prepare_forward(self) -> None:
+        """ZeRO-1 accumulating without no_sync: the reduced shard sits inside the full buffer that
+        the next backward adds into, so move it out and clear the buffer first."""
+        if self.zero_stage == 1 and self._reduced_since_step and self.reducer.require_sync:
+            for flat, bucket in zip(self.flats, self.buckets):
+                if flat.grad_shard is not None and bucket.grad is not None:
+                    flat.grad_shard = flat.grad_shard.clone()
+                    bucket.grad.zero_()
+            self._reduced_since_step = False
+
+    # -- public ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._prepare_forward()
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), multiplied by the loss scale when fp16 needs one."""
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        loss.backward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unreduced full gradients; the next backward outside reduces them once."""
+        previous = self.reducer.require_sync
+        self.reducer.require_sync = False
+        try:
+            yield
+        finally:
+            self.reducer.require_sync = previous
+
+    def step(self, max_norm: float | None = None) -> float | None:
+        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients."""
+        norm = self.optimizer.step(max_norm)
+        self.zero_grad()
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad()
+        self.reducer.zero_grad()
+        self._reduced_since_step = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter under the wrapped module's own names and shapes, at master (fp32)
+        precision, gathered from the shards; frozen parameters and buffers included. Collective:
+        call on every rank."""
+        master_by_param: dict[int, torch.Tensor] = {}
+        for flat in self.flats:
+            gathered = flat.full_master()
+            for name, p in zip(flat.names, flat.params):
+                master_by_param[id(p)] = gathered[name]
+        # keep_vars: parameters come back as the Parameter objects, tied ones under every name.
+        return {name: master_by_param[id(t)] if id(t) in master_by_param else t.detach().clone()
+                for name, t in self.module.state_dict(keep_vars=True).items()}
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, for `fivefold.memory.model_state_bytes`."""
+        params = [f.full for f in self.flats] + [f.local for f in self.flats]
+        params += [p for p in self.module.parameters() if not p.requires_grad]
+        grads = [b.grad for b in self.buckets if b.grad is not None]
+        grads += [f.grad_shard for f in self.flats if f.grad_shard is not None]
+        optim = [f.master for f in self.flats]
+        optim += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"params": params, "grads": grads, "optimizer": optim}
