@@ -20,6 +20,7 @@ as the built-in path). Wire bytes are the ring formula 2(N-1)/N · payload for b
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import statistics
@@ -250,6 +251,13 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
     mean_losses = losses.clone()
     dist.all_reduce(mean_losses)
     mean_losses /= world
+    # Free the wrappers (their hooks, reducers and work handles) while the process group is alive:
+    # left to interpreter exit, their teardown after destroy_process_group can abort the process.
+    described = [(r.comm_source, r.notes) for r in runners]
+    del run
+    runners.clear()
+    gc.collect()
+    dist.barrier()
     if rank != 0:
         return None
 
@@ -270,9 +278,9 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
             payload_bytes=last.payload_bytes,
             wire_bytes=last.wire_bytes,
             comm_constant=all(asdict(b) == asdict(last) for b in step_comm),
-            comm_source=runners[i].comm_source,
+            comm_source=described[i][0],
             losses=mean_losses[i].tolist(),
-            notes=runners[i].notes,
+            notes=described[i][1],
         ))
     ref = impls[-1]
     return dict(

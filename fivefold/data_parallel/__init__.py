@@ -1,6 +1,14 @@
-"""Data parallelism: flat buckets (shared), DDP, and (next) ZeRO stages 1-3."""
+"""Data parallelism: flat buckets (shared by all), DDP, and the ZeRO 0-3 engine.
+
+`data_parallel(module, comm, zero_stage=...)` is the one entry point the trainer uses.
+"""
 
 from fivefold.data_parallel.buckets import BucketedGradReducer, FlatLayout, GradBucket, assign_buckets
 from fivefold.data_parallel.ddp import DDP, broadcast_module_state
+from fivefold.data_parallel.flat_param import FlatParam
+from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
+from fivefold.data_parallel.zero import ZeroDataParallel
 
-__all__ = ["DDP", "BucketedGradReducer", "FlatLayout", "GradBucket", "assign_buckets", "broadcast_module_state"]
+__all__ = ["DDP", "BucketedGradReducer", "DynamicLossScaler", "FlatLayout", "FlatParam", "GradBucket",
+           "MixedPrecision", "ShardedOptimizer", "ZeroDataParallel", "assign_buckets", "broadcast_module_state"]

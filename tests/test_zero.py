@@ -1,0 +1,346 @@
+"""ZeRO stages 0-3 against single-process AdamW; their memory and communication against the formulas.
+
+One spawn per world size runs every configuration (world 2 and 3 for correctness — 3 forces
+padding — and 2 and 4 for the memory formulas); the parent builds the single-process references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from dist_utils import build_toy, lm_loss, run_workers, toy_batch
+from torch import nn
+
+from fivefold.comm import Comm, CommLog
+from fivefold.data_parallel import DDP, MixedPrecision, ShardedOptimizer, ZeroDataParallel
+from fivefold.memory import model_state_bytes
+from fivefold.models import build_model, get_config
+
+STEPS = 5
+LR, WD, CLIP = 1e-2, 0.1, 0.5  # CLIP is below the toy model's gradient norm (≈1.4): clipping is active
+SMALL_BUCKET_MB = 64 * 4 / 2**20  # a few parameters per bucket
+
+
+def _tiny_llama() -> nn.Module:
+    return build_model(get_config("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=96,
+                                  max_seq_len=16, vocab_size=13), seed=0)
+
+
+MODELS = {"toy": build_toy, "llama": _tiny_llama}
+# Adam's first steps divide by |g| + eps, which amplifies a gradient difference δg by up to 1/eps:
+# the tiny Llama has gradient entries of ~1e-6 whose reduction-order difference is δg ≈ 2e-9
+# (sums in another order), which at eps = 1e-8 moves the update by lr·δg/|g| ≈ 1e-5. eps = 1e-4
+# bounds it by lr·δg/eps ≈ 2e-7, so fp32 parameters are held to atol 1e-6 while still running
+# AdamW. The toy model's gradients are all large: it keeps torch's default eps.
+EPS = {"toy": 1e-8, "llama": 1e-4}
+
+
+def _config(stage, *, accum=1, defer=False, model="toy", dtype="fp32", clip=CLIP, prefetch=1):
+    return dict(stage=stage, accum=accum, defer=defer, model=model, dtype=dtype, clip=clip, prefetch=prefetch)
+
+
+CONFIGS = [
+    *[_config(s) for s in range(4)],
+    *[_config(s, accum=2) for s in (1, 2, 3)],  # reduce-scatter every micro-step into the shard
+    *[_config(s, accum=2, defer=True) for s in (0, 1, 2, 3)],  # no_sync: one reduction per step
+    _config(3, model="llama"),  # default units: each TransformerBlock + the root
+    _config(3, model="llama", prefetch=0, clip=None),
+    _config(2, dtype="bf16"),
+    _config(3, dtype="bf16", model="llama"),
+]
+
+
+def _engine(cfg, comm):
+    mp = MixedPrecision.from_names(cfg["dtype"], cfg["dtype"] if cfg["dtype"] != "fp32" else None)
+    units = [nn.Linear] if cfg["model"] == "toy" else None
+    return ZeroDataParallel(MODELS[cfg["model"]](), comm, zero_stage=cfg["stage"], mixed_precision=mp,
+                            bucket_mb=SMALL_BUCKET_MB, units=units, prefetch=cfg["prefetch"], lr=LR, weight_decay=WD,
+                            eps=EPS[cfg["model"]])
+
+
+def _train(cfg) -> dict:
+    comm = Comm(None, "dp", CommLog())
+    model = _engine(cfg, comm)
+    rank, world, accum = comm.rank, comm.size, cfg["accum"]
+    losses, history, records = [], [], []
+    for step in range(STEPS):
+        x, y = toy_batch(step)
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        comm.log.reset()
+        total = 0.0
+        for micro, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
+            defer = cfg["defer"] and micro < accum - 1
+            with model.no_sync() if defer else contextlib.nullcontext():
+                loss = lm_loss(model(xm).float(), ym) / accum
+                model.backward(loss)
+            total += loss.item()
+        model.step(cfg["clip"])
+        records.append(list(comm.log.records))
+        losses.append(total)
+        history.append({k: v.clone() for k, v in model.full_state_dict().items()})
+    return dict(losses=losses, history=history, records=records,
+                flats=[(f.layout.numel, f.layout.padded_numel) for f in model.flats])
+
+
+def _reference(cfg) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    model = MODELS[cfg["model"]]()
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2
+             and not any(isinstance(m, nn.Embedding) and m.weight is p for m in model.modules())]
+    no_decay = [p for p in model.parameters() if p.requires_grad and all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR,
+                            eps=EPS[cfg["model"]])
+    losses, history = [], []
+    for step in range(STEPS):
+        x, y = toy_batch(step)
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(x.chunk(cfg["accum"]), y.chunk(cfg["accum"])):
+            loss = lm_loss(model(xm), ym) / cfg["accum"]
+            loss.backward()
+            total += loss.item()
+        if cfg["clip"] is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg["clip"])
+        opt.step()
+        losses.append(total)
+        history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return losses, history
+
+
+# ---------------------------------------------------------------------------------------------
+def _zero2_holds_only_its_shard() -> dict:
+    comm = Comm(None, "dp", CommLog())
+    model = _engine(_config(2), comm)
+    x, y = toy_batch(0)
+    model.backward(lm_loss(model(x.chunk(comm.size)[comm.rank]), y.chunk(comm.size)[comm.rank]))
+    return dict(bucket_buffers=[b.grad is None for b in model.buckets],
+                param_grads=[p.grad is None for p in model.module.parameters()],
+                shard_sizes=[(f.grad_shard.numel(), f.shard_numel) for f in model.flats])
+
+
+def _zero3_materialised_units() -> dict:
+    comm = Comm(None, "dp", CommLog())
+    out = {}
+    for prefetch in (0, 1):
+        model = _engine(_config(3, model="llama", prefetch=prefetch), comm)
+        for step in range(2):  # the second step prefetches along the recorded order
+            model.fsdp.trace = []
+            x, y = toy_batch(step)
+            model.backward(lm_loss(model(x), y))
+            model.step()
+        out[prefetch] = dict(trace=model.fsdp.trace, n_units=len(model.flats),
+                             after=sum(f.is_unsharded for f in model.flats))
+    return out
+
+
+def _memory(world_label) -> dict:
+    """Model-state bytes after backward of step 2 (optimizer state exists, gradients present)."""
+    comm = Comm(None, "dp", CommLog())
+    out = {}
+    for stage in range(4):
+        for dtype in ("fp32", "bf16"):
+            model = _engine(_config(stage, dtype=dtype), comm)
+            x, y = toy_batch(0)
+            for step in range(2):
+                model.backward(lm_loss(model(x.chunk(comm.size)[comm.rank]).float(), y.chunk(comm.size)[comm.rank]))
+                if step == 1:
+                    measured = model_state_bytes(model)
+                model.step()
+            out[(stage, dtype)] = dict(measured=measured, flats=[f.layout.numel for f in model.flats],
+                                       n_master=sum(len(f.master_params) for f in model.flats))
+    return out
+
+
+def _sharded_optimizer() -> dict:
+    comm = Comm(None, "dp", CommLog())
+    model = DDP(build_toy(), comm, bucket_mb=SMALL_BUCKET_MB)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = ShardedOptimizer(params, torch.optim.AdamW, comm, lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        x, y = toy_batch(step)
+        lm_loss(model(x.chunk(comm.size)[comm.rank]), y.chunk(comm.size)[comm.rank]).backward()
+        opt.step()
+        model.zero_grad()
+    state_sizes = [(s["exp_avg"].numel(), s["exp_avg_sq"].numel()) for s in opt.state.values()]
+    error = None
+    try:
+        ShardedOptimizer([nn.Parameter(torch.zeros(3))], torch.optim.LBFGS, comm)
+    except ValueError as e:
+        error = str(e)
+    return dict(params={n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()},
+                state_sizes=state_sizes, shard=sum(f.shard_numel for f in opt.flats),
+                shard_without_padding=sum(max(0, min(f.end, f.layout.numel) - f.start) for f in opt.flats), error=error)
+
+
+def _fp16_loss_scaling() -> dict:
+    from fivefold.data_parallel import DynamicLossScaler
+
+    comm = Comm(None, "dp", CommLog())
+    model = ZeroDataParallel(build_toy(), comm, zero_stage=2, mixed_precision=MixedPrecision(torch.float16),
+                             loss_scaler=DynamicLossScaler(init_scale=2.0**10), lr=LR)
+    scales, changed = [], []
+    for step in range(3):
+        x, y = toy_batch(step)
+        before = {k: v.clone() for k, v in model.full_state_dict().items()}
+        model.backward(lm_loss(model(x.chunk(comm.size)[comm.rank]).float(), y.chunk(comm.size)[comm.rank]))
+        if step == 1 and comm.rank == comm.size - 1:  # overflow on one rank only
+            model.flats[0].grad_shard[0] = float("inf")
+        model.step(1.0)
+        after = model.full_state_dict()
+        scales.append(model.loss_scaler.scale)
+        changed.append(any(not torch.equal(before[k], after[k]) for k in before))
+    return dict(scales=scales, changed=changed, skipped=model.loss_scaler.skipped_steps)
+
+
+def _correctness_worker() -> dict:
+    return dict(runs=[_train(cfg) for cfg in CONFIGS], zero2=_zero2_holds_only_its_shard(),
+                zero3=_zero3_materialised_units(), sharded=_sharded_optimizer(), fp16=_fp16_loss_scaling())
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
+def zero_results(request):
+    return request.param, run_workers(_correctness_worker, request.param)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def memory_results(request):
+    return request.param, run_workers(_memory, request.param, "mem")
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("i", range(len(CONFIGS)),
+                         ids=[f"z{c['stage']}-{c['model']}-{c['dtype']}-acc{c['accum']}{'-defer' if c['defer'] else ''}"
+                              f"{'-nopf' if not c['prefetch'] else ''}" for c in CONFIGS])
+def test_zero_matches_single_process(zero_results, i):
+    cfg = CONFIGS[i]
+    _, results = zero_results
+    ref_losses, ref_hist = _reference(cfg)
+    # fp32: reduction order differs only; bf16 compute: 8-bit mantissa (rel. 2^-8 ≈ 0.4%) per op, and
+    # five AdamW steps of lr 1e-2 move weights by ~5e-2, so parameters agree to ~1e-2 absolute.
+    rtol, atol, ltol = (1e-5, 1e-6, 1e-5) if cfg["dtype"] == "fp32" else (0, 2e-2, 2e-2)
+    runs = [res["runs"][i] for res in results]
+    for rank, res in enumerate(runs):
+        assert len(res["losses"]) == STEPS
+        for step, (got, want) in enumerate(zip(res["history"], ref_hist)):
+            assert got.keys() == want.keys()
+            for name in want:
+                torch.testing.assert_close(got[name].float(), want[name].float(), rtol=rtol, atol=atol,
+                                           msg=f"rank {rank} step {step} {name}")
+    # Loss: the mean over ranks of each rank's local mean is the global-batch loss.
+    mean_losses = [sum(r["losses"][s] for r in runs) / len(runs) for s in range(STEPS)]
+    assert mean_losses == pytest.approx(ref_losses, rel=ltol)
+
+
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CONFIGS) if c["dtype"] == "fp32"])
+def test_zero_comm_per_step_matches_formula(zero_results, i):
+    cfg = CONFIGS[i]
+    world, results = zero_results
+    elt = 4
+    for res in (r["runs"][i] for r in results):
+        n_flats = len(res["flats"])
+        psi = sum(n for n, _ in res["flats"])
+        psi_padded = sum(p for _, p in res["flats"])
+        assert all(p % (world if cfg["stage"] else 1) == 0 for _, p in res["flats"])
+        reductions = 1 if cfg["defer"] else cfg["accum"]
+        for records in res["records"]:
+            grads = [r for r in records if r.tag != "grad_norm"]
+            by_op = {op: [r for r in grads if r.op == op] for op in ("all_reduce", "reduce_scatter", "all_gather")}
+            if cfg["stage"] == 0:
+                assert len(by_op["all_reduce"]) == n_flats * reductions
+                assert sum(r.numel for r in by_op["all_reduce"]) == psi * reductions
+                assert sum(r.wire_bytes for r in by_op["all_reduce"]) == pytest.approx(
+                    2 * (world - 1) / world * psi * elt * reductions)
+                assert not by_op["reduce_scatter"] and not by_op["all_gather"]
+            else:
+                assert not by_op["all_reduce"]
+                rs, ag = by_op["reduce_scatter"], by_op["all_gather"]
+                assert len(rs) == n_flats * reductions and sum(r.numel for r in rs) == psi_padded * reductions
+                assert sum(r.wire_bytes for r in rs) == pytest.approx((world - 1) / world * psi_padded * elt * reductions)
+                gathers = 1 if cfg["stage"] < 3 else 2 * cfg["accum"]  # ZeRO-3: forward + backward per micro-step
+                assert len(ag) == n_flats * gathers and sum(r.numel for r in ag) == psi_padded * gathers
+                assert sum(r.wire_bytes for r in ag) == pytest.approx((world - 1) / world * psi_padded * elt * gathers)
+            norm_calls = [r for r in records if r.tag == "grad_norm"]
+            expected_norm_calls = 1 if cfg["clip"] is not None and cfg["stage"] > 0 else 0
+            assert len(norm_calls) == expected_norm_calls and all(r.numel == 1 for r in norm_calls)
+
+
+def test_zero2_keeps_only_the_owned_gradient_shard(zero_results):
+    _, results = zero_results
+    for res in results:
+        z = res["zero2"]
+        assert all(z["bucket_buffers"]) and all(z["param_grads"])
+        assert all(have == want for have, want in z["shard_sizes"])
+
+
+def test_zero3_only_current_and_prefetched_units_are_materialised(zero_results):
+    _, results = zero_results
+    for res in results:
+        for prefetch, z in res["zero3"].items():
+            forward = [n for event, unit, n in z["trace"] if event == "forward"]
+            assert len(forward) == z["n_units"]
+            # The root unit (embedding, final norm, head) wraps the whole forward, so it stays
+            # gathered throughout; besides it only the current block and `prefetch` next ones.
+            assert max(forward) <= 1 + 1 + prefetch
+            if prefetch:
+                assert max(forward) == 3  # the prefetch really happened
+            backward = [n for event, unit, n in z["trace"] if event == "backward"]
+            assert len(backward) == z["n_units"] and max(backward) <= 1 + 1 + prefetch
+            assert z["after"] == 0  # nothing stays gathered after the step
+
+
+def test_sharded_optimizer_state_lives_on_the_owner_only(zero_results):
+    world, results = zero_results
+    ref = build_toy()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        x, y = toy_batch(step)
+        lm_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    total = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    for res in results:
+        s = res["sharded"]
+        # Adam's m and v cover exactly this rank's shard (its padding excluded), nothing more.
+        assert sum(a for a, _ in s["state_sizes"]) == sum(b for _, b in s["state_sizes"]) == s["shard_without_padding"]
+        assert s["shard"] == math.ceil(total / world)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(s["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
+        assert "LBFGS is not known to be elementwise" in s["error"]
+
+
+def test_fp16_overflow_skips_the_step_everywhere_and_halves_the_scale(zero_results):
+    _, results = zero_results
+    for res in results:
+        f = res["fp16"]
+        assert f["scales"] == [2.0**10, 2.0**9, 2.0**9]
+        assert f["changed"] == [True, False, True]
+        assert f["skipped"] == 1
+
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_model_state_bytes_match_formula(memory_results, stage, dtype):
+    n, results = memory_results
+    p_bytes = 4 if dtype == "fp32" else 2  # parameters and gradients (reduce dtype = compute dtype)
+    frozen = 6 * 6 + 6  # the toy model's frozen layer stays replicated in the compute dtype
+    for rank, res in enumerate(results):
+        r = res[(stage, dtype)]
+        shards = n if stage else 1
+        padded = [math.ceil(k / shards) * shards for k in r["flats"]]  # each flat padded to a multiple of N
+        psi_padded = sum(padded)
+        # Adam's m and v cover the real elements of this rank's shard, not its padding.
+        shard_rank = rank if stage else 0
+        owned = sum(min(max(k - shard_rank * (p // shards), 0), p // shards) for k, p in zip(r["flats"], padded))
+        master = 0 if dtype == "fp32" else 4  # a separate fp32 master shard only when params are 16-bit
+        params = psi_padded * p_bytes / (n if stage == 3 else 1)
+        grads = psi_padded * p_bytes / (n if stage >= 2 else 1)
+        optim = psi_padded * master / shards + 8 * owned + 4 * r["n_master"]  # + a 4-byte `step` per tensor
+        m = r["measured"]
+        assert (m.params, m.grads, m.optimizer) == (params + frozen * p_bytes, grads, optim)
+        if dtype == "bf16":  # the DESIGN.md table (K = 12) with Ψ = padded count, up to unowned padding
+            formula = {0: 16 * psi_padded, 1: 4 * psi_padded + 12 * psi_padded / n,
+                       2: 2 * psi_padded + 14 * psi_padded / n, 3: 16 * psi_padded / n}[stage]
+            padding_state = 8 * (psi_padded / shards - owned)
+            assert m.total - frozen * 2 - 4 * r["n_master"] == formula - padding_state
