@@ -257,7 +257,8 @@ def test_zero_comm_per_step_matches_formula(zero_results, i):
                 assert not by_op["all_reduce"]
                 rs, ag = by_op["reduce_scatter"], by_op["all_gather"]
                 assert len(rs) == n_flats * reductions and sum(r.numel for r in rs) == psi_padded * reductions
-                assert sum(r.wire_bytes for r in rs) == pytest.approx((world - 1) / world * psi_padded * elt * reductions)
+                ring = (world - 1) / world
+                assert sum(r.wire_bytes for r in rs) == pytest.approx(ring * psi_padded * elt * reductions)
                 gathers = 1 if cfg["stage"] < 3 else 2 * cfg["accum"]  # ZeRO-3: forward + backward per micro-step
                 assert len(ag) == n_flats * gathers and sum(r.numel for r in ag) == psi_padded * gathers
                 assert sum(r.wire_bytes for r in ag) == pytest.approx((world - 1) / world * psi_padded * elt * gathers)
