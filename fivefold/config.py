@@ -39,6 +39,7 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    zero: int = 0  # ZeRO stage over dp: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
 
 
 @dataclass
@@ -71,8 +72,20 @@ class DataSection:
 
 @dataclass
 class DDPSection:
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # gradient bucket size (ZeRO-3 reduces per unit instead)
     find_unused: bool = False
+    # Gradient accumulation: false = reduce every micro-step into the (sharded) gradient, memory as
+    # the stage's formula; true = accumulate full unreduced gradients and reduce once per step
+    # (less communication; ZeRO-2/3 then hold full gradients until the last micro-step).
+    defer_reduce: bool = False
+    reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
+    prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
+
+
+@dataclass
+class PrecisionSection:
+    param: str = "fp32"  # parameter / compute dtype: fp32 | bf16 | fp16 (fp32 master weights in the optimizer)
+    reduce: str = "fp32"  # gradient buckets and collectives: fp32 | bf16 | fp16
 
 
 @dataclass
@@ -93,6 +106,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     ddp: DDPSection = field(default_factory=DDPSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
     run: RunSection = field(default_factory=RunSection)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,8 +114,8 @@ class Config:
 
 
 # Short flags for the most common keys.
-ALIASES = {"nproc": "run.nproc", "data": "data.path", "name": "run.name", "steps": "train.steps",
-           "preset": "model.preset", "device": "run.device"}
+ALIASES = {"zero": "parallel.zero", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
+           "steps": "train.steps", "preset": "model.preset", "device": "run.device"}
 
 
 class ConfigError(ValueError):

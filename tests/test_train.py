@@ -16,7 +16,7 @@ from fivefold.train.trainer import lr_at, run
 def test_trainer_end_to_end_two_workers(tmp_path):
     cfg = load_config(None, ["--preset", "tiny", "--steps", "20", "--nproc", "2", "--run.out_dir", str(tmp_path),
                              "--run.name", "e2e", "--run.progress", "false", "--train.eval_every", "10",
-                             "--train.seq_len", "64", "--train.lr", "3e-3", "--run.log_every", "1"])
+                             "--train.seq_len", "64", "--train.lr", "3e-3"])
     result = run(cfg)
     assert result.final_loss < result.first_loss - 1.0, result
     assert 5.0 < result.first_loss < 6.0  # ≈ ln(256) for a fresh byte-level model
@@ -30,6 +30,23 @@ def test_trainer_end_to_end_two_workers(tmp_path):
     assert all(r["comm_payload_bytes"] == 4 * psi for r in train)
     assert all(r["comm_wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi) for r in train)
     assert (tmp_path / "e2e" / "loss.png").stat().st_size > 1000
+
+
+def test_trainer_zero3_with_accumulation(tmp_path):
+    cfg = load_config(None, ["--preset", "tiny", "--steps", "10", "--zero", "3", "--run.out_dir", str(tmp_path),
+                             "--run.name", "z3", "--run.progress", "false", "--train.eval_every", "10",
+                             "--train.seq_len", "64", "--train.lr", "3e-3", "--train.grad_accum", "2",
+                             "--train.micro_batch", "4", "--run.plot", "false"])
+    result = run(cfg)
+    assert result.final_loss < result.first_loss - 0.5, result
+    records = [json.loads(line) for line in (tmp_path / "z3" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    # Per step with 2 micro-steps: (2 all-gathers + 1 reduce-scatter) × Ψ per micro-step, plus the
+    # 4-byte clipping norm; Ψ is padded to a multiple of 2 per unit (every tiny unit is already even).
+    psi = records[0]["params"]
+    assert all(r["comm_payload_bytes"] == 2 * 3 * 4 * psi + 4 for r in train)
+    # ZeRO-3 model state with fp32 AdamW: 16Ψ/N bytes (plus a few bytes of Adam step counters).
+    assert train[-1]["model_state_mb"] * 2**20 == pytest.approx(16 * psi / 2, rel=1e-3)
 
 
 def test_trainer_rejects_bad_layout_before_spawning():

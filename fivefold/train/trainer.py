@@ -16,7 +16,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 from fivefold.comm import CommLog
 from fivefold.config import Config, resolve_batch
-from fivefold.data_parallel import DDP
+from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelDims, ParallelMesh, default_device, init_distributed, is_torchrun_env, launch_local
 from fivefold.models import build_model, count_params, get_config
@@ -43,18 +42,6 @@ def lr_at(step: int, cfg: Config) -> float:
     return min_lr + 0.5 * (t.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: no weight decay for norms, biases and embeddings (1-D or embedding weights)."""
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (no_decay if p.ndim < 2 or id(p) in embedding_weights else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 @dataclass
 class TrainResult:
     steps: int
@@ -65,6 +52,13 @@ class TrainResult:
     tokens_per_s: float
     run_dir: str | None
     model_state_mb: float
+
+
+def _dims(cfg: Config) -> ParallelDims:
+    p = cfg.parallel
+    if p.zero not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero={p.zero}: choose a ZeRO stage 0 (DDP), 1, 2 or 3 (FSDP)")
+    return ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -98,7 +92,7 @@ def train(cfg: Config) -> TrainResult:
     """Train on this rank (torch.distributed already initialised); returns a summary."""
     device = _resolve_device(cfg.run.device)
     log = CommLog(enabled=True)
-    mesh = ParallelMesh(ParallelDims(**dataclasses.asdict(cfg.parallel)), device, log)
+    mesh = ParallelMesh(_dims(cfg), device, log)
     _check_supported(mesh.dims)
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
     t = cfg.train
@@ -119,8 +113,13 @@ def train(cfg: Config) -> TrainResult:
                                max_seq_len=t.seq_len)
     model = build_model(model_cfg, seed=t.seed, device=device)
     n_params = count_params(model)
-    ddp = DDP(model, mesh.comm("dp"), bucket_mb=cfg.ddp.bucket_mb, find_unused=cfg.ddp.find_unused)
-    optimizer = torch.optim.AdamW(decay_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+    # One engine for every stage: ZeRO-0 is DDP; AdamW (no decay on norms and embeddings) on the shards.
+    engine = ZeroDataParallel(
+        model, mesh.comm("dp"), zero_stage=cfg.parallel.zero,
+        mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
+        bucket_mb=cfg.ddp.bucket_mb, find_unused=cfg.ddp.find_unused,
+        reshard_after_forward=cfg.ddp.reshard_after_forward, prefetch=cfg.ddp.prefetch,
+        optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name if is_main else None
     writer = MetricsWriter(run_dir)
@@ -128,7 +127,9 @@ def train(cfg: Config) -> TrainResult:
         writer.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
                       "params": n_params, "world": dist.get_world_size(), "dp": dp})
     progress = Progress(t.steps, enabled=is_main and cfg.run.progress, desc=cfg.run.name)
-    progress.write(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, dp={dp}, "
+    progress.write(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, "
+                   f"dp={dp} ZeRO-{cfg.parallel.zero} "
+                   f"({cfg.precision.param} params, {cfg.precision.reduce} reduce), "
                    f"global batch {global_batch} × {t.seq_len} tokens (micro {micro_batch} × accum {grad_accum}), "
                    f"{data}")
 
@@ -140,21 +141,20 @@ def train(cfg: Config) -> TrainResult:
     for step in range(t.steps):
         t0 = time.perf_counter()
         log.reset()
-        for group in optimizer.param_groups:
+        for group in engine.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
             x, y = data.micro_batch(step, global_batch, micro, grad_accum, dp_rank, dp)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == grad_accum - 1
-            with ddp.no_sync() if not last else contextlib.nullcontext():
-                loss = F.cross_entropy(ddp(x).flatten(0, 1).float(), y.flatten()) / grad_accum
-                loss.backward()
+            defer = cfg.ddp.defer_reduce and micro < grad_accum - 1
+            with engine.no_sync() if defer else contextlib.nullcontext():
+                loss = F.cross_entropy(engine(x).flatten(0, 1).float(), y.flatten()) / grad_accum
+                engine.backward(loss)
             loss_sum += loss.detach()
-        # After DDP's all-reduce the gradients are identical on every rank: the local norm is global.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        optimizer.step()
-        ddp.zero_grad()
+        if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
+            state_mb = model_state_bytes(engine).total / 2**20
+        grad_norm = engine.step(t.grad_clip if t.grad_clip > 0 else None)
         grad_bytes_comm = log.totals(dim="dp")
         mesh.comm("dp").all_reduce(loss_sum, tag="metrics")
         step_loss = loss_sum.item() / dp
@@ -162,16 +162,15 @@ def train(cfg: Config) -> TrainResult:
         step_times.append(dt)
         if step == 0:
             first_loss = step_loss
-            state_mb = model_state_bytes(model, optimizer).total / 2**20
         final_loss = step_loss
         if is_main and (step % cfg.run.log_every == 0 or step == t.steps - 1):
             writer.write({"kind": "train", "step": step, "loss": step_loss, "lr": lr_at(step, cfg),
-                          "grad_norm": float(grad_norm), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                          "grad_norm": grad_norm, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                           "model_state_mb": state_mb, "comm_calls": grad_bytes_comm.calls,
                           "comm_payload_bytes": grad_bytes_comm.payload_bytes,
                           "comm_wire_bytes": grad_bytes_comm.wire_bytes})
         if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
-            val_loss = evaluate(ddp, data, cfg, mesh, device)
+            val_loss = evaluate(engine, data, cfg, mesh, device)
             if is_main:
                 writer.write({"kind": "val", "step": step, "val_loss": val_loss})
                 progress.write(f"step {step + 1}: val loss {val_loss:.3f}")
@@ -207,7 +206,7 @@ def run(cfg: Config) -> TrainResult:
                          f"accelerators")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     # Validate what can be checked before spawning, so errors are immediate and in this process.
-    dims = ParallelDims(**dataclasses.asdict(cfg.parallel)).resolve(cfg.run.nproc)
+    dims = _dims(cfg).resolve(cfg.run.nproc)
     resolve_batch(cfg.train.global_batch, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp)
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
     return launch_local(train, cfg.run.nproc, cfg, threads=threads, timeout_s=1800.0)[0]
