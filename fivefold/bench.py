@@ -57,9 +57,9 @@ class BenchSpec:
 
     preset: str = "small"
     world: int = 2
-    steps: int = 30  # timed steps per contestant
+    steps: int = 48  # timed steps per contestant
     warmup: int = 3  # untimed steps per contestant before the first timed block
-    repeats: int = 6  # the timed steps are split into this many blocks per contestant
+    repeats: int = 8  # the timed steps are split into this many blocks per contestant
     micro_batch: int = 4  # sequences per rank per step
     seq_len: int = 128
     bucket_mb: float = 25.0
@@ -206,7 +206,8 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
     rank, world = dist.get_rank(), dist.get_world_size()
     config = get_config(spec.preset)
     if spec.seq_len > config.max_seq_len:
-        raise ValueError(f"seq_len={spec.seq_len} exceeds preset {spec.preset!r} max_seq_len={config.max_seq_len}")
+        raise ValueError(f"seq_len={spec.seq_len} exceeds preset {spec.preset!r} "
+                         f"max_seq_len={config.max_seq_len}")
     total = spec.warmup + spec.steps
     data = TokenDataset(load_tokens(None), spec.seq_len, seed=spec.seed)
     batches = [data.micro_batch(s, spec.micro_batch * world, 0, 1, rank, world) for s in range(total)]
@@ -305,8 +306,8 @@ def run_contest(spec: BenchSpec, contestants: Sequence[Contestant], timeout_s: f
     return results[0]
 
 
-def bench_ddp(preset: str = "small", world: int = 2, steps: int = 30, warmup: int = 3,
-              micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 6,
+def bench_ddp(preset: str = "small", world: int = 2, steps: int = 48, warmup: int = 3,
+              micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 8,
               threads: int = 1, lr: float = 1e-3, seed: int = 0) -> dict:
     """fivefold `DDP` vs torch `DistributedDataParallel`: same model, data and AdamW; see module doc.
 
@@ -334,7 +335,8 @@ def format_table(results: dict) -> str:
     rows = [("impl", "median step ms", "p25–p75 ms", "tokens/s", "all-reduce calls",
              "payload MiB/step", "wire MiB/step", "bytes")]
     for r in results["impls"]:
-        rows.append((r["name"], f"{r['median_s'] * 1e3:.1f}", f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}",
+        spread = f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}"
+        rows.append((r["name"], f"{r['median_s'] * 1e3:.1f}", spread,
                      f"{r['tokens_per_s']:,.0f}", str(r["comm_calls"]), _mb(r["payload_bytes"]),
                      _mb(r["wire_bytes"]), r["comm_source"] + ("" if r["comm_constant"] else ", varies")))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]

@@ -11,6 +11,7 @@ Also owns process start-up: `init_distributed` for torchrun-style environments a
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import os
 import tempfile
@@ -141,7 +142,11 @@ def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int,
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        del result
     finally:
+        # Wrappers sit in reference cycles (param -> grad hook -> reducer -> param); free them while
+        # the process group still exists, or their destructors may abort the process at exit.
+        gc.collect()
         dist.destroy_process_group()
 
 
