@@ -40,6 +40,7 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     zero: int = 0  # ZeRO stage over dp: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
+    sp: bool = False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
 
 
 @dataclass

@@ -71,11 +71,15 @@ class ShardedOptimizer:
     @classmethod
     def for_flat_params(cls, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]],
                         comm: Comm, *, loss_scaler: DynamicLossScaler | None = None, elementwise: bool | None = None,
-                        **defaults: Any) -> ShardedOptimizer:
-        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter."""
+                        tp_comm: Comm | None = None, **defaults: Any) -> ShardedOptimizer:
+        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter.
+
+        With `tp_comm`, groups marked ``tp_replicated=False`` hold tensor-parallel slices: their
+        squared norm is summed over the TP group too (one more scalar all-reduce)."""
         self = cls.__new__(cls)
         self._setup(flats, optimizer_class, group_kwargs, comm, elementwise=elementwise, grads_from_params=False,
                     defaults=defaults, loss_scaler=loss_scaler)
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         return self
 
     def _setup(self, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]], comm: Comm,
@@ -92,10 +96,12 @@ class ShardedOptimizer:
             members = [mp for f in flats for (gid, _, _), mp in zip(f.segments, f.master_params) if gid == g]
             if members:
                 inner_groups.append({"params": members, **kwargs})
+        self._is_tp_slice = {id(p): not g.get("tp_replicated", True) for g in inner_groups for p in g["params"]}
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             inner_groups = [{"params": [nn.Parameter(torch.zeros(0))], **(group_kwargs[0] if group_kwargs else {})}]
         self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
         self.last_step_skipped = False
+        self.tp_comm: Comm | None = None
 
     # torch.optim.Optimizer look-alikes, so LR schedules and checkpoints work unchanged.
     @property
@@ -122,7 +128,8 @@ class ShardedOptimizer:
                     shard[a - f.start:b - f.start] = p.grad.reshape(-1)[a - slot.offset:b - slot.offset]
             f.grad_shard = shard
 
-    def _master_grads(self) -> list[torch.Tensor]:
+    def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
+        """(fp32 gradient of each master segment, whether it is a tensor-parallel slice)."""
         grads = []
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for f in self.flats:
@@ -134,7 +141,7 @@ class ShardedOptimizer:
                     mp.grad = g.float() if g.dtype != torch.float32 else g
                 if inv_scale != 1.0:
                     mp.grad.mul_(inv_scale)
-                grads.append(mp.grad)
+                grads.append((mp.grad, self._is_tp_slice[id(mp)]))
         return grads
 
     @torch.no_grad()
@@ -146,12 +153,17 @@ class ShardedOptimizer:
         """
         if self.grads_from_params:
             self._grad_shards_from_params()
-        grads = self._master_grads()
+        grads_and_kind = self._master_grads()
+        grads = [g for g, _ in grads_and_kind]
         norm = None
         if max_norm is not None or self.loss_scaler is not None:
-            sq = torch.zeros((), dtype=torch.float32, device=self.flats[0].local.device if self.flats else "cpu")
-            for g in grads:
-                sq += g.float().pow(2).sum()
+            device = self.flats[0].local.device if self.flats else "cpu"
+            sq, sq_tp = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+            for g, tp_slice in grads_and_kind:
+                (sq_tp if tp_slice and self.tp_comm is not None else sq).add_(g.float().pow(2).sum())
+            if self.tp_comm is not None:
+                self.tp_comm.all_reduce(sq_tp, tag="grad_norm")
+            sq += sq_tp
             if self.sharded:
                 self.comm.all_reduce(sq, tag="grad_norm")
             norm = math.sqrt(sq.item()) if math.isfinite(sq.item()) else math.inf

@@ -65,7 +65,8 @@ class ZeroDataParallel(nn.Module):
                  no_decay: Any = default_no_decay, find_unused: bool = False, units: UnitSpec = None,
                  reshard_after_forward: bool = True, prefetch: int = 1,
                  loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
-                 elementwise: bool | None = None, **optimizer_kwargs: Any) -> None:
+                 elementwise: bool | None = None, tp_comm: Comm | None = None, tp_sharded: Any = None,
+                 **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
@@ -84,8 +85,13 @@ class ZeroDataParallel(nn.Module):
             if not p.requires_grad:
                 p.data = p.data.to(self.mp.param_dtype)
 
+        # Optimizer groups: (decay or not) × (TP-sharded slice or TP-replicated). The second split
+        # exists only for the global gradient norm: sharded slices sum over the TP group, replicated
+        # parameters (norms) count once.
         def group_of(name: str, p: nn.Parameter) -> int:
-            return 1 if no_decay is not None and no_decay(name, p, module) else 0
+            skip_decay = no_decay is not None and no_decay(name, p, module)
+            replicated = tp_comm is not None and tp_comm.size > 1 and not tp_sharded(name, p)
+            return 2 * int(skip_decay) + int(replicated)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.fsdp: FSDPHooks | None = None
@@ -105,10 +111,11 @@ class ZeroDataParallel(nn.Module):
         if loss_scaler is None and self.mp.needs_loss_scaling:
             loss_scaler = DynamicLossScaler()
         self.loss_scaler = loss_scaler
-        group_kwargs = [{"weight_decay": weight_decay}, {"weight_decay": 0.0}]
+        group_kwargs = [{"weight_decay": wd, "tp_replicated": rep}
+                        for wd in (weight_decay, 0.0) for rep in (False, True)]
         self.optimizer = ShardedOptimizer.for_flat_params(
             self.flats, optimizer_class, group_kwargs, comm, loss_scaler=loss_scaler, elementwise=elementwise,
-            **optimizer_kwargs)
+            tp_comm=tp_comm, **optimizer_kwargs)
         self._reduced_since_step = False
 
     def _build_units(self, module: nn.Module, named: list[tuple[str, nn.Parameter]], spec: UnitSpec,

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,13 @@ from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelDims, ParallelMesh, default_device, init_distributed, is_torchrun_env, launch_local
 from fivefold.models import build_model, count_params, get_config
+from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, tp_loss
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import MetricsWriter, Progress, plot_loss
+
+
+def lm_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -65,17 +71,19 @@ def _resolve_device(name: str) -> torch.device:
     return default_device() if name == "auto" else torch.device(name)
 
 
-def _check_supported(dims: ParallelDims) -> None:
-    for dim in ("tp", "pp", "cp"):
+def _check_supported(cfg: Config, dims: ParallelDims) -> None:
+    for dim in ("pp", "cp"):
         if getattr(dims, dim) != 1:
             raise NotImplementedError(
-                f"parallel.{dim}={getattr(dims, dim)}: the trainer supports data parallelism only so far; "
-                f"set parallel.{dim}=1")
+                f"parallel.{dim}={getattr(dims, dim)}: the trainer supports dp × tp so far; set parallel.{dim}=1")
+    if cfg.parallel.sp and cfg.train.seq_len % dims.tp:
+        raise ValueError(f"sequence parallel splits the sequence over tp: train.seq_len={cfg.train.seq_len} is not "
+                         f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: TokenDataset, cfg: Config, mesh: ParallelMesh,
-             device: torch.device) -> float:
+             device: torch.device, loss_fn: Any) -> float:
     """Mean validation loss over cfg.train.eval_batches fixed batches, sharded across DP ranks."""
     dp, rank = mesh.size("dp"), mesh.rank("dp")
     n_batches = max(dp, cfg.train.eval_batches - cfg.train.eval_batches % dp)
@@ -83,7 +91,7 @@ def evaluate(model: torch.nn.Module, data: TokenDataset, cfg: Config, mesh: Para
     total = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in data.val_batches(n_batches, mb, dp_rank=rank, dp_size=dp):
         logits = model(x.to(device))
-        total += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+        total += loss_fn(logits, y.to(device))
     mesh.comm("dp").all_reduce(total, tag="metrics")
     return (total / n_batches).item()
 
@@ -93,7 +101,7 @@ def train(cfg: Config) -> TrainResult:
     device = _resolve_device(cfg.run.device)
     log = CommLog(enabled=True)
     mesh = ParallelMesh(_dims(cfg), device, log)
-    _check_supported(mesh.dims)
+    _check_supported(cfg, mesh.dims)
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
     t = cfg.train
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
@@ -113,12 +121,19 @@ def train(cfg: Config) -> TrainResult:
                                max_seq_len=t.seq_len)
     model = build_model(model_cfg, seed=t.seed, device=device)
     n_params = count_params(model)
+    tp_comm = mesh.comm("tp")
+    if tp_comm.size > 1:  # every rank built the full model from the seed; keep this rank's slices
+        apply_tensor_parallel(model, tp_comm, sequence_parallel=cfg.parallel.sp)
+        loss_fn = tp_loss(model)
+    else:
+        loss_fn = lm_cross_entropy
     # One engine for every stage: ZeRO-0 is DDP; AdamW (no decay on norms and embeddings) on the shards.
     engine = ZeroDataParallel(
         model, mesh.comm("dp"), zero_stage=cfg.parallel.zero,
         mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
         bucket_mb=cfg.ddp.bucket_mb, find_unused=cfg.ddp.find_unused,
         reshard_after_forward=cfg.ddp.reshard_after_forward, prefetch=cfg.ddp.prefetch,
+        tp_comm=tp_comm, tp_sharded=lambda name, p: is_tp_sharded(name, p, model),
         optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name if is_main else None
@@ -128,7 +143,7 @@ def train(cfg: Config) -> TrainResult:
                       "params": n_params, "world": dist.get_world_size(), "dp": dp})
     progress = Progress(t.steps, enabled=is_main and cfg.run.progress, desc=cfg.run.name)
     progress.write(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, "
-                   f"dp={dp} ZeRO-{cfg.parallel.zero} "
+                   f"dp={dp} ZeRO-{cfg.parallel.zero} tp={tp_comm.size}{' +SP' if cfg.parallel.sp else ''} "
                    f"({cfg.precision.param} params, {cfg.precision.reduce} reduce), "
                    f"global batch {global_batch} × {t.seq_len} tokens (micro {micro_batch} × accum {grad_accum}), "
                    f"{data}")
@@ -149,7 +164,7 @@ def train(cfg: Config) -> TrainResult:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             defer = cfg.ddp.defer_reduce and micro < grad_accum - 1
             with engine.no_sync() if defer else contextlib.nullcontext():
-                loss = F.cross_entropy(engine(x).flatten(0, 1).float(), y.flatten()) / grad_accum
+                loss = loss_fn(engine(x), y) / grad_accum
                 engine.backward(loss)
             loss_sum += loss.detach()
         if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
@@ -170,7 +185,7 @@ def train(cfg: Config) -> TrainResult:
                           "comm_payload_bytes": grad_bytes_comm.payload_bytes,
                           "comm_wire_bytes": grad_bytes_comm.wire_bytes})
         if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
-            val_loss = evaluate(engine, data, cfg, mesh, device)
+            val_loss = evaluate(engine, data, cfg, mesh, device, loss_fn)
             if is_main:
                 writer.write({"kind": "val", "step": step, "val_loss": val_loss})
                 progress.write(f"step {step + 1}: val loss {val_loss:.3f}")
@@ -208,5 +223,6 @@ def run(cfg: Config) -> TrainResult:
     # Validate what can be checked before spawning, so errors are immediate and in this process.
     dims = _dims(cfg).resolve(cfg.run.nproc)
     resolve_batch(cfg.train.global_batch, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp)
+    _check_supported(cfg, dims)
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
     return launch_local(train, cfg.run.nproc, cfg, threads=threads, timeout_s=1800.0)[0]

@@ -1,0 +1,328 @@
+"""Timing model of pipeline schedules: simulated (or measured) timelines, bubble, memory, plots.
+
+`simulate` plays a `Schedule` with a cost per action kind and returns a `Timeline`. A
+`Timeline` is only per-rank records ``(kind, microbatch, stage, start, end)``, so the runtime
+can build one from wall-clock measurements and reuse the bubble / memory computation,
+`plot_timeline` and `to_chrome_trace`.
+
+Dependencies the simulation enforces (each rank runs its compute actions in list order):
+
+- F(m, s) starts after F(m, s-1) ended (+ ``comm_cost`` when s-1 is on another rank);
+- B(m, s) / I(m, s) starts after B/I(m, s+1) ended (+ ``comm_cost`` across ranks); on the last
+  stage after F(m, s);
+- W(m, s) starts after I(m, s).
+
+Exactness of the textbook bubble formulas (`bubble_formula`), checked in the tests:
+
+- GPipe and 1F1B: ``(P-1)/(M+P-1)`` exactly, for *any* constant F and B costs (the warm-up and
+  the cool-down each cost P-1 times one stage's F, resp. B; ``comm_cost = 0``).
+- Interleaved 1F1B: ``(P-1)/(V·M+P-1)`` exactly when each model chunk costs 1/V of a rank's
+  per-micro-batch F and B (any constant chunk costs, e.g. the defaults F=1, B=2 per chunk).
+- ZB-H1 with F = I = W = c: ``(P-1)/(3M+P-1)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from fivefold.pipeline.schedules import BACKWARD_KINDS, COMPUTE_KINDS, Action, B, DeadlockError, F, I, Schedule, W
+
+__all__ = [
+    "DEFAULT_COSTS",
+    "Event",
+    "Timeline",
+    "simulate",
+    "bubble_formula",
+    "plot_timeline",
+    "to_chrome_trace",
+]
+
+DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+
+KIND_COLORS = {F: "#4C72B0", B: "#55A868", I: "#DD8452", W: "#8172B3"}
+OTHER_COLOR = "#B0B0B0"
+
+
+class Event(NamedTuple):
+    """One timed action on one rank. ``kind`` is an action kind (F, B, I, W) or any label the
+    runtime records (e.g. ``"RECV_F"`` for time spent waiting on a receive)."""
+
+    kind: str
+    microbatch: int
+    stage: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @property
+    def action(self) -> Action:
+        return Action(self.kind, self.microbatch, self.stage)
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}@s{self.stage} [{self.start:g}, {self.end:g}]"
+
+
+class Timeline:
+    """Per-rank timed events of one pipeline step.
+
+    ``Timeline(records)`` takes, for every rank, a list of records — ``(kind, microbatch, stage,
+    start, end)`` tuples, `Event` s, or ``(Action, start, end)`` — in execution order. Times are
+    in any unit (simulation cost units, or seconds when measured). Only compute events (F, B, I,
+    W) count as busy time; other labels are drawn in grey and count as idle.
+    """
+
+    def __init__(self, records: Sequence[Iterable], name: str = "", n_virtual: int = 1):
+        self.name = name
+        self.n_virtual = n_virtual
+        self.events: list[list[Event]] = []
+        for rank_records in records:
+            evs = []
+            for rec in rank_records:
+                rec = tuple(rec)
+                if len(rec) == 3 and isinstance(rec[0], Action):
+                    a, start, end = rec
+                    rec = (a.kind, a.microbatch, a.stage, start, end)
+                kind, mb, stage, start, end = rec
+                if end < start:
+                    raise ValueError(f"event {kind}{mb}@s{stage} ends ({end}) before it starts ({start})")
+                evs.append(Event(str(kind), int(mb), int(stage), float(start), float(end)))
+            self.events.append(evs)
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.events)
+
+    @property
+    def start(self) -> float:
+        return min((e.start for evs in self.events for e in evs), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((e.end for evs in self.events for e in evs), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """First start to last end, over all ranks."""
+        return self.end - self.start
+
+    def busy(self, rank: int) -> float:
+        return sum(e.duration for e in self.events[rank] if e.is_compute)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 - (total busy time) / (P · makespan): the share of rank-time spent idle."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in range(self.n_ranks)) / (self.n_ranks * self.makespan)
+
+    @property
+    def peak_in_flight(self) -> list[int]:
+        """Per rank, the most (stage, micro-batch) activations alive at once.
+
+        An F stores one; the pass that last needs them frees it: a full B, or the W of a split
+        backward (an I frees nothing — the weight gradient still needs the stored inputs; in real
+        code I can free the part only the input gradient used, which this count ignores). With
+        V > 1 chunks per rank, each unit is one chunk's activations (1/V of the rank's layers).
+        """
+        peaks = []
+        for evs in self.events:
+            alive = peak = 0
+            for e in sorted((e for e in evs if e.is_compute), key=lambda e: (e.start, e.end)):
+                if e.kind == F:
+                    alive += 1
+                    peak = max(peak, alive)
+                elif e.kind in (B, W):
+                    alive -= 1
+            peaks.append(peak)
+        return peaks
+
+    def __repr__(self) -> str:
+        return (
+            f"Timeline({self.name!r}, ranks={self.n_ranks}, makespan={self.makespan:g}, "
+            f"bubble={self.bubble_fraction:.4f}, peak_in_flight={self.peak_in_flight})"
+        )
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Mapping[str, float] | Callable[[Action], float] | None = None,
+    comm_cost: float = 0.0,
+) -> Timeline:
+    """Event-driven play of ``schedule`` (lowered or not; communication actions take no time).
+
+    ``costs`` maps an action kind to its duration (default `DEFAULT_COSTS`: F=1, B=2, I=1, W=1),
+    or is a function of the `Action` (e.g. a heavier last stage). ``comm_cost`` is added to every
+    dependency between two ranks. Each action starts as soon as its rank is free and its inputs
+    exist. Raises `DeadlockError` if the per-rank orders contradict the dependencies.
+    """
+    if costs is None:
+        costs = DEFAULT_COSTS
+    cost_of = costs if callable(costs) else (lambda a: costs[a.kind])
+    S = schedule.n_stages
+    rank_of = schedule.stage_to_rank
+    lists = [[a for a in acts if a.is_compute] for acts in schedule.actions]
+    P = len(lists)
+    done: dict[tuple[str, int, int], float] = {}  # (kind, m, s) -> end time; B and I share the key "BW"
+    pc = [0] * P
+    free = [0.0] * P
+    records: list[list[Event]] = [[] for _ in range(P)]
+
+    def ready_time(a: Action) -> float | None:
+        m, s = a.microbatch, a.stage
+        if a.kind == F:
+            if s == 0:
+                return 0.0
+            dep, dep_stage = (F, m, s - 1), s - 1
+        elif a.kind in BACKWARD_KINDS:
+            dep, dep_stage = ((F, m, s), s) if s == S - 1 else (("BW", m, s + 1), s + 1)
+        else:  # W
+            dep, dep_stage = (("BW", m, s), s)
+        if dep not in done:
+            return None
+        return done[dep] + (comm_cost if rank_of[dep_stage] != rank_of[s] else 0.0)
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(P):
+            while pc[r] < len(lists[r]):
+                a = lists[r][pc[r]]
+                t = ready_time(a)
+                if t is None:
+                    break
+                start = max(free[r], t)
+                end = start + float(cost_of(a))
+                done[("BW" if a.kind in BACKWARD_KINDS else a.kind, a.microbatch, a.stage)] = end
+                records[r].append(Event(a.kind, a.microbatch, a.stage, start, end))
+                free[r] = end
+                pc[r] += 1
+                progress = True
+    stuck = [f"rank {r} waits at {lists[r][pc[r]]}" for r in range(P) if pc[r] < len(lists[r])]
+    if stuck:
+        raise DeadlockError(f"{schedule.name!r} cannot run: its orders contradict the data dependencies; " + "; ".join(stuck))
+    return Timeline(records, name=schedule.name, n_virtual=schedule.n_virtual)
+
+
+def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
+    """Textbook bubble fraction of schedule ``name`` (see the module docstring for when it is exact).
+
+    gpipe, 1f1b: (P-1)/(M+P-1); interleaved: (P-1)/(V·M+P-1); zb-h1 (F = I = W): (P-1)/(3M+P-1).
+    """
+    if name in ("gpipe", "1f1b"):
+        return (P - 1) / (M + P - 1)
+    if name == "interleaved":
+        return (P - 1) / (V * M + P - 1)
+    if name == "zb-h1":
+        return (P - 1) / (3 * M + P - 1)
+    raise ValueError(f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1")
+
+
+def _atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") -> None:
+    """Draw ``timeline`` as a Gantt chart PNG: one row per rank (rank 0 on top), time on x, one
+    box per event coloured by kind (F, B, I, W; grey for other labels) with its micro-batch
+    number inside. With V > 1 chunks the later chunks are drawn lighter. Written atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    P = max(timeline.n_ranks, 1)
+    t0, span = timeline.start, max(timeline.makespan, 1e-12)
+    n_events = max((len(evs) for evs in timeline.events), default=1)
+    width = min(max(8.0, 0.32 * n_events), 40.0)
+    fig = Figure(figsize=(width, 1.0 + 0.55 * P), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    V = max(timeline.n_virtual, 1)
+    px_per_unit = width * 0.8 * 110 / span
+    for r, evs in enumerate(timeline.events):
+        for e in evs:
+            color = KIND_COLORS.get(e.kind, OTHER_COLOR)
+            chunk = e.stage // P if V > 1 else 0
+            alpha = 1.0 - 0.45 * chunk / max(V - 1, 1)
+            ax.broken_barh(
+                [(e.start - t0, e.duration)], (r - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.6,
+                alpha=alpha,
+            )
+            box_px = e.duration * px_per_unit
+            if box_px >= 7:
+                ax.text(
+                    e.start - t0 + e.duration / 2, r, str(e.microbatch), ha="center", va="center",
+                    fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold",
+                )
+    ax.set_ylim(P - 0.5, -0.5)
+    ax.set_xlim(0, span)
+    ax.set_yticks(range(P))
+    ax.set_yticklabels([f"rank {r}" for r in range(P)])
+    ax.set_xlabel("time")
+    kinds = [k for k in COMPUTE_KINDS if any(e.kind == k for evs in timeline.events for e in evs)]
+    others = sorted({e.kind for evs in timeline.events for e in evs} - set(COMPUTE_KINDS))
+    labels = {F: "F forward", B: "B backward", I: "I input grad", W: "W weight grad"}
+    handles = [Patch(color=KIND_COLORS[k], label=labels[k]) for k in kinds]
+    handles += [Patch(color=OTHER_COLOR, label=", ".join(others))] if others else []
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    heading = title or timeline.name
+    stats = f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, peak in-flight {timeline.peak_in_flight}"
+    ax.set_title(f"{heading} — {stats}" if heading else stats, fontsize=10)
+    ax.grid(axis="x", linestyle=":", alpha=0.5)
+    ax.set_axisbelow(True)
+    fig.tight_layout()
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"), ".png")
+
+
+def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: float = 1e6) -> None:
+    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one complete ("X")
+    event per action, pid 0, tid = rank, ``ts``/``dur`` in microseconds (times × ``us_per_unit``;
+    the default reads times as seconds), plus thread-name metadata events. Written atomically."""
+    t0 = timeline.start
+    events: list[dict] = [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in range(timeline.n_ranks)
+    ]
+    for r, evs in enumerate(timeline.events):
+        for e in evs:
+            events.append(
+                {
+                    "name": f"{e.kind}{e.microbatch}@s{e.stage}",
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": r,
+                    "ts": (e.start - t0) * us_per_unit,
+                    "dur": e.duration * us_per_unit,
+                    "args": {"microbatch": e.microbatch, "stage": e.stage},
+                }
+            )
+    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": timeline.name}}
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+
+    _atomic_write(path, write, ".json")
+

@@ -1,0 +1,108 @@
+"""The conjugate communication operators of tensor and sequence parallelism (seed 003 §7-8).
+
+Megatron's f / g pair for a column-parallel -> row-parallel region, and its sequence-parallel
+counterpart, each an autograd function whose backward is the other's forward:
+
+| operator                    | forward                        | backward                       |
+|-----------------------------|--------------------------------|--------------------------------|
+| `copy_to_tp` (f)            | identity                       | all-reduce                     |
+| `reduce_from_tp` (g)        | all-reduce                     | identity                       |
+| `gather_from_sp`            | all-gather along the sequence  | reduce-scatter along sequence  |
+| `scatter_to_sp`             | reduce-scatter along sequence  | all-gather along the sequence  |
+
+Per transformer block, TP costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces
+each with an all-gather + reduce-scatter of the same volume. All traffic goes through `Comm`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.comm import Comm
+
+SEQ_DIM = 1  # activations are [batch, sequence, hidden]
+
+
+def _gather_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    # all_gather_into_tensor concatenates along dim 0: put the sequence first.
+    local = x.transpose(0, SEQ_DIM).contiguous()
+    out = torch.empty((local.shape[0] * comm.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, local, tag=tag)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    full = x.transpose(0, SEQ_DIM).contiguous()
+    if full.shape[0] % comm.size:
+        raise ValueError(f"sequence parallel: sequence length {full.shape[0]} is not divisible by tp={comm.size}; "
+                         f"use a sequence length that is a multiple of {comm.size}")
+    out = torch.empty((full.shape[0] // comm.size, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, full, tag=tag)
+    return out.transpose(0, SEQ_DIM)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, tag="tp_f")
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous()
+        comm.all_reduce(x, tag="tp_g")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return _gather_seq(x, comm, "sp_gather")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _reduce_scatter_seq(grad, ctx.comm, "sp_gather_bwd"), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return _reduce_scatter_seq(x, comm, "sp_scatter")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _gather_seq(grad, ctx.comm, "sp_scatter_bwd"), None
+
+
+def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """f: identity forward, all-reduce of the gradient backward (entry of a column-parallel region)."""
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (exit of a row-parallel region)."""
+    return _ReduceFromTP.apply(x, comm)
+
+
+def gather_from_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """SP entry: [B, L/T, D] -> [B, L, D] by all-gather; backward reduce-scatters."""
+    return _GatherFromSP.apply(x, comm)
+
+
+def scatter_to_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """SP exit: partial sums [B, L, D] -> this rank's reduced [B, L/T, D]; backward all-gathers."""
+    return _ScatterToSP.apply(x, comm)

@@ -1,0 +1,119 @@
+"""Tensor-parallel layers (Megatron, seed 003 §7): each holds only this rank's slice of a weight.
+
+- `ColumnParallelLinear`: weight rows (output features) split over T ranks; output stays split
+  (attention heads, MLP hidden, vocabulary logits). Optional entry operator on its input.
+- `RowParallelLinear`: weight columns (input features) split; partial outputs are summed by the
+  exit operator: all-reduce, or reduce-scatter along the sequence under SP.
+- `VocabParallelEmbedding`: rows of the vocabulary split; tokens outside this rank's range
+  contribute zeros, then the same exit operator sums the partial embeddings.
+
+Layers are built *from* the full single-process module (`from_linear`, `from_embedding`): every
+rank initialises the full weight with the model's seed and keeps its slice, so a TP run and a
+single-process run start from identical full weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.comm import Comm
+from fivefold.tensor_parallel.comm_ops import copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
+
+
+def shard_range(size: int, comm: Comm, what: str) -> tuple[int, int]:
+    if size % comm.size:
+        raise ValueError(f"{what}={size} is not divisible by tp={comm.size}; choose a tensor-parallel degree that "
+                         f"divides it")
+    chunk = size // comm.size
+    return comm.rank * chunk, (comm.rank + 1) * chunk
+
+
+def _entry(x: torch.Tensor, comm: Comm, mode: str) -> torch.Tensor:
+    if mode == "copy":
+        return copy_to_tp(x, comm)
+    if mode == "gather":
+        return gather_from_sp(x, comm)
+    return x
+
+
+def _exit(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
+    return scatter_to_sp(x, comm) if sequence_parallel else reduce_from_tp(x, comm)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_localᵀ with W split by rows. `input_mode`: "none" (the caller already applied
+    the entry operator for a group of layers sharing the input), "copy" (f), or "gather" (SP)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none") -> None:
+        super().__init__()
+        self.comm = comm
+        self.input_mode = input_mode
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: Comm, input_mode: str = "none", what: str = "out_features",
+                    ) -> ColumnParallelLinear:
+        a, b = shard_range(linear.out_features, comm, what)
+        bias = linear.bias.detach()[a:b].clone() if linear.bias is not None else None
+        return cls(linear.weight.detach()[a:b].clone(), bias, comm, input_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_entry(x, self.comm, self.input_mode), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"local {tuple(self.weight.shape)}, tp={self.comm.size}, input={self.input_mode}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_ranks x_local W_localᵀ (+ bias once) with W split by columns; exit all-reduce / SP scatter."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: Comm, sequence_parallel: bool = False,
+                    what: str = "in_features") -> RowParallelLinear:
+        a, b = shard_range(linear.in_features, comm, what)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(linear.weight.detach()[:, a:b].clone(), bias, comm, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _exit(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"local {tuple(self.weight.shape)}, tp={self.comm.size}, sp={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [vocab_start, vocab_end) on this rank; the exit operator sums the ranks' parts."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, comm: Comm, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start = vocab_start
+        self.vocab_end = vocab_start + weight.shape[0]
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, comm: Comm, sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        a, b = shard_range(emb.num_embeddings, comm, "vocab_size")
+        return cls(emb.weight.detach()[a:b].clone(), a, comm, sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _exit(out, self.comm, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.vocab_start}, {self.vocab_end}), tp={self.comm.size}, sp={self.sequence_parallel}"

@@ -1,0 +1,54 @@
+"""Vocabulary-parallel cross-entropy: the full-vocabulary logits never exist on one rank.
+
+Each rank holds logits for vocabulary rows [start, start + V/T). Three all-reduces over the TP
+group of one value per token: the max (for a stable softmax), the sum of exponentials, and the
+target's logit (contributed by the rank that owns the target). Backward is local:
+softmax_local - onehot_local, scaled by the incoming gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fivefold.comm import Comm
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, comm: Comm):  # type: ignore[override]
+        logits = logits.float()
+        vocab_local = logits.shape[-1]
+        row_max = logits.max(dim=-1).values
+        comm.all_reduce(row_max, op=dist.ReduceOp.MAX, tag="vocab_ce")
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, tag="vocab_ce")
+        local_target = target - vocab_start
+        owned = (local_target >= 0) & (local_target < vocab_local)
+        index = local_target.clamp(0, vocab_local - 1)
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * owned
+        comm.all_reduce(target_logit, tag="vocab_ce")
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, owned)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+        softmax, index, owned = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, index.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, comm: Comm,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over tokens whose target is not `ignore_index`.
+
+    logits: [..., V/T] this rank's vocabulary slice (rows from `vocab_start`); target: [...] global ids.
+    """
+    logits = logits.reshape(-1, logits.shape[-1])
+    target = target.reshape(-1)
+    keep = target != ignore_index
+    losses = _VocabParallelCE.apply(logits, target.masked_fill(~keep, 0), vocab_start, comm)
+    return (losses * keep).sum() / keep.sum().clamp(min=1)
