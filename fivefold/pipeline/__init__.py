@@ -15,6 +15,7 @@ from fivefold.pipeline.schedules import (
     validate,
     zero_bubble_h1,
 )
+from fivefold.pipeline.simulator import Timeline, bubble_formula, plot_timeline, simulate, to_chrome_trace
 
 __all__ = [
     "SCHEDULES",
@@ -30,4 +31,9 @@ __all__ = [
     "one_f_one_b",
     "validate",
     "zero_bubble_h1",
+    "Timeline",
+    "bubble_formula",
+    "plot_timeline",
+    "simulate",
+    "to_chrome_trace",
 ]

@@ -46,7 +46,8 @@ Execution model of a lowered list (what `check_deadlock_free` simulates and the 
     (Megatron's ``send_forward_recv_backward`` pairing). The stricter *rendezvous* model — a batch
     completes only once every op in it is matched by a posted op on the peer, which is what NCCL
     guarantees — is available as ``check_deadlock_free(..., rendezvous=True)``, and every schedule
-    here passes it too.
+    here passes it too: the interleaved schedule with M > P only because `lower` pairs each F with
+    the backward right after it, as Megatron does (``Schedule.fuse_forward_backward``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = [
     "F",
@@ -157,7 +158,8 @@ class Schedule:
     """Per-rank action lists of one pipeline schedule.
 
     ``actions[r]`` is rank r's list: compute actions only as built by the schedule functions,
-    compute + communication after `lower` (``is_lowered``).
+    compute + communication after `lower` (``is_lowered``). ``fuse_forward_backward`` asks `lower`
+    to treat an F and the backward right after it as one unit with no communication inside.
     """
 
     name: str
@@ -167,7 +169,7 @@ class Schedule:
     stage_to_rank: list[int]
     actions: list[list[Action]]
     is_lowered: bool = False
-    notes: dict = field(default_factory=dict)
+    fuse_forward_backward: bool = False  # see `lower`
 
     @property
     def n_stages(self) -> int:
@@ -326,7 +328,9 @@ def interleaved_1f1b(P: int, M: int, V: int) -> Schedule:
             acts += [fwd(n_warmup + k), bwd(k)]
         acts += [bwd(k) for k in range(n_steady, total)]
         actions.append(acts)
-    return Schedule(name, P, M, V, [s % P for s in range(S)], actions)
+    # M > P: pair each F with the backward after it when lowering (Megatron's combined step), else
+    # sends that block (NCCL) deadlock; M == P: that pairing itself deadlocks, per-action batches are safe
+    return Schedule(name, P, M, V, [s % P for s in range(S)], actions, fuse_forward_backward=M > P)
 
 
 def zero_bubble_h1(P: int, M: int) -> Schedule:
@@ -357,21 +361,15 @@ def zero_bubble_h1(P: int, M: int) -> Schedule:
     for r in range(P):
         n_warmup = P - 1 - r
         acts = [Action(F, m, r) for m in range(n_warmup)]
-        next_w = 0
-
-        def take_w(limit: int, acts: list[Action] = acts) -> None:
-            nonlocal next_w
-            while next_w < limit:
-                acts.append(Action(W, next_w, r))
-                next_w += 1
-
-        for i in range(M - n_warmup):
-            acts += [Action(F, n_warmup + i, r), Action(I, i, r)]
-            take_w(i - r + 1)  # W of micro-batch i - r: r micro-batches behind the I's
-        for i in range(M - n_warmup, M):
+        n_w = 0  # weight-gradient passes emitted so far (in micro-batch order)
+        for i in range(M):
+            if i < M - n_warmup:  # steady state: forward of the next micro-batch first
+                acts.append(Action(F, n_warmup + i, r))
             acts.append(Action(I, i, r))
-            take_w(i - r + 1)
-        take_w(M)
+            while n_w <= i - r:  # W of micro-batch i - r: r micro-batches behind the I's
+                acts.append(Action(W, n_w, r))
+                n_w += 1
+        acts += [Action(W, m, r) for m in range(n_w, M)]  # flush the last r
         actions.append(acts)
     return Schedule(name, P, M, 1, _plain_placement(P), actions)
 
@@ -401,6 +399,25 @@ def build_schedule(name: str, P: int, M: int, V: int = 1) -> Schedule:
 # lowering: insert SEND / RECV actions
 
 
+def _transfers(schedule: Schedule, rank: int, a: Action) -> tuple[list[Action], list[Action]]:
+    """(receives ``a`` needs before it runs, sends of what it produces) on ``rank``."""
+    S, rank_of = schedule.n_stages, schedule.stage_to_rank
+    m, s = a.microbatch, a.stage
+    recvs: list[Action] = []
+    sends: list[Action] = []
+    if a.kind == F:
+        if s > 0 and rank_of[s - 1] != rank:
+            recvs.append(Action(RECV_F, m, s, peer=rank_of[s - 1]))
+        if s < S - 1 and rank_of[s + 1] != rank:
+            sends.append(Action(SEND_F, m, s, peer=rank_of[s + 1]))
+    elif a.kind in BACKWARD_KINDS:
+        if s < S - 1 and rank_of[s + 1] != rank:
+            recvs.append(Action(RECV_B, m, s, peer=rank_of[s + 1]))
+        if s > 0 and rank_of[s - 1] != rank:
+            sends.append(Action(SEND_B, m, s, peer=rank_of[s - 1]))
+    return recvs, sends
+
+
 def lower(schedule: Schedule) -> Schedule:
     """Return a copy of ``schedule`` with the communication each rank needs made explicit.
 
@@ -408,29 +425,39 @@ def lower(schedule: Schedule) -> Schedule:
     ``SEND_F`` to the rank of s+1. Before a backward (B or I) of stage s < S-1: ``RECV_B`` from
     the rank of s+1. After a backward of stage s > 0: ``SEND_B`` to the rank of s-1. W moves no
     data. When the neighbouring stage lives on the same rank the tensor stays local: no action.
+    So each batch between two computes is "send what the last compute produced, receive what the
+    next one needs".
+
+    With ``schedule.fuse_forward_backward`` an F directly followed by a backward is one unit with
+    no communication inside: the backward's RECV_B joins the F's receives before the F, and the
+    F's SEND_F goes out with the backward's SEND_B after it — Megatron's
+    ``send_forward_backward_recv_forward_backward`` step. The interleaved schedule needs this
+    pairing (for M > P) to stay deadlock-free when sends block (`check_deadlock_free` with
+    ``rendezvous=True``, i.e. NCCL semantics).
     """
     if schedule.is_lowered:
         return schedule
-    S = schedule.n_stages
-    rank_of = schedule.stage_to_rank
     out: list[list[Action]] = []
     for rank, acts in enumerate(schedule.actions):
-        lowered: list[Action] = []
         for a in acts:
             if a.is_comm:
                 raise ScheduleError(f"rank {rank}: {a} in a schedule not marked lowered")
-            m, s = a.microbatch, a.stage
-            if a.kind == F and s > 0 and rank_of[s - 1] != rank:
-                lowered.append(Action(RECV_F, m, s, peer=rank_of[s - 1]))
-            if a.kind in BACKWARD_KINDS and s < S - 1 and rank_of[s + 1] != rank:
-                lowered.append(Action(RECV_B, m, s, peer=rank_of[s + 1]))
-            lowered.append(a)
-            if a.kind == F and s < S - 1 and rank_of[s + 1] != rank:
-                lowered.append(Action(SEND_F, m, s, peer=rank_of[s + 1]))
-            if a.kind in BACKWARD_KINDS and s > 0 and rank_of[s - 1] != rank:
-                lowered.append(Action(SEND_B, m, s, peer=rank_of[s - 1]))
+        lowered: list[Action] = []
+        pending_sends: list[Action] = []  # sends of the last unit, issued with the next unit's receives
+        for j, a in enumerate(acts):
+            recvs, sends = _transfers(schedule, rank, a)
+            if schedule.fuse_forward_backward and a.kind in BACKWARD_KINDS and j > 0 and acts[j - 1].kind == F:
+                lowered.append(a)  # second half of an (F, backward) unit: its receive went before the F
+                pending_sends += sends
+                continue
+            nxt = acts[j + 1] if j + 1 < len(acts) else None
+            if schedule.fuse_forward_backward and a.kind == F and nxt is not None and nxt.kind in BACKWARD_KINDS:
+                recvs = recvs + _transfers(schedule, rank, nxt)[0]
+            lowered += pending_sends + recvs + [a]
+            pending_sends = sends
+        lowered += pending_sends
         out.append(lowered)
-    return dataclasses.replace(schedule, actions=out, is_lowered=True, notes=dict(schedule.notes))
+    return dataclasses.replace(schedule, actions=out, is_lowered=True)
 
 
 def iter_steps(rank_actions: Sequence[Action]) -> Iterator[Action | list[Action]]:
@@ -501,7 +528,9 @@ def validate(schedule: Schedule) -> None:
             elif n[B] == 0 and n[I] == 1 and n[W] == 1:
                 pass
             else:
-                errors.append(f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; expected one B, or one I and one W")
+                errors.append(
+                    f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; expected one B, or one I and one W"
+                )
     if errors:
         raise ScheduleError(_report(schedule.name, "is incomplete", errors))
 
@@ -555,18 +584,7 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
     # every cross-rank dependency has its RECV before the consumer and its SEND after the producer
     for (kind, m, s), idx in compute_pos.items():
         rank = rank_of[s]
-        needs: list[Action] = []
-        gives: list[Action] = []
-        if kind == F:
-            if s > 0 and rank_of[s - 1] != rank:
-                needs.append(Action(RECV_F, m, s, peer=rank_of[s - 1]))
-            if s < S - 1 and rank_of[s + 1] != rank:
-                gives.append(Action(SEND_F, m, s, peer=rank_of[s + 1]))
-        elif kind in BACKWARD_KINDS:
-            if s < S - 1 and rank_of[s + 1] != rank:
-                needs.append(Action(RECV_B, m, s, peer=rank_of[s + 1]))
-            if s > 0 and rank_of[s - 1] != rank:
-                gives.append(Action(SEND_B, m, s, peer=rank_of[s - 1]))
+        needs, gives = _transfers(schedule, rank, Action(kind, m, s))
         for c in needs:
             got = comm_pos.get((rank, c))
             if not got:
@@ -617,6 +635,7 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
     sent: Counter = Counter()
     received: Counter = Counter()
     posted: set = set()  # rendezvous: (channel, "SEND"/"RECV") of every op posted so far
+    issued: set = set()  # buffered: ranks whose current batch's sends are already out
 
     def batch_end(r: int) -> int:
         j = pc[r]
@@ -642,14 +661,22 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
                 (sent if b.kind.startswith("SEND") else received)[_channel(r, b)] += 1
             pc[r] += len(batch)
             return True
-        ch = _channel(r, a)
-        if a.kind.startswith("SEND"):
-            sent[ch] += 1
-        elif sent[ch] > received[ch]:
-            received[ch] += 1
-        else:
+        # buffered: issuing the batch posts its sends (once); the rank waits until every receive
+        # of the batch has its send
+        end = batch_end(r)
+        batch = lists[r][pc[r] : end]
+        if r not in issued:
+            issued.add(r)
+            for b in batch:
+                if b.kind.startswith("SEND"):
+                    sent[_channel(r, b)] += 1
+        if not all(sent[_channel(r, b)] > received[_channel(r, b)] for b in batch if b.kind.startswith("RECV")):
             return False
-        pc[r] += 1
+        for b in batch:
+            if b.kind.startswith("RECV"):
+                received[_channel(r, b)] += 1
+        issued.discard(r)
+        pc[r] = end
         return True
 
     progress = True
@@ -672,8 +699,14 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
                     f"no matching op posted for {missing}"
                 )
             else:
-                a = lists[r][pc[r]]
-                lines.append(f"rank {r}: blocked at step {pc[r]} on {a} (rank {a.peer} has not sent {a.counterpart(r)})")
+                batch = lists[r][pc[r] : batch_end(r)]
+                waiting = [
+                    b for b in batch if b.kind.startswith("RECV") and sent[_channel(r, b)] <= received[_channel(r, b)]
+                ]
+                lines.append(
+                    f"rank {r}: blocked at step {pc[r] + batch.index(waiting[0])} on "
+                    + ", ".join(f"{b} (rank {b.peer} has not sent {b.counterpart(r)})" for b in waiting)
+                )
         raise DeadlockError(f"{name!r} deadlocks: no rank can make progress\n  " + "\n  ".join(lines))
 
     leftover = sent - received

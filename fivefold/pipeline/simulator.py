@@ -29,7 +29,18 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from fivefold.pipeline.schedules import BACKWARD_KINDS, COMPUTE_KINDS, Action, B, DeadlockError, F, I, Schedule, W
+from fivefold.pipeline.schedules import (
+    BACKWARD_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    B,
+    DeadlockError,
+    F,
+    I,
+    Schedule,
+    W,
+    _channel,
+)
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -159,21 +170,29 @@ def simulate(
     costs: Mapping[str, float] | Callable[[Action], float] | None = None,
     comm_cost: float = 0.0,
 ) -> Timeline:
-    """Event-driven play of ``schedule`` (lowered or not; communication actions take no time).
+    """Event-driven play of ``schedule``; returns the simulated `Timeline`.
 
     ``costs`` maps an action kind to its duration (default `DEFAULT_COSTS`: F=1, B=2, I=1, W=1),
-    or is a function of the `Action` (e.g. a heavier last stage). ``comm_cost`` is added to every
-    dependency between two ranks. Each action starts as soon as its rank is free and its inputs
-    exist. Raises `DeadlockError` if the per-rank orders contradict the dependencies.
+    or is a function of the `Action` (e.g. a heavier last stage). Each rank runs its compute
+    actions in order; an action starts when its rank is free and its input exists: F(m, s) after
+    F(m, s-1), B/I(m, s) after B/I(m, s+1) (on the last stage after F(m, s)), W after I; plus
+    ``comm_cost`` when the input comes from another rank.
+
+    A *lowered* schedule is played the way the runtime runs it: a send leaves when its rank
+    reaches it (after the compute before it), and a rank at a batch of communication actions waits
+    until every receive of the batch has arrived (send time + ``comm_cost``) before the next
+    compute. For the plain lowering this changes nothing; a fused (F, backward) unit delays the
+    F's output by one backward. Raises `DeadlockError` if the lists can never finish.
     """
     if costs is None:
         costs = DEFAULT_COSTS
     cost_of = costs if callable(costs) else (lambda a: costs[a.kind])
     S = schedule.n_stages
     rank_of = schedule.stage_to_rank
-    lists = [[a for a in acts if a.is_compute] for acts in schedule.actions]
+    lists = schedule.actions
     P = len(lists)
     done: dict[tuple[str, int, int], float] = {}  # (kind, m, s) -> end time; B and I share the key "BW"
+    sent_at: dict[tuple, float] = {}  # message channel -> time its send was issued
     pc = [0] * P
     free = [0.0] * P
     records: list[list[Event]] = [[] for _ in range(P)]
@@ -192,25 +211,46 @@ def simulate(
             return None
         return done[dep] + (comm_cost if rank_of[dep_stage] != rank_of[s] else 0.0)
 
+    def step(r: int) -> bool:
+        """Run rank r's next compute or communication batch; False if it must wait."""
+        acts = lists[r]
+        a = acts[pc[r]]
+        if a.is_comm:
+            end = pc[r]
+            while end < len(acts) and acts[end].is_comm:
+                end += 1
+            batch = acts[pc[r] : end]
+            for c in batch:
+                if c.kind.startswith("SEND"):
+                    sent_at.setdefault(_channel(r, c), free[r])
+            arrivals = [sent_at.get(_channel(r, c)) for c in batch if c.kind.startswith("RECV")]
+            if any(t is None for t in arrivals):
+                return False
+            free[r] = max([free[r]] + [t + comm_cost for t in arrivals])
+            pc[r] = end
+            return True
+        t = ready_time(a)
+        if t is None:
+            return False
+        start = max(free[r], t)
+        end_time = start + float(cost_of(a))
+        done[("BW" if a.kind in BACKWARD_KINDS else a.kind, a.microbatch, a.stage)] = end_time
+        records[r].append(Event(a.kind, a.microbatch, a.stage, start, end_time))
+        free[r] = end_time
+        pc[r] += 1
+        return True
+
     progress = True
     while progress:
         progress = False
         for r in range(P):
-            while pc[r] < len(lists[r]):
-                a = lists[r][pc[r]]
-                t = ready_time(a)
-                if t is None:
-                    break
-                start = max(free[r], t)
-                end = start + float(cost_of(a))
-                done[("BW" if a.kind in BACKWARD_KINDS else a.kind, a.microbatch, a.stage)] = end
-                records[r].append(Event(a.kind, a.microbatch, a.stage, start, end))
-                free[r] = end
-                pc[r] += 1
+            while pc[r] < len(lists[r]) and step(r):
                 progress = True
-    stuck = [f"rank {r} waits at {lists[r][pc[r]]}" for r in range(P) if pc[r] < len(lists[r])]
+    stuck = [f"rank {r} waits at step {pc[r]} ({lists[r][pc[r]]})" for r in range(P) if pc[r] < len(lists[r])]
     if stuck:
-        raise DeadlockError(f"{schedule.name!r} cannot run: its orders contradict the data dependencies; " + "; ".join(stuck))
+        raise DeadlockError(
+            f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; " + "; ".join(stuck)
+        )
     return Timeline(records, name=schedule.name, n_virtual=schedule.n_virtual)
 
 
@@ -285,9 +325,14 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
     labels = {F: "F forward", B: "B backward", I: "I input grad", W: "W weight grad"}
     handles = [Patch(color=KIND_COLORS[k], label=labels[k]) for k in kinds]
     handles += [Patch(color=OTHER_COLOR, label=", ".join(others))] if others else []
+    if V > 1:
+        handles.append(Patch(color="white", label=f"lighter = later chunk (V={V})"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     heading = title or timeline.name
-    stats = f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, peak in-flight {timeline.peak_in_flight}"
+    stats = (
+        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
+        f"peak in-flight {timeline.peak_in_flight}"
+    )
     ax.set_title(f"{heading} — {stats}" if heading else stats, fontsize=10)
     ax.grid(axis="x", linestyle=":", alpha=0.5)
     ax.set_axisbelow(True)
