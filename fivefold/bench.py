@@ -166,7 +166,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     # torch's ZeRO-1 recipe: DDP's all-reduce, then every parameter broadcast by its owner
     "ddp+zero_optim": dict(label="ZeRO-1 (DDP+ZeroRedundancyOptimizer)", memory_formula="4Ψ+4Ψ+8Ψ/N",
                            memory=((4, False), (4, False), (8, True)), comm={"all_reduce": 1, "broadcast": 1},
-                           comm_formula="AR Ψ + BC Ψ"),
+                           comm_formula="AR Ψ + BC Ψ",
+                           memory_note="ZeroRedundancyOptimizer partitions whole parameters, not a flat buffer: "
+                                       "its shards are uneven"),
 }
 _COMPONENTS = ("params", "grads", "optimizer")
 _OP_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC"}
@@ -490,6 +492,18 @@ def _blocks(steps: int, repeats: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(repeats)]
 
 
+def _paired_ratio(t_a: torch.Tensor, t_b: torch.Tensor, block_a: list[int], block_b: list[int]) -> float:
+    """Median over alternating rounds of (a's block median / b's block median): each round's two
+    blocks ran back to back, so load from outside the benchmark mostly cancels in their ratio."""
+    rounds = sorted({b for b in block_a if b >= 0} & {b for b in block_b if b >= 0})
+    per_round = []
+    for r in rounds:
+        a = [t for t, b in zip(t_a.tolist(), block_a) if b == r]
+        b = [t for t, bb in zip(t_b.tolist(), block_b) if bb == r]
+        per_round.append(statistics.median(a) / statistics.median(b))
+    return statistics.median(per_round) if per_round else float("nan")
+
+
 def _check(impl: dict, world: int) -> list[str]:
     """Mismatches between measured and formula (memory up to padding: no m, v for padding elements)."""
     problems = []
@@ -504,8 +518,10 @@ def _check(impl: dict, world: int) -> list[str]:
             want = exp["memory"][comp]
             slack = 8 * pad if comp == "optimizer" else 0
             if not want - slack <= measured <= want:
+                why = RECIPES[impl["recipe"]].get("memory_note")
                 problems.append(f"rank {rank} {comp}: measured {measured:,} B, formula {want:,.0f} B"
-                                + (f" (- up to {slack:,} B of padding)" if slack else ""))
+                                + (f" (- up to {slack:,} B of padding)" if slack else "")
+                                + (f" — {why}" if why else ""))
     got = {op: b for op, (_, b) in impl["comm_by_op"].items()}
     if got != exp["by_op"]:
         problems.append(f"bytes per step {got} != formula {exp['by_op']}")
@@ -539,8 +555,9 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
     memory: list[dict | None] = [None] * n
     memory_step = min(1, total - 1)  # step 1: the optimizer state exists
     done = [0] * n
+    block_of = [[-1] * total for _ in range(n)]  # the alternating round each timed step ran in
 
-    def run(i: int, count: int) -> None:
+    def run(i: int, count: int, block: int = -1) -> None:
         runner = runners[i]
         for _ in range(count):
             s = done[i]
@@ -560,6 +577,7 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
             losses[i, s] = loss.item()  # also a device sync point, so the wall time covers the whole step
             times[i, s] = elapsed + time.perf_counter() - t1
             comm[i][s] = runner.comm()
+            block_of[i][s] = block
             done[i] += 1
 
     for i in range(n):
@@ -567,7 +585,7 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
     for r, count in enumerate(_blocks(spec.steps, spec.repeats)):
         order = range(n) if r % 2 == 0 else reversed(range(n))  # A B C, C B A, ...: no order bias
         for i in order:
-            run(i, count)
+            run(i, count, r)
 
     # Step time = the slowest rank's; loss curves compared rank by rank and reported as global means.
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -632,10 +650,11 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
     for i, c in enumerate(contestants):
         if c.baseline is not None:
             ref = impls[index[c.baseline]]
-            ratio = impls[i]["median_s"] / ref["median_s"]
-            impls[i]["ratio"] = ratio
-            impls[i]["max_abs_loss_diff"] = float(diffs[i])
-            pairs.append(dict(name=c.name, baseline=c.baseline, note=c.baseline_note, ratio=ratio,
+            j = index[c.baseline]
+            ratios = dict(ratio=impls[i]["median_s"] / ref["median_s"], ratio_min=impls[i]["min_s"] / ref["min_s"],
+                          ratio_paired=_paired_ratio(times[i], times[j], block_of[i], block_of[j]))
+            impls[i].update(ratios, max_abs_loss_diff=float(diffs[i]))
+            pairs.append(dict(name=c.name, baseline=c.baseline, note=c.baseline_note, **ratios,
                               max_abs_loss_diff=float(diffs[i])))
     first = pairs[0] if pairs else dict(name=impls[0]["name"], baseline=impls[0]["name"], ratio=1.0,
                                         max_abs_loss_diff=0.0)
@@ -686,7 +705,7 @@ def bench_ddp(preset: str = "small", world: int = 2, steps: int = 48, warmup: in
 
 
 def bench_zero(preset: str = "small", world: int = 2, steps: int = 48, warmup: int = 3,
-               micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 8,
+               micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 16,
                threads: int = 1, lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
                stages: Sequence[int] = (0, 1, 2, 3), reshard_after_forward: bool = True,
                prefetch: int = 1) -> dict:
@@ -731,13 +750,18 @@ def format_table(results: dict) -> str:
     """Markdown tables of a `run_contest` result (time, model states, bytes) with the settings below."""
     spec, world = results["spec"], results["spec"]["world"]
     impls = results["impls"]
-    rows = [("impl", "vs", "median step ms", "p25–p75 ms", "ratio", "tokens/s", "max |Δloss|")]
+    rows = [("impl", "vs", "median step ms", "p25–p75 ms", "min ms", "ratio", "ratio paired", "ratio of mins",
+             "tokens/s", "max |Δloss|")]
     for r in impls:
+        paired = r.get("ratio_paired")
         rows.append((r["name"], r["baseline"] or "", f"{r['median_s'] * 1e3:.1f}",
-                     f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}",
-                     f"{r['ratio']:.3f}" if "ratio" in r else "", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}",
+                     f"{r['ratio']:.3f}" if "ratio" in r else "", f"{paired:.3f}" if paired is not None else "",
+                     f"{r['ratio_min']:.3f}" if "ratio_min" in r else "", f"{r['tokens_per_s']:,.0f}",
                      f"{r['max_abs_loss_diff']:.1e}" if "max_abs_loss_diff" in r else ""))
     out = _table(rows)
+    out += ["ratio = median / median of the counterpart; paired = median over rounds of the ratio of the two "
+            "back-to-back block medians; ratio of mins = best step / best step (outside load only adds time)"]
 
     out += ["", f"model states per rank, MiB (max over ranks, step {results['memory_step']} between backward "
                 "and optimizer step; optimizer includes AdamW step counters):"]
@@ -766,7 +790,8 @@ def format_table(results: dict) -> str:
     out.append("")
     for p in results["pairs"]:
         note = f" ({p['note']})" if p.get("note") else ""
-        out.append(f"ratio {p['name']}/{p['baseline']} (median step time): {p['ratio']:.3f}{note}; "
+        out.append(f"ratio {p['name']}/{p['baseline']} (median step time): {p['ratio']:.3f} "
+                   f"(paired {p['ratio_paired']:.3f}, of mins {p['ratio_min']:.3f}){note}; "
                    f"max |loss difference| over steps and ranks: {p['max_abs_loss_diff']:.2e}")
     out += [
         f"Ψ = {psi:,} parameters, N = {world}; fp32 AdamW: DDP 16Ψ, ZeRO-1 4Ψ+4Ψ+8Ψ/N, ZeRO-2 4Ψ+12Ψ/N, "
@@ -800,8 +825,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.add_argument("--world", type=int, default=d.world, help="number of gloo ranks")
     common.add_argument("--steps", type=int, default=d.steps, help="timed steps per implementation")
     common.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per implementation")
-    common.add_argument("--repeats", type=int, default=d.repeats,
-                        help="alternating blocks the timed steps are split into")
+    common.add_argument("--repeats", type=int, default=None,
+                        help=f"alternating blocks the timed steps are split into (ddp {d.repeats}, zero 16)")
     common.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step")
     common.add_argument("--seq-len", type=int, default=d.seq_len)
     common.add_argument("--bucket-mb", type=float, default=d.bucket_mb)
@@ -817,9 +842,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("all", parents=[common, zero_opts], help="ddp, then zero")
     args = parser.parse_args(argv)
 
-    kwargs = dict(preset=args.preset, world=args.world, steps=args.steps, warmup=args.warmup,
-                  repeats=args.repeats, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                  bucket_mb=args.bucket_mb, threads=args.threads)
+    kwargs: dict[str, Any] = dict(preset=args.preset, world=args.world, steps=args.steps, warmup=args.warmup,
+                                  micro_batch=args.micro_batch, seq_len=args.seq_len, bucket_mb=args.bucket_mb,
+                                  threads=args.threads)
+    if args.repeats is not None:
+        kwargs["repeats"] = args.repeats
     runs: dict[str, Callable[[], dict]] = {}
     if args.what in ("ddp", "all"):
         runs["ddp"] = lambda: bench_ddp(**kwargs)

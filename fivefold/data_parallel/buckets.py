@@ -232,21 +232,26 @@ class BucketedGradReducer:
         return [b.names[i] for b in self.buckets for i, p in enumerate(b.params) if not self._ready.get(id(p))]
 
     def flush(self) -> None:
-        """Launch what is left (unused parameters), wait for every bucket, then finish them."""
+        """End of a synchronising backward: parameters without a gradient are an error (or zeros
+        with find_unused), then every bucket is completed."""
         missing = self.unready_names()
-        if missing:
-            if not self.find_unused:
-                raise RuntimeError(
-                    f"{len(missing)} parameter(s) received no gradient in this backward: "
-                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Every rank must "
-                    "all-reduce every bucket; freeze them (requires_grad=False), make them "
-                    "part of the loss, or pass find_unused=True to reduce a zero gradient for them")
-            for bucket in self.buckets[self._next_to_launch:]:
-                for i, p in enumerate(bucket.params):
-                    if not self._ready.get(id(p)):
-                        bucket.bind_grad(i)  # zero if it never had a gradient
-                bucket.pending = 0
-            self._launch_ready_buckets()
+        if missing and not self.find_unused:
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) received no gradient in this backward: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Every rank must "
+                "reduce every bucket; freeze them (requires_grad=False), make them "
+                "part of the loss, or pass find_unused=True to reduce a zero gradient for them")
+        self.sync_now()
+
+    def sync_now(self) -> None:
+        """Reduce what every parameter holds now, ready or not (used after a pipeline's many
+        backward passes ran under no_sync): launch what is left in order, wait, finish, reset."""
+        for bucket in self.buckets[self._next_to_launch:]:
+            for i, p in enumerate(bucket.params):
+                if not self._ready.get(id(p)):
+                    bucket.bind_grad(i)  # zero if it never had a gradient
+            bucket.pending = 0
+        self._launch_ready_buckets()
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()

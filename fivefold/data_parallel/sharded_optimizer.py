@@ -151,34 +151,53 @@ class ShardedOptimizer:
         The norm is computed from the shards with one all-reduce of a scalar; a non-finite norm
         means some rank overflowed, and every rank skips the step together.
         """
-        if self.grads_from_params:
-            self._grad_shards_from_params()
-        grads_and_kind = self._master_grads()
-        grads = [g for g, _ in grads_and_kind]
         norm = None
         if max_norm is not None or self.loss_scaler is not None:
-            device = self.flats[0].local.device if self.flats else "cpu"
-            sq, sq_tp = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
-            for g, tp_slice in grads_and_kind:
-                (sq_tp if tp_slice and self.tp_comm is not None else sq).add_(g.float().pow(2).sum())
-            if self.tp_comm is not None:
-                self.tp_comm.all_reduce(sq_tp, tag="grad_norm")
-            sq += sq_tp
-            if self.sharded:
-                self.comm.all_reduce(sq, tag="grad_norm")
-            norm = math.sqrt(sq.item()) if math.isfinite(sq.item()) else math.inf
-            found_inf = not math.isfinite(norm)
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(found_inf)
-            if found_inf:
-                self.last_step_skipped = True
-                self.zero_grad()
-                return norm
-            if max_norm is not None:
-                coef = min(1.0, max_norm / (norm + 1e-6))
-                if coef < 1.0:
-                    for g in grads:
-                        g.mul_(coef)
+            sq = self.grad_sq_norm()
+            norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
+        self.apply_step(norm, max_norm)
+        return norm
+
+    @torch.no_grad()
+    def grad_sq_norm(self) -> float:
+        """Prepare the fp32 (unscaled) gradient shards and return the squared global norm over this
+        optimizer's parameters: summed over the DP shards (and TP slices). A pipeline adds the
+        values of its stages and all-reduces them over pp before `apply_step`."""
+        self._prepare_grads()
+        device = self.flats[0].local.device if self.flats else "cpu"
+        sq, sq_tp = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+        for g, tp_slice in self._grads:
+            (sq_tp if tp_slice and self.tp_comm is not None else sq).add_(g.float().pow(2).sum())
+        if self.tp_comm is not None:
+            self.tp_comm.all_reduce(sq_tp, tag="grad_norm")
+        sq += sq_tp
+        if self.sharded:
+            self.comm.all_reduce(sq, tag="grad_norm")
+        return sq.item()
+
+    def _prepare_grads(self) -> None:
+        if getattr(self, "_grads", None) is None:
+            if self.grads_from_params:
+                self._grad_shards_from_params()
+            self._grads = self._master_grads()
+
+    @torch.no_grad()
+    def apply_step(self, norm: float | None, max_norm: float | None = None) -> None:
+        """Skip (non-finite `norm`: some rank overflowed, every rank agrees) or clip to `max_norm` and
+        step the shards, then write back and all-gather (ZeRO-1/2)."""
+        self._prepare_grads()
+        found_inf = norm is not None and not math.isfinite(norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        if found_inf:
+            self.last_step_skipped = True
+            self.zero_grad()
+            return
+        if max_norm is not None and norm is not None:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for g, _ in self._grads:
+                    g.mul_(coef)
         self.last_step_skipped = False
         self.optimizer.step()
         works = []
@@ -189,9 +208,9 @@ class ShardedOptimizer:
         for w in works:
             w.wait()
         self.zero_grad()
-        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grads = None
         for f in self.flats:
             f.grad_shard = None
             for mp in f.master_params:

@@ -76,10 +76,6 @@ class ZeroDataParallel(nn.Module):
         self.mp = mixed_precision or MixedPrecision()
         if broadcast_init and comm.size > 1:
             broadcast_module_state(module, comm)
-        with torch.no_grad():  # buffers (e.g. RoPE tables) compute in the parameter dtype too
-            for b in module.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(self.mp.param_dtype)
         # Frozen parameters are not sharded: they stay replicated, cast to the compute dtype.
         for p in module.parameters():
             if not p.requires_grad:
@@ -202,6 +198,13 @@ class ZeroDataParallel(nn.Module):
             yield
         finally:
             self.reducer.require_sync = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce the gradients accumulated under `no_sync()` now, outside any backward (a pipeline
+        runs many backward passes per step and reduces once after the last)."""
+        self.reducer.sync_now()
+        if self.fsdp is not None:
+            self.fsdp.backward_done()
 
     def step(self, max_norm: float | None = None) -> float | None:
         """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients."""

@@ -362,14 +362,19 @@ class Llama(nn.Module):
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         for name, param in self.parameters_in_init_order():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                if param.device.type != "meta":
+                    param.fill_(1.0)
                 continue
             scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
             values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
-            param.copy_(values)
-        cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+            # Parameters left on meta (a pipeline stage materialises only its own layers) still draw
+            # their values, so every materialised parameter gets exactly its single-process value.
+            if param.device.type != "meta":
+                param.copy_(values)
+        if self.rope_cos.device.type != "meta":
+            cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
