@@ -89,3 +89,83 @@ def test_pipeline_p2p_volume(pipeline_results, run):
     sends = sum(sum(n for op, n in r[run]["p2p"] if op == "send") for r in results)
     recvs = sum(sum(n for op, n in r[run]["p2p"] if op == "recv") for r in results)
     assert sends == recvs == 2 * boundaries * M * mb_elems
+
+
+# ---------------------------------------------------------------------------------------------
+# pp 2 × dp 2: pipeline stages wrapped in ZeRO over the dp group, trained for several steps.
+PPDP_STEPS, LR, WD, CLIP = 5, 1e-2, 0.1, 0.5
+PPDP_RUNS = [("1f1b", 0), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 0)]  # (schedule, zero stage)
+PPDP_EPS = 1e-4  # see EPS in test_zero.py: bounds Adam's 1/eps amplification of reduction-order noise
+
+
+def _ppdp_worker() -> dict:
+    from fivefold.data_parallel.zero import ZeroDataParallel, step_together
+    from fivefold.mesh import ParallelDims, ParallelMesh
+
+    mesh = ParallelMesh(ParallelDims(pp=2, dp=2), "cpu", CommLog())
+    pp, dp = mesh.comm("pp"), mesh.comm("dp")
+    out = {}
+    for name, zero in PPDP_RUNS:
+        M = 4
+        V = 2 if name == "interleaved" else 1
+        schedule = build_schedule(name, pp.size, M, V)
+        stages = build_stages(CFG, schedule.stages_of(pp.rank), schedule.n_stages, seed=0)
+        engines = {s: ZeroDataParallel(m, dp, zero_stage=zero, lr=LR, weight_decay=WD, eps=PPDP_EPS)
+                   for s, m in stages.items()}
+        runtime = PipelineRuntime(schedule, engines, pp, _loss, lambda mb: (mb, SEQ, CFG.dim), torch.float32)
+        history = []
+        for step in range(PPDP_STEPS):
+            x, y = _step_batch(step)
+            xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
+            for e in engines.values():
+                e.reducer.require_sync = False  # many backward passes: reduce once after the last
+            runtime.step(list(xs.chunk(M)), list(ys.chunk(M)))
+            for e in engines.values():
+                e.reducer.require_sync = True
+                e.sync_gradients()
+            step_together(list(engines.values()), CLIP, across=[pp])
+            state = {}
+            for e in engines.values():
+                state.update(e.full_state_dict())
+            history.append(state)
+        out[(name, zero)] = history
+    return out
+
+
+def _step_batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, CFG.vocab_size, (16, SEQ), generator=g)
+    return x, torch.randint(0, CFG.vocab_size, (16, SEQ), generator=g)
+
+
+def _ppdp_reference():
+    model = build_model(CFG, seed=0)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
+    no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, eps=PPDP_EPS)
+    history = []
+    for step in range(PPDP_STEPS):
+        x, y = _step_batch(step)
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return history
+
+
+@pytest.fixture(scope="module")
+def ppdp_results():
+    return run_workers(_ppdp_worker, 4)
+
+
+@pytest.mark.parametrize("run", PPDP_RUNS, ids=[f"{n}-zero{z}" for n, z in PPDP_RUNS])
+def test_pp2_dp2_training_matches_single_process(ppdp_results, run):
+    ref = _ppdp_reference()
+    for rank, res in enumerate(ppdp_results):
+        for step, got in enumerate(res[run]):
+            assert got, "each rank holds some parameters"
+            for name, value in got.items():
+                torch.testing.assert_close(value, ref[step][name], rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank} step {step} {name}")

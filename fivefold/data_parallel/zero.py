@@ -45,8 +45,9 @@ from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
 
 
 def default_no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """Norm weights, biases (1-D) and embedding tables get no weight decay."""
-    if param.ndim < 2:
+    """Norm weights, biases (1-D) and embedding tables get no weight decay (a parameter can also opt
+    out with ``param.no_weight_decay = True``, as vocab-parallel embeddings do)."""
+    if param.ndim < 2 or getattr(param, "no_weight_decay", False):
         return True
     return any(isinstance(m, nn.Embedding) and m.weight is param for m in module.modules())
 
@@ -243,3 +244,21 @@ class ZeroDataParallel(nn.Module):
         optim = [f.master for f in self.flats]
         optim += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def step_together(engines: list[ZeroDataParallel], max_norm: float | None = None,
+                  across: list[Comm] = ()) -> float | None:
+    """One optimizer step for several engines that form one model (e.g. the pipeline stages of this
+    rank), clipping by the norm over all of them and over the ranks in `across` (e.g. the pp group):
+    each engine's squared norm (already summed over its dp shards and tp slices) is added up and
+    all-reduced over `across` — one scalar per group."""
+    norm = None
+    if max_norm is not None or any(e.loss_scaler is not None for e in engines):
+        sq = torch.tensor(sum(e.optimizer.grad_sq_norm() for e in engines), dtype=torch.float32)
+        for comm in across:
+            comm.all_reduce(sq, tag="grad_norm")
+        norm = float(sq.sqrt()) if torch.isfinite(sq) else float("inf")
+    for e in engines:
+        e.optimizer.apply_step(norm, max_norm)
+        e.zero_grad()
+    return norm

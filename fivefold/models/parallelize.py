@@ -24,7 +24,7 @@ from torch import nn
 
 from fivefold.comm import Comm
 from fivefold.models.llama import Llama
-from fivefold.tensor_parallel.comm_ops import copy_to_tp, gather_from_sp
+from fivefold.tensor_parallel.comm_ops import all_reduce_grad_hook, copy_to_tp, gather_from_sp
 from fivefold.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from fivefold.tensor_parallel.loss import vocab_parallel_cross_entropy
 
@@ -91,7 +91,7 @@ def apply_tensor_parallel(model: Llama, comm: Comm, sequence_parallel: bool = Fa
             module.register_forward_pre_hook(_region_entry(comm, entry_mode))
         elif style == "norm":
             if sequence_parallel:
-                module.weight.register_hook(_all_reduce_grad(comm))
+                module.weight.register_hook(all_reduce_grad_hook(comm, "sp_norm_grad"))
         else:
             raise ValueError(f"unknown tensor-parallel style '{style}' for module '{name}'")
     if tied:
@@ -105,14 +105,6 @@ def _region_entry(comm: Comm, mode: str):
     def hook(module: nn.Module, args: tuple) -> tuple:
         x = copy_to_tp(args[0], comm) if mode == "copy" else gather_from_sp(args[0], comm)
         return (x, *args[1:])
-    return hook
-
-
-def _all_reduce_grad(comm: Comm):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        comm.all_reduce(grad, tag="sp_norm_grad")
-        return grad
     return hook
 
 

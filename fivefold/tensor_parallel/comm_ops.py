@@ -28,7 +28,8 @@ def _gather_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     local = x.transpose(0, SEQ_DIM).contiguous()
     out = torch.empty((local.shape[0] * comm.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather(out, local, tag=tag)
-    return out.transpose(0, SEQ_DIM)
+    # Contiguous: the column-parallel layers that share this input then save one copy for backward.
+    return out.transpose(0, SEQ_DIM).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
@@ -86,6 +87,16 @@ class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return _gather_seq(grad, ctx.comm, "sp_scatter_bwd"), None
+
+
+def all_reduce_grad_hook(comm: Comm, tag: str):
+    """A tensor hook summing a replicated parameter's gradient over the TP group (SP computes it
+    from each rank's sequence chunk: partial sums)."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        comm.all_reduce(grad, tag=tag)
+        return grad
+    return hook
 
 
 def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:

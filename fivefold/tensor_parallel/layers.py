@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm import Comm
-from fivefold.tensor_parallel.comm_ops import copy_to_tp, gather_from_sp, reduce_from_tp, scatter_to_sp
+from fivefold.tensor_parallel.comm_ops import (
+    all_reduce_grad_hook,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    scatter_to_sp,
+)
 
 
 def shard_range(size: int, comm: Comm, what: str) -> tuple[int, int]:
@@ -79,6 +85,8 @@ class RowParallelLinear(nn.Module):
         self.linear_fn = F.linear
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
+        if self.bias is not None and sequence_parallel:  # added to each rank's chunk: sum the partial grads
+            self.bias.register_hook(all_reduce_grad_hook(comm, "sp_bias_grad"))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Comm, sequence_parallel: bool = False,
@@ -105,6 +113,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = vocab_start
         self.vocab_end = vocab_start + weight.shape[0]
         self.weight = nn.Parameter(weight)
+        self.weight.no_weight_decay = True  # an embedding table, like nn.Embedding's
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, comm: Comm, sequence_parallel: bool = False) -> VocabParallelEmbedding:
