@@ -179,5 +179,11 @@ class Comm:
             p2p.append(dist.P2POp(fn, tensor, self.global_rank(peer), group=self.group))
         return dist.batch_isend_irecv(p2p) if p2p else []
 
+    def all_gather_object(self, obj: object) -> list:
+        """Small picklable objects (e.g. timing records) from every rank of the group; not logged."""
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)

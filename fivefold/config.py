@@ -84,6 +84,13 @@ class DDPSection:
 
 
 @dataclass
+class PipelineSection:
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (micro-batches = train.grad_accum)
+    virtual: int = 1  # virtual stages per rank (interleaved)
+    layers_per_stage: str = ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
+
+
+@dataclass
 class PrecisionSection:
     param: str = "fp32"  # parameter / compute dtype: fp32 | bf16 | fp16 (fp32 master weights in the optimizer)
     reduce: str = "fp32"  # gradient buckets and collectives: fp32 | bf16 | fp16
@@ -108,6 +115,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     ddp: DDPSection = field(default_factory=DDPSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     run: RunSection = field(default_factory=RunSection)
 
     def to_dict(self) -> dict[str, Any]:

@@ -46,7 +46,7 @@ LLAMA_TP_PLAN: dict[str, str] = {
 }
 
 
-def check_tp_divisibility(model: Llama, tp: int) -> None:
+def check_tp_divisibility(model: nn.Module, tp: int) -> None:
     c = model.config
     for what, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("ffn_hidden", c.ffn_hidden),
                         ("vocab_size", c.vocab_size)):
@@ -68,12 +68,15 @@ def _style_for(name: str, plan: dict[str, str]) -> str | None:
     return None
 
 
-def apply_tensor_parallel(model: Llama, comm: Comm, sequence_parallel: bool = False,
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
                           plan: dict[str, str] | None = None) -> Llama:
-    """Shard `model` in place over the TP group of `comm` following `plan` (default LLAMA_TP_PLAN)."""
+    """Shard `model` (a `Llama`, or a pipeline stage of one) in place over the TP group of `comm`
+    following `plan` (default LLAMA_TP_PLAN)."""
     plan = LLAMA_TP_PLAN if plan is None else plan
     check_tp_divisibility(model, comm.size)
-    tied = model.output.weight is model.tok_embeddings.weight
+    # A pipeline stage holds only some of these modules (the embedding first, the head last).
+    emb, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = emb is not None and head is not None and head.weight is emb.weight
     entry_mode = "gather" if sequence_parallel else "copy"
     for name, module in list(model.named_modules()):
         style = _style_for(name, plan)
@@ -126,5 +129,8 @@ class TPLoss:
         return vocab_parallel_cross_entropy(logits, target, self.vocab_start, self.comm)
 
 
-def tp_loss(model: Llama) -> TPLoss:
-    return TPLoss(model.tp_comm, model.tok_embeddings.vocab_start)
+def tp_loss(model: nn.Module) -> TPLoss:
+    """The loss for a TP-sharded model (or last pipeline stage): its head holds vocabulary rows
+    [rank·V/T, (rank+1)·V/T)."""
+    comm = model.tp_comm
+    return TPLoss(comm, comm.rank * (model.config.vocab_size // comm.size))

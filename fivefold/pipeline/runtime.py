@@ -121,7 +121,14 @@ class PipelineRuntime:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """Run every micro-batch forward and backward; returns the summed loss/M on the last stage."""
+        """Run every micro-batch forward and backward; returns the summed loss/M on the last stage
+        (a forward-only schedule, e.g. `schedules.forward_only`, runs under no_grad: evaluation)."""
+        if not any(a.kind != "F" for acts in self.schedule.actions for a in acts if a.is_compute):
+            with torch.no_grad():
+                return self._run(inputs, targets)
+        return self._run(inputs, targets)
+
+    def _run(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
         M = self.schedule.n_microbatches
         if len(inputs) != M or len(targets) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(inputs)} inputs / {len(targets)} targets")
@@ -160,7 +167,7 @@ class PipelineRuntime:
             x = inputs[a.microbatch].to(self.device)
         else:
             x = stage_in[key]
-            x.requires_grad_(True)
+            x.requires_grad_(torch.is_grad_enabled())
         out = stage(x, seq_len=inputs[a.microbatch].shape[1]) if a.stage else stage(x)
         if a.stage == self.n_stages - 1:
             loss = self.loss_fn(out, targets[a.microbatch].to(self.device)) / self.schedule.n_microbatches

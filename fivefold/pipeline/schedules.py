@@ -382,6 +382,15 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 }
 
 
+def forward_only(P: int, M: int, stage_to_rank: list[int], name: str = "forward-only") -> Schedule:
+    """Evaluation: every micro-batch through every stage, no backward. Each rank runs its stages in
+    model order per micro-batch; dependencies only point to lower stages, so no cycle can form."""
+    actions = [[Action(F, m, s) for m in range(M) for s in range(len(stage_to_rank)) if stage_to_rank[s] == r]
+               for r in range(P)]
+    V = len(stage_to_rank) // P
+    return Schedule(name, P, M, V, list(stage_to_rank), actions)
+
+
 def build_schedule(name: str, P: int, M: int, V: int = 1) -> Schedule:
     """Build schedule ``name`` (a key of `SCHEDULES`) for P ranks, M micro-batches, V chunks per rank."""
     try:

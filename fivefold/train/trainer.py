@@ -9,32 +9,25 @@ measured model-state bytes per rank, evaluates periodically, and plots the loss 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fivefold.comm import CommLog
 from fivefold.config import Config, resolve_batch
-from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
-from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelDims, ParallelMesh, default_device, init_distributed, is_torchrun_env, launch_local
-from fivefold.models import build_model, count_params, get_config
-from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, tp_loss
+from fivefold.models import count_params, get_config
+from fivefold.models.llama import Llama
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import MetricsWriter, Progress, plot_loss
-
-
-def lm_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+from fivefold.train.model_parts import PipelinedModel, WholeModel
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -72,28 +65,12 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _check_supported(cfg: Config, dims: ParallelDims) -> None:
-    for dim in ("pp", "cp"):
-        if getattr(dims, dim) != 1:
-            raise NotImplementedError(
-                f"parallel.{dim}={getattr(dims, dim)}: the trainer supports dp × tp so far; set parallel.{dim}=1")
+    if dims.cp != 1:
+        raise NotImplementedError(f"parallel.cp={dims.cp}: context parallelism is not implemented yet; set "
+                                  "parallel.cp=1")
     if cfg.parallel.sp and cfg.train.seq_len % dims.tp:
         raise ValueError(f"sequence parallel splits the sequence over tp: train.seq_len={cfg.train.seq_len} is not "
                          f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: TokenDataset, cfg: Config, mesh: ParallelMesh,
-             device: torch.device, loss_fn: Any) -> float:
-    """Mean validation loss over cfg.train.eval_batches fixed batches, sharded across DP ranks."""
-    dp, rank = mesh.size("dp"), mesh.rank("dp")
-    n_batches = max(dp, cfg.train.eval_batches - cfg.train.eval_batches % dp)
-    mb = cfg.train.micro_batch or 8
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for x, y in data.val_batches(n_batches, mb, dp_rank=rank, dp_size=dp):
-        logits = model(x.to(device))
-        total += loss_fn(logits, y.to(device))
-    mesh.comm("dp").all_reduce(total, tag="metrics")
-    return (total / n_batches).item()
 
 
 def train(cfg: Config) -> TrainResult:
@@ -119,22 +96,9 @@ def train(cfg: Config) -> TrainResult:
     if t.seq_len > model_cfg.max_seq_len:
         model_cfg = get_config(cfg.model.preset, **{**overrides, "vocab_size": model_cfg.vocab_size},
                                max_seq_len=t.seq_len)
-    model = build_model(model_cfg, seed=t.seed, device=device)
-    n_params = count_params(model)
+    n_params = count_params(Llama(model_cfg, device="meta"))
+    parts = (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)
     tp_comm = mesh.comm("tp")
-    if tp_comm.size > 1:  # every rank built the full model from the seed; keep this rank's slices
-        apply_tensor_parallel(model, tp_comm, sequence_parallel=cfg.parallel.sp)
-        loss_fn = tp_loss(model)
-    else:
-        loss_fn = lm_cross_entropy
-    # One engine for every stage: ZeRO-0 is DDP; AdamW (no decay on norms and embeddings) on the shards.
-    engine = ZeroDataParallel(
-        model, mesh.comm("dp"), zero_stage=cfg.parallel.zero,
-        mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
-        bucket_mb=cfg.ddp.bucket_mb, find_unused=cfg.ddp.find_unused,
-        reshard_after_forward=cfg.ddp.reshard_after_forward, prefetch=cfg.ddp.prefetch,
-        tp_comm=tp_comm, tp_sharded=lambda name, p: is_tp_sharded(name, p, model),
-        optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name if is_main else None
     writer = MetricsWriter(run_dir)
@@ -143,7 +107,9 @@ def train(cfg: Config) -> TrainResult:
                       "params": n_params, "world": dist.get_world_size(), "dp": dp})
     progress = Progress(t.steps, enabled=is_main and cfg.run.progress, desc=cfg.run.name)
     progress.write(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, "
-                   f"dp={dp} ZeRO-{cfg.parallel.zero} tp={tp_comm.size}{' +SP' if cfg.parallel.sp else ''} "
+                   f"pp={mesh.size('pp')} dp={dp} ZeRO-{cfg.parallel.zero} tp={tp_comm.size}"
+                   f"{' +SP' if cfg.parallel.sp else ''}"
+                   + (f" {cfg.pipeline.schedule}" if mesh.size("pp") > 1 else "") + " "
                    f"({cfg.precision.param} params, {cfg.precision.reduce} reduce), "
                    f"global batch {global_batch} × {t.seq_len} tokens (micro {micro_batch} × accum {grad_accum}), "
                    f"{data}")
@@ -156,23 +122,16 @@ def train(cfg: Config) -> TrainResult:
     for step in range(t.steps):
         t0 = time.perf_counter()
         log.reset()
-        for group in engine.param_groups:
+        for group in parts.param_groups():
             group["lr"] = lr_at(step, cfg)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            x, y = data.micro_batch(step, global_batch, micro, grad_accum, dp_rank, dp)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            defer = cfg.ddp.defer_reduce and micro < grad_accum - 1
-            with engine.no_sync() if defer else contextlib.nullcontext():
-                loss = loss_fn(engine(x), y) / grad_accum
-                engine.backward(loss)
-            loss_sum += loss.detach()
+        micro_batches = [data.micro_batch(step, global_batch, micro, grad_accum, dp_rank, dp)
+                         for micro in range(grad_accum)]
+        loss_sum = parts.forward_backward(micro_batches)
         if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
-            state_mb = model_state_bytes(engine).total / 2**20
-        grad_norm = engine.step(t.grad_clip if t.grad_clip > 0 else None)
+            state_mb = parts.model_state_bytes() / 2**20
+        grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
         grad_bytes_comm = log.totals(dim="dp")
-        mesh.comm("dp").all_reduce(loss_sum, tag="metrics")
-        step_loss = loss_sum.item() / dp
+        step_loss = parts.global_loss(loss_sum)
         dt = time.perf_counter() - t0
         step_times.append(dt)
         if step == 0:
@@ -185,7 +144,7 @@ def train(cfg: Config) -> TrainResult:
                           "comm_payload_bytes": grad_bytes_comm.payload_bytes,
                           "comm_wire_bytes": grad_bytes_comm.wire_bytes})
         if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
-            val_loss = evaluate(engine, data, cfg, mesh, device, loss_fn)
+            val_loss = parts.evaluate(data)
             if is_main:
                 writer.write({"kind": "val", "step": step, "val_loss": val_loss})
                 progress.write(f"step {step + 1}: val loss {val_loss:.3f}")
@@ -199,6 +158,14 @@ def train(cfg: Config) -> TrainResult:
     if is_main:
         writer.write({"kind": "summary", **dataclasses.asdict(result)})
         writer.close()
+        if parts.timeline is not None:
+            bubble = parts.timeline_files(run_dir)
+            writer_extra = {"kind": "pipeline", **bubble}
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(writer_extra) + "\n")
+            print(f"fivefold: last step's pipeline timeline: measured bubble {bubble['measured_bubble']:.1%} "
+                  f"(formula {bubble['formula_bubble']:.1%}); wrote {run_dir / 'timeline.png'} and "
+                  f"{run_dir / 'trace.json'}")
         if cfg.run.plot:
             png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png",
                             title=f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}")
