@@ -7,6 +7,8 @@ single-process forward/backward of the same global batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,11 +119,11 @@ def _ppdp_worker() -> dict:
         for step in range(PPDP_STEPS):
             x, y = _step_batch(step)
             xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
+            with contextlib.ExitStack() as unreduced:  # many backward passes: reduce once after the last
+                for e in engines.values():
+                    unreduced.enter_context(e.no_sync())
+                runtime.step(list(xs.chunk(M)), list(ys.chunk(M)))
             for e in engines.values():
-                e.reducer.require_sync = False  # many backward passes: reduce once after the last
-            runtime.step(list(xs.chunk(M)), list(ys.chunk(M)))
-            for e in engines.values():
-                e.reducer.require_sync = True
                 e.sync_gradients()
             step_together(list(engines.values()), CLIP, across=[pp])
             state = {}

@@ -17,7 +17,8 @@ launched asynchronously the moment its last gradient arrives, overlapping the re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -261,6 +262,17 @@ class BucketedGradReducer:
             bucket.reset()
         self._next_to_launch = 0
         self._ready.clear()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Hooks still bring gradients into the buckets, but nothing is reduced until the first
+        backward after the context (or `sync_now`)."""
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
 
     def zero_grad(self) -> None:
         """Zero every bucket in place and re-point `.grad` at the views (cheaper than set_to_none)."""

@@ -8,8 +8,7 @@ what a full bucket does (scale by 1/N, all-reduce) and adds `no_sync()` for grad
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -66,15 +65,9 @@ class DDP(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate gradients locally; the first backward outside the context syncs them all."""
-        previous = self.reducer.require_sync
-        self.reducer.require_sync = False
-        try:
-            yield
-        finally:
-            self.reducer.require_sync = previous
+        return self.reducer.no_sync()
 
     def zero_grad(self, set_to_none: bool = False) -> None:  # noqa: D102 - nn.Module semantics
         if set_to_none:

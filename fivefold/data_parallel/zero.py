@@ -28,8 +28,7 @@ deferring costs it no memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -190,15 +189,9 @@ class ZeroDataParallel(nn.Module):
             loss = loss * self.loss_scaler.scale
         loss.backward()
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate unreduced full gradients; the next backward outside reduces them once."""
-        previous = self.reducer.require_sync
-        self.reducer.require_sync = False
-        try:
-            yield
-        finally:
-            self.reducer.require_sync = previous
+        return self.reducer.no_sync()
 
     def sync_gradients(self) -> None:
         """Reduce the gradients accumulated under `no_sync()` now, outside any backward (a pipeline

@@ -138,11 +138,11 @@ class PipelinedModel:
         return [g for e in self.engines.values() for g in e.param_groups]
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
+        with contextlib.ExitStack() as unreduced:  # M backward passes per stage: reduce once, after the last
+            for e in self.engines.values():
+                unreduced.enter_context(e.no_sync())
+            loss = self.runtime.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
         for e in self.engines.values():
-            e.reducer.require_sync = False  # M backward passes per stage: reduce once, after the last
-        loss = self.runtime.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
-        for e in self.engines.values():
-            e.reducer.require_sync = True
             e.sync_gradients()
         records = self.pp.all_gather_object(self.runtime.records)
         self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
