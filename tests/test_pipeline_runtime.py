@@ -134,10 +134,10 @@ def _ppdp_worker() -> dict:
     return out
 
 
-def _step_batch(step: int):
+def _step_batch(step: int, vocab: int = CFG.vocab_size):
     g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, CFG.vocab_size, (16, SEQ), generator=g)
-    return x, torch.randint(0, CFG.vocab_size, (16, SEQ), generator=g)
+    x = torch.randint(0, vocab, (16, SEQ), generator=g)
+    return x, torch.randint(0, vocab, (16, SEQ), generator=g)
 
 
 def _ppdp_reference():
@@ -171,3 +171,73 @@ def test_pp2_dp2_training_matches_single_process(ppdp_results, run):
             for name, value in got.items():
                 torch.testing.assert_close(value, ref[step][name], rtol=1e-5, atol=1e-6,
                                            msg=f"rank {rank} step {step} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The 3-D mesh: pp 2 × dp 2 × tp 2 (+ SP), ZeRO-1 over dp, 1F1B — 8 processes, a few steps.
+def _tp_dim(name: str) -> int | None:
+    """How LLAMA_TP_PLAN splits a parameter: rows (0), columns (1) or not at all (None)."""
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight",
+                      "tok_embeddings.weight")):
+        return 0
+    if name.endswith(("wo.weight", "w2.weight")):
+        return 1
+    return None
+
+
+def _mesh3d_worker() -> dict:
+    from fivefold.data_parallel.zero import ZeroDataParallel, step_together
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, tp_loss
+
+    mesh = ParallelMesh(ParallelDims(pp=2, dp=2, tp=2), "cpu", CommLog())
+    pp, dp, tp = mesh.comm("pp"), mesh.comm("dp"), mesh.comm("tp")
+    M = 2
+    schedule = build_schedule("1f1b", pp.size, M)
+    stages = build_stages(CFG_3D, schedule.stages_of(pp.rank), schedule.n_stages, seed=0)
+    losses = {s: apply_tensor_parallel(m, tp, sequence_parallel=True) for s, m in stages.items()}
+    engines = {s: ZeroDataParallel(m, dp, zero_stage=1, lr=LR, weight_decay=WD, eps=PPDP_EPS, tp_comm=tp,
+                                   tp_sharded=lambda n, p, m=m: is_tp_sharded(n, p, m)) for s, m in stages.items()}
+    last = schedule.n_stages - 1
+    loss_fn = tp_loss(losses[last]) if last in losses else _loss
+    runtime = PipelineRuntime(schedule, engines, pp, loss_fn, lambda mb: (mb, SEQ // 2, CFG_3D.dim), torch.float32)
+    history = []
+    for step in range(3):
+        x, y = _step_batch(step, CFG_3D.vocab_size)
+        xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
+        with contextlib.ExitStack() as unreduced:
+            for e in engines.values():
+                unreduced.enter_context(e.no_sync())
+            runtime.step(list(xs.chunk(M)), list(ys.chunk(M)))
+        for e in engines.values():
+            e.sync_gradients()
+        step_together(list(engines.values()), CLIP, across=[pp])
+        state = {}
+        for e in engines.values():
+            state.update(e.full_state_dict())
+        history.append(state)
+    return dict(history=history, tp_rank=tp.rank)
+
+
+CFG_3D = get_config("tiny", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=16)
+
+
+def test_pp2_dp2_tp2_sp_training_matches_single_process():
+    results = run_workers(_mesh3d_worker, 8)
+    model = build_model(CFG_3D, seed=0)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
+    no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, eps=PPDP_EPS)
+    for step in range(3):
+        x, y = _step_batch(step, CFG_3D.vocab_size)
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        for rank, res in enumerate(results):
+            for name, got in res["history"][step].items():
+                full = dict(model.named_parameters())[name].detach()
+                dim = _tp_dim(name)
+                want = full if dim is None else full.chunk(2, dim)[res["tp_rank"]]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step} {name}")
