@@ -1,4 +1,5 @@
-"""Smoke test of the benchmark harness: both DDPs run, bytes are measured, losses agree. No timing asserts."""
+"""Smoke tests of the benchmark harness: fivefold DDP / ZeRO 0-3 and torch's counterparts run, bytes and
+memory are measured and equal the formulas, losses agree. No timing asserts."""
 
 from __future__ import annotations
 
@@ -48,3 +49,95 @@ def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["ddp", "--help"])
     assert e.value.code == 0 and "--bucket-mb" in capsys.readouterr().out
+
+
+# -- ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2 ---------------------------------------
+
+ZERO_NAMES = ["fivefold-z0", "torch-DDP", "fivefold-z1", "torch-ZeRO1", "fivefold-z2", "fivefold-z3", "torch-FSDP2"]
+BASELINES = {"fivefold-z0": "torch-DDP", "fivefold-z1": "torch-ZeRO1", "fivefold-z2": "torch-ZeRO1",
+             "fivefold-z3": "torch-FSDP2"}
+
+
+@pytest.fixture(scope="module")
+def zero_result() -> dict:
+    from fivefold.bench import bench_zero
+
+    return bench_zero(preset="tiny", world=2, steps=2, warmup=1, repeats=2, micro_batch=2, seq_len=16)
+
+
+def _impls(result: dict) -> dict[str, dict]:
+    return {r["name"]: r for r in result["impls"]}
+
+
+def test_zero_every_contestant_timed(zero_result):
+    assert [r["name"] for r in zero_result["impls"]] == ZERO_NAMES
+    for r in zero_result["impls"]:
+        assert r["median_s"] > 0 and len(r["times_s"]) == 2 and r["tokens_per_s"] > 0
+        assert len(r["losses"]) == 3 and all(loss == loss for loss in r["losses"])  # warmup + timed, no NaN
+    assert {p["name"]: p["baseline"] for p in zero_result["pairs"]} == BASELINES
+    assert all(p["ratio"] > 0 for p in zero_result["pairs"])
+
+
+def test_zero_fivefold_bytes_equal_formulas(zero_result):
+    world, impls = 2, _impls(zero_result)
+    for stage in range(4):
+        r = impls[f"fivefold-z{stage}"]
+        psi = r["padded_params"]
+        assert psi % world == 0 and psi - r["params"] < world * 8  # padded per flat buffer
+        want = [{"all_reduce": 4 * psi}, {"reduce_scatter": 4 * psi, "all_gather": 4 * psi},
+                {"reduce_scatter": 4 * psi, "all_gather": 4 * psi},
+                {"reduce_scatter": 4 * psi, "all_gather": 8 * psi}][stage]
+        assert r["comm_source"].startswith("measured") and r["comm_constant"]
+        assert {op: b for op, (_, b) in r["comm_by_op"].items()} == want, r["name"]
+        wire = sum(b * (2 if op == "all_reduce" else 1) * (world - 1) / world for op, b in want.items())
+        assert r["wire_bytes"] == pytest.approx(wire)
+        assert not r["mismatches"], r["mismatches"]
+    # The torch counterparts are measured too, and their bytes are those of their recipes.
+    psi = zero_result["params"]
+    assert impls["torch-DDP"]["payload_bytes"] == 4 * psi
+    assert {op: b for op, (_, b) in impls["torch-ZeRO1"]["comm_by_op"].items()} == {
+        "all_reduce": 4 * psi, "broadcast": 4 * psi}
+    fsdp = impls["torch-FSDP2"]
+    assert {op: b for op, (_, b) in fsdp["comm_by_op"].items()} == {
+        "all_gather": 8 * fsdp["padded_params"], "reduce_scatter": 4 * fsdp["padded_params"]}
+
+
+def test_zero_fivefold_memory_equals_formula(zero_result):
+    world, impls = 2, _impls(zero_result)
+    for stage in range(4):
+        r = impls[f"fivefold-z{stage}"]
+        psi, pad = r["padded_params"], r["padded_params"] - r["params"]
+        params, grads = [(4 * psi, 4 * psi), (4 * psi, 4 * psi), (4 * psi, 4 * psi // world),
+                         (4 * psi // world, 4 * psi // world)][stage]
+        optim = 8 * psi // (1 if stage == 0 else world)
+        assert len(r["memory_per_rank"]) == world
+        for mem in r["memory_per_rank"]:
+            assert mem["params"] == params and mem["grads"] == grads, (r["name"], mem)
+            # AdamW m, v for every real element (not padding), plus 4-byte step counters.
+            assert 0 < mem["step_counters"] <= 4 * 64
+            assert optim - 8 * pad <= mem["optimizer"] - mem["step_counters"] <= optim, (r["name"], mem)
+    # ZeRO-3 holds exactly what FSDP2 holds when no padding is needed.
+    assert impls["fivefold-z3"]["memory"]["total"] - impls["fivefold-z3"]["memory"]["step_counters"] == (
+        impls["torch-FSDP2"]["memory"]["total"] - impls["torch-FSDP2"]["memory"]["step_counters"])
+
+
+def test_zero_losses_match_torch(zero_result):
+    impls = _impls(zero_result)
+    for name, baseline in BASELINES.items():
+        assert impls[name]["max_abs_loss_diff"] <= 1e-4, name
+        assert max(abs(a - b) for a, b in zip(impls[name]["losses"], impls[baseline]["losses"])) <= 1e-4
+
+
+def test_zero_table(zero_result):
+    table = format_table(zero_result)
+    for name in ZERO_NAMES:
+        assert f"| {name}" in table
+    assert "fivefold-z3/torch-FSDP2" in table and "16Ψ/N" in table and "AG 2Ψ + RS Ψ" in table
+
+
+def test_cli_zero_help(capsys):
+    from fivefold.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["zero", "--help"])
+    assert e.value.code == 0 and "--stages" in capsys.readouterr().out
