@@ -44,7 +44,9 @@ loss_fn divided by M, the same arithmetic as our runtime). Timed: the pipeline s
 AdamW step and zero_grad run untimed after it, identically on both sides. Measured bubble: the
 compute intervals of every rank (ours: `PipelineRuntime.records`; torch: the stage's
 ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` wrapped with timers)
-gathered into a `simulator.Timeline`: 1 - busy / (P · makespan), median over the timed steps.
+gathered into a `simulator.Timeline`: 1 - busy / (P · makespan), median over the timed steps. (Ours
+counts the last stage's loss inside its F; torch computes the loss outside ``forward_one_chunk``, so
+its busy time leaves out the - small - loss computation.) Communication wait counts as idle on both.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.bench import CommBytes, Contestant, _blocks, _mb, _ops, _paired_ratio, _table, lm_loss
-from fivefold.comm import Comm, CommLog, ring_wire_bytes
+from fivefold.bench import _OP_SHORT, CommBytes, Contestant, _blocks, _mb, _ops, _paired_ratio, _table, lm_loss
+from fivefold.comm import Comm, CommLog
 from fivefold.mesh import launch_local
 from fivefold.models import build_model, get_config
 
@@ -118,7 +120,7 @@ class PPSpec:
     virtual: int = 2  # stages per rank of the interleaved schedules
     steps: int = 16
     warmup: int = 2
-    repeats: int = 4
+    repeats: int = 8
     micro_batch: int = 4
     seq_len: int = 128
     lr: float = 1e-3
@@ -236,7 +238,7 @@ def _byte_counting_mode() -> Any:
             super().__init__()
             self.by_op: dict[str, list[int]] = {}
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out is not NotImplemented:
                 entry = payloads.get(getattr(func, "_overloadpacket", None))
@@ -333,7 +335,9 @@ def build_torch_tp(model: nn.Module, spec: TPSpec, sequence_parallel: bool) -> S
                              + (", SequenceParallel norms" if sequence_parallel else "")
                              + "), head ColwiseParallel(output Shard(-1)) + loss_parallel() (logits not "
                              "gathered), AdamW over DTensor parameters"],
-                      info=dict(comm_debug_counts=comm_counts))
+                      info=dict(comm_debug_counts=comm_counts,
+                                formula=tp_comm_formula(model.config, spec.batch, spec.seq_len, sequence_parallel),
+                                formula_text=_tp_formula_text(sequence_parallel)))
 
 
 def tp_contestants(sequence_parallel: Sequence[bool] = (False, True)) -> tuple[Contestant, ...]:
@@ -348,7 +352,7 @@ def tp_contestants(sequence_parallel: Sequence[bool] = (False, True)) -> tuple[C
 
 # -- PP: contestants --------------------------------------------------------------------------------
 
-# fivefold schedule -> (torch schedule class name, stages per rank on the torch side)
+# fivefold schedule -> the torch.distributed.pipelining schedule class it is timed against
 PP_PAIRS: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -496,6 +500,7 @@ def _contest_worker(kind: str, spec: TPSpec | PPSpec, contestants: Sequence[Cont
         batches.append([data.global_batch(s, rows) for s in range(total)])
     n = len(runners)
     times = torch.zeros(n, total, dtype=torch.float64)
+    cpu = torch.zeros(n, total, dtype=torch.float64)  # process CPU time of the step (all threads), summed over ranks
     losses = torch.zeros(n, total, dtype=torch.float64)
     has_loss = torch.zeros(n, total, dtype=torch.float64)
     comm: list[list[CommBytes]] = [[CommBytes() for _ in range(total)] for _ in range(n)]
@@ -510,9 +515,10 @@ def _contest_worker(kind: str, spec: TPSpec | PPSpec, contestants: Sequence[Cont
             x, y = batches[i][s]
             dist.barrier()  # everyone starts the step together
             runner.reset_comm()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = runner.step(x, y)
             times[i, s] = time.perf_counter() - t0
+            cpu[i, s] = time.process_time() - c0
             runner.after()
             if loss is not None:
                 losses[i, s], has_loss[i, s] = loss, 1.0
@@ -529,6 +535,7 @@ def _contest_worker(kind: str, spec: TPSpec | PPSpec, contestants: Sequence[Cont
             run(i, count, r)
 
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # step time = the slowest rank's
+    dist.all_reduce(cpu)
     dist.all_reduce(losses)
     dist.all_reduce(has_loss)
     mean_losses = losses / has_loss.clamp(min=1)  # TP: every rank's (equal) loss; PP: the last stage's
@@ -552,6 +559,7 @@ def _contest_worker(kind: str, spec: TPSpec | PPSpec, contestants: Sequence[Cont
         impl: dict[str, Any] = dict(
             name=c.name, baseline=c.baseline, baseline_note=c.baseline_note,
             median_s=statistics.median(timed), p25_s=q[0], p75_s=q[2], min_s=min(timed), times_s=timed,
+            cpu_median_s=statistics.median(cpu[i, spec.warmup:].tolist()),
             comm_calls=last.calls, payload_bytes=last.payload_bytes, wire_bytes=last.wire_bytes,
             comm_by_op=last.by_op, comm_source=source,
             comm_constant=all(asdict(b) == asdict(last) for b in comm[i][spec.warmup:]),
@@ -574,7 +582,8 @@ def _contest_worker(kind: str, spec: TPSpec | PPSpec, contestants: Sequence[Cont
         j = index[c.baseline]
         a, b = impls[i], impls[j]
         ratios = dict(ratio=a["median_s"] / b["median_s"], ratio_min=a["min_s"] / b["min_s"],
-                      ratio_paired=_paired_ratio(times[i], times[j], block_of[i], block_of[j]))
+                      ratio_paired=_paired_ratio(times[i], times[j], block_of[i], block_of[j]),
+                      ratio_cpu=a["cpu_median_s"] / b["cpu_median_s"])
         diff = float((mean_losses[i] - mean_losses[j]).abs().max())
         a.update(ratios, max_abs_loss_diff=diff)
         pairs.append(dict(name=c.name, baseline=c.baseline, **ratios, max_abs_loss_diff=diff))
@@ -622,28 +631,37 @@ def bench_pp(spec: PPSpec | None = None, **overrides: Any) -> dict:
 
 def _time_rows(results: dict) -> list[tuple[str, ...]]:
     rows = [("impl", "vs", "median step ms", "p25–p75 ms", "min ms", "ratio", "ratio paired", "ratio of mins",
-             "tokens/s", "max |Δloss|")]
+             "CPU ms", "CPU ratio", "tokens/s", "max |Δloss|")]
     for r in results["impls"]:
         rows.append((r["name"], r["baseline"] or "", f"{r['median_s'] * 1e3:.1f}",
                      f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}",
                      f"{r['ratio']:.3f}" if "ratio" in r else "",
                      f"{r['ratio_paired']:.3f}" if "ratio_paired" in r else "",
-                     f"{r['ratio_min']:.3f}" if "ratio_min" in r else "", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['ratio_min']:.3f}" if "ratio_min" in r else "", f"{r['cpu_median_s'] * 1e3:.0f}",
+                     f"{r['ratio_cpu']:.3f}" if "ratio_cpu" in r else "", f"{r['tokens_per_s']:,.0f}",
                      f"{r['max_abs_loss_diff']:.1e}" if "max_abs_loss_diff" in r else ""))
     return rows
+
+
+def _diff_ops(got: dict[str, int], want: dict[str, int]) -> str:
+    return ", ".join(f"{_OP_SHORT.get(op, op)} {got.get(op, 0) - want.get(op, 0):+,} B"
+                     for op in sorted(set(got) | set(want)) if got.get(op, 0) != want.get(op, 0)) or "varies"
 
 
 def format_tp_table(results: dict) -> str:
     spec = results["spec"]
     out = _table(_time_rows(results))
     out += ["ratio = median / median of the counterpart; paired = median over rounds of the ratio of the two "
-            "back-to-back block medians; ratio of mins = best step / best step"]
+            "back-to-back block medians; ratio of mins = best step / best step; CPU = median process CPU time of a "
+            "step (all threads) summed over ranks, less sensitive to other load on the machine than wall time"]
     out += ["", "communication per step and rank (payload = the collectives' full buffers; wire = ring formula):"]
-    rows = [("impl", "collectives", "payload MiB", "wire MiB", "formula", "formula MiB", "matches", "bytes")]
+    rows = [("impl", "collectives", "payload MiB", "wire MiB", "formula (fivefold's plan)", "formula MiB", "matches",
+             "bytes")]
     for r in results["impls"]:
         formula = r["info"].get("formula")
         got = {op: b for op, (_, b) in r["comm_by_op"].items()}
-        matches = "" if formula is None else ("yes" if got == formula and r["comm_constant"] else "NO")
+        matches = "" if formula is None else ("yes" if got == formula and r["comm_constant"] else
+                                              "NO: " + _diff_ops(got, formula))
         rows.append((r["name"], _ops(r["comm_by_op"]), _mb(r["payload_bytes"]), _mb(r["wire_bytes"]),
                      r["info"].get("formula_text", ""), _mb(sum(formula.values())) if formula else "",
                      matches, r["comm_source"]))
@@ -651,7 +669,7 @@ def format_tp_table(results: dict) -> str:
     out.append("")
     for p in results["pairs"]:
         out.append(f"ratio {p['name']}/{p['baseline']} (median step time): {p['ratio']:.3f} "
-                   f"(paired {p['ratio_paired']:.3f}, of mins {p['ratio_min']:.3f}); "
+                   f"(paired {p['ratio_paired']:.3f}, of mins {p['ratio_min']:.3f}, CPU time {p['ratio_cpu']:.3f}); "
                    f"max |loss difference| over steps: {p['max_abs_loss_diff']:.2e}")
     c = get_config(spec["preset"])
     out += [f"preset {spec['preset']} (n={c.n_layers} layers, D={c.dim}, Ψ={results['params']:,}), tp {spec['tp']} "
@@ -676,13 +694,15 @@ def format_pp_table(results: dict) -> str:
         rows[k] = (*rows[k], f"{r['bubble_measured']:.3f}", f"{r['bubble_formula']:.3f}")
     out = _table(rows)
     out += ["ratio = median / median of the counterpart; paired = median over rounds of the ratio of the two "
-            "back-to-back block medians; ratio of mins = best step / best step; bubble measured = median over "
+            "back-to-back block medians; ratio of mins = best step / best step; CPU = median process CPU time of a "
+            "step (all threads) summed over ranks; bubble measured = median over "
             "timed steps of 1 - Σ compute time / (P · makespan) from every rank's F/B/I/W intervals; formula: "
             "gpipe, 1f1b (P-1)/(M+P-1), interleaved (P-1)/(V·M+P-1), zb-h1 (P-1)/(3M+P-1)"]
     out.append("")
     for p in results["pairs"]:
         out.append(f"ratio {p['name']}/{p['baseline']}: {p['ratio']:.3f} (paired {p['ratio_paired']:.3f}, "
-                   f"of mins {p['ratio_min']:.3f}); max |loss difference| over steps: {p['max_abs_loss_diff']:.2e}")
+                   f"of mins {p['ratio_min']:.3f}, CPU time {p['ratio_cpu']:.3f}); max |loss difference| over steps: "
+                   f"{p['max_abs_loss_diff']:.2e}")
     c = get_config(spec["preset"])
     out += [f"preset {spec['preset']} (n={c.n_layers} layers, D={c.dim}, Ψ={results['params']:,}), P={spec['pp']} "
             f"(gloo, {spec['threads']} thread(s)/rank), micro-batch {spec['micro_batch']} × L={spec['seq_len']}, "

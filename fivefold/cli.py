@@ -1,4 +1,4 @@
-"""Command line: ``fivefold train | bench``.
+"""Command line: ``fivefold train | bench {ddp,zero,all,tp,pp,parallel}``.
 
 ``fivefold train [--config run.toml] [--section.key value ...]`` trains on the embedded default
 (the small Llama on this Python's standard-library sources, 2 local CPU workers) unless told
@@ -33,6 +33,11 @@ def _train(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    """ddp | zero | all: data parallel (fivefold.bench); tp | pp: fivefold.bench_parallel."""
+    if argv and argv[0] in ("tp", "pp", "parallel"):
+        from fivefold.bench_parallel import main as parallel_main
+
+        return parallel_main(["all" if argv[0] == "parallel" else argv[0], *argv[1:]])
     from fivefold.bench import main as bench_main
 
     return bench_main(argv)

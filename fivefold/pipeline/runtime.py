@@ -118,6 +118,10 @@ class PipelineRuntime:
             for stage in stages.values():
                 self.wgrad.install(stage)
         self.records: list[tuple[str, int, int, float, float]] = []
+        # Post the next batch's receives one batch early. Safe with gloo, where every p2p op
+        # progresses on its own; NCCL serialises a peer pair's ops on one stream, so a receive
+        # posted ahead of a send the peer is waiting for could block it: off on accelerators.
+        self.lookahead_recv = self.device.type == "cpu"
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -141,9 +145,15 @@ class PipelineRuntime:
         send_works: list = []
         loss_total: torch.Tensor | None = None
         mb_size = inputs[0].shape[0]
-        for item in iter_steps(self.schedule.actions[self.rank]):
+        steps = list(iter_steps(self.schedule.actions[self.rank]))
+        batches = [i for i, item in enumerate(steps) if isinstance(item, list)]
+        posted: dict[Action, tuple[torch.Tensor, Any]] = {}  # receives already in flight
+        for i, item in enumerate(steps):
             if isinstance(item, list):
-                self._communicate(item, mb_size, stage_in, stage_out, grad_out, grad_in, send_works)
+                later = [j for j in batches if j > i]
+                upcoming = steps[later[0]] if later else []
+                self._communicate(item, upcoming, mb_size, stage_in, stage_out, grad_out, grad_in, send_works,
+                                  posted)
                 continue
             a: Action = item
             key = (a.stage, a.microbatch)
@@ -198,9 +208,13 @@ class PipelineRuntime:
             else:
                 grad_in[key] = x.grad
 
-    def _communicate(self, batch: list[Action], mb_size: int, stage_in, stage_out, grad_out, grad_in,
-                     send_works: list) -> None:
-        ops, recvs = [], []
+    def _communicate(self, batch: list[Action], upcoming: list[Action], mb_size: int, stage_in, stage_out,
+                     grad_out, grad_in, send_works: list, posted: dict) -> None:
+        """One batch_isend_irecv: this batch's sends and the receives it still needs, plus (look-ahead)
+        the receives of the next batch, so a transfer can progress while this rank computes. Waits
+        only for this batch's receives; sends finish by the end of the step."""
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        new_recvs: list[tuple[Action, torch.Tensor]] = []
         shape = tuple(self.activation_shape(mb_size))
         for a in batch:
             key = (a.stage, a.microbatch)
@@ -208,16 +222,21 @@ class PipelineRuntime:
                 ops.append(("send", stage_out[key].detach().contiguous(), a.peer))
             elif a.kind == SEND_B:
                 ops.append(("send", grad_in.pop(key).contiguous(), a.peer))
-            elif a.kind in (RECV_F, RECV_B):
+        for a in [*batch, *(upcoming if self.lookahead_recv else [])]:
+            if a.kind in (RECV_F, RECV_B) and a not in posted:
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 ops.append(("recv", buf, a.peer))
-                recvs.append((a, buf))
+                new_recvs.append((a, buf))
         works = self.comm.batch_p2p(ops, tag="pp")
-        # Receives are needed by the next compute; sends only have to finish by the end of the step.
-        for (kind, _, _), w in zip(ops, works):
-            (send_works.append(w) if kind == "send" else w.wait())
-        for a, buf in recvs:
-            (stage_in if a.kind == RECV_F else grad_out)[(a.stage, a.microbatch)] = buf
+        send_works.extend(w for (kind, _, _), w in zip(ops, works) if kind == "send")
+        recv_works = [w for (kind, _, _), w in zip(ops, works) if kind == "recv"]
+        for (a, buf), w in zip(new_recvs, recv_works):
+            posted[a] = (buf, w)
+        for a in batch:
+            if a.kind in (RECV_F, RECV_B):
+                buf, w = posted.pop(a)
+                w.wait()
+                (stage_in if a.kind == RECV_F else grad_out)[(a.stage, a.microbatch)] = buf
 
     def timeline(self) -> Timeline:
         """The last step's measured compute times as a `Timeline` (this rank's row only)."""
