@@ -18,6 +18,7 @@ Each compute action's wall-clock start/end is recorded: `timeline()` turns them 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -99,6 +100,12 @@ class PipelineRuntime:
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comm: Comm, loss_fn: LossFn,
                  activation_shape: Callable[[int], Sequence[int]], dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if not schedule.is_lowered and self.device.type == "cpu":
+            # gloo sends never block (buffered), so the F+B pairing that keeps interleaved 1F1B
+            # deadlock-free under NCCL's blocking sends is not needed; without it each SEND_F leaves
+            # right after its F instead of after the paired backward.
+            schedule = dataclasses.replace(schedule, fuse_forward_backward=False)
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         self.rank = comm.rank
         expected = set(self.schedule.stages_of(self.rank))
@@ -111,7 +118,7 @@ class PipelineRuntime:
         self.comm = comm
         self.loss_fn = loss_fn
         self.activation_shape = activation_shape  # micro-batch size -> shape of the tensor between stages
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype = dtype
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
         if self.schedule.split_backward:

@@ -173,7 +173,7 @@ class PipelinedModel:
         tl, s = self.timeline, self.schedule
         formula = bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual)
         plot_timeline(tl, run_dir / "timeline.png",
-                      title=f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}: measured bubble "
-                            f"{tl.bubble_fraction:.1%} (formula {formula:.1%})")
+                      title=f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}, measured "
+                            f"(formula bubble {formula:.1%})")
         to_chrome_trace(tl, run_dir / "trace.json", us_per_unit=1e6)
         return {"measured_bubble": tl.bubble_fraction, "formula_bubble": formula}
