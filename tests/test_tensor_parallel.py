@@ -339,12 +339,6 @@ def _train_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _model_batch(GLOBAL_BATCH, seed=100 + step)
 
 
-def _no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """The reference's groups, spelled out: no weight decay for 1-D parameters and the embedding table.
-    (The engine's default should say the same on a TP model: see test_default_no_decay_under_tp.)"""
-    return param.ndim < 2 or name == "tok_embeddings.weight"
-
-
 def _no_decay_flags(model: nn.Module) -> dict[str, bool]:
     return {n: default_no_decay(n, p, model) for n, p in model.named_parameters()}
 
