@@ -7,8 +7,6 @@ single-process forward/backward of the same global batch.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ from fivefold.models import build_model, get_config
 from fivefold.pipeline.runtime import PipelineRuntime
 from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.stage import build_stages
+from fivefold.train.model_parts import pipeline_forward_backward
 
 CFG = get_config("tiny", n_layers=8, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=17)
 SEQ = 6
@@ -119,12 +118,7 @@ def _ppdp_worker() -> dict:
         for step in range(PPDP_STEPS):
             x, y = _step_batch(step)
             xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
-            with contextlib.ExitStack() as unreduced:  # many backward passes: reduce once after the last
-                for e in engines.values():
-                    unreduced.enter_context(e.no_sync())
-                runtime.step(list(xs.chunk(M)), list(ys.chunk(M)))
-            for e in engines.values():
-                e.sync_gradients()
+            pipeline_forward_backward(runtime, engines, list(xs.chunk(M)), list(ys.chunk(M)))
             step_together(list(engines.values()), CLIP, across=[pp])
             state = {}
             for e in engines.values():
@@ -205,12 +199,7 @@ def _mesh3d_worker() -> dict:
     for step in range(3):
         x, y = _step_batch(step, CFG_3D.vocab_size)
         xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
-        with contextlib.ExitStack() as unreduced:
-            for e in engines.values():
-                unreduced.enter_context(e.no_sync())
-            runtime.step(list(xs.chunk(M)), list(ys.chunk(M)))
-        for e in engines.values():
-            e.sync_gradients()
+        pipeline_forward_backward(runtime, engines, list(xs.chunk(M)), list(ys.chunk(M)))
         step_together(list(engines.values()), CLIP, across=[pp])
         state = {}
         for e in engines.values():

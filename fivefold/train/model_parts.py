@@ -65,6 +65,19 @@ def _eval_batches(data: TokenDataset, cfg: Config, mesh: ParallelMesh) -> list:
     return data.val_batches(n_batches, cfg.train.micro_batch, dp_rank=rank, dp_size=dp)
 
 
+def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[int, ZeroDataParallel],
+                              inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor | None:
+    """One pipeline step's forward and backward with every stage's gradients reduced over dp once:
+    the M backward passes of a stage run unreduced (`no_sync`), then each engine syncs."""
+    with contextlib.ExitStack() as unreduced:
+        for e in engines.values():
+            unreduced.enter_context(e.no_sync())
+        loss = runtime.step(inputs, targets)
+    for e in engines.values():
+        e.sync_gradients()
+    return loss
+
+
 class WholeModel:
     timeline: Timeline | None = None
 
@@ -138,12 +151,8 @@ class PipelinedModel:
         return [g for e in self.engines.values() for g in e.param_groups]
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        with contextlib.ExitStack() as unreduced:  # M backward passes per stage: reduce once, after the last
-            for e in self.engines.values():
-                unreduced.enter_context(e.no_sync())
-            loss = self.runtime.step([x for x, _ in micro_batches], [y for _, y in micro_batches])
-        for e in self.engines.values():
-            e.sync_gradients()
+        loss = pipeline_forward_backward(self.runtime, self.engines, [x for x, _ in micro_batches],
+                                         [y for _, y in micro_batches])
         records = self.pp.all_gather_object(self.runtime.records)
         self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
         return loss if loss is not None else torch.zeros((), device=self.device)
