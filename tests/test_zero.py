@@ -209,9 +209,111 @@ def _fp16_loss_scaling() -> dict:
     return dict(scales=scales, changed=changed, skipped=model.loss_scaler.skipped_steps)
 
 
+# ---------------------------------------------------------------------------------------------
+# Accumulation edge cases and misuse (found in review): one SGD(lr=1) step, every stage.
+ACCUM_MODES = ("two_losses_one_forward", "sync_nosync_sync")
+EDGE_BATCH = 18  # 3 micro-batches per rank at world 2 and 3
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in backward after the layers above it already produced gradients (like an OOM)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+def _sgd_engine(stage, comm):
+    return ZeroDataParallel(build_toy(), comm, zero_stage=stage, bucket_mb=SMALL_BUCKET_MB, units=[nn.Linear],
+                            optimizer_class=torch.optim.SGD, lr=1.0)
+
+
+def _accumulate(model, xs, ys, mode):
+    if mode == "two_losses_one_forward":  # two synchronising backwards, no forward between them
+        out = model(xs)
+        lm_loss(out, ys).mul(0.5).backward(retain_graph=True)
+        lm_loss(out * 2, ys).mul(0.5).backward()
+    else:  # reduce, accumulate unreduced, reduce again
+        for i, (xm, ym) in enumerate(zip(xs.chunk(3), ys.chunk(3))):
+            with model.no_sync() if i == 1 else contextlib.nullcontext():
+                (lm_loss(model(xm), ym) / 3).backward()
+
+
+def _edge_cases() -> dict:
+    comm = Comm(None, "dp", CommLog())
+    out: dict = {"accum": {}, "idle_step_changes": {}}
+    x, y = toy_batch(0, batch=EDGE_BATCH)
+    xs, ys = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+    for stage in range(4):
+        for mode in ACCUM_MODES:
+            model = _sgd_engine(stage, comm)
+            _accumulate(model, xs, ys, mode)
+            model.step()
+            out["accum"][(stage, mode)] = model.full_state_dict()
+        before = model.full_state_dict()
+        model.step()  # no backward since the last step: nothing may change
+        after = model.full_state_dict()
+        out["idle_step_changes"][stage] = max((before[k] - after[k]).abs().max().item() for k in before)
+    model = _sgd_engine(2, comm)
+    with model.no_sync():
+        lm_loss(model(xs), ys).backward()
+    try:
+        model.step()
+        out["unsynced_error"] = None
+    except RuntimeError as e:
+        out["unsynced_error"] = str(e)
+    model = _sgd_engine(2, comm)
+    try:  # a backward that fails half-way (the head's gradient already arrived), then a normal step
+        lm_loss(model.module.head(_Boom.apply(model.module.emb(xs))), ys).backward()
+    except RuntimeError:
+        pass
+    model.zero_grad()
+    _accumulate(model, xs, ys, "sync_nosync_sync")
+    model.step()
+    out["after_failure"] = model.full_state_dict()
+    out["tied_units_error"] = _tied_across_units_error(comm)
+    return out
+
+
+def _tied_across_units_error(comm) -> str | None:
+    model = build_toy()
+    shared = nn.Linear(6, 6)
+    model.frozen = shared
+    model.fc_extra = nn.Linear(6, 6)
+    model.fc_extra.weight = shared.weight  # one parameter used by two Linear units
+    try:
+        ZeroDataParallel(model, comm, zero_stage=3, units=[nn.Linear], lr=LR)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _edge_reference(mode, world):
+    model = build_toy()
+    x, y = toy_batch(0, batch=EDGE_BATCH)
+    for xs, ys in zip(x.chunk(world), y.chunk(world)):
+        if mode == "two_losses_one_forward":
+            out = model(xs)
+            ((lm_loss(out, ys) * 0.5 + lm_loss(out * 2, ys) * 0.5) / world).backward()
+        else:
+            for xm, ym in zip(xs.chunk(3), ys.chunk(3)):
+                (lm_loss(model(xm), ym) / 3 / world).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= p.grad
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+
 def _correctness_worker() -> dict:
     return dict(runs=[_train(cfg) for cfg in CONFIGS], zero2=_zero2_holds_only_its_shard(),
-                zero3=_zero3_materialised_units(), sharded=_sharded_optimizer(), fp16=_fp16_loss_scaling())
+                zero3=_zero3_materialised_units(), sharded=_sharded_optimizer(), fp16=_fp16_loss_scaling(),
+                edge=_edge_cases())
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
@@ -364,3 +466,26 @@ def test_model_state_bytes_match_formula(memory_results, stage, dtype):
                        2: 2 * psi_padded + 14 * psi_padded / n, 3: 16 * psi_padded / n}[stage]
             padding_state = 8 * (psi_padded / shards - owned)
             assert m.total - frozen * 2 - 4 * r["n_master"] == formula - padding_state
+
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("mode", ACCUM_MODES)
+def test_accumulation_over_several_synchronising_backwards(zero_results, stage, mode):
+    world, results = zero_results
+    want = _edge_reference(mode, world)
+    for rank, res in enumerate(results):
+        got = res["edge"]["accum"][(stage, mode)]
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def test_misuse_is_caught_or_harmless(zero_results):
+    world, results = zero_results
+    want = _edge_reference("sync_nosync_sync", world)
+    for res in results:
+        e = res["edge"]
+        assert all(change == 0.0 for change in e["idle_step_changes"].values())  # step() without backward
+        assert "never reduced" in e["unsynced_error"]  # step() after only no_sync backwards
+        for name in want:  # a backward that raised half-way leaves no stale state behind
+            torch.testing.assert_close(e["after_failure"][name], want[name], rtol=1e-5, atol=1e-6)
+        assert "shared by units" in e["tied_units_error"]

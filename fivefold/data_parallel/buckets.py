@@ -104,7 +104,7 @@ class GradBucket:
     """
 
     def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
-                 keep_buffer: bool = True) -> None:
+                 keep_buffer: bool = True, views: bool | None = None) -> None:
         self.index = index
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -112,7 +112,8 @@ class GradBucket:
         self.grad_dtype = grad_dtype
         self.device = self.params[0].device
         self.keep_buffer = keep_buffer
-        self.views = keep_buffer and all(p.dtype == grad_dtype for p in self.params)
+        can_view = keep_buffer and all(p.dtype == grad_dtype for p in self.params)
+        self.views = can_view if views is None else views and can_view
         self.grad: torch.Tensor | None = None
         if self.views:
             self._allocate()
@@ -122,6 +123,7 @@ class GradBucket:
         self.launched = False
         self.work = None  # async handle of this step's collective
         self.out: torch.Tensor | None = None  # where the collective leaves this rank's result
+        self.touched = False  # a gradient arrived in the current backward
 
     def _allocate(self) -> torch.Tensor:
         if self.grad is None:
@@ -153,6 +155,7 @@ class GradBucket:
         self.pending = len(self.params)
         self.launched = False
         self.work = None
+        self.touched = False
 
 
 def make_grad_buckets(named_params: NamedParams, bucket_bytes: float, pad_to: int = 1,
@@ -171,7 +174,8 @@ class BucketedGradReducer:
     """Hooks gradients into buckets and launches each bucket's collective as soon as it is full."""
 
     def __init__(self, buckets: list[GradBucket], launch: LaunchFn, finish: FinishFn | None = None,
-                 find_unused: bool = False, on_backward_end: Callable[[], None] | None = None) -> None:
+                 find_unused: bool = False, on_backward_end: Callable[[], None] | None = None,
+                 before_first_grad: Callable[[GradBucket], None] | None = None) -> None:
         self.launch_fn = launch
         self.finish_fn = finish
         self.find_unused = find_unused
@@ -179,6 +183,8 @@ class BucketedGradReducer:
         self.trace: list[tuple[int, str, str]] | None = None  # (seq, event, name) for overlap tests
         self.trace_clock: Callable[[], int] | None = None
         self.on_backward_end = on_backward_end
+        self.before_first_grad = before_first_grad  # runs before a bucket takes its first gradient of a backward
+        self.unsynced = False  # gradients arrived under no_sync and have not been reduced yet
         self.buckets = buckets
         self._next_to_launch = 0
         self._callback_queued = False
@@ -196,10 +202,15 @@ class BucketedGradReducer:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if not bucket.touched:
+            bucket.touched = True
+            if self.before_first_grad is not None:
+                self.before_first_grad(bucket)
         bucket.bind_grad(i)
         if self.trace is not None:
             self.trace.append((self.trace_clock(), "grad_ready", bucket.names[i]))
         if not self.require_sync:
+            self.unsynced = True
             return
         if self._ready.get(id(p)):
             if bucket.launched:
@@ -223,6 +234,8 @@ class BucketedGradReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        for bucket in self.buckets:
+            bucket.touched = False
         if self.require_sync:
             self.flush()
         if self.on_backward_end is not None:
@@ -262,6 +275,7 @@ class BucketedGradReducer:
             bucket.reset()
         self._next_to_launch = 0
         self._ready.clear()
+        self.unsynced = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -275,16 +289,23 @@ class BucketedGradReducer:
             self.require_sync = previous
 
     def zero_grad(self) -> None:
-        """Zero every bucket in place and re-point `.grad` at the views (cheaper than set_to_none)."""
+        """Zero every bucket (in place where the buffer is kept; views survive) and forget any
+        half-done backward (one that raised before its end-of-backward callback ran)."""
         for bucket in self.buckets:
-            if bucket.views:
+            if bucket.keep_buffer and bucket.grad is not None:
                 bucket.grad.zero_()
-                for i in range(len(bucket.params)):
-                    bucket.bind_grad(i)
             else:
                 bucket.grad = None
-                for p in bucket.params:
+            for i, p in enumerate(bucket.params):
+                if bucket.views:
+                    bucket.bind_grad(i)
+                else:
                     p.grad = None
+            bucket.reset()
+        self._ready.clear()
+        self._next_to_launch = 0
+        self._callback_queued = False
+        self.unsynced = False
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

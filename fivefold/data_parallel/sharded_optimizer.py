@@ -134,11 +134,11 @@ class ShardedOptimizer:
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for f in self.flats:
             for (_, a, b), mp in zip(f.segments, f.master_params):
-                if f.grad_shard is None:
-                    mp.grad = torch.zeros_like(mp)
-                else:
-                    g = f.grad_shard[a:b]
-                    mp.grad = g.float() if g.dtype != torch.float32 else g
+                if f.grad_shard is None:  # no gradient since the last step: like torch, leave it alone
+                    mp.grad = None
+                    continue
+                g = f.grad_shard[a:b]
+                mp.grad = g.float() if g.dtype != torch.float32 else g
                 if inv_scale != 1.0:
                     mp.grad.mul_(inv_scale)
                 grads.append((mp.grad, self._is_tp_slice[id(mp)]))
@@ -199,6 +199,9 @@ class ShardedOptimizer:
                 for g, _ in self._grads:
                     g.mul_(coef)
         self.last_step_skipped = False
+        if not self._grads:  # nothing to do (a step without a backward): no update, no all-gather
+            self.zero_grad()
+            return
         self.optimizer.step()
         works = []
         for f in self.flats:

@@ -99,11 +99,14 @@ class ZeroDataParallel(nn.Module):
             self.flats, unit_modules = self._build_units(module, named, units, group_of)
             self.fsdp = FSDPHooks(list(zip(unit_modules, self.flats)), reshard_after_forward=reshard_after_forward,
                                   prefetch=prefetch)
-        keep_full_grads = zero_stage <= 1
+        # ZeRO-1 copies gradients in (no views): its reduced shard lives inside the kept buffer, and a
+        # later backward must not add onto it before `_move_reduced_shard_out` ran.
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
-                                   keep_buffer=keep_full_grads) for f in self.flats]
-        self.reducer = BucketedGradReducer(self.buckets, launch=self._launch_bucket, finish=self._finish_bucket,
-                                           find_unused=find_unused, on_backward_end=self._on_backward_end)
+                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0) for f in self.flats]
+        self.reducer = BucketedGradReducer(
+            self.buckets, launch=self._launch_bucket, finish=self._finish_bucket, find_unused=find_unused,
+            on_backward_end=self._on_backward_end,
+            before_first_grad=self._move_reduced_shard_out if zero_stage == 1 else None)
         if loss_scaler is None and self.mp.needs_loss_scaling:
             loss_scaler = DynamicLossScaler()
         self.loss_scaler = loss_scaler
@@ -112,21 +115,27 @@ class ZeroDataParallel(nn.Module):
         self.optimizer = ShardedOptimizer.for_flat_params(
             self.flats, optimizer_class, group_kwargs, comm, loss_scaler=loss_scaler, elementwise=elementwise,
             tp_comm=tp_comm, **optimizer_kwargs)
-        self._reduced_since_step = False
 
     def _build_units(self, module: nn.Module, named: list[tuple[str, nn.Parameter]], spec: UnitSpec,
                      group_of: Any) -> tuple[list[FlatParam], list[nn.Module]]:
         owner: dict[int, str] = {}
         by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
         unit_mods = dict(find_unit_modules(module, spec))
-        for name, p in named:
-            # The innermost unit whose prefix owns the name (the root "" owns the rest).
+        # Every name of every parameter (a tied one has several). A parameter used by two units must
+        # belong to the root: the root stays gathered around all of its children (forward, and
+        # backward until its last gradient), while two sibling units are never gathered together.
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                continue
             unit = max((u for u in unit_mods if u == "" or name.startswith(u + ".")), key=len)
             if id(p) in owner and owner[id(p)] != unit:
-                raise ValueError(f"parameter '{name}' is shared by units '{owner[id(p)]}' and '{unit}'; tied "
-                                 "parameters must live in one ZeRO-3 unit (put both users in the same unit)")
+                if "" not in (owner[id(p)], unit):
+                    raise ValueError(f"parameter '{name}' is shared by units '{owner[id(p)]}' and '{unit}'; tied "
+                                     "parameters must live in one ZeRO-3 unit (or be used by the root module)")
+                unit = ""
             owner[id(p)] = unit
-            by_unit.setdefault(unit, []).append((name, p))
+        for name, p in named:
+            by_unit.setdefault(owner[id(p)], []).append((name, p))
         # Bucket order = reverse order of each unit's first parameter: roughly when backward finishes it.
         first_index = {u: min(i for i, (n, _) in enumerate(named) if n in {x for x, _ in ps})
                        for u, ps in by_unit.items()}
@@ -160,7 +169,6 @@ class ZeroDataParallel(nn.Module):
         else:
             flat.accumulate_grad(bucket.out)
         bucket.out = None
-        self._reduced_since_step = True
         # ZeRO-2/3: this is where non-owned gradients are freed — the reducer calls
         # bucket.release() next, dropping the full-size buffer (keep_buffer=False).
 
@@ -168,19 +176,18 @@ class ZeroDataParallel(nn.Module):
         if self.fsdp is not None:
             self.fsdp.backward_done()
 
-    def _prepare_forward(self) -> None:
-        """ZeRO-1 accumulating without no_sync: the reduced shard sits inside the full buffer that
-        the next backward adds into, so move it out and clear the buffer first."""
-        if self.zero_stage == 1 and self._reduced_since_step and self.reducer.require_sync:
-            for flat, bucket in zip(self.flats, self.buckets):
-                if flat.grad_shard is not None and bucket.grad is not None:
-                    flat.grad_shard = flat.grad_shard.clone()
-                    bucket.grad.zero_()
-            self._reduced_since_step = False
+    def _move_reduced_shard_out(self, bucket: GradBucket) -> None:
+        """ZeRO-1, first gradient of a new backward into a bucket whose reduced shard still sits in
+        place (gradients accumulated over several synchronising backwards): keep that shard in a
+        tensor of its own and clear the buffer for the new local gradients."""
+        flat = self.flats[bucket.index]
+        if flat.grad_shard is not None and bucket.grad is not None and \
+                flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
+            flat.grad_shard = flat.grad_shard.clone()
+            bucket.grad.zero_()
 
     # -- public ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._prepare_forward()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -202,14 +209,19 @@ class ZeroDataParallel(nn.Module):
 
     def step(self, max_norm: float | None = None) -> float | None:
         """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients."""
+        self._check_synced()
         norm = self.optimizer.step(max_norm)
         self.zero_grad()
         return norm
 
+    def _check_synced(self) -> None:
+        if self.reducer.unsynced:
+            raise RuntimeError("gradients from a backward under no_sync() were never reduced: run the last "
+                               "micro-batch's backward outside no_sync(), or call sync_gradients(), before step()")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
-        self._reduced_since_step = False
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -246,6 +258,8 @@ def step_together(engines: list[ZeroDataParallel], max_norm: float | None = None
     each engine's squared norm (already summed over its dp shards and tp slices) is added up and
     all-reduced over `across` — one scalar per group."""
     norm = None
+    for e in engines:
+        e._check_synced()
     if max_norm is not None or any(e.loss_scaler is not None for e in engines):
         sq = torch.tensor(sum(e.optimizer.grad_sq_norm() for e in engines), dtype=torch.float32)
         for comm in across:
