@@ -96,11 +96,12 @@ class GradBucket:
     """One bucket: its parameters, the flat gradient buffer laid out by `layout`, and readiness.
 
     Two ways to get gradients in:
-    - views (DDP, ZeRO-1 with matching dtypes): ``param.grad`` *is* a view of the buffer, autograd
+    - views (DDP, ZeRO-0 with matching dtypes): ``param.grad`` *is* a view of the buffer, autograd
       accumulates in place, and the buffer lives for the whole run;
-    - copy (ZeRO-2/3, or a reduce dtype unlike the parameter's): the hook adds ``param.grad`` into
-      the buffer and drops it; the buffer exists only from the first gradient of a sync window
-      until the bucket's collective has finished (`release`), so non-owned gradients are freed.
+    - copy (ZeRO-1/2/3, or a reduce dtype unlike the parameter's): the hook adds ``param.grad`` into
+      the buffer and drops it; for ZeRO-2/3 the buffer exists only from the first gradient of a
+      sync window until the bucket's collective has finished (`release`): non-owned gradients are
+      freed. ZeRO-1 keeps it (``keep_buffer``).
     """
 
     def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
