@@ -16,7 +16,7 @@ from fivefold.config import ALIASES, ConfigError, load_config
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="fivefold train", add_help=True,
-        description="Train a Llama-style model data-parallel. Every config key can be overridden as "
+        description="Train a Llama-style model (dp / ZeRO / tp / sp / pp). Every config key can be overridden as "
                     "--section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
                     + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()))
     parser.add_argument("--config", help="TOML file with [model] [parallel] [train] [data] [ddp] [run] sections")

@@ -56,6 +56,9 @@ def test_trainer_rejects_bad_layout_before_spawning():
     cfg = load_config(None, ["--nproc", "2", "--train.global_batch", "30", "--train.micro_batch", "4"])
     with pytest.raises(ConfigError, match=r"global_batch=30 is not divisible by micro_batch\(4\) × dp\(2\) = 8"):
         run(cfg)
+    cfg = load_config(None, ["--nproc", "2", "--parallel.pp", "2", "--train.grad_accum", "1"])
+    with pytest.raises(ValueError, match=r"M=1 < P=2"):
+        run(cfg)
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -25,6 +25,7 @@ from fivefold.config import Config, resolve_batch
 from fivefold.mesh import ParallelDims, ParallelMesh, default_device, init_distributed, is_torchrun_env, launch_local
 from fivefold.models import count_params, get_config
 from fivefold.models.llama import Llama
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import MetricsWriter, Progress, plot_loss
 from fivefold.train.model_parts import PipelinedModel, WholeModel
@@ -189,7 +190,9 @@ def run(cfg: Config) -> TrainResult:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     # Validate what can be checked before spawning, so errors are immediate and in this process.
     dims = _dims(cfg).resolve(cfg.run.nproc)
-    resolve_batch(cfg.train.global_batch, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp)
+    _, _, grad_accum = resolve_batch(cfg.train.global_batch, cfg.train.micro_batch, cfg.train.grad_accum, dims.dp)
     _check_supported(cfg, dims)
+    if dims.pp > 1:  # the schedule checks M against P (and V): say so before any process starts
+        build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
     return launch_local(train, cfg.run.nproc, cfg, threads=threads, timeout_s=1800.0)[0]
