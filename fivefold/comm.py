@@ -13,6 +13,11 @@ DESIGN.md (seed 001 §communication, seed 003 §NCCL primitives):
     send / recv     wire =  S
 
 When the log is disabled, recording costs one attribute check per call.
+
+Every tensor handed to a collective must live on the device the group's backend serves (NCCL:
+CUDA; gloo: here, the CPU). gloo would quietly accept a CPU scalar where NCCL raises at the first
+step, so CI on CPU could never see the mistake: `Comm` checks each tensor and names the op, and
+`Comm.scalar` is the one way to make the small tensors collectives need (norms, flags, metrics).
 """
 
 from __future__ import annotations
@@ -114,20 +119,58 @@ class CommLog:
         return dict(out)
 
 
+def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
+    """Device type -> backend for the group: "gloo" -> {cpu: gloo}, "nccl" -> {cuda: nccl},
+    "cpu:gloo,cuda:nccl" -> both; empty for a backend this table does not know."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        return dict(part.split(":", 1) for part in backend.split(","))
+    if backend == "gloo":  # gloo also takes CUDA tensors, but fivefold uses it for the CPU only
+        return {"cpu": "gloo"}
+    return {dev: name for dev, name in dist.Backend.default_device_backend_map.items() if name == backend}
+
+
 class Comm:
     """Collectives over one process group, logged under the name of its mesh dimension.
 
     Async calls return the torch work handle; callers `wait()` on it before reading the
     result (required for NCCL streams, harmless on gloo).
+
+    ``device`` is where this group's tensors live (the mesh passes its compute device); by default
+    it is derived from the backend (gloo: CPU, NCCL: the current CUDA device). A tensor on any
+    other device type is refused with an error naming the op, before anything is sent.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, dim: str = "world",
-                 log: CommLog | None = None) -> None:
+                 log: CommLog | None = None, device: torch.device | str | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.dim = dim
         self.log = log if log is not None else CommLog(enabled=False)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        if device is not None:
+            self.device = torch.device(device)
+            self._device_types = {self.device.type}
+        else:
+            served = backend_devices(self.group)
+            self._device_types = set(served)
+            accelerators = sorted(dev for dev, name in served.items() if dev != "cpu")
+            self.device = torch.device(accelerators[0] if accelerators else "cpu")
+
+    def scalar(self, value: float | torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new 0-d tensor holding `value` on this group's device, to hand to a collective (a norm,
+        an overflow flag, a metric). dtype: `value`'s if it is a tensor, else fp32."""
+        if isinstance(value, torch.Tensor):
+            return value.detach().to(device=self.device, dtype=dtype or value.dtype, copy=True).reshape(())
+        return torch.tensor(value, dtype=dtype or torch.float32, device=self.device)
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if self._device_types and t.device.type not in self._device_types:
+                raise RuntimeError(
+                    f"{op} over '{self.dim}': a tensor of shape {tuple(t.shape)} is on {t.device}, but this group's "
+                    f"collectives run on {self.device} ({dist.get_backend(self.group)}); create it there "
+                    f"(Comm.scalar for a scalar, device=comm.device) or move it with .to(comm.device)")
 
     def _record(self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None) -> None:
         if self.log.enabled:
@@ -138,6 +181,7 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False, tag: str = ""):
+        self._check("all_reduce", tensor)
         self._record("all_reduce", tensor, tag)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
@@ -146,6 +190,7 @@ class Comm:
         """`input` is the full buffer (size N·len(output)); this rank keeps its slice in `output`.
 
         `output` may be this rank's own slice of `input` (in place), as ZeRO-1 does."""
+        self._check("reduce_scatter", output, input)
         self._record("reduce_scatter", input, tag)
         return _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
 
@@ -154,11 +199,13 @@ class Comm:
         """`output` is the full buffer (size N·len(input)), filled with every rank's `input`.
 
         `input` may be this rank's own slice of `output` (in place)."""
+        self._check("all_gather", output, input)
         self._record("all_gather", output, tag)
         return _all_gather_flat(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False,
                   tag: str = ""):
+        self._check("broadcast", tensor)
         self._record("broadcast", tensor, tag)
         return dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group,
                               async_op=async_op)
@@ -166,6 +213,7 @@ class Comm:
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, async_op: bool = False, tag: str = ""):
+        self._check("all_to_all", output, input)
         self._record("all_to_all", input, tag)
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                       group=self.group, async_op=async_op)
@@ -174,6 +222,7 @@ class Comm:
         """Issue ("send"|"recv", tensor, peer_group_rank) ops as one batch; returns work handles."""
         p2p = []
         for kind, tensor, peer in ops:
+            self._check(kind, tensor)
             self._record(kind, tensor, tag)
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, tensor, self.global_rank(peer), group=self.group))

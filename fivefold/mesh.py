@@ -106,7 +106,7 @@ class ParallelMesh:
 
     def comm(self, dim: str) -> Comm:
         if dim not in self._comms:
-            self._comms[dim] = Comm(self.group(dim), dim, self.comm_log)
+            self._comms[dim] = Comm(self.group(dim), dim, self.comm_log, device=self.device)
         return self._comms[dim]
 
     @property

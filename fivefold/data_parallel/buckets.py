@@ -13,6 +13,11 @@ launched asynchronously the moment its last gradient arrives, overlapping the re
   issues the same collectives in the same order), and at backward's end flushes what is left and
   waits. *What* a bucket's collective is — all-reduce (DDP) or reduce-scatter (ZeRO-1/2) — is a
   strategy passed in, so the bookkeeping exists once.
+- With ``max_inflight`` (ZeRO-2/3, whose full-size gradient buffers are temporary), launching a
+  bucket first completes the oldest launched ones beyond that bound: their collective is waited
+  for, finished and their buffer released *during* backward, so the peak holds a bounded number of
+  full gradient buffers instead of all of them until backward ends (as FSDP bounds its in-flight
+  reduce-scatters). Completion is in launch order too.
 """
 
 from __future__ import annotations
@@ -99,13 +104,18 @@ class GradBucket:
     - views (DDP, ZeRO-0 with matching dtypes): ``param.grad`` *is* a view of the buffer, autograd
       accumulates in place, and the buffer lives for the whole run;
     - copy (ZeRO-1/2/3, or a reduce dtype unlike the parameter's): the hook adds ``param.grad`` into
-      the buffer and drops it; for ZeRO-2/3 the buffer exists only from the first gradient of a
-      sync window until the bucket's collective has finished (`release`): non-owned gradients are
-      freed. ZeRO-1 keeps it (``keep_buffer``).
+      the buffer and drops it. ZeRO-1 keeps its buffer (``keep_buffer``); for ZeRO-2/3 the buffer
+      exists only from the first gradient of a sync window until the bucket's collective has
+      finished (`release`): non-owned gradients are freed.
+    - ZeRO-3 (``defer_copy``): gradients stay where autograd put them until the unit is complete;
+      then the unit's gathered parameters are freed, the buffer allocated and all copied in
+      (`copy_in`) just before the launch, as FSDP2 does — so the buffer never coexists with the
+      unit's parameters and half its gradients. Under ``no_sync`` the hook copies as usual, so
+      accumulation over micro-batches happens in the buffer's (reduce) dtype.
     """
 
     def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
-                 keep_buffer: bool = True, views: bool | None = None) -> None:
+                 keep_buffer: bool = True, views: bool | None = None, defer_copy: bool = False) -> None:
         self.index = index
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -115,6 +125,7 @@ class GradBucket:
         self.keep_buffer = keep_buffer
         can_view = keep_buffer and all(p.dtype == grad_dtype for p in self.params)
         self.views = can_view if views is None else views and can_view
+        self.defer_copy = defer_copy and not self.views and not keep_buffer
         self.grad: torch.Tensor | None = None
         if self.views:
             self._allocate()
@@ -122,6 +133,7 @@ class GradBucket:
                 self.bind_grad(i)
         self.pending = len(self.params)
         self.launched = False
+        self.completed = False  # collective waited for, finished and buffer released in this backward
         self.work = None  # async handle of this step's collective
         self.out: torch.Tensor | None = None  # where the collective leaves this rank's result
         self.touched = False  # a gradient arrived in the current backward
@@ -147,6 +159,11 @@ class GradBucket:
             view.add_(p.grad)
             p.grad = None
 
+    def copy_in(self) -> None:
+        """Bring every parameter's gradient into the buffer (zeros where there is none)."""
+        for i in range(len(self.params)):
+            self.bind_grad(i)
+
     def release(self) -> None:
         """Free a copy-mode buffer once its collective is done."""
         if not self.keep_buffer:
@@ -155,6 +172,7 @@ class GradBucket:
     def reset(self) -> None:
         self.pending = len(self.params)
         self.launched = False
+        self.completed = False
         self.work = None
         self.touched = False
 
@@ -176,18 +194,26 @@ class BucketedGradReducer:
 
     def __init__(self, buckets: list[GradBucket], launch: LaunchFn, finish: FinishFn | None = None,
                  find_unused: bool = False, on_backward_end: Callable[[], None] | None = None,
-                 before_first_grad: Callable[[GradBucket], None] | None = None) -> None:
+                 before_first_grad: Callable[[GradBucket], None] | None = None,
+                 before_launch: Callable[[GradBucket], None] | None = None,
+                 max_inflight: int | None = None) -> None:
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight={max_inflight}: at least one bucket must be allowed in flight "
+                             "(or None for no bound)")
         self.launch_fn = launch
         self.finish_fn = finish
+        self.max_inflight = max_inflight
         self.find_unused = find_unused
         self.require_sync = True
-        self.trace: list[tuple[int, str, str]] | None = None  # (seq, event, name) for overlap tests
+        self.trace: list[tuple[int, str, str]] | None = None  # (seq, event, name): grad_ready, completed
         self.trace_clock: Callable[[], int] | None = None
         self.on_backward_end = on_backward_end
         self.before_first_grad = before_first_grad  # runs before a bucket takes its first gradient of a backward
+        self.before_launch = before_launch  # runs when a bucket is complete, before its copy-in and launch
         self.unsynced = False  # gradients arrived under no_sync and have not been reduced yet
         self.buckets = buckets
         self._next_to_launch = 0
+        self._next_to_complete = 0
         self._callback_queued = False
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
         self._where: dict[int, tuple[GradBucket, int]] = {}
@@ -207,7 +233,8 @@ class BucketedGradReducer:
             bucket.touched = True
             if self.before_first_grad is not None:
                 self.before_first_grad(bucket)
-        bucket.bind_grad(i)
+        if not (bucket.defer_copy and self.require_sync):
+            bucket.bind_grad(i)  # else it waits in p.grad for the bucket's copy_in at launch
         if self.trace is not None:
             self.trace.append((self.trace_clock(), "grad_ready", bucket.names[i]))
         if not self.require_sync:
@@ -230,8 +257,29 @@ class BucketedGradReducer:
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
             bucket = self.buckets[self._next_to_launch]
             bucket.launched = True
+            if self.before_launch is not None:
+                self.before_launch(bucket)  # ZeRO-3: the unit's gathered parameters go before the copy-in
+            if bucket.defer_copy:
+                bucket.copy_in()
             bucket.work = self.launch_fn(bucket)
             self._next_to_launch += 1
+            if self.max_inflight is not None:
+                self._complete_through(self._next_to_launch - self.max_inflight)
+
+    def _complete_through(self, end: int) -> None:
+        """Wait for, finish and release launched buckets with index < `end`, oldest first."""
+        while self._next_to_complete < min(end, self._next_to_launch):
+            bucket = self.buckets[self._next_to_complete]
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            if self.finish_fn is not None:
+                self.finish_fn(bucket)
+            bucket.release()  # ZeRO-2/3: the full-size gradient buffer goes here, during backward
+            bucket.completed = True
+            if self.trace is not None:
+                self.trace.append((self.trace_clock(), "completed", f"bucket{bucket.index}"))
+            self._next_to_complete += 1
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -267,14 +315,11 @@ class BucketedGradReducer:
                     bucket.bind_grad(i)  # zero if it never had a gradient
             bucket.pending = 0
         self._launch_ready_buckets()
+        self._complete_through(len(self.buckets))
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            if self.finish_fn is not None:
-                self.finish_fn(bucket)
-            bucket.release()
             bucket.reset()
         self._next_to_launch = 0
+        self._next_to_complete = 0
         self._ready.clear()
         self.unsynced = False
 
@@ -305,6 +350,7 @@ class BucketedGradReducer:
             bucket.reset()
         self._ready.clear()
         self._next_to_launch = 0
+        self._next_to_complete = 0
         self._callback_queued = False
         self.unsynced = False
 

@@ -12,7 +12,8 @@ Layout of one FlatParam (``[ decay params | no-decay params | padding ]``, each 
 - ``local``  this rank's shard in compute dtype: a view of ``full`` (ZeRO-0/1/2) or its own
              persistent tensor (ZeRO-3, the only copy of the parameters between uses).
 - ``master`` the fp32 master shard the optimizer steps: ``local`` itself when the compute dtype
-             is fp32, otherwise an fp32 copy.
+             is fp32, otherwise an fp32 shard filled from the parameters' original values (never
+             from the rounded 16-bit copy).
 - ``grad_shard`` the averaged gradient for this shard (reduce dtype), filled by the bucket's
              reduce-scatter (or all-reduce at stage 0) and consumed by the optimizer step.
 
@@ -55,6 +56,7 @@ class FlatParam:
         self.param_dtype = param_dtype
         self.reshard_enabled = reshard and self.sharded
         device = self.params[0].device
+        originals = [p.detach() for p in self.params]  # the values as given (fp32 for a fp32 model)
         self.full = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
@@ -71,10 +73,24 @@ class FlatParam:
         else:
             self.local = self.full[self.start:self.end]
             self.is_unsharded = True
-        self.master = self.local if param_dtype == torch.float32 else self.local.detach().float().clone()
+        # The fp32 master comes from the original values, not from the 16-bit copy: wrapping must not
+        # round the weights (fine-tuning from an fp32 checkpoint keeps every bit).
+        self.master = self.local if param_dtype == torch.float32 else self.shard_of(originals, torch.float32)
+        del originals
         self.segments = self._group_segments()
         self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
         self.grad_shard: torch.Tensor | None = None
+
+    def shard_of(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter, None =
+        zeros) in `dtype`: the master from the original weights, a gradient shard from full gradients."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.full.device)
+        with torch.no_grad():
+            for slot, t in zip(self.layout.slots, tensors):
+                a, b = max(slot.offset, self.start), min(slot.offset + slot.numel, self.end)
+                if a < b and t is not None:
+                    shard[a - self.start:b - self.start] = t.reshape(-1)[a - slot.offset:b - slot.offset]
+        return shard
 
     def _group_segments(self) -> list[tuple[int, int, int]]:
         """(group, a, b): the part [a, b) of this rank's shard (local coordinates) in each group, cut

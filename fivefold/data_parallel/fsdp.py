@@ -39,7 +39,13 @@ def default_unit_classes(module: nn.Module) -> tuple[type, ...]:
 
 def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[str, nn.Module]]:
     """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only,
-    then the root itself for every parameter no unit claimed (embedding, final norm, head)."""
+    then the root itself for every parameter no unit claimed.
+
+    The default (``spec=None``) is torchtitan's layout: each transformer block, and — when there are
+    blocks — every other module that directly owns a trainable matrix of its own (the token embedding,
+    the output head), so their gradients are reduced and freed when they arrive instead of living in the
+    root's buffer for the whole backward. A matrix shared by two modules (tied embeddings) stays in the
+    root. The root keeps the rest (final norm)."""
     if spec is None:
         classes = default_unit_classes(module)
         match = lambda name, m: isinstance(m, classes) if classes else False  # noqa: E731
@@ -50,12 +56,30 @@ def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[st
         match = lambda name, m: isinstance(m, classes)  # noqa: E731
     units: list[tuple[str, nn.Module]] = []
     claimed: set[str] = set()
+
+    def inside_unit(name: str) -> bool:
+        return any(name.startswith(c + ".") for c in claimed)
+
     for name, m in module.named_modules():
-        if m is module or any(name.startswith(c + ".") for c in claimed):
+        if m is module or inside_unit(name):
             continue
         if match(name, m):
             units.append((name, m))
             claimed.add(name)
+    if spec is None and units:
+        owners: dict[int, int] = {}
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        for name, m in module.named_modules():
+            own = list(m.parameters(recurse=False))
+            if m is module or inside_unit(name) or name in claimed or not own:
+                continue
+            if any(p.ndim >= 2 and p.requires_grad for p in own) and all(owners[id(p)] == 1 for p in own):
+                units.append((name, m))
+                claimed.add(name)
+        order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+        units.sort(key=lambda u: order[u[0]])
     units.append(("", module))
     return units
 

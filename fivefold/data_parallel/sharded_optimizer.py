@@ -98,7 +98,8 @@ class ShardedOptimizer:
                 inner_groups.append({"params": members, **kwargs})
         self._is_tp_slice = {id(p): not g.get("tp_replicated", True) for g in inner_groups for p in g["params"]}
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
-            inner_groups = [{"params": [nn.Parameter(torch.zeros(0))], **(group_kwargs[0] if group_kwargs else {})}]
+            empty = nn.Parameter(torch.zeros(0, device=comm.device))
+            inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
         self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
         self.last_step_skipped = False
         self.tp_comm: Comm | None = None
@@ -121,12 +122,7 @@ class ShardedOptimizer:
     def _grad_shards_from_params(self) -> None:
         """Standalone: cut this rank's shard out of each (already averaged) full parameter gradient."""
         for f in self.flats:
-            shard = torch.zeros(f.shard_numel, dtype=f.param_dtype, device=f.local.device)
-            for slot, p in zip(f.layout.slots, f.params):
-                a, b = max(slot.offset, f.start), min(slot.offset + slot.numel, f.end)
-                if a < b and p.grad is not None:
-                    shard[a - f.start:b - f.start] = p.grad.reshape(-1)[a - slot.offset:b - slot.offset]
-            f.grad_shard = shard
+            f.grad_shard = f.shard_of([p.grad for p in f.params], f.param_dtype)
 
     def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
         """(fp32 gradient of each master segment, whether it is a tensor-parallel slice)."""
@@ -164,8 +160,7 @@ class ShardedOptimizer:
         optimizer's parameters: summed over the DP shards (and TP slices). A pipeline adds the
         values of its stages and all-reduces them over pp before `apply_step`."""
         self._prepare_grads()
-        device = self.flats[0].local.device if self.flats else "cpu"
-        sq, sq_tp = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+        sq, sq_tp = self.comm.scalar(0.0), self.comm.scalar(0.0)
         for g, tp_slice in self._grads:
             (sq_tp if tp_slice and self.tp_comm is not None else sq).add_(g.float().pow(2).sum())
         if self.tp_comm is not None:

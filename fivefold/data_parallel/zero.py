@@ -14,7 +14,8 @@ Where each stage differs (everything else is shared):
 - what a full gradient bucket does: `_launch_bucket` — all-reduce (0) or reduce-scatter (1-3),
   in place into the rank's own slice for stage 1 (the full gradient buffer is kept anyway);
 - what is kept afterwards: `_finish_bucket` — **ZeRO-2/3 free the non-owned gradients here**
-  (`GradBucket.release` after the shard was accumulated), ZeRO-1 keeps the full buffer;
+  (`GradBucket.release` after the shard was accumulated), during backward: the reducer completes
+  a bucket as soon as it falls out of the ``inflight_buckets`` window; ZeRO-1 keeps the full buffer;
 - stage 3 frees each unit's parameters after its reduce-scatter is launched and gathers them
   around each use (`fsdp.FSDPHooks`).
 
@@ -28,6 +29,7 @@ deferring costs it no memory.
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -57,13 +59,19 @@ class ZeroDataParallel(nn.Module):
     Use: ``model = ZeroDataParallel(module, comm, zero_stage=2, lr=1e-3)``; per step
     ``model.backward(loss)`` (scales for fp16) for each micro-batch, then
     ``norm = model.step(max_norm)`` and nothing else (gradients are cleared by the step).
+
+    ``inflight_buckets`` (ZeRO-2/3): reduce-scatters that may be outstanding after a launch; launching
+    one more first waits for the oldest and frees its full-size gradient buffer (and ZeRO-3 frees a
+    unit's gathered parameters when its reduce-scatter is launched). The peak during backward is then
+    the stage's formula plus about ``inflight_buckets + 1`` full gradient buffers (and, for ZeRO-3, the
+    gathered units: the current one, ``prefetch`` ahead, and the root).
     """
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
                  optimizer_class: type = torch.optim.AdamW, weight_decay: float = 0.0,
                  no_decay: Any = default_no_decay, find_unused: bool = False, units: UnitSpec = None,
-                 reshard_after_forward: bool = True, prefetch: int = 1,
+                 reshard_after_forward: bool = True, prefetch: int = 1, inflight_buckets: int = 1,
                  loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
                  elementwise: bool | None = None, tp_comm: Comm | None = None, tp_sharded: Any = None,
                  **optimizer_kwargs: Any) -> None:
@@ -102,11 +110,17 @@ class ZeroDataParallel(nn.Module):
         # ZeRO-1 copies gradients in (no views): its reduced shard lives inside the kept buffer, and a
         # later backward must not add onto it before `_move_reduced_shard_out` ran.
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
-                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0) for f in self.flats]
+                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3)
+                        for f in self.flats]
         self.reducer = BucketedGradReducer(
             self.buckets, launch=self._launch_bucket, finish=self._finish_bucket, find_unused=find_unused,
             on_backward_end=self._on_backward_end,
-            before_first_grad=self._move_reduced_shard_out if zero_stage == 1 else None)
+            before_first_grad=self._move_reduced_shard_out if zero_stage == 1 else None,
+            before_launch=self._free_unit if zero_stage == 3 else None,
+            # ZeRO-2/3 free each full gradient buffer once its reduce-scatter is done; bounding the buckets
+            # in flight makes that happen during backward, so the peak holds a few buffers, not all of them.
+            # Stages 0/1 keep their buffers anyway: waiting early would buy no memory.
+            max_inflight=inflight_buckets if zero_stage >= 2 else None)
         if loss_scaler is None and self.mp.needs_loss_scaling:
             loss_scaler = DynamicLossScaler()
         self.loss_scaler = loss_scaler
@@ -145,10 +159,13 @@ class ZeroDataParallel(nn.Module):
         return flats, [unit_mods[u] for u in order]
 
     # -- the per-stage part ----------------------------------------------------------------
+    def _free_unit(self, bucket: GradBucket) -> None:
+        """ZeRO-3: every gradient of this unit exists, so its gathered parameters are not needed any more;
+        free them before the gradients are copied into the bucket."""
+        self.flats[bucket.index].reshard()
+
     def _launch_bucket(self, bucket: GradBucket) -> Any:
         flat = self.flats[bucket.index]
-        if self.zero_stage == 3:
-            flat.reshard()  # every gradient of this unit exists: its parameters are not needed any more
         if self.comm.size == 1:
             bucket.out = bucket.grad[flat.start:flat.end]
             return None
@@ -245,6 +262,7 @@ class ZeroDataParallel(nn.Module):
         params = [f.full for f in self.flats] + [f.local for f in self.flats]
         params += [p for p in self.module.parameters() if not p.requires_grad]
         grads = [b.grad for b in self.buckets if b.grad is not None]
+        grads += [p.grad for b in self.buckets for p in b.params if p.grad is not None]  # waiting for copy-in
         grads += [f.grad_shard for f in self.flats if f.grad_shard is not None]
         optim = [f.master for f in self.flats]
         optim += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -261,10 +279,13 @@ def step_together(engines: list[ZeroDataParallel], max_norm: float | None = None
     for e in engines:
         e._check_synced()
     if max_norm is not None or any(e.loss_scaler is not None for e in engines):
-        sq = torch.tensor(sum(e.optimizer.grad_sq_norm() for e in engines), dtype=torch.float32)
-        for comm in across:
-            comm.all_reduce(sq, tag="grad_norm")
-        norm = float(sq.sqrt()) if torch.isfinite(sq) else float("inf")
+        sq = sum(e.optimizer.grad_sq_norm() for e in engines)
+        if across:
+            total = across[0].scalar(sq)  # on the groups' device: NCCL refuses a CPU scalar
+            for comm in across:
+                comm.all_reduce(total, tag="grad_norm")
+            sq = total.item()
+        norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
     for e in engines:
         e.optimizer.apply_step(norm, max_norm)
         e.zero_grad()

@@ -92,7 +92,7 @@ class WholeModel:
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         n = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = self.mesh.comm("dp").scalar(0.0)  # all-reduced for the metrics
         for i, (x, y) in enumerate(micro_batches):
             defer = self.cfg.ddp.defer_reduce and i < n - 1
             with self.engine.no_sync() if defer else contextlib.nullcontext():
@@ -105,14 +105,15 @@ class WholeModel:
         return self.engine.step(max_norm)
 
     def global_loss(self, local: torch.Tensor) -> float:
-        local = local.clone()
-        self.mesh.comm("dp").all_reduce(local, tag="metrics")
+        dp = self.mesh.comm("dp")
+        local = dp.scalar(local)
+        dp.all_reduce(local, tag="metrics")
         return local.item() / self.mesh.size("dp")
 
     @torch.no_grad()
     def evaluate(self, data: TokenDataset) -> float:
         batches = _eval_batches(data, self.cfg, self.mesh)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = self.mesh.comm("dp").scalar(0.0, torch.float64)
         for x, y in batches:
             total += self.loss_fn(self.engine(x.to(self.device)), y.to(self.device))
         return self.global_loss(total / len(batches))
@@ -155,14 +156,14 @@ class PipelinedModel:
                                          [y for _, y in micro_batches])
         records = self.pp.all_gather_object(self.runtime.records)
         self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
-        return loss if loss is not None else torch.zeros((), device=self.device)
+        return loss if loss is not None else self.pp.scalar(0.0)
 
     def step(self, max_norm: float | None) -> float | None:
         return step_together(list(self.engines.values()), max_norm, across=[self.pp])
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Only the last stage has the loss: sum over pp (others add 0), mean over dp."""
-        local = local.detach().clone().float()
+        local = self.pp.scalar(local, torch.float32)
         self.pp.all_reduce(local, tag="metrics")
         self.mesh.comm("dp").all_reduce(local, tag="metrics")
         return local.item() / self.mesh.size("dp")
@@ -172,7 +173,7 @@ class PipelinedModel:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
         runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device)
         loss = runtime.step([x for x, _ in batches], [y for _, y in batches])
-        return self.global_loss(loss if loss is not None else torch.zeros((), device=self.device))
+        return self.global_loss(loss if loss is not None else self.pp.scalar(0.0))
 
     def model_state_bytes(self) -> int:
         return sum(model_state_bytes(e).total for e in self.engines.values())
