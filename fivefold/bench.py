@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm import Comm, CommLog, ring_wire_bytes
-from fivefold.memory import ModelStateBytes, model_state_bytes
+from fivefold.memory import ModelStateBytes, PeakSampler, model_state_bytes
 from fivefold.mesh import launch_local
 from fivefold.models import build_model, get_config
 
@@ -121,12 +121,15 @@ class CommBytes:
 class Runner:
     """One contestant, built on one rank.
 
-    A step is ``loss = forward_backward(x, y)`` then ``update()`` (optimizer step and whatever
-    communication belongs to it); gradients are cleared by one of the two. ``memory()``, called
-    once between them, returns (model states, bytes of optimizer step counters among them).
+    A step is ``loss = forward_backward(x, y, during_backward)`` then ``update()`` (optimizer step and
+    whatever communication belongs to it); gradients are cleared by one of the two; the backward runs
+    inside the context manager ``during_backward`` (the peak sampler on the measured step).
+    ``memory()``, called once between them, returns (model states, bytes of optimizer step counters
+    among them). ``roots``: the objects that hold this contestant's model states (wrapper, optimizer),
+    for the independent walk; ``exclude``: the model's constant buffers.
     """
 
-    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    forward_backward: Callable[[torch.Tensor, torch.Tensor, contextlib.AbstractContextManager], torch.Tensor]
     update: Callable[[], None]
     reset_comm: Callable[[], None]
     comm: Callable[[], CommBytes]  # traffic since the last reset_comm()
@@ -135,6 +138,8 @@ class Runner:
     recipe: str = "ddp"  # key of RECIPES: the formula its memory and bytes are checked against
     padded_params: int | None = None  # Ψ as this implementation pads it (None: no padding)
     memory: Callable[[], tuple[ModelStateBytes, int]] | None = None
+    roots: list[Any] = field(default_factory=list)
+    exclude: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -303,10 +308,11 @@ def build_fivefold_ddp(model: nn.Module, spec: BenchSpec) -> Runner:
     ddp = DDP(model, Comm(None, "dp", log), bucket_mb=spec.bucket_mb)
     opt = _adamw(ddp.module, spec)
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
         ddp.zero_grad()
         loss = lm_loss(ddp(x), y)
-        loss.backward()
+        with during_backward:
+            loss.backward()
         return loss
 
     return Runner(forward_backward, opt.step, log.reset, _fivefold_comm(log, dist.get_world_size()),
@@ -314,7 +320,8 @@ def build_fivefold_ddp(model: nn.Module, spec: BenchSpec) -> Runner:
                   [f"fivefold DDP: bucket_mb={spec.bucket_mb}, {len(ddp.buckets)} bucket(s), "
                    "grads are bucket views, zero_grad() zeros the buckets in place"],
                   recipe="ddp",
-                  memory=lambda: (model_state_bytes(ddp.module, opt), _scalar_state_bytes(opt)))
+                  memory=lambda: (model_state_bytes(ddp.module, opt), _scalar_state_bytes(opt)),
+                  roots=[ddp, opt], exclude=list(model.buffers()))
 
 
 def build_fivefold_zero(model: nn.Module, spec: BenchSpec, stage: int = 0) -> Runner:
@@ -325,9 +332,10 @@ def build_fivefold_zero(model: nn.Module, spec: BenchSpec, stage: int = 0) -> Ru
                               lr=spec.lr, weight_decay=spec.weight_decay,
                               reshard_after_forward=spec.reshard_after_forward, prefetch=spec.prefetch)
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
         loss = lm_loss(engine(x), y)
-        engine.backward(loss)
+        with during_backward:
+            engine.backward(loss)
         return loss
 
     def update() -> None:
@@ -341,7 +349,8 @@ def build_fivefold_zero(model: nn.Module, spec: BenchSpec, stage: int = 0) -> Ru
                    "AdamW on flat fp32 shards, no clipping; the step clears the gradients"],
                   recipe=("ddp", "zero1", "zero2", "zero3")[stage],
                   padded_params=sum(f.layout.padded_numel for f in engine.flats),
-                  memory=lambda: (model_state_bytes(engine), _scalar_state_bytes(engine.optimizer)))
+                  memory=lambda: (model_state_bytes(engine), _scalar_state_bytes(engine.optimizer)),
+                  roots=[engine], exclude=list(model.buffers()))
 
 
 def _counting_allreduce_hook(state, bucket):  # unannotated: torch checks hook annotations literally
@@ -375,16 +384,18 @@ def build_torch_ddp(model: nn.Module, spec: BenchSpec) -> Runner:
     ddp = _torch_ddp(model, spec, counter)
     opt = _adamw(ddp.module, spec)
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)  # keep the bucket views, like fivefold's in-place zeroing
         loss = lm_loss(ddp(x), y)
-        loss.backward()
+        with during_backward:
+            loss.backward()
         return loss
 
     return Runner(forward_backward, opt.step, counter.reset, counter.totals,
                   "measured (comm hook: bucket.buffer() bytes)",
                   ["torch DDP: " + _DDP_NOTE.format(mb=spec.bucket_mb)], recipe="ddp",
-                  memory=lambda: (model_state_bytes(ddp.module, opt), _scalar_state_bytes(opt)))
+                  memory=lambda: (model_state_bytes(ddp.module, opt), _scalar_state_bytes(opt)),
+                  roots=[ddp, opt], exclude=list(model.buffers()))
 
 
 def build_torch_zero1(model: nn.Module, spec: BenchSpec) -> Runner:
@@ -396,10 +407,11 @@ def build_torch_zero1(model: nn.Module, spec: BenchSpec) -> Runner:
     ddp = _torch_ddp(model, spec, counter)
     opt = ZeroRedundancyOptimizer(_param_groups(ddp.module, spec), optimizer_class=torch.optim.AdamW, lr=spec.lr)
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)
         loss = lm_loss(ddp(x), y)
-        loss.backward()
+        with during_backward:
+            loss.backward()
         return loss
 
     def update() -> None:
@@ -413,34 +425,39 @@ def build_torch_zero1(model: nn.Module, spec: BenchSpec) -> Runner:
                    "AdamW, parameters_as_bucket_view=False): partitions whole parameters, elements per rank "
                    f"{sizes}"],
                   recipe="ddp+zero_optim",
-                  memory=lambda: (model_state_bytes(ddp.module, opt.optim), _scalar_state_bytes(opt.optim)))
+                  memory=lambda: (model_state_bytes(ddp.module, opt.optim), _scalar_state_bytes(opt.optim)),
+                  roots=[ddp, opt], exclude=list(model.buffers()))
 
 
 def build_torch_fsdp2(model: nn.Module, spec: BenchSpec) -> Runner:
-    """torch FSDP2: ``fully_shard`` on every TransformerBlock, then the root; AdamW over DTensors."""
+    """torch FSDP2: ``fully_shard`` on the units fivefold's ZeRO-3 uses by default (every
+    TransformerBlock, the embedding and the output head, as torchtitan wraps them), then the root;
+    AdamW over DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fivefold.models.llama import TransformerBlock
+    from fivefold.data_parallel.fsdp import find_unit_modules
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    buffers = list(model.buffers())
+    units = [(name, m) for name, m in find_unit_modules(model) if name]
     # Ψ as FSDP2 pads it: every parameter's dim 0 to a multiple of N.
     padded = sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) if p.ndim else p.numel()
                  for p in model.parameters() if p.requires_grad)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=spec.reshard_after_forward)
+    for _, unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=spec.reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard_after_forward)
     opt = _adamw(model, spec)
     counter = _OpCounter(world)
     ops = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
         opt.zero_grad()
         with _counting(counter, *ops):
             loss = lm_loss(model(x), y)
-            loss.backward()
+            with during_backward:
+                loss.backward()
         return loss
 
     def update() -> None:
@@ -455,10 +472,11 @@ def build_torch_fsdp2(model: nn.Module, spec: BenchSpec) -> Runner:
 
     return Runner(forward_backward, update, counter.reset, counter.totals,
                   "measured (wrapped dist.all_gather_single / reduce_scatter_single)",
-                  [f"torch FSDP2: fully_shard on {len(blocks)} TransformerBlocks then the root, "
+                  [f"torch FSDP2: fully_shard on the {len(units)} units of fivefold's ZeRO-3 "
+                   f"({', '.join(n for n, _ in units[:2])}, ..., {units[-1][0]}) then the root, "
                    f"reshard_after_forward={spec.reshard_after_forward}, gloo CPU mesh, AdamW over DTensor "
                    "params, zero_grad(set_to_none=True); memory from to_local() shards"],
-                  recipe="zero3", padded_params=padded, memory=memory)
+                  recipe="zero3", padded_params=padded, memory=memory, roots=[model, opt], exclude=buffers)
 
 
 DDP_CONTESTANTS = (Contestant("fivefold", build_fivefold_ddp, baseline="torch"),
@@ -564,13 +582,18 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
             x, y = batches[s]
             dist.barrier()  # everyone starts the step together; barrier traffic is not logged
             runner.reset_comm()
+            # The peak of the backward is sampled on the memory step when that step is untimed (warmup):
+            # the sampler walks the model states after every operator, which is slow.
+            sample = s == memory_step and s < spec.warmup and runner.roots
+            sampler = PeakSampler(runner.roots, runner.exclude) if sample else contextlib.nullcontext()
             t0 = time.perf_counter()
-            loss = runner.forward_backward(x, y)
+            loss = runner.forward_backward(x, y, sampler)
             elapsed = time.perf_counter() - t0
             if s == memory_step and runner.memory is not None:  # not timed; ranks realign after it
                 states, counters = runner.memory()
                 memory[i] = dict(params=states.params, grads=states.grads, optimizer=states.optimizer,
-                                 total=states.total, step_counters=counters)
+                                 total=states.total, step_counters=counters,
+                                 peak_backward=sampler.peak if sample else None)
                 dist.barrier()
             t1 = time.perf_counter()
             runner.update()
@@ -639,7 +662,8 @@ def _contest_worker(spec: BenchSpec, contestants: Sequence[Contestant]) -> dict 
             comm_constant=all(asdict(b) == asdict(last) for b in step_comm),
             comm_source=source,
             memory_per_rank=per_rank,
-            memory={k: max(m[k] for m in measured) for k in measured[0]} if measured else None,
+            memory={k: max((m[k] for m in measured if m[k] is not None), default=None) for k in measured[0]}
+            if measured else None,
             expected=expected_for(recipe, padded, world),
             losses=mean_losses[i].tolist(),
             notes=notes,
@@ -764,15 +788,19 @@ def format_table(results: dict) -> str:
             "back-to-back block medians; ratio of mins = best step / best step (outside load only adds time)"]
 
     out += ["", f"model states per rank, MiB (max over ranks, step {results['memory_step']} between backward "
-                "and optimizer step; optimizer includes AdamW step counters):"]
+                "and optimizer step; optimizer includes AdamW step counters; peak = the most held at any "
+                "operator of that step's backward, every storage reachable from the wrapper and optimizer "
+                "and the running hooks' locals, counted by fivefold.memory.PeakSampler for every contestant):"]
     rows = [("impl", "layout", "params", "grads", "optimizer", "total", "formula", "formula total", "Ψ padded",
-             "matches")]
+             "matches", "peak in backward", "peak / formula")]
     for r in impls:
         m, e, rec = r["memory"], r["expected"]["memory"], RECIPES[r["recipe"]]
         cells = [_mb(m[k]) for k in (*_COMPONENTS, "total")] if m else ["-"] * 4
+        peak = m.get("peak_backward") if m else None
         mem_ok = not any(p.startswith("rank") for p in r["mismatches"])
         rows.append((r["name"], rec["label"], *cells, rec["memory_formula"], _mb(e["total"]),
-                     f"{r['padded_params']:,}", "yes" if mem_ok else "NO"))
+                     f"{r['padded_params']:,}", "yes" if mem_ok else "NO",
+                     _mb(peak) if peak is not None else "-", f"{peak / e['total']:.3f}" if peak is not None else "-"))
     out += _table(rows)
 
     out += ["", "communication per step and rank (payload = the collectives' full buffers; wire = ring formula):"]

@@ -81,6 +81,9 @@ class DDPSection:
     defer_reduce: bool = False
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
+    # ZeRO-2/3: reduce-scatters in flight at once; launching one more first finishes the oldest and
+    # frees its full gradient buffer (higher = more overlap, more memory at the peak of backward)
+    inflight_buckets: int = 1
 
 
 @dataclass

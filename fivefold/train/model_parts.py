@@ -55,6 +55,7 @@ def _engine(module: nn.Module, cfg: Config, mesh: ParallelMesh) -> ZeroDataParal
         mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
         bucket_mb=cfg.ddp.bucket_mb, find_unused=cfg.ddp.find_unused,
         reshard_after_forward=cfg.ddp.reshard_after_forward, prefetch=cfg.ddp.prefetch,
+        inflight_buckets=cfg.ddp.inflight_buckets,
         tp_comm=mesh.comm("tp"), tp_sharded=lambda name, p: is_tp_sharded(name, p, module),
         optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 

@@ -69,6 +69,9 @@ def _check_supported(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp != 1:
         raise NotImplementedError(f"parallel.cp={dims.cp}: context parallelism is not implemented yet; set "
                                   "parallel.cp=1")
+    if cfg.ddp.inflight_buckets < 1:
+        raise ValueError(f"ddp.inflight_buckets={cfg.ddp.inflight_buckets}: at least one reduce-scatter must be "
+                         "allowed in flight; use 1 (least memory) or more (more overlap)")
     if cfg.parallel.sp and cfg.train.seq_len % dims.tp:
         raise ValueError(f"sequence parallel splits the sequence over tp: train.seq_len={cfg.train.seq_len} is not "
                          f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
