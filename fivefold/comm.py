@@ -120,14 +120,17 @@ class CommLog:
 
 
 def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
-    """Device type -> backend for the group: "gloo" -> {cpu: gloo}, "nccl" -> {cuda: nccl},
-    "cpu:gloo,cuda:nccl" -> both; empty for a backend this table does not know."""
-    backend = str(dist.get_backend(group)).lower()
+    """Device type -> backend of the group, for the devices fivefold uses it for: "gloo" ->
+    {cpu: gloo}; "nccl" -> {cuda: nccl}; "cpu:gloo,cuda:nccl" (``init_process_group()`` without a
+    backend) -> both. gloo also takes CUDA tensors ("cpu:gloo,cuda:gloo"), but fivefold runs gloo
+    for the CPU only, so that entry is left out. Empty for a backend this table does not know."""
+    config = getattr(dist, "get_backend_config", None)
+    backend = str(config(group) if config is not None else dist.get_backend(group)).lower()
     if ":" in backend:
-        return dict(part.split(":", 1) for part in backend.split(","))
-    if backend == "gloo":  # gloo also takes CUDA tensors, but fivefold uses it for the CPU only
-        return {"cpu": "gloo"}
-    return {dev: name for dev, name in dist.Backend.default_device_backend_map.items() if name == backend}
+        pairs = dict(part.strip().split(":", 1) for part in backend.split(","))
+    else:
+        pairs = {dev: name for dev, name in dist.Backend.default_device_backend_map.items() if name == backend}
+    return {dev: name for dev, name in pairs.items() if dev == "cpu" or name != "gloo"}
 
 
 class Comm:
@@ -136,9 +139,10 @@ class Comm:
     Async calls return the torch work handle; callers `wait()` on it before reading the
     result (required for NCCL streams, harmless on gloo).
 
-    ``device`` is where this group's tensors live (the mesh passes its compute device); by default
-    it is derived from the backend (gloo: CPU, NCCL: the current CUDA device). A tensor on any
-    other device type is refused with an error naming the op, before anything is sent.
+    ``device`` is where this group's tensors live (the mesh passes its compute device): a tensor on
+    another device (type, or index when the device has one) is refused with an error naming the op,
+    before anything is sent. Without it, the device follows the backend (gloo: CPU; NCCL: CUDA; a
+    "cpu:gloo,cuda:nccl" group takes both and makes its scalars on CUDA).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, dim: str = "world",
@@ -148,9 +152,11 @@ class Comm:
         self.log = log if log is not None else CommLog(enabled=False)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self._index: int | None = None
         if device is not None:
             self.device = torch.device(device)
             self._device_types = {self.device.type}
+            self._index = self.device.index
         else:
             served = backend_devices(self.group)
             self._device_types = set(served)
@@ -166,7 +172,8 @@ class Comm:
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
         for t in tensors:
-            if self._device_types and t.device.type not in self._device_types:
+            wrong_index = self._index is not None and t.device.index != self._index
+            if (self._device_types and t.device.type not in self._device_types) or wrong_index:
                 raise RuntimeError(
                     f"{op} over '{self.dim}': a tensor of shape {tuple(t.shape)} is on {t.device}, but this group's "
                     f"collectives run on {self.device} ({dist.get_backend(self.group)}); create it there "

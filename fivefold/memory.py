@@ -164,6 +164,7 @@ class PeakSampler(TorchDispatchMode):
         self._outer: set[int] = set()
 
     def __enter__(self) -> PeakSampler:
+        self._outer = set()  # the peak accumulates over regions; the frames are this region's
         frame = sys._getframe(1)
         while frame is not None:  # frames outside the region: their locals are not the engine's
             self._outer.add(id(frame))

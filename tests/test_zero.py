@@ -267,16 +267,33 @@ def _edge_cases() -> dict:
     except RuntimeError as e:
         out["unsynced_error"] = str(e)
     model = _sgd_engine(2, comm)
-    try:  # a backward that fails half-way (the head's gradient already arrived), then a normal step
-        lm_loss(model.module.head(_Boom.apply(model.module.emb(xs))), ys).backward()
-    except RuntimeError:
-        pass
+    _fail_half_way(model, xs, ys)  # then a normal step
     model.zero_grad()
     _accumulate(model, xs, ys, "sync_nosync_sync")
     model.step()
     out["after_failure"] = model.full_state_dict()
+    out["retry_errors"] = []
+    for retry in ("backward", "step"):  # without zero_grad(): neither may use half-reduced gradients
+        model = _sgd_engine(2, comm)
+        _fail_half_way(model, xs, ys)
+        try:
+            _accumulate(model, xs, ys, "sync_nosync_sync") if retry == "backward" else model.step()
+            out["retry_errors"].append(None)
+        except RuntimeError as e:
+            out["retry_errors"].append(str(e))
+        model.zero_grad()
     out["tied_units_error"] = _tied_across_units_error(comm)
     return out
+
+
+def _fail_half_way(model, xs, ys) -> None:
+    """A backward that raises after fc2's and fc1's gradients arrived (some buckets already launched)."""
+    m = model.module
+    try:
+        lm_loss(m.head(m.fc2(torch.tanh(m.fc1(_Boom.apply(m.emb(xs)))))), ys).backward()
+    except RuntimeError:
+        return
+    raise AssertionError("the backward was meant to fail")
 
 
 def _tied_across_units_error(comm) -> str | None:
@@ -489,3 +506,6 @@ def test_misuse_is_caught_or_harmless(zero_results):
         for name in want:  # a backward that raised half-way leaves no stale state behind
             torch.testing.assert_close(e["after_failure"][name], want[name], rtol=1e-5, atol=1e-6)
         assert "shared by units" in e["tied_units_error"]
+        backward_error, step_error = e["retry_errors"]
+        assert "previous one never finished" in backward_error and "zero_grad()" in backward_error
+        assert "did not finish" in step_error and "zero_grad()" in step_error

@@ -54,6 +54,8 @@ PEAK_LAYOUTS = {
     "z1": dict(kind="zero", stage=1),
     "z2": dict(kind="zero", stage=2, bucket_mb=SMALL_BUCKET_MB),
     "z3": dict(kind="zero", stage=3),
+    # a parameter that never gets a gradient: with find_unused the unit completes when its backward is over
+    "z3-unused": dict(kind="zero", stage=3, unused=True),
     "z2-unbounded": dict(kind="zero", stage=2, bucket_mb=SMALL_BUCKET_MB, inflight=UNBOUNDED),
     "z3-unbounded": dict(kind="zero", stage=3, inflight=UNBOUNDED),
 }
@@ -61,6 +63,8 @@ PEAK_LAYOUTS = {
 
 def _peak_run(layout: dict, comm: Comm) -> dict:
     model = _model()
+    if layout.get("unused"):
+        model.layers[BLOCKS - 1].spare = nn.Linear(64, 64)  # never called
     buffers = list(model.buffers())  # the RoPE tables: constants, not model state
     psi = sum(p.numel() for p in model.parameters())
     largest_param = max(p.numel() for p in model.parameters())
@@ -77,7 +81,8 @@ def _peak_run(layout: dict, comm: Comm) -> dict:
             wrapper.zero_grad()
     else:
         wrapper = ZeroDataParallel(model, comm, zero_stage=layout["stage"], bucket_mb=layout.get("bucket_mb", 25.0),
-                                   inflight_buckets=layout.get("inflight", 1), lr=1e-3)
+                                   inflight_buckets=layout.get("inflight", 1), find_unused=layout.get("unused", False),
+                                   lr=1e-3)
         optimizer = wrapper.optimizer
         roots = [wrapper]
         backward, step = wrapper.backward, wrapper.step
@@ -304,7 +309,7 @@ def _climb_bound(name: str, r: dict, n: int) -> float:
     return 4 * sum(r["padded"]) / n + _in_flight_allowance(name, r)
 
 
-@pytest.mark.parametrize("name", ["ddp", "z0", "z1", "z2", "z3"])
+@pytest.mark.parametrize("name", ["ddp", "z0", "z1", "z2", "z3", "z3-unused"])
 def test_peak_during_backward_within_formula_plus_in_flight(results, name):
     n, res = results
     for rank, per_rank in enumerate(res):
@@ -420,6 +425,46 @@ def test_every_tensor_factory_names_its_device():
                     offenders.append(f"{rel}:{node.lineno} torch.{node.func.attr}(...) in {func.name}")
     assert not offenders, "tensors created without device= (they land on the CPU; NCCL refuses them):\n" + \
         "\n".join(offenders)
+
+
+class _PositionsOutside(nn.Module):
+    """A user model that reads a weight outside its module's forward (GPT-2 positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(10, 8), nn.Embedding(6, 8)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos.weight[: x.shape[1]]
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+def test_default_zero3_units_promote_only_what_the_model_declares():
+    """Blocks always; besides them only the modules the model names in ``fsdp_units`` (used through
+    their own forward alone), and never one whose parameters are shared."""
+    from fivefold.data_parallel.fsdp import find_unit_modules
+
+    names = lambda m: [n for n, _ in find_unit_modules(m)]  # noqa: E731
+    assert names(_model()) == ["tok_embeddings", *[f"layers.{i}" for i in range(BLOCKS)], "output", ""]
+    tied = build_model(get_config("tiny", n_layers=2, tie_embeddings=True))
+    assert names(tied) == ["layers.0", "layers.1", ""]
+    assert names(_PositionsOutside()) == ["blocks.0", "blocks.1", ""]  # pos stays in the root
+    shared = _model()
+    shared.layers[0].also_output = shared.output  # the head reachable under a second name
+    assert "output" not in names(shared)
 
 
 def test_walk_sees_what_an_engine_hides():

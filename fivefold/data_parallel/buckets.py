@@ -107,11 +107,11 @@ class GradBucket:
       the buffer and drops it. ZeRO-1 keeps its buffer (``keep_buffer``); for ZeRO-2/3 the buffer
       exists only from the first gradient of a sync window until the bucket's collective has
       finished (`release`): non-owned gradients are freed.
-    - ZeRO-3 (``defer_copy``): gradients stay where autograd put them until the unit is complete;
-      then the unit's gathered parameters are freed, the buffer allocated and all copied in
-      (`copy_in`) just before the launch, as FSDP2 does — so the buffer never coexists with the
-      unit's parameters and half its gradients. Under ``no_sync`` the hook copies as usual, so
-      accumulation over micro-batches happens in the buffer's (reduce) dtype.
+    - ZeRO-3 (``defer_copy``): gradients stay where autograd put them until the unit is complete,
+      when the unit's gathered parameters are freed (the reducer's ``on_all_grads``); the buffer is
+      allocated and all copied in (`copy_in`) just before the launch, as FSDP2 does — so the buffer
+      never coexists with the unit's parameters and half its gradients. Under ``no_sync`` the hook
+      copies as usual, so accumulation over micro-batches happens in the buffer's (reduce) dtype.
     """
 
     def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
@@ -133,7 +133,6 @@ class GradBucket:
                 self.bind_grad(i)
         self.pending = len(self.params)
         self.launched = False
-        self.completed = False  # collective waited for, finished and buffer released in this backward
         self.work = None  # async handle of this step's collective
         self.out: torch.Tensor | None = None  # where the collective leaves this rank's result
         self.touched = False  # a gradient arrived in the current backward
@@ -172,7 +171,6 @@ class GradBucket:
     def reset(self) -> None:
         self.pending = len(self.params)
         self.launched = False
-        self.completed = False
         self.work = None
         self.touched = False
 
@@ -189,13 +187,19 @@ LaunchFn = Callable[[GradBucket], object]
 FinishFn = Callable[[GradBucket], None]
 
 
+def _graph_task_id() -> int:
+    """Id of the backward being run by autograd (-1 where torch does not tell)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
 class BucketedGradReducer:
     """Hooks gradients into buckets and launches each bucket's collective as soon as it is full."""
 
     def __init__(self, buckets: list[GradBucket], launch: LaunchFn, finish: FinishFn | None = None,
                  find_unused: bool = False, on_backward_end: Callable[[], None] | None = None,
                  before_first_grad: Callable[[GradBucket], None] | None = None,
-                 before_launch: Callable[[GradBucket], None] | None = None,
+                 on_all_grads: Callable[[GradBucket], None] | None = None,
                  max_inflight: int | None = None) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight}: at least one bucket must be allowed in flight "
@@ -209,12 +213,14 @@ class BucketedGradReducer:
         self.trace_clock: Callable[[], int] | None = None
         self.on_backward_end = on_backward_end
         self.before_first_grad = before_first_grad  # runs before a bucket takes its first gradient of a backward
-        self.before_launch = before_launch  # runs when a bucket is complete, before its copy-in and launch
+        # runs when every gradient of a bucket exists (any launch order; ZeRO-3 frees the unit's parameters)
+        self.on_all_grads = on_all_grads
         self.unsynced = False  # gradients arrived under no_sync and have not been reduced yet
         self.buckets = buckets
         self._next_to_launch = 0
         self._next_to_complete = 0
         self._callback_queued = False
+        self._task = -1  # autograd graph task of the backward whose end callback is queued
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
         self._where: dict[int, tuple[GradBucket, int]] = {}
         self._hooks = []
@@ -226,8 +232,15 @@ class BucketedGradReducer:
     # -- hooks -------------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket, i = self._where[id(p)]
+        task = _graph_task_id()
+        if self._callback_queued and task != self._task:
+            raise RuntimeError(
+                f"gradient of '{bucket.names[i]}' arrived in a new backward, but the previous one never "
+                "finished (it raised): some of its buckets were already reduced. Call zero_grad() before "
+                "running backward again")
         if not self._callback_queued:
             self._callback_queued = True
+            self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if not bucket.touched:
             bucket.touched = True
@@ -250,6 +263,8 @@ class BucketedGradReducer:
         self._ready[id(p)] = True
         bucket.pending -= 1
         if bucket.pending == 0:
+            if self.on_all_grads is not None:
+                self.on_all_grads(bucket)
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -257,8 +272,6 @@ class BucketedGradReducer:
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
             bucket = self.buckets[self._next_to_launch]
             bucket.launched = True
-            if self.before_launch is not None:
-                self.before_launch(bucket)  # ZeRO-3: the unit's gathered parameters go before the copy-in
             if bucket.defer_copy:
                 bucket.copy_in()
             bucket.work = self.launch_fn(bucket)
@@ -276,7 +289,6 @@ class BucketedGradReducer:
             if self.finish_fn is not None:
                 self.finish_fn(bucket)
             bucket.release()  # ZeRO-2/3: the full-size gradient buffer goes here, during backward
-            bucket.completed = True
             if self.trace is not None:
                 self.trace.append((self.trace_clock(), "completed", f"bucket{bucket.index}"))
             self._next_to_complete += 1
@@ -291,6 +303,28 @@ class BucketedGradReducer:
             self.on_backward_end()
 
     # -- public ------------------------------------------------------------------------------
+    @property
+    def interrupted(self) -> bool:
+        """A synchronising backward started and never reached its end (it raised): some buckets may be
+        reduced and others not, so its gradients must not be stepped on."""
+        return bool(self._ready) or self._callback_queued
+
+    def no_more_grads(self, bucket: GradBucket) -> None:
+        """The bucket's owner knows its gradients of this backward are all in (ZeRO-3: the unit's
+        backward is over). With ``find_unused``, parameters without one count as unused (zero) and
+        the bucket completes now, so it does not hold every later bucket back until backward ends."""
+        if not (self.require_sync and self.find_unused) or bucket.pending == 0:
+            return
+        for i, p in enumerate(bucket.params):
+            if not self._ready.get(id(p)):
+                self._ready[id(p)] = True
+                if not bucket.defer_copy:
+                    bucket.bind_grad(i)  # a zero gradient (deferred buckets take zeros at copy_in)
+        bucket.pending = 0
+        if self.on_all_grads is not None:
+            self.on_all_grads(bucket)
+        self._launch_ready_buckets()
+
     def unready_names(self) -> list[str]:
         return [b.names[i] for b in self.buckets for i, p in enumerate(b.params) if not self._ready.get(id(p))]
 
@@ -310,9 +344,12 @@ class BucketedGradReducer:
         """Reduce what every parameter holds now, ready or not (used after a pipeline's many
         backward passes ran under no_sync): launch what is left in order, wait, finish, reset."""
         for bucket in self.buckets[self._next_to_launch:]:
-            for i, p in enumerate(bucket.params):
-                if not self._ready.get(id(p)):
-                    bucket.bind_grad(i)  # zero if it never had a gradient
+            if bucket.pending and self.on_all_grads is not None:
+                self.on_all_grads(bucket)  # nothing more will arrive
+            if not bucket.defer_copy:  # (deferred buckets take everything, zeros included, at copy_in)
+                for i, p in enumerate(bucket.params):
+                    if not self._ready.get(id(p)):
+                        bucket.bind_grad(i)  # zero if it never had a gradient
             bucket.pending = 0
         self._launch_ready_buckets()
         self._complete_through(len(self.buckets))

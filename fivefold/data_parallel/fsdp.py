@@ -11,10 +11,12 @@ shared `BucketedGradReducer` (a unit is one bucket), both driven by `ZeroDataPar
 - forward pre-hook: gather the unit (waiting for a prefetch in flight), then prefetch the next
   `prefetch` units in the recorded forward order;
 - forward post-hook: free the unit (``reshard_after_forward``) and wrap its outputs in
-  `_PreBackward`, whose backward gathers it again and prefetches the next units in the recorded
+  `_RunInBackward`, whose backward gathers it again and prefetches the next units in the recorded
   backward order;
-- post-backward: when the unit's last gradient is accumulated its bucket is launched — the
-  engine then reduce-scatters and frees the unit.
+- post-backward: when the unit's last gradient is accumulated the engine frees the unit and its
+  bucket is launched (reduce-scatter). With ``after_unit_backward`` the unit's tensor inputs are
+  wrapped too, so the engine learns when the unit's backward is over even if some parameter got
+  no gradient (``find_unused``), as FSDP2 registers its post-backward on a module's inputs.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[st
     """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only,
     then the root itself for every parameter no unit claimed.
 
-    The default (``spec=None``) is torchtitan's layout: each transformer block, and — when there are
-    blocks — every other module that directly owns a trainable matrix of its own (the token embedding,
-    the output head), so their gradients are reduced and freed when they arrive instead of living in the
-    root's buffer for the whole backward. A matrix shared by two modules (tied embeddings) stays in the
-    root. The root keeps the rest (final norm)."""
+    The default (``spec=None``) is each transformer block, plus the modules the root names in its
+    ``fsdp_units`` (fivefold's Llama: the token embedding and the output head, torchtitan's layout),
+    so their gradients are reduced and freed when they arrive instead of living in the root's buffer
+    for the whole backward. Only the model can say that a module's weights are used through its own
+    forward alone (``h + self.pos.weight`` or ``F.linear(h, self.head.weight)`` would read a freed
+    unit), so no other module is promoted; a named module whose parameters are shared (tied
+    embeddings) stays in the root."""
     if spec is None:
         classes = default_unit_classes(module)
         match = lambda name, m: isinstance(m, classes) if classes else False  # noqa: E731
@@ -56,36 +60,30 @@ def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[st
         match = lambda name, m: isinstance(m, classes)  # noqa: E731
     units: list[tuple[str, nn.Module]] = []
     claimed: set[str] = set()
-
-    def inside_unit(name: str) -> bool:
-        return any(name.startswith(c + ".") for c in claimed)
-
     for name, m in module.named_modules():
-        if m is module or inside_unit(name):
+        if m is module or any(name.startswith(c + ".") for c in claimed):
             continue
         if match(name, m):
             units.append((name, m))
             claimed.add(name)
-    if spec is None and units:
-        owners: dict[int, int] = {}
-        for m in module.modules():
-            for p in m.parameters(recurse=False):
-                owners[id(p)] = owners.get(id(p), 0) + 1
-        for name, m in module.named_modules():
-            own = list(m.parameters(recurse=False))
-            if m is module or inside_unit(name) or name in claimed or not own:
-                continue
-            if any(p.ndim >= 2 and p.requires_grad for p in own) and all(owners[id(p)] == 1 for p in own):
+    if spec is None:
+        names_of: dict[int, set[str]] = {}  # every name of every parameter, shared ones included
+        for pname, p in module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), set()).add(pname)
+        for name in getattr(module, "fsdp_units", ()):
+            m = module.get_submodule(name)
+            own = list(m.named_parameters(prefix=name))
+            if own and all(names_of[id(p)] <= {n for n, _ in own} for _, p in own):
                 units.append((name, m))
-                claimed.add(name)
         order = {name: i for i, (name, _) in enumerate(module.named_modules())}
         units.sort(key=lambda u: order[u[0]])
     units.append(("", module))
     return units
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs; its backward runs before the unit's own backward."""
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward first calls a hook: on a unit's outputs it runs before the unit's own
+    backward (gather again), on its inputs after it (the unit's gradients are all in)."""
 
     @staticmethod
     def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
@@ -98,12 +96,26 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _wrap_tensors(tree: Any, hook: Callable[[], None]) -> Any:
+    """`tree` with its grad-requiring tensors passed through one `_RunInBackward` (or None if none)."""
+    leaves, spec = tree_flatten(tree)
+    idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    wrapped = _RunInBackward.apply(hook, *[leaves[k] for k in idx])
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    for k, t in zip(idx, wrapped):
+        leaves[k] = t
+    return tree_unflatten(leaves, spec)
+
+
 class FSDPHooks:
     """Installs the gather/free/prefetch hooks of ZeRO-3 on the unit modules."""
 
     def __init__(self, units: list[tuple[nn.Module, FlatParam]], *, reshard_after_forward: bool = True,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, after_unit_backward: Callable[[int], None] | None = None) -> None:
         self.units = units
+        self.after_unit_backward = after_unit_backward
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.forward_order: list[int] = []  # unit indices as first seen in a forward
@@ -131,7 +143,7 @@ class FSDPHooks:
             self.units[j][1].unshard(async_op=True)
 
     def _make_pre_forward(self, i: int):
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any) -> Any:
             flat = self.units[i][1]
             if self._recording_forward:
                 if i in self.forward_order:
@@ -141,6 +153,9 @@ class FSDPHooks:
             flat.unshard()
             self._prefetch_after(self.forward_order, i)  # nothing to prefetch until the order is known
             self._record("forward", i)
+            if self.after_unit_backward is None or not torch.is_grad_enabled():
+                return None
+            return _wrap_tensors(args, lambda: self.after_unit_backward(i))
         return hook
 
     def _make_post_forward(self, i: int):
@@ -150,15 +165,7 @@ class FSDPHooks:
                 flat.reshard()
             if not torch.is_grad_enabled():
                 return output
-            leaves, spec = tree_flatten(output)
-            idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not idx:
-                return output
-            wrapped = _PreBackward.apply(lambda: self._pre_backward(i), *[leaves[k] for k in idx])
-            wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-            for k, t in zip(idx, wrapped):
-                leaves[k] = t
-            return tree_unflatten(leaves, spec)
+            return _wrap_tensors(output, lambda: self._pre_backward(i))
         return hook
 
     def _pre_backward(self, i: int) -> None:

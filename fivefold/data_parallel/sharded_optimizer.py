@@ -160,7 +160,8 @@ class ShardedOptimizer:
         optimizer's parameters: summed over the DP shards (and TP slices). A pipeline adds the
         values of its stages and all-reduces them over pp before `apply_step`."""
         self._prepare_grads()
-        sq, sq_tp = self.comm.scalar(0.0), self.comm.scalar(0.0)
+        sq = self.comm.scalar(0.0)
+        sq_tp = self.tp_comm.scalar(0.0) if self.tp_comm is not None else self.comm.scalar(0.0)
         for g, tp_slice in self._grads:
             (sq_tp if tp_slice and self.tp_comm is not None else sq).add_(g.float().pow(2).sum())
         if self.tp_comm is not None:

@@ -78,6 +78,9 @@ class ZeroDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
+        if inflight_buckets < 1:
+            raise ValueError(f"inflight_buckets={inflight_buckets}: at least one reduce-scatter must be allowed in "
+                             "flight; use 1 (least memory) or more (more overlap)")
         self.module = module
         self.comm = comm
         self.zero_stage = zero_stage
@@ -105,8 +108,11 @@ class ZeroDataParallel(nn.Module):
                                     sharded=zero_stage >= 1) for i, g in enumerate(groups)]
         else:
             self.flats, unit_modules = self._build_units(module, named, units, group_of)
+            # With find_unused, a unit whose backward is over completes its bucket even if a parameter got
+            # no gradient, instead of holding every later bucket until backward ends.
             self.fsdp = FSDPHooks(list(zip(unit_modules, self.flats)), reshard_after_forward=reshard_after_forward,
-                                  prefetch=prefetch)
+                                  prefetch=prefetch,
+                                  after_unit_backward=self._unit_backward_done if find_unused else None)
         # ZeRO-1 copies gradients in (no views): its reduced shard lives inside the kept buffer, and a
         # later backward must not add onto it before `_move_reduced_shard_out` ran.
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
@@ -116,7 +122,7 @@ class ZeroDataParallel(nn.Module):
             self.buckets, launch=self._launch_bucket, finish=self._finish_bucket, find_unused=find_unused,
             on_backward_end=self._on_backward_end,
             before_first_grad=self._move_reduced_shard_out if zero_stage == 1 else None,
-            before_launch=self._free_unit if zero_stage == 3 else None,
+            on_all_grads=self._free_unit if zero_stage == 3 else None,
             # ZeRO-2/3 free each full gradient buffer once its reduce-scatter is done; bounding the buckets
             # in flight makes that happen during backward, so the peak holds a few buffers, not all of them.
             # Stages 0/1 keep their buffers anyway: waiting early would buy no memory.
@@ -159,9 +165,12 @@ class ZeroDataParallel(nn.Module):
         return flats, [unit_mods[u] for u in order]
 
     # -- the per-stage part ----------------------------------------------------------------
+    def _unit_backward_done(self, unit: int) -> None:
+        self.reducer.no_more_grads(self.buckets[unit])
+
     def _free_unit(self, bucket: GradBucket) -> None:
-        """ZeRO-3: every gradient of this unit exists, so its gathered parameters are not needed any more;
-        free them before the gradients are copied into the bucket."""
+        """ZeRO-3: every gradient of this unit exists, so its gathered parameters are not needed any more
+        (freed now, whatever the launch order; its gradients are copied into the bucket at launch)."""
         self.flats[bucket.index].reshard()
 
     def _launch_bucket(self, bucket: GradBucket) -> Any:
@@ -232,6 +241,9 @@ class ZeroDataParallel(nn.Module):
         return norm
 
     def _check_synced(self) -> None:
+        if self.reducer.interrupted:
+            raise RuntimeError("a backward started but did not finish (did it raise?): its gradients are partly "
+                               "reduced. Call zero_grad() and run the step's backward passes again before step()")
         if self.reducer.unsynced:
             raise RuntimeError("gradients from a backward under no_sync() were never reduced: run the last "
                                "micro-batch's backward outside no_sync(), or call sync_gradients(), before step()")

@@ -321,6 +321,12 @@ class Llama(nn.Module):
         if device.type != "meta" and seed is not None:
             self.init_weights(seed)
 
+    @property
+    def fsdp_units(self) -> list[str]:
+        """Modules besides the blocks whose weights are used only through their own forward, so that a
+        sharded engine may gather them just around it (ZeRO-3 units); a tied pair is used twice."""
+        return [] if self.config.tie_embeddings else ["tok_embeddings", "output"]
+
     def parameters_in_init_order(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters in the fixed order ``init_weights`` draws them (tied ones once).
 

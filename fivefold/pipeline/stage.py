@@ -56,6 +56,11 @@ class PipelineStage(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
+    @property
+    def fsdp_units(self) -> list[str]:
+        """As `Llama.fsdp_units`, for the parts this stage holds (pipelines refuse tied embeddings)."""
+        return [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
+
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """x: tokens [B, L] on the first stage, hidden states [B, L(/T), D] elsewhere."""
         seq = x.shape[1] if self.is_first else (seq_len or x.shape[1])
