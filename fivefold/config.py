@@ -73,7 +73,9 @@ class DataSection:
 
 @dataclass
 class DDPSection:
-    bucket_mb: float = 25.0  # gradient bucket size (ZeRO-3 reduces per unit instead)
+    # gradient bucket size (ZeRO-3 reduces per unit instead); ZeRO-2 holds about two buckets beyond its
+    # formula at the peak of backward, so smaller buckets lower its peak
+    bucket_mb: float = 25.0
     find_unused: bool = False
     # Gradient accumulation: false = reduce every micro-step into the (sharded) gradient, memory as
     # the stage's formula; true = accumulate full unreduced gradients and reduce once per step
