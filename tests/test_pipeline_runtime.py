@@ -14,8 +14,8 @@ from dist_utils import run_workers
 
 from fivefold.comm import Comm, CommLog
 from fivefold.models import build_model, get_config
+from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.runtime import PipelineRuntime
-from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.stage import build_stages
 from fivefold.train.model_parts import pipeline_forward_backward
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.ops import Linear
+
 __all__ = [
     "Attention",
     "FeedForward",
@@ -214,10 +216,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
         kw = {"bias": False, "device": device, "dtype": dtype}
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, **kw)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, **kw)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, **kw)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, **kw)
+        self.wq = Linear(dim, n_heads * self.head_dim, **kw)
+        self.wk = Linear(dim, n_kv_heads * self.head_dim, **kw)
+        self.wv = Linear(dim, n_kv_heads * self.head_dim, **kw)
+        self.wo = Linear(n_heads * self.head_dim, dim, **kw)
 
     @property
     def n_heads(self) -> int:
@@ -256,9 +258,9 @@ class FeedForward(nn.Module):
     ) -> None:
         super().__init__()
         kw = {"bias": False, "device": device, "dtype": dtype}
-        self.w1 = nn.Linear(dim, hidden, **kw)
-        self.w3 = nn.Linear(dim, hidden, **kw)
-        self.w2 = nn.Linear(hidden, dim, **kw)
+        self.w1 = Linear(dim, hidden, **kw)
+        self.w3 = Linear(dim, hidden, **kw)
+        self.w2 = Linear(hidden, dim, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -306,7 +308,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim, device=meta, dtype=dtype)
         self.layers = nn.ModuleList(TransformerBlock(c, device=meta, dtype=dtype) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps, device=meta, dtype=dtype)
-        self.output = nn.Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
+        self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
         # One table for all layers. fp32 regardless of the model dtype (positions near
         # max_seq_len need the precision); non-persistent: derived from the config.
         table_shape = (c.max_seq_len, c.head_dim)

@@ -8,88 +8,30 @@ runs one stage on one micro-batch:
 - ``F``: forward; the last stage also computes the loss (divided by M, so the gradients
   accumulated over micro-batches are those of the mean loss);
 - ``B``: full backward from the stored output and the received output-gradient;
-- ``I`` / ``W`` (zero-bubble): ``I`` computes the input-gradient only — every linear layer's
-  weight-gradient matmul is queued in a `WeightGradStore` — and ``W`` runs the queued ones for
-  that micro-batch, accumulating into ``.grad`` through autograd (so gradient hooks still fire).
+- ``I`` / ``W`` (zero-bubble): the forward ran under `ops.recording_weight_grads`, so ``I``
+  computes the input-gradient only — every `ops.linear`'s weight-gradient matmul is queued in a
+  `WeightGradStore` — and ``W`` runs the queued ones for that micro-batch, accumulating into
+  ``.grad`` through autograd (so gradient hooks still fire).
 
-Each compute action's wall-clock start/end is recorded: `timeline()` turns them into a
-`simulator.Timeline` (bubble fraction, PNG, Chrome trace) measured instead of simulated.
+Each compute action's wall-clock start/end is recorded in `records` (the trainer gathers every
+rank's into a `simulator.Timeline`: bubble fraction, PNG, Chrome trace, measured not simulated).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm import Comm
-from fivefold.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, iter_steps, lower
-from fivefold.pipeline.simulator import Timeline
-
-
-class _LinearDeferredWGrad(torch.autograd.Function):
-    """y = x Wᵀ whose backward returns only the input gradient and queues the weight gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        grad_in = grad_out @ weight
-        if ctx.store.deferring:
-            ctx.store.queue(weight, x.detach(), grad_out.detach())
-            return grad_in, None, None
-        return grad_in, grad_out.flatten(0, -2).t() @ x.flatten(0, -2), None
-
-
-class _ApplyWGrad(torch.autograd.Function):
-    """Routes a precomputed weight gradient through autograd, so AccumulateGrad and its hooks run."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, grad_out)
-        return weight.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _: torch.Tensor):  # type: ignore[override]
-        x, grad_out = ctx.saved_tensors
-        return grad_out.flatten(0, -2).t() @ x.flatten(0, -2), None, None
-
-
-class WeightGradStore:
-    """Per-micro-batch queue of deferred weight-gradient matmuls (zero-bubble's W)."""
-
-    def __init__(self) -> None:
-        self.deferring = False
-        self.current: Any = None
-        self._pending: dict[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = defaultdict(list)
-
-    def queue(self, weight: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self._pending[self.current].append((weight, x, grad_out))
-
-    def run(self, key: Any) -> None:
-        items = self._pending.pop(key, [])
-        if items:
-            torch.autograd.backward([_ApplyWGrad.apply(w, x, g) for w, x, g in items])
-
-    def install(self, module: nn.Module) -> None:
-        """Route every bias-free linear layer of `module` through the deferrable matmul."""
-        for m in module.modules():
-            if isinstance(m, nn.Linear) and m.bias is None:
-                m.forward = lambda x, m=m: _LinearDeferredWGrad.apply(x, m.weight, self)
-            elif hasattr(m, "linear_fn") and getattr(m, "bias", None) is None:
-                m.linear_fn = lambda x, w, b=None: _LinearDeferredWGrad.apply(x, w, self)
-
+from fivefold.ops import WeightGradStore, recording_weight_grads
+from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, steps
+from fivefold.pipeline.lowering import lower
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -121,9 +63,6 @@ class PipelineRuntime:
         self.dtype = dtype
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
-        if self.schedule.split_backward:
-            for stage in stages.values():
-                self.wgrad.install(stage)
         self.records: list[tuple[str, int, int, float, float]] = []
         # Post the next batch's receives one batch early. Safe with gloo, where every p2p op
         # progresses on its own; NCCL serialises a peer pair's ops on one stream, so a receive
@@ -152,13 +91,13 @@ class PipelineRuntime:
         send_works: list = []
         loss_total: torch.Tensor | None = None
         mb_size = inputs[0].shape[0]
-        steps = list(iter_steps(self.schedule.actions[self.rank]))
-        batches = [i for i, item in enumerate(steps) if isinstance(item, list)]
+        plan = steps(self.schedule.actions[self.rank])
+        batches = [i for i, item in enumerate(plan) if isinstance(item, list)]
         posted: dict[Action, tuple[torch.Tensor, Any]] = {}  # receives already in flight
-        for i, item in enumerate(steps):
+        for i, item in enumerate(plan):
             if isinstance(item, list):
                 later = [j for j in batches if j > i]
-                upcoming = steps[later[0]] if later else []
+                upcoming = plan[later[0]] if later else []
                 self._communicate(item, upcoming, mb_size, stage_in, stage_out, grad_out, grad_in, send_works,
                                   posted)
                 continue
@@ -185,7 +124,9 @@ class PipelineRuntime:
         else:
             x = stage_in[key]
             x.requires_grad_(torch.is_grad_enabled())
-        out = stage(x, seq_len=inputs[a.microbatch].shape[1]) if a.stage else stage(x)
+        # zero-bubble: every `fivefold.ops.linear` in this forward may defer its weight gradient to W
+        with recording_weight_grads(self.wgrad) if self.schedule.split_backward else contextlib.nullcontext():
+            out = stage(x, seq_len=inputs[a.microbatch].shape[1]) if a.stage else stage(x)
         if a.stage == self.n_stages - 1:
             loss = self.loss_fn(out, targets[a.microbatch].to(self.device)) / self.schedule.n_microbatches
             stage_out[key] = loss
@@ -198,15 +139,13 @@ class PipelineRuntime:
 
     def _backward(self, a: Action, key, stage_in, stage_out, grad_out, grad_in) -> None:
         out = stage_out.pop(key)
-        self.wgrad.deferring = a.kind == "I"
-        self.wgrad.current = key
-        try:
-            if a.stage == self.n_stages - 1:
-                torch.autograd.backward(out)
-            else:
-                torch.autograd.backward(out, grad_out.pop(key))
-        finally:
-            self.wgrad.deferring = False
+        self.wgrad.current = key  # recorded linears queue their weight gradients under this key
+        if a.stage == self.n_stages - 1:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, grad_out.pop(key))
+        if a.kind == "B":  # a full backward: whatever a recorded forward queued is computed now
+            self.wgrad.run(key)
         if a.stage > 0:
             x = stage_in.pop(key)
             prev = (a.stage - 1, a.microbatch)
@@ -244,9 +183,3 @@ class PipelineRuntime:
                 buf, w = posted.pop(a)
                 w.wait()
                 (stage_in if a.kind == RECV_F else grad_out)[(a.stage, a.microbatch)] = buf
-
-    def timeline(self) -> Timeline:
-        """The last step's measured compute times as a `Timeline` (this rank's row only)."""
-        rows: list[list] = [[] for _ in range(self.schedule.n_ranks)]
-        rows[self.rank] = list(self.records)
-        return Timeline(rows, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)

@@ -1,9 +1,9 @@
-"""Timing model of pipeline schedules: simulated (or measured) timelines, bubble, memory, plots.
+"""Timing model of pipeline schedules: simulated (or measured) timelines, bubble, activations in flight.
 
 `simulate` plays a `Schedule` with a cost per action kind and returns a `Timeline`. A
 `Timeline` is only per-rank records ``(kind, microbatch, stage, start, end)``, so the runtime
-can build one from wall-clock measurements and reuse the bubble / memory computation,
-`plot_timeline` and `to_chrome_trace`.
+can build one from wall-clock measurements and reuse the bubble / memory computation; drawing
+one (`fivefold.report.plot_timeline`, `to_chrome_trace`) lives with the other pictures.
 
 Dependencies the simulation enforces (each rank runs its compute actions in list order):
 
@@ -23,13 +23,10 @@ Exactness of the textbook bubble formulas (`bubble_formula`), checked in the tes
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from fivefold.pipeline.schedules import (
+from fivefold.pipeline.actions import (
     BACKWARD_KINDS,
     COMPUTE_KINDS,
     Action,
@@ -39,23 +36,14 @@ from fivefold.pipeline.schedules import (
     I,
     Schedule,
     W,
-    _channel,
+    channel,
+    steps,
 )
 
-__all__ = [
-    "DEFAULT_COSTS",
-    "Event",
-    "Timeline",
-    "simulate",
-    "bubble_formula",
-    "plot_timeline",
-    "to_chrome_trace",
-]
+__all__ = ["DEFAULT_COSTS", "Event", "Timeline", "simulate", "bubble_formula"]
 
 DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
 
-KIND_COLORS = {F: "#4C72B0", B: "#55A868", I: "#DD8452", W: "#8172B3"}
-OTHER_COLOR = "#B0B0B0"
 
 
 class Event(NamedTuple):
@@ -75,10 +63,6 @@ class Event(NamedTuple):
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
-
-    @property
-    def action(self) -> Action:
-        return Action(self.kind, self.microbatch, self.stage)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}@s{self.stage} [{self.start:g}, {self.end:g}]"
@@ -189,8 +173,8 @@ def simulate(
     cost_of = costs if callable(costs) else (lambda a: costs[a.kind])
     S = schedule.n_stages
     rank_of = schedule.stage_to_rank
-    lists = schedule.actions
-    P = len(lists)
+    plans = [steps(acts) for acts in schedule.actions]  # computes, and batches of communication
+    P = len(plans)
     done: dict[tuple[str, int, int], float] = {}  # (kind, m, s) -> end time; B and I share the key "BW"
     sent_at: dict[tuple, float] = {}  # message channel -> time its send was issued
     pc = [0] * P
@@ -211,31 +195,26 @@ def simulate(
             return None
         return done[dep] + (comm_cost if rank_of[dep_stage] != rank_of[s] else 0.0)
 
-    def step(r: int) -> bool:
-        """Run rank r's next compute or communication batch; False if it must wait."""
-        acts = lists[r]
-        a = acts[pc[r]]
-        if a.is_comm:
-            end = pc[r]
-            while end < len(acts) and acts[end].is_comm:
-                end += 1
-            batch = acts[pc[r] : end]
-            for c in batch:
+    def advance(r: int) -> bool:
+        """Run rank r's next step (a compute, or a batch of communication); False if it must wait."""
+        step = plans[r][pc[r]]
+        if not isinstance(step, Action):
+            for c in step:
                 if c.kind.startswith("SEND"):
-                    sent_at.setdefault(_channel(r, c), free[r])
-            arrivals = [sent_at.get(_channel(r, c)) for c in batch if c.kind.startswith("RECV")]
+                    sent_at.setdefault(channel(r, c), free[r])
+            arrivals = [sent_at.get(channel(r, c)) for c in step if c.kind.startswith("RECV")]
             if any(t is None for t in arrivals):
                 return False
             free[r] = max([free[r]] + [t + comm_cost for t in arrivals])
-            pc[r] = end
+            pc[r] += 1
             return True
-        t = ready_time(a)
+        t = ready_time(step)
         if t is None:
             return False
         start = max(free[r], t)
-        end_time = start + float(cost_of(a))
-        done[("BW" if a.kind in BACKWARD_KINDS else a.kind, a.microbatch, a.stage)] = end_time
-        records[r].append(Event(a.kind, a.microbatch, a.stage, start, end_time))
+        end_time = start + float(cost_of(step))
+        done[("BW" if step.kind in BACKWARD_KINDS else step.kind, step.microbatch, step.stage)] = end_time
+        records[r].append(Event(step.kind, step.microbatch, step.stage, start, end_time))
         free[r] = end_time
         pc[r] += 1
         return True
@@ -244,9 +223,9 @@ def simulate(
     while progress:
         progress = False
         for r in range(P):
-            while pc[r] < len(lists[r]) and step(r):
+            while pc[r] < len(plans[r]) and advance(r):
                 progress = True
-    stuck = [f"rank {r} waits at step {pc[r]} ({lists[r][pc[r]]})" for r in range(P) if pc[r] < len(lists[r])]
+    stuck = [f"rank {r} waits at {plans[r][pc[r]]}" for r in range(P) if pc[r] < len(plans[r])]
     if stuck:
         raise DeadlockError(
             f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; " + "; ".join(stuck)
@@ -266,108 +245,3 @@ def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
     if name == "zb-h1":
         return (P - 1) / (3 * M + P - 1)
     raise ValueError(f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1")
-
-
-def _atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") -> None:
-    """Draw ``timeline`` as a Gantt chart PNG: one row per rank (rank 0 on top), time on x, one
-    box per event coloured by kind (F, B, I, W; grey for other labels) with its micro-batch
-    number inside. With V > 1 chunks the later chunks are drawn lighter. Written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    P = max(timeline.n_ranks, 1)
-    t0, span = timeline.start, max(timeline.makespan, 1e-12)
-    n_events = max((len(evs) for evs in timeline.events), default=1)
-    width = min(max(8.0, 0.32 * n_events), 40.0)
-    fig = Figure(figsize=(width, 1.0 + 0.55 * P), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    V = max(timeline.n_virtual, 1)
-    px_per_unit = width * 0.8 * 110 / span
-    for r, evs in enumerate(timeline.events):
-        for e in evs:
-            color = KIND_COLORS.get(e.kind, OTHER_COLOR)
-            chunk = e.stage // P if V > 1 else 0
-            alpha = 1.0 - 0.45 * chunk / max(V - 1, 1)
-            ax.broken_barh(
-                [(e.start - t0, e.duration)], (r - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.6,
-                alpha=alpha,
-            )
-            box_px = e.duration * px_per_unit
-            if box_px >= 7:
-                ax.text(
-                    e.start - t0 + e.duration / 2, r, str(e.microbatch), ha="center", va="center",
-                    fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold",
-                )
-    ax.set_ylim(P - 0.5, -0.5)
-    ax.set_xlim(0, span)
-    ax.set_yticks(range(P))
-    ax.set_yticklabels([f"rank {r}" for r in range(P)])
-    ax.set_xlabel("time")
-    kinds = [k for k in COMPUTE_KINDS if any(e.kind == k for evs in timeline.events for e in evs)]
-    others = sorted({e.kind for evs in timeline.events for e in evs} - set(COMPUTE_KINDS))
-    labels = {F: "F forward", B: "B backward", I: "I input grad", W: "W weight grad"}
-    handles = [Patch(color=KIND_COLORS[k], label=labels[k]) for k in kinds]
-    handles += [Patch(color=OTHER_COLOR, label=", ".join(others))] if others else []
-    if V > 1:
-        handles.append(Patch(color="white", label=f"lighter = later chunk (V={V})"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    heading = title or timeline.name
-    stats = (
-        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
-        f"peak in-flight {timeline.peak_in_flight}"
-    )
-    ax.set_title(f"{heading} — {stats}" if heading else stats, fontsize=10)
-    ax.grid(axis="x", linestyle=":", alpha=0.5)
-    ax.set_axisbelow(True)
-    fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"), ".png")
-
-
-def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: float = 1e6) -> None:
-    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one complete ("X")
-    event per action, pid 0, tid = rank, ``ts``/``dur`` in microseconds (times × ``us_per_unit``;
-    the default reads times as seconds), plus thread-name metadata events. Written atomically."""
-    t0 = timeline.start
-    events: list[dict] = [
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-        for r in range(timeline.n_ranks)
-    ]
-    for r, evs in enumerate(timeline.events):
-        for e in evs:
-            events.append(
-                {
-                    "name": f"{e.kind}{e.microbatch}@s{e.stage}",
-                    "cat": e.kind,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": r,
-                    "ts": (e.start - t0) * us_per_unit,
-                    "dur": e.duration * us_per_unit,
-                    "args": {"microbatch": e.microbatch, "stage": e.stage},
-                }
-            )
-    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": timeline.name}}
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as fh:
-            json.dump(data, fh)
-
-    _atomic_write(path, write, ".json")
-

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm import Comm
+from fivefold.ops import linear
 from fivefold.tensor_parallel.comm_ops import (
     all_reduce_grad_hook,
     copy_to_tp,
@@ -56,7 +57,6 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.comm = comm
         self.input_mode = input_mode
-        self.linear_fn = F.linear  # swappable (the zero-bubble pipeline defers weight gradients)
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
@@ -68,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(linear.weight.detach()[a:b].clone(), bias, comm, input_mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fn(_entry(x, self.comm, self.input_mode), self.weight, self.bias)
+        return linear(_entry(x, self.comm, self.input_mode), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)}, tp={self.comm.size}, input={self.input_mode}"
@@ -82,7 +82,6 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
-        self.linear_fn = F.linear
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         if self.bias is not None and sequence_parallel:  # added to each rank's chunk: sum the partial grads
@@ -96,7 +95,7 @@ class RowParallelLinear(nn.Module):
         return cls(linear.weight.detach()[:, a:b].clone(), bias, comm, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _exit(self.linear_fn(x, self.weight), self.comm, self.sequence_parallel)
+        y = _exit(linear(x, self.weight), self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

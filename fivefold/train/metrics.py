@@ -1,9 +1,8 @@
-"""What rank 0 shows and writes: a progress bar, ``metrics.jsonl``, and the loss-curve PNG."""
+"""What rank 0 shows and writes: a progress bar and ``metrics.jsonl`` (the loss curve: `fivefold.report`)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,35 +30,6 @@ class MetricsWriter:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_loss(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:
-    """Train (and validation, if logged) loss against step, written atomically as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "val"]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1.2)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title(title or "fivefold training")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out_png)
-    return out_png
 
 
 class Progress:

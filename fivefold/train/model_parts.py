@@ -28,10 +28,11 @@ from fivefold.mesh import ParallelMesh
 from fivefold.models import build_model
 from fivefold.models.llama import LlamaConfig
 from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, tp_loss
+from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
-from fivefold.pipeline.schedules import build_schedule, forward_only
-from fivefold.pipeline.simulator import Timeline, bubble_formula, plot_timeline, to_chrome_trace
+from fivefold.pipeline.simulator import Timeline, bubble_formula
 from fivefold.pipeline.stage import build_stages
+from fivefold.report import plot_timeline, to_chrome_trace
 from fivefold.train.data import TokenDataset
 
 

@@ -25,9 +25,10 @@ from fivefold.config import Config, resolve_batch
 from fivefold.mesh import ParallelDims, ParallelMesh, default_device, init_distributed, is_torchrun_env, launch_local
 from fivefold.models import count_params, get_config
 from fivefold.models.llama import Llama
-from fivefold.pipeline.schedules import build_schedule
+from fivefold.pipeline.builders import build_schedule
+from fivefold.report import plot_loss
 from fivefold.train.data import TokenDataset
-from fivefold.train.metrics import MetricsWriter, Progress, plot_loss
+from fivefold.train.metrics import MetricsWriter, Progress, read_metrics
 from fivefold.train.model_parts import PipelinedModel, WholeModel
 
 
@@ -171,7 +172,7 @@ def train(cfg: Config) -> TrainResult:
                   f"(formula {bubble['formula_bubble']:.1%}); wrote {run_dir / 'timeline.png'} and "
                   f"{run_dir / 'trace.json'}")
         if cfg.run.plot:
-            png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png",
+            png = plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
                             title=f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}")
             print(f"fivefold: loss {first_loss:.3f} -> {final_loss:.3f}"
                   + (f" (val {val_loss:.3f})" if val_loss is not None else "")

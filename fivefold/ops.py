@@ -1,0 +1,121 @@
+"""`linear(x, w, b)`: the matmul layers opt into so a zero-bubble pipeline can split their backward.
+
+Zero-bubble schedules (seed 003 §14; Qi et al. 2023) split a backward pass into I (the input
+gradient, on the critical path) and W (the weight gradients, deferred to fill bubbles). A layer
+that computes ``linear(x, w, b)`` — fivefold's `Linear`, the tensor-parallel layers, the MoE experts
+— takes part; nothing is patched. The pipeline runtime runs a stage's forward under
+`recording_weight_grads(store)`: such a linear gives autograd no edge to its weight and bias, so
+its backward (I) returns only the input gradient and queues (x, grad_out) in the store under
+``store.current``; `WeightGradStore.run(key)` later (W) computes dW and db for that micro-batch
+and hands them to autograd, so accumulation and gradient hooks (the data-parallel reducer) fire
+then, once. Outside a recording forward, `linear` is plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Linear", "WeightGradStore", "linear", "recording_weight_grads"]
+
+
+class WeightGradStore:
+    """Deferred weight-gradient matmuls, queued per key (the runtime's (stage, micro-batch))."""
+
+    def __init__(self) -> None:
+        self.current: Hashable = None  # the key the queued work belongs to (set by the runtime for an I)
+        self._pending: dict[Hashable, list[tuple]] = defaultdict(list)
+
+    def queue(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self._pending[self.current].append((weight, bias, x, grad_out))
+
+    def run(self, key: Hashable) -> None:
+        """Compute the queued weight (and bias) gradients of `key` through autograd."""
+        items = self._pending.pop(key, [])
+        if items:
+            torch.autograd.backward([_ApplyWeightGrad.apply(*item) for item in items])
+
+    def pending(self) -> int:
+        return sum(len(v) for v in self._pending.values())
+
+
+_recording: ContextVar[WeightGradStore | None] = ContextVar("fivefold_weight_grad_store", default=None)
+
+
+@contextmanager
+def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
+    """Linears run in this block leave their weight gradients to `store`: their backward computes
+    only the input gradient; `store.run(key)` adds the weight gradients later."""
+    token = _recording.set(store)
+    try:
+        yield
+    finally:
+        _recording.reset(token)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ + b; under `recording_weight_grads` its weight gradients wait in the store."""
+    store = _recording.get()
+    if store is None:
+        return F.linear(x, weight, bias)
+    # The parameters travel outside autograd's inputs: no AccumulateGrad (and no hook) until W.
+    return _LinearInputGradOnly.apply(x, weight.detach(), None if bias is None else bias.detach(),
+                                      _Deferred(store, weight, bias))
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` computed by `linear` (same parameters, names and initialisation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def _weight_grads(x: torch.Tensor, grad_out: torch.Tensor, with_bias: bool) -> tuple:
+    g = grad_out.flatten(0, -2)
+    return g.t() @ x.flatten(0, -2), (g.sum(0) if with_bias else None)
+
+
+class _Deferred:
+    """Where a recorded linear's weight gradients go (a plain object: not an autograd input)."""
+
+    def __init__(self, store: WeightGradStore, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.store, self.weight, self.bias = store, weight, bias
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """y = x Wᵀ + b whose backward returns dL/dx and queues the weight and bias gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferred):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.deferred = deferred
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        d = ctx.deferred
+        d.store.queue(d.weight, d.bias, x.detach(), grad_out.detach())
+        return grad_out @ weight, None, None, None
+
+
+class _ApplyWeightGrad(torch.autograd.Function):
+    """Routes deferred weight (and bias) gradients through autograd, so AccumulateGrad and hooks run."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, x, grad_out):  # type: ignore[override]
+        ctx.save_for_backward(x, grad_out)
+        ctx.with_bias = bias is not None
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):  # type: ignore[override]
+        x, grad_out = ctx.saved_tensors
+        grad_w, grad_b = _weight_grads(x, grad_out, ctx.with_bias)
+        return grad_w, grad_b, None, None

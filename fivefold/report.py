@@ -1,0 +1,149 @@
+"""Pictures of a run: the loss curve and pipeline timelines (PNG, Chrome trace), written atomically.
+
+Reads plain data — ``metrics.jsonl`` records and `pipeline.simulator.Timeline` s — and owns
+every matplotlib import of the package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from fivefold.pipeline.actions import COMPUTE_KINDS, B, F, I, W
+from fivefold.pipeline.simulator import Timeline
+
+__all__ = ["plot_loss", "plot_timeline", "to_chrome_trace"]
+
+KIND_COLORS = {F: "#4C72B0", B: "#55A868", I: "#DD8452", W: "#8172B3"}
+OTHER_COLOR = "#B0B0B0"
+
+
+def _atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") -> None:
+    """Draw ``timeline`` as a Gantt chart PNG: one row per rank (rank 0 on top), time on x, one
+    box per event coloured by kind (F, B, I, W; grey for other labels) with its micro-batch
+    number inside. With V > 1 chunks the later chunks are drawn lighter. Written atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    P = max(timeline.n_ranks, 1)
+    t0, span = timeline.start, max(timeline.makespan, 1e-12)
+    n_events = max((len(evs) for evs in timeline.events), default=1)
+    width = min(max(8.0, 0.32 * n_events), 40.0)
+    fig = Figure(figsize=(width, 1.0 + 0.55 * P), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    V = max(timeline.n_virtual, 1)
+    px_per_unit = width * 0.8 * 110 / span
+    for r, evs in enumerate(timeline.events):
+        for e in evs:
+            color = KIND_COLORS.get(e.kind, OTHER_COLOR)
+            chunk = e.stage // P if V > 1 else 0
+            alpha = 1.0 - 0.45 * chunk / max(V - 1, 1)
+            ax.broken_barh(
+                [(e.start - t0, e.duration)], (r - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.6,
+                alpha=alpha,
+            )
+            box_px = e.duration * px_per_unit
+            if box_px >= 7:
+                ax.text(
+                    e.start - t0 + e.duration / 2, r, str(e.microbatch), ha="center", va="center",
+                    fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold",
+                )
+    ax.set_ylim(P - 0.5, -0.5)
+    ax.set_xlim(0, span)
+    ax.set_yticks(range(P))
+    ax.set_yticklabels([f"rank {r}" for r in range(P)])
+    ax.set_xlabel("time")
+    kinds = [k for k in COMPUTE_KINDS if any(e.kind == k for evs in timeline.events for e in evs)]
+    others = sorted({e.kind for evs in timeline.events for e in evs} - set(COMPUTE_KINDS))
+    labels = {F: "F forward", B: "B backward", I: "I input grad", W: "W weight grad"}
+    handles = [Patch(color=KIND_COLORS[k], label=labels[k]) for k in kinds]
+    handles += [Patch(color=OTHER_COLOR, label=", ".join(others))] if others else []
+    if V > 1:
+        handles.append(Patch(color="white", label=f"lighter = later chunk (V={V})"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    heading = title or timeline.name
+    stats = (
+        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
+        f"peak in-flight {timeline.peak_in_flight}"
+    )
+    ax.set_title(f"{heading} — {stats}" if heading else stats, fontsize=10)
+    ax.grid(axis="x", linestyle=":", alpha=0.5)
+    ax.set_axisbelow(True)
+    fig.tight_layout()
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"), ".png")
+
+
+def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: float = 1e6) -> None:
+    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one complete ("X")
+    event per action, pid 0, tid = rank, ``ts``/``dur`` in microseconds (times × ``us_per_unit``;
+    the default reads times as seconds), plus thread-name metadata events. Written atomically."""
+    t0 = timeline.start
+    events: list[dict] = [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in range(timeline.n_ranks)
+    ]
+    for r, evs in enumerate(timeline.events):
+        for e in evs:
+            events.append(
+                {
+                    "name": f"{e.kind}{e.microbatch}@s{e.stage}",
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": r,
+                    "ts": (e.start - t0) * us_per_unit,
+                    "dur": e.duration * us_per_unit,
+                    "args": {"microbatch": e.microbatch, "stage": e.stage},
+                }
+            )
+    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": timeline.name}}
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+
+    _atomic_write(path, write, ".json")
+
+
+def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path:
+    """Train (and validation, if logged) loss against step from metrics records, as PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "val"]
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title or "fivefold training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    _atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"), ".png")
+    return Path(out_png)

@@ -1,0 +1,44 @@
+"""`fivefold.ops.linear`: plain F.linear outside a recording forward; after one, backward returns the
+input gradient only (no weight gradient, no hook) and `WeightGradStore.run` later adds exactly the
+weight and bias gradients autograd would have, through AccumulateGrad so hooks fire once."""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.ops import Linear, WeightGradStore, recording_weight_grads
+
+
+def _layer(bias: bool) -> Linear:
+    torch.manual_seed(0)
+    return Linear(5, 3, bias=bias)
+
+
+def test_plain_outside_a_recording_forward():
+    layer, x = _layer(True), torch.randn(2, 4, 5)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert isinstance(layer, torch.nn.Linear)
+
+
+def test_deferred_weight_and_bias_gradients_equal_autograd():
+    for bias in (True, False):
+        ref, layer = _layer(bias), _layer(bias)
+        x = torch.randn(2, 4, 5, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        ref(x_ref).pow(2).sum().backward()
+
+        store = WeightGradStore()
+        with recording_weight_grads(store):
+            out = layer(x)
+        hooked: list[str] = []
+        layer.weight.register_post_accumulate_grad_hook(lambda p, hooked=hooked: hooked.append("weight"))
+        store.current = ("stage0", 0)
+        out.pow(2).sum().backward()  # I
+        assert layer.weight.grad is None and (layer.bias is None or layer.bias.grad is None) and not hooked
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+        assert store.pending() == 1
+        store.run(("stage0", 0))  # W
+        assert store.pending() == 0 and hooked == ["weight"]
+        torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-7)
+        if bias:
+            torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-7)
