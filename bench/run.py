@@ -1,22 +1,135 @@
-"""Benchmark fivefold against torch's reference implementations on local gloo CPU ranks.
+"""Benchmark fivefold against torch's reference implementations on local gloo CPU ranks: the command line.
 
     python bench/run.py ddp                       # preset small; defaults sized for ~1-2 min on 2 cores
     python bench/run.py ddp --preset tiny --steps 10 --json out.json
     python bench/run.py zero                      # ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2
     python bench/run.py zero --stages 0,3         # a subset (each fivefold stage brings its counterpart)
-    python bench/run.py all --json out.json       # ddp, then zero
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py parallel                  # tp, then pp
+    python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
-Same as ``fivefold bench ...``; the harnesses live in `fivefold.bench` and `fivefold.bench_parallel`.
+Same as ``make bench ARGS="..."`` and, from a source checkout, ``fivefold bench ...``.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from fivefold.cli import main
+if __name__ == "__main__":  # run as a script: import `bench` from the checkout, not this folder's modules by name
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_here)]
+    sys.path.insert(0, str(Path(_here).parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
+from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
+from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
+
+__all__ = ["main"]
+
+WHAT = {  # command -> the benchmarks it runs, in order
+    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",),
+    "parallel": ("tp", "pp"), "all": ("ddp", "zero", "tp", "pp"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fivefold bench",
+                                     description="Time fivefold against torch's reference implementations on local "
+                                                 "gloo CPU ranks (one launch per benchmark, interleaved blocks).")
+    d = DPSpec()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--preset", default=None, help="model preset (ddp, zero, tp: small; pp: tiny)")
+    common.add_argument("--steps", type=int, default=None, help="timed steps per implementation")
+    common.add_argument("--warmup", type=int, default=None, help="untimed steps per implementation (tp, pp: >= 1)")
+    common.add_argument("--repeats", type=int, default=None,
+                        help=f"alternating blocks the timed steps are split into (ddp {d.repeats}, zero 16, tp "
+                             f"{TPSpec().repeats}, pp {PPSpec().repeats})")
+    common.add_argument("--seq-len", type=int, default=None)
+    common.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    common.add_argument("--json", metavar="PATH", help="also write the full result(s) (every step) as JSON")
+    micro = argparse.ArgumentParser(add_help=False)
+    micro.add_argument("--micro-batch", type=int, default=None,
+                       help=f"sequences per rank per step (ddp, zero: {d.micro_batch}) or per micro-batch "
+                            f"(pp: {PPSpec().micro_batch})")
+    dp_opts = argparse.ArgumentParser(add_help=False)
+    dp_opts.add_argument("--world", type=int, default=None, help=f"number of gloo ranks ({d.world})")
+    dp_opts.add_argument("--bucket-mb", type=float, default=None, help=f"gradient bucket size ({d.bucket_mb})")
+    zero_opts = argparse.ArgumentParser(add_help=False)
+    zero_opts.add_argument("--stages", default=None, help="comma-separated ZeRO stages to run (0,1,2,3)")
+    zero_opts.add_argument("--prefetch", type=int, default=None, help=f"fivefold ZeRO-3 prefetch depth ({d.prefetch})")
+    tp_opts = argparse.ArgumentParser(add_help=False)
+    tp_opts.add_argument("--tp", type=int, default=None, help="tensor-parallel degree = gloo ranks (2)")
+    tp_opts.add_argument("--batch", type=int, default=None, help="sequences per step, every TP rank (8)")
+    tp_opts.add_argument("--sp", default=None, choices=("both", "off", "on"), help="sequence parallel variants")
+    pp_opts = argparse.ArgumentParser(add_help=False)
+    pp_opts.add_argument("--pp", type=int, default=None, help="pipeline ranks (2)")
+    pp_opts.add_argument("--microbatches", default=None, help="comma-separated M values (4,8)")
+    pp_opts.add_argument("--schedules", default=None, help="comma-separated: gpipe,1f1b,interleaved,zb-h1")
+
+    sub = parser.add_subparsers(dest="what", required=True)
+    sub.add_parser("ddp", parents=[common, micro, dp_opts], help="fivefold DDP vs torch DistributedDataParallel")
+    sub.add_parser("zero", parents=[common, micro, dp_opts, zero_opts],
+                   help="fivefold ZeRO 0/1/2/3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2")
+    sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
+    sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
+    sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts], help="tp, then pp")
+    sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts],
+                   help="ddp, zero, tp, then pp (--preset and the other common options apply to every one)")
+    return parser
+
+
+def _given(**kw: Any) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Callable[[dict], str]]]:
+    """name -> (run the benchmark, format its result), in the order ``args.what`` asks for them."""
+    opt = vars(args)  # the options of this subcommand (absent ones are None)
+    common = _given(preset=args.preset, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                    seq_len=args.seq_len, threads=args.threads)
+    dp = _given(world=opt.get("world"), micro_batch=opt.get("micro_batch"), bucket_mb=opt.get("bucket_mb"))
+    stages = tuple(int(s) for s in (opt.get("stages") or "0,1,2,3").split(",") if s.strip())
+    zero = _given(prefetch=opt.get("prefetch"))
+    sp = {"both": (False, True), "off": (False,), "on": (True,), None: None}[opt.get("sp")]
+    tp = _given(tp=opt.get("tp"), batch=opt.get("batch"), sequence_parallel=sp)
+    microbatches, schedules = opt.get("microbatches"), opt.get("schedules")
+    pp = _given(pp=opt.get("pp"), micro_batch=opt.get("micro_batch"),
+                microbatches=tuple(int(m) for m in microbatches.split(",")) if microbatches else None,
+                schedules=tuple(s.strip() for s in schedules.split(",")) if schedules else None)
+    every: dict[str, tuple[Callable[[], dict], Callable[[dict], str]]] = {
+        "ddp": (lambda: bench_ddp(**common, **dp), format_table),
+        "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero), format_table),
+        "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
+        "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
+    }
+    return {name: every[name] for name in WHAT[args.what]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fivefold bench {ddp,zero,tp,pp,parallel,all} [options]`` / ``python bench/run.py ...``: print the tables."""
+    args = _parser().parse_args(argv)
+    runs = _runs(args)
+    results = {}
+    for name, (run, fmt) in runs.items():
+        t0 = time.perf_counter()
+        results[name] = run()
+        if len(runs) > 1:
+            print(f"## {name}\n")
+        print(fmt(results[name]))
+        print(f"(wall time {time.perf_counter() - t0:.0f} s)\n", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results if len(results) > 1 else next(iter(results.values())), fh, indent=1, default=str)
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Command line: ``fivefold train | bench {ddp,zero,all,tp,pp,parallel}``.
+"""Command line: ``fivefold train | bench {ddp,zero,tp,pp,parallel,all}`` (bench: from a source checkout).
 
 ``fivefold train [--config run.toml] [--section.key value ...]`` trains on the embedded default
 (the small Llama on this Python's standard-library sources, 2 local CPU workers) unless told
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+import fivefold
 from fivefold.config import ALIASES, ConfigError, load_config
 
 
@@ -33,12 +35,17 @@ def _train(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """ddp | zero | all: data parallel (fivefold.bench); tp | pp: fivefold.bench_parallel."""
-    if argv and argv[0] in ("tp", "pp", "parallel"):
-        from fivefold.bench_parallel import main as parallel_main
+    """ddp | zero | tp | pp | parallel | all: the benchmarks of a source checkout (``<repo>/bench/run.py``).
 
-        return parallel_main(["all" if argv[0] == "parallel" else argv[0], *argv[1:]])
-    from fivefold.bench import main as bench_main
+    They compare fivefold with torch's own implementations and are not part of the installed package."""
+    root = Path(fivefold.__file__).resolve().parent.parent
+    if not (root / "bench" / "run.py").is_file():
+        print("fivefold bench: the benchmarks ship with the source checkout (bench/ next to the fivefold package), "
+              f"not with an installed package; none found in {root}. Clone the repository and run `fivefold bench` "
+              "from an editable install (pip install -e .) or `python bench/run.py` there.", file=sys.stderr)
+        return 2
+    sys.path[:] = [str(root), *(p for p in sys.path if p != str(root))]  # this checkout's `bench` first
+    from bench.run import main as bench_main
 
     return bench_main(argv)
 

@@ -3,7 +3,7 @@
 `Comm` binds one process group to the name of the mesh dimension it spans ("dp", "tp", ...)
 and a `CommLog`. Each call is recorded with its payload and the ring-wire traffic per rank,
 so tests and `fivefold plan` can check measured communication against the formulas of
-DESIGN.md (seed 001 §communication, seed 003 §NCCL primitives):
+DESIGN.md (seed 001 §communication, seed 003 §NCCL primitives; `fivefold.formulas.ring_wire_bytes`):
 
     all-reduce      wire = 2(N-1)/N · S      (reduce-scatter followed by all-gather)
     reduce-scatter  wire =  (N-1)/N · S      (S = the full, unscattered input)
@@ -30,26 +30,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fivefold.formulas import ring_wire_bytes  # re-exported: fivefold.comm.ring_wire_bytes
+
 # torch 2.13 renamed the flat-tensor collectives; keep working on torch >= 2.6.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_WIRE_FACTOR = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 1.0,
-}
 
-
-def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
-    """Bytes one rank sends over the wire for `op` on a ring of `group_size` ranks."""
-    if group_size <= 1 and op not in ("send", "recv"):
-        return 0.0
-    return _WIRE_FACTOR[op](group_size) * payload_bytes
+# The mesh dimensions ("tp", "dp", "pp", ...) a tensor's elements are partitioned over: each element
+# lives on exactly one rank of those dimensions (a TP slice: {"tp"}; a ZeRO shard adds "dp"; a pipeline
+# stage's parameter adds "pp"); over the others it is replicated. Global norms sum over exactly these.
+Placement = frozenset[str]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    zero: int = 0  # ZeRO stage over dp: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
     sp: bool = False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
 
 
@@ -58,6 +57,7 @@ class TrainSection:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
     seed: int = 0
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
@@ -72,7 +72,10 @@ class DataSection:
 
 
 @dataclass
-class DDPSection:
+class ZeroSection:
+    """Data parallelism over dp: the ZeRO stage and its knobs."""
+
+    stage: int = 0  # 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
     # gradient bucket size (ZeRO-3 reduces per unit instead); ZeRO-2 holds about two buckets beyond its
     # formula at the peak of backward, so smaller buckets lower its peak
     bucket_mb: float = 25.0
@@ -118,7 +121,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
-    ddp: DDPSection = field(default_factory=DDPSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     run: RunSection = field(default_factory=RunSection)
@@ -128,12 +131,17 @@ class Config:
 
 
 # Short flags for the most common keys.
-ALIASES = {"zero": "parallel.zero", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
+ALIASES = {"zero": "zero.stage", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
            "steps": "train.steps", "preset": "model.preset", "device": "run.device"}
 
 
 class ConfigError(ValueError):
     pass
+
+
+# Keys that moved: a clear pointer instead of "unknown key".
+MOVED = {"parallel.zero": "zero.stage", **{f"ddp.{k}": f"zero.{k}" for k in (
+    "bucket_mb", "find_unused", "defer_reduce", "reshard_after_forward", "prefetch", "inflight_buckets")}}
 
 
 def _sections() -> dict[str, type]:
@@ -178,6 +186,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     sections = _sections()
+    if dotted in MOVED:
+        raise ConfigError(f"'{dotted}' is now '{MOVED[dotted]}' (ZeRO's stage and knobs live in [zero])")
     if "." not in dotted:
         raise ConfigError(f"'{dotted}' is not a section.key; valid sections: {', '.join(sections)}; "
                           f"short flags: {', '.join('--' + a for a in ALIASES)}")

@@ -1,31 +1,30 @@
-"""The process grid: `ParallelDims` -> torch `DeviceMesh`, per-dimension `Comm`s, and launching.
+"""The process grid: `ParallelDims` -> torch `DeviceMesh`, its derived groups, per-dimension `Comm`s.
 
 Layout (DESIGN.md): ``world = pp × dp × cp × tp`` with tp innermost, so tensor-parallel
-peers are adjacent ranks (the same node on a GPU cluster). The grid is an explicit object
-passed to whoever needs it; nothing here is a module-level singleton.
+peers are adjacent ranks (the same node on a GPU cluster). Derived groups, built once at start:
 
-Also owns process start-up: `init_distributed` for torchrun-style environments and
-`launch_local` to spawn N local CPU workers (gloo on 127.0.0.1, a store on a free port).
+- ``dp_cp``: dp × cp flattened — gradients and the loss are averaged over both (a context-parallel
+  rank holds a slice of the same sequences, so a replicated weight's gradient sums over cp too);
+- ``ep``: expert parallelism carved from dp × cp — blocks of ``ep`` consecutive ranks of each
+  dp_cp group hold different experts; ``ep_dp`` is its complement (the ranks holding the *same*
+  experts), over which expert gradients are reduced.
+
+The grid is an explicit object passed to whoever needs it; nothing here is a module-level
+singleton. Starting processes is `fivefold.launch`'s job.
 """
 
 from __future__ import annotations
 
-import datetime
-import gc
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fivefold.comm import Comm, CommLog
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+DERIVED_DIMS = ("dp_cp", "ep", "ep_dp")
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,7 @@ class ParallelDims:
     dp: int = -1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # carved from dp × cp (not a factor of the world)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp and check that the product of the degrees is the world size."""
@@ -50,58 +50,92 @@ class ParallelDims:
                 raise ValueError(
                     f"world size {world_size} is not divisible by pp({self.pp}) × cp({self.cp}) × "
                     f"tp({self.tp}) = {others}; change the degrees or the number of processes")
-            return replace(self, dp=world_size // others)
+            return replace(self, dp=world_size // others).resolve(world_size)
         if others * self.dp != world_size:
             raise ValueError(
                 f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
                 f"but the world size is {world_size}; make the product equal the number of processes "
                 f"(or set dp=-1 to derive it)")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
+                             "expert-parallel ranks are carved from the data (and context) parallel ones")
         return self
 
     @property
     def world_size(self) -> int:
         return math.prod(getattr(self, d) for d in MESH_DIMS)
 
+    def size(self, dim: str) -> int:
+        """Degree of a mesh or derived dimension."""
+        if dim == "dp_cp":
+            return self.dp * self.cp
+        if dim == "ep_dp":
+            return self.dp * self.cp // self.ep
+        return getattr(self, dim)
+
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
 
-def default_device() -> torch.device:
-    """The local accelerator if torch sees one (chosen by LOCAL_RANK), else the CPU."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None:
-        return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.accelerator.device_count(), 1)
-    torch.accelerator.set_device_index(index)
-    return torch.device(acc.type, index)
-
-
-def backend_for(device: torch.device) -> str:
-    return "gloo" if device.type == "cpu" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
-
-
 class ParallelMesh:
-    """The resolved grid of this process: degrees, DeviceMesh, per-dim Comms, one CommLog."""
+    """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
 
     def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu",
                  comm_log: CommLog | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_distributed() first "
+            raise RuntimeError("torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
                                "or run under `fivefold train` / torchrun")
         self.device = torch.device(device)
         self.dims = dims.resolve(dist.get_world_size())
         self.comm_log = comm_log if comm_log is not None else CommLog(enabled=False)
         self.device_mesh = dist.device_mesh.init_device_mesh(
             self.device.type, self.dims.shape(), mesh_dim_names=MESH_DIMS)
+        self._derived = self._derived_groups()
         self._comms: dict[str, Comm] = {}
 
+    def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
+        """dp_cp, ep and ep_dp. Every rank creates every group, in the same order (a collective);
+        where a derived group equals a mesh dimension's, that group is reused."""
+        d = self.dims
+        me = dist.get_rank()
+        # rows: one dp×cp group per (pp, tp) coordinate, ranks in (dp, cp) order
+        rows = self.device_mesh.mesh.permute(0, 3, 1, 2).reshape(d.pp * d.tp, d.dp * d.cp).tolist()
+        groups: dict[str, dist.ProcessGroup] = {}
+        if d.cp == 1:
+            groups["dp_cp"] = self.group("dp")
+        else:
+            for row in rows:
+                g = dist.new_group(row)
+                if me in row:
+                    groups["dp_cp"] = g
+        if d.ep == 1:  # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
+            groups["ep_dp"] = groups["dp_cp"]
+        else:
+            for row in rows:
+                blocks = [row[i:i + d.ep] for i in range(0, len(row), d.ep)]  # consecutive ranks: one ep group
+                for block in blocks:
+                    g = dist.new_group(block)
+                    if me in block:
+                        groups["ep"] = g
+                for column in zip(*blocks):  # the same place in every block: the same experts
+                    g = dist.new_group(list(column))
+                    if me in column:
+                        groups["ep_dp"] = g
+        return groups
+
     def size(self, dim: str) -> int:
-        return getattr(self.dims, dim)
+        return self.dims.size(dim)
 
     def rank(self, dim: str) -> int:
+        if dim in DERIVED_DIMS:
+            return dist.get_rank(self._derived[dim])
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str) -> dist.ProcessGroup:
+        if dim == "ep" and dim not in self._derived:  # ep = 1: a group of this rank alone, no collective needed
+            self._derived[dim] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        if dim in DERIVED_DIMS:
+            return self._derived[dim]
         return self.device_mesh.get_group(dim)
 
     def comm(self, dim: str) -> Comm:
@@ -116,55 +150,3 @@ class ParallelMesh:
     def __repr__(self) -> str:
         coords = ", ".join(f"{d}={self.rank(d)}/{self.size(d)}" for d in MESH_DIMS)
         return f"ParallelMesh(rank {self.global_rank}: {coords}, device={self.device})"
-
-
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
-    """Initialise the default process group from a torchrun-style environment; return the device."""
-    device = default_device()
-    if not dist.is_initialized():
-        dist.init_process_group(backend or backend_for(device),
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return device
-
-
-def is_torchrun_env() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int,
-                  timeout_s: float, out_dir: str, args: tuple) -> None:
-    torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
-        result = fn(*args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        del result
-    finally:
-        # Wrappers sit in reference cycles (param -> grad hook -> reducer -> param); free them while
-        # the process group still exists, or their destructors may abort the process at exit.
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
-                 timeout_s: float = 300.0, start_method: str = "spawn") -> list[Any]:
-    """Run ``fn(*args)`` in `nproc` local CPU processes joined by gloo; return each rank's result.
-
-    The rendezvous store is created here on a free port chosen by the OS (never a fixed port)
-    and kept alive until the workers finish. A worker's exception is re-raised with its traceback.
-    `fn` must be importable (a module-level function) and its result picklable by torch.save.
-    """
-    if nproc < 1:
-        raise ValueError(f"nproc={nproc}: need at least one process")
-    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    with tempfile.TemporaryDirectory(prefix="fivefold-") as out_dir:
-        mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args),
-                           nprocs=nproc, join=True, start_method=start_method)
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
-    del store
-    return results

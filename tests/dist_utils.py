@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.mesh import launch_local
+from fivefold.launch import launch_local
 
 
 def run_workers(fn, world_size: int, *args):

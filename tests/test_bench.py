@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.bench import bench_ddp, format_table
+from bench.data_parallel import bench_ddp, format_table
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_table(result):
 
 
 def test_cli_help(capsys):
-    from fivefold.bench import main
+    from bench.run import main
 
     with pytest.raises(SystemExit) as e:
         main(["ddp", "--help"])
@@ -60,7 +60,7 @@ BASELINES = {"fivefold-z0": "torch-DDP", "fivefold-z1": "torch-ZeRO1", "fivefold
 
 @pytest.fixture(scope="module")
 def zero_result() -> dict:
-    from fivefold.bench import bench_zero
+    from bench.data_parallel import bench_zero
 
     return bench_zero(preset="tiny", world=2, steps=2, warmup=1, repeats=2, micro_batch=2, seq_len=16)
 
@@ -136,7 +136,7 @@ def test_zero_table(zero_result):
 
 
 def test_cli_zero_help(capsys):
-    from fivefold.bench import main
+    from bench.run import main
 
     with pytest.raises(SystemExit) as e:
         main(["zero", "--help"])

@@ -11,8 +11,10 @@ import math
 
 import pytest
 
-from fivefold import bench_parallel
-from fivefold.bench_parallel import PP_PAIRS, PPSpec, TPSpec, bench_pp, bench_tp, tp_comm_formula
+from bench import run as bench_run
+from bench.pipeline import PP_PAIRS, PPSpec, bench_pp
+from bench.tensor_parallel import TPSpec, bench_tp
+from fivefold.formulas import tp_comm_formula
 from fivefold.models import get_config
 
 LOSS_TOL = 1e-4
@@ -109,12 +111,35 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
             return results
         return run
 
-    monkeypatch.setattr(bench_parallel, "bench_tp", fake("tp", tp_results))
-    monkeypatch.setattr(bench_parallel, "bench_pp", fake("pp", pp_results))
-    assert bench_parallel.main(["all", "--preset", "tiny", "--steps", "3", "--sp", "on", "--microbatches", "4,8"]) == 0
+    monkeypatch.setattr(bench_run, "bench_tp", fake("tp", tp_results))
+    monkeypatch.setattr(bench_run, "bench_pp", fake("pp", pp_results))
+    assert bench_run.main(["parallel", "--preset", "tiny", "--steps", "3", "--sp", "on", "--microbatches", "4,8"]) == 0
     out = capsys.readouterr().out
     assert seen["tp"].sequence_parallel == (True,) and seen["tp"].preset == "tiny" and seen["tp"].steps == 3
     assert seen["pp"].microbatches == (4, 8)
     for p in (*tp_results["pairs"], *pp_results["pairs"]):
         assert f"ratio {p['name']}/{p['baseline']}" in out
     assert "bubble measured" in out and "formula" in out
+
+
+def test_all_runs_every_dimension(monkeypatch, capsys):
+    """``all`` runs ddp, zero, tp and pp, in that order, with the common options given to each (no launch)."""
+    seen = []
+
+    def fake(kind):
+        def run(*args, **kwargs):
+            seen.append((kind, args[0] if args else kwargs))
+            return {"kind": kind}
+        return run
+
+    for name, kind in (("bench_ddp", "ddp"), ("bench_zero", "zero"), ("bench_tp", "tp"), ("bench_pp", "pp")):
+        monkeypatch.setattr(bench_run, name, fake(kind))
+    for name in ("format_table", "format_tp_table", "format_pp_table"):
+        monkeypatch.setattr(bench_run, name, lambda results: f"table of {results['kind']}")
+    assert bench_run.main(["all", "--preset", "tiny", "--steps", "2", "--stages", "0,3"]) == 0
+    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp"]
+    ddp, zero, tp, pp = (given for _, given in seen)
+    assert ddp == {"preset": "tiny", "steps": 2} and zero["stages"] == (0, 3) and zero["preset"] == "tiny"
+    assert tp.preset == pp.preset == "tiny" and tp.steps == pp.steps == 2
+    out = capsys.readouterr().out
+    assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp"))

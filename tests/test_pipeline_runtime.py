@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from dist_utils import run_workers
 
 from fivefold.comm import Comm, CommLog
+from fivefold.config import Config
 from fivefold.models import build_model, get_config
+from fivefold.models.parallelize import build_stages
 from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.runtime import PipelineRuntime
-from fivefold.pipeline.stage import build_stages
-from fivefold.train.model_parts import pipeline_forward_backward
 
 CFG = get_config("tiny", n_layers=8, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=17)
 SEQ = 6
@@ -99,31 +99,35 @@ PPDP_RUNS = [("1f1b", 0), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe
 PPDP_EPS = 1e-4  # see EPS in test_zero.py: bounds Adam's 1/eps amplification of reduction-order noise
 
 
+def _parts_config(name: str, zero: int, M: int, V: int, pp: int, dp: int, tp: int = 1, sp: bool = False) -> Config:
+    """The trainer's config for a layout: the test builds its parts with the one assembly."""
+    cfg = Config()
+    cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.sp = pp, dp, tp, sp
+    cfg.zero.stage = zero
+    cfg.pipeline.schedule, cfg.pipeline.virtual = name, V
+    cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, PPDP_EPS
+    cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed = M, SEQ, 0
+    return cfg
+
+
 def _ppdp_worker() -> dict:
-    from fivefold.data_parallel.zero import ZeroDataParallel, step_together
     from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models.parallelize import parallelize
 
     mesh = ParallelMesh(ParallelDims(pp=2, dp=2), "cpu", CommLog())
-    pp, dp = mesh.comm("pp"), mesh.comm("dp")
+    dp = mesh.comm("dp")
     out = {}
     for name, zero in PPDP_RUNS:
         M = 4
         V = 2 if name == "interleaved" else 1
-        schedule = build_schedule(name, pp.size, M, V)
-        stages = build_stages(CFG, schedule.stages_of(pp.rank), schedule.n_stages, seed=0)
-        engines = {s: ZeroDataParallel(m, dp, zero_stage=zero, lr=LR, weight_decay=WD, eps=PPDP_EPS)
-                   for s, m in stages.items()}
-        runtime = PipelineRuntime(schedule, engines, pp, _loss, lambda mb: (mb, SEQ, CFG.dim), torch.float32)
+        parts = parallelize(_parts_config(name, zero, M, V, pp=2, dp=2), CFG, mesh, "cpu")
         history = []
         for step in range(PPDP_STEPS):
             x, y = _step_batch(step)
             xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
-            pipeline_forward_backward(runtime, engines, list(xs.chunk(M)), list(ys.chunk(M)))
-            step_together(list(engines.values()), CLIP, across=[pp])
-            state = {}
-            for e in engines.values():
-                state.update(e.full_state_dict())
-            history.append(state)
+            parts.forward_backward(list(zip(xs.chunk(M), ys.chunk(M))))
+            parts.step(CLIP)
+            history.append(parts.full_state_dict())
         out[(name, zero)] = history
     return out
 
@@ -180,31 +184,20 @@ def _tp_dim(name: str) -> int | None:
 
 
 def _mesh3d_worker() -> dict:
-    from fivefold.data_parallel.zero import ZeroDataParallel, step_together
     from fivefold.mesh import ParallelDims, ParallelMesh
-    from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, tp_loss
+    from fivefold.models.parallelize import parallelize
 
     mesh = ParallelMesh(ParallelDims(pp=2, dp=2, tp=2), "cpu", CommLog())
-    pp, dp, tp = mesh.comm("pp"), mesh.comm("dp"), mesh.comm("tp")
+    dp, tp = mesh.comm("dp"), mesh.comm("tp")
     M = 2
-    schedule = build_schedule("1f1b", pp.size, M)
-    stages = build_stages(CFG_3D, schedule.stages_of(pp.rank), schedule.n_stages, seed=0)
-    losses = {s: apply_tensor_parallel(m, tp, sequence_parallel=True) for s, m in stages.items()}
-    engines = {s: ZeroDataParallel(m, dp, zero_stage=1, lr=LR, weight_decay=WD, eps=PPDP_EPS, tp_comm=tp,
-                                   tp_sharded=lambda n, p, m=m: is_tp_sharded(n, p, m)) for s, m in stages.items()}
-    last = schedule.n_stages - 1
-    loss_fn = tp_loss(losses[last]) if last in losses else _loss
-    runtime = PipelineRuntime(schedule, engines, pp, loss_fn, lambda mb: (mb, SEQ // 2, CFG_3D.dim), torch.float32)
+    parts = parallelize(_parts_config("1f1b", 1, M, 1, pp=2, dp=2, tp=2, sp=True), CFG_3D, mesh, "cpu")
     history = []
     for step in range(3):
         x, y = _step_batch(step, CFG_3D.vocab_size)
         xs, ys = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
-        pipeline_forward_backward(runtime, engines, list(xs.chunk(M)), list(ys.chunk(M)))
-        step_together(list(engines.values()), CLIP, across=[pp])
-        state = {}
-        for e in engines.values():
-            state.update(e.full_state_dict())
-        history.append(state)
+        parts.forward_backward(list(zip(xs.chunk(M), ys.chunk(M))))
+        parts.step(CLIP)
+        history.append(parts.full_state_dict())
     return dict(history=history, tp_rank=tp.rank)
 
 

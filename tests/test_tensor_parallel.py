@@ -19,12 +19,12 @@ from dist_utils import run_workers
 from torch import nn
 
 from fivefold.comm import Comm, CommLog
-from fivefold.data_parallel import ZeroDataParallel
+from fivefold.config import Config
 from fivefold.data_parallel.zero import default_no_decay
 from fivefold.mesh import ParallelDims, ParallelMesh
 from fivefold.models import build_model, get_config
 from fivefold.models.llama import RMSNorm
-from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, tp_loss
+from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, parallelize, tp_loss
 from fivefold.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -344,19 +344,19 @@ def _no_decay_flags(model: nn.Module) -> dict[str, bool]:
 
 
 def _train(mesh: ParallelMesh, stage: int, sp: bool) -> dict:
-    tp_comm, dp_comm = mesh.comm("tp"), mesh.comm("dp")
-    model = apply_tensor_parallel(build_model(_model_config(), seed=0), tp_comm, sequence_parallel=sp)
-    loss_fn = tp_loss(model)
-    engine = ZeroDataParallel(model, dp_comm, zero_stage=stage, bucket_mb=SMALL_BUCKET_MB, tp_comm=tp_comm,
-                              tp_sharded=lambda n, p: is_tp_sharded(n, p, model), lr=LR,
-                              weight_decay=WD, eps=EPS)
+    cfg = Config()  # the trainer's config for this layout: the parts come from the one assembly
+    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.sp = mesh.size("dp"), mesh.size("tp"), sp
+    cfg.zero.stage, cfg.zero.bucket_mb = stage, SMALL_BUCKET_MB
+    cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps, cfg.train.seed = LR, WD, 0.999, EPS, 0
+    parts = parallelize(cfg, _model_config(), mesh, "cpu")
+    engine, loss_fn = parts.engine, parts.loss_fn
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
     losses, norms, history = [], [], []
     for step in range(STEPS):
         x, y = _train_batch(step)
         loss = loss_fn(engine(x.chunk(dp)[dp_rank]), y.chunk(dp)[dp_rank])  # tp peers: the same slice
         engine.backward(loss)
-        norms.append(engine.step(CLIP))
+        norms.append(parts.step(CLIP))
         losses.append(loss.item())
         history.append({k: v.clone() for k, v in engine.full_state_dict().items()})
     return dict(losses=losses, norms=norms, history=history)

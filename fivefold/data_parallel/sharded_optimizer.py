@@ -12,9 +12,12 @@ Used two ways:
   torch.optim.AdamW, comm, lr=...)`` after the gradients were averaged (e.g. by DDP);
 - by the ZeRO engine, whose reduce-scatter already delivered the gradient shards.
 
-One `step` does, in order: fp32 gradient shards -> unscale (fp16 loss scaling) -> one all-reduce of
-the squared norm (global norm for clipping, and inf/nan detection agreed by every rank) -> skip or
-clip -> inner optimizer step -> write back to the compute dtype -> all-gather (ZeRO-1/2).
+One `step` does, in order: fp32 gradient shards -> unscale (fp16 loss scaling) -> the global norm
+(`fivefold.optim.clip`: local squared sums by placement, all-reduced over the dimensions they are
+partitioned over; for clipping, and inf/nan detection agreed by every rank) -> skip or clip ->
+inner optimizer step -> write back to the compute dtype -> all-gather (ZeRO-1/2). Each group's
+``placement`` (kwarg, default none) names the mesh dimensions other than dp its parameters are
+partitioned over (a tensor-parallel slice: {"tp"}); the optimizer adds "dp" when it is sharded.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm
+from fivefold.comm import Comm, Placement
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
+from fivefold.optim.clip import global_grad_sq_norm
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
@@ -71,15 +75,11 @@ class ShardedOptimizer:
     @classmethod
     def for_flat_params(cls, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]],
                         comm: Comm, *, loss_scaler: DynamicLossScaler | None = None, elementwise: bool | None = None,
-                        tp_comm: Comm | None = None, **defaults: Any) -> ShardedOptimizer:
-        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter.
-
-        With `tp_comm`, groups marked ``tp_replicated=False`` hold tensor-parallel slices: their
-        squared norm is summed over the TP group too (one more scalar all-reduce)."""
+                        **defaults: Any) -> ShardedOptimizer:
+        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter."""
         self = cls.__new__(cls)
         self._setup(flats, optimizer_class, group_kwargs, comm, elementwise=elementwise, grads_from_params=False,
                     defaults=defaults, loss_scaler=loss_scaler)
-        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         return self
 
     def _setup(self, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]], comm: Comm,
@@ -96,13 +96,14 @@ class ShardedOptimizer:
             members = [mp for f in flats for (gid, _, _), mp in zip(f.segments, f.master_params) if gid == g]
             if members:
                 inner_groups.append({"params": members, **kwargs})
-        self._is_tp_slice = {id(p): not g.get("tp_replicated", True) for g in inner_groups for p in g["params"]}
+        # What the global norm sums over: the group's own placement, plus dp where this optimizer shards.
+        dp: Placement = frozenset({"dp"}) if self.sharded else frozenset()
+        self._placement = {id(p): frozenset(g.get("placement", ())) | dp for g in inner_groups for p in g["params"]}
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
             inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
         self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
         self.last_step_skipped = False
-        self.tp_comm: Comm | None = None
 
     # torch.optim.Optimizer look-alikes, so LR schedules and checkpoints work unchanged.
     @property
@@ -124,8 +125,8 @@ class ShardedOptimizer:
         for f in self.flats:
             f.grad_shard = f.shard_of([p.grad for p in f.params], f.param_dtype)
 
-    def _master_grads(self) -> list[tuple[torch.Tensor, bool]]:
-        """(fp32 gradient of each master segment, whether it is a tensor-parallel slice)."""
+    def _master_grads(self) -> list[tuple[torch.Tensor, Placement]]:
+        """(fp32 gradient of each master segment, its placement)."""
         grads = []
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for f in self.flats:
@@ -137,39 +138,33 @@ class ShardedOptimizer:
                 mp.grad = g.float() if g.dtype != torch.float32 else g
                 if inv_scale != 1.0:
                     mp.grad.mul_(inv_scale)
-                grads.append((mp.grad, self._is_tp_slice[id(mp)]))
+                grads.append((mp.grad, self._placement[id(mp)]))
         return grads
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> float | None:
         """Step the shards; returns the global gradient norm when it was computed (clipping or fp16).
 
-        The norm is computed from the shards with one all-reduce of a scalar; a non-finite norm
-        means some rank overflowed, and every rank skips the step together.
+        Standalone use (after DDP averaged the gradients): the norm is over this optimizer's groups
+        and dp shards. A non-finite norm means some rank overflowed, and every rank skips the step.
         """
         norm = None
         if max_norm is not None or self.loss_scaler is not None:
-            sq = self.grad_sq_norm()
+            sq = global_grad_sq_norm([self.local_sq_norms()], {"dp": self.comm}, self.comm.device).item()
             norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
         self.apply_step(norm, max_norm)
         return norm
 
     @torch.no_grad()
-    def grad_sq_norm(self) -> float:
-        """Prepare the fp32 (unscaled) gradient shards and return the squared global norm over this
-        optimizer's parameters: summed over the DP shards (and TP slices). A pipeline adds the
-        values of its stages and all-reduces them over pp before `apply_step`."""
+    def local_sq_norms(self) -> dict[Placement, torch.Tensor]:
+        """Prepare the fp32 (unscaled) gradient shards and return this rank's squared sums by placement
+        (device tensors), for `fivefold.optim.clip.global_grad_sq_norm`."""
         self._prepare_grads()
-        sq = self.comm.scalar(0.0)
-        sq_tp = self.tp_comm.scalar(0.0) if self.tp_comm is not None else self.comm.scalar(0.0)
-        for g, tp_slice in self._grads:
-            (sq_tp if tp_slice and self.tp_comm is not None else sq).add_(g.float().pow(2).sum())
-        if self.tp_comm is not None:
-            self.tp_comm.all_reduce(sq_tp, tag="grad_norm")
-        sq += sq_tp
-        if self.sharded:
-            self.comm.all_reduce(sq, tag="grad_norm")
-        return sq.item()
+        out: dict[Placement, torch.Tensor] = {}
+        for g, placement in self._grads:
+            sq = g.float().pow(2).sum()
+            out[placement] = out[placement] + sq if placement in out else sq
+        return out
 
     def _prepare_grads(self) -> None:
         if getattr(self, "_grads", None) is None:

@@ -29,20 +29,21 @@ deferring costs it no memory.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
-from fivefold.comm import Comm
+from fivefold.comm import Comm, Placement
 from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, assign_buckets
 from fivefold.data_parallel.ddp import broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
+from fivefold.optim.clip import step_together
 
 
 def default_no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
@@ -62,7 +63,7 @@ class ZeroDataParallel(nn.Module):
 
     ``inflight_buckets`` (ZeRO-2/3): reduce-scatters that may be outstanding after a launch; launching
     one more first waits for the oldest and frees its full-size gradient buffer (and ZeRO-3 frees a
-    unit's gathered parameters when its reduce-scatter is launched). The peak during backward is then
+    unit's gathered parameters as soon as all its gradients exist). The peak during backward is then
     the stage's formula plus about ``inflight_buckets + 1`` full gradient buffers (and, for ZeRO-3, the
     gathered units: the current one, ``prefetch`` ahead, and the root).
     """
@@ -73,7 +74,8 @@ class ZeroDataParallel(nn.Module):
                  no_decay: Any = default_no_decay, find_unused: bool = False, units: UnitSpec = None,
                  reshard_after_forward: bool = True, prefetch: int = 1, inflight_buckets: int = 1,
                  loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
-                 elementwise: bool | None = None, tp_comm: Comm | None = None, tp_sharded: Any = None,
+                 elementwise: bool | None = None,
+                 placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
                  **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
@@ -92,15 +94,21 @@ class ZeroDataParallel(nn.Module):
             if not p.requires_grad:
                 p.data = p.data.to(self.mp.param_dtype)
 
-        # Optimizer groups: (decay or not) × (TP-sharded slice or TP-replicated). The second split
-        # exists only for the global gradient norm: sharded slices sum over the TP group, replicated
-        # parameters (norms) count once.
-        def group_of(name: str, p: nn.Parameter) -> int:
+        # Optimizer groups: (weight decay or not) × placement — the mesh dimensions besides dp a parameter
+        # is partitioned over (`placement_of`, from the model's plans: a TP slice is {"tp"}, a pipeline
+        # stage's parameter adds "pp"). The placement matters only for the global gradient norm
+        # (`fivefold.optim.clip`); the engine itself knows no other dimension.
+        def key_of(name: str, p: nn.Parameter) -> tuple[bool, Placement]:
             skip_decay = no_decay is not None and no_decay(name, p, module)
-            replicated = tp_comm is not None and tp_comm.size > 1 and not tp_sharded(name, p)
-            return 2 * int(skip_decay) + int(replicated)
+            return skip_decay, frozenset(placement_of(name, p)) if placement_of is not None else frozenset()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # decay first, then partitioned before replicated: a fixed order of the groups in every flat buffer
+        keys = sorted({key_of(n, p) for n, p in named}, key=lambda k: (k[0], -len(k[1]), sorted(k[1])))
+
+        def group_of(name: str, p: nn.Parameter) -> int:
+            return keys.index(key_of(name, p))
+
         self.fsdp: FSDPHooks | None = None
         if zero_stage < 3:
             groups = assign_buckets(named, bucket_mb * 2**20)
@@ -130,11 +138,11 @@ class ZeroDataParallel(nn.Module):
         if loss_scaler is None and self.mp.needs_loss_scaling:
             loss_scaler = DynamicLossScaler()
         self.loss_scaler = loss_scaler
-        group_kwargs = [{"weight_decay": wd, "tp_replicated": rep}
-                        for wd in (weight_decay, 0.0) for rep in (False, True)]
+        group_kwargs = [{"weight_decay": 0.0 if skip else weight_decay, "placement": placement}
+                        for skip, placement in keys]
         self.optimizer = ShardedOptimizer.for_flat_params(
             self.flats, optimizer_class, group_kwargs, comm, loss_scaler=loss_scaler, elementwise=elementwise,
-            tp_comm=tp_comm, **optimizer_kwargs)
+            **optimizer_kwargs)
 
     def _build_units(self, module: nn.Module, named: list[tuple[str, nn.Parameter]], spec: UnitSpec,
                      group_of: Any) -> tuple[list[FlatParam], list[nn.Module]]:
@@ -234,13 +242,13 @@ class ZeroDataParallel(nn.Module):
             self.fsdp.backward_done()
 
     def step(self, max_norm: float | None = None) -> float | None:
-        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients."""
-        self._check_synced()
-        norm = self.optimizer.step(max_norm)
-        self.zero_grad()
-        return norm
+        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients.
+        Parameters partitioned over other mesh dimensions (TP, PP) need those groups for the norm:
+        use `fivefold.optim.step_together(engines, max_norm, comms)`."""
+        return step_together([self], max_norm)
 
-    def _check_synced(self) -> None:
+    def check_step_allowed(self) -> None:
+        """Raise if the gradients are not ready for a step (an interrupted or unreduced backward)."""
         if self.reducer.interrupted:
             raise RuntimeError("a backward started but did not finish (did it raise?): its gradients are partly "
                                "reduced. Call zero_grad() and run the step's backward passes again before step()")
@@ -279,26 +287,3 @@ class ZeroDataParallel(nn.Module):
         optim = [f.master for f in self.flats]
         optim += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"params": params, "grads": grads, "optimizer": optim}
-
-
-def step_together(engines: list[ZeroDataParallel], max_norm: float | None = None,
-                  across: list[Comm] = ()) -> float | None:
-    """One optimizer step for several engines that form one model (e.g. the pipeline stages of this
-    rank), clipping by the norm over all of them and over the ranks in `across` (e.g. the pp group):
-    each engine's squared norm (already summed over its dp shards and tp slices) is added up and
-    all-reduced over `across` — one scalar per group."""
-    norm = None
-    for e in engines:
-        e._check_synced()
-    if max_norm is not None or any(e.loss_scaler is not None for e in engines):
-        sq = sum(e.optimizer.grad_sq_norm() for e in engines)
-        if across:
-            total = across[0].scalar(sq)  # on the groups' device: NCCL refuses a CPU scalar
-            for comm in across:
-                comm.all_reduce(total, tag="grad_norm")
-            sq = total.item()
-        norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
-    for e in engines:
-        e.optimizer.apply_step(norm, max_norm)
-        e.zero_grad()
-    return norm

@@ -231,6 +231,7 @@ class Attention(nn.Module):
         return self.wk.weight.shape[0] // self.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D]; cos, sin: the model's whole RoPE tables (the first L positions are used)."""
         batch, seq, _ = x.shape
         # [B, L, H*hd] -> [B, H, L, hd]; H comes from the tensor, see class docstring.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -239,6 +240,10 @@ class Attention(nn.Module):
         n_heads, n_kv_heads = q.shape[1], k.shape[1]
         if n_heads % n_kv_heads != 0:
             raise ValueError(f"local n_heads={n_heads} is not divisible by local n_kv_heads={n_kv_heads}")
+        if seq > cos.shape[0]:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
+        # Positions 0..seq-1 of the whole sequence: under sequence parallelism x was gathered already.
+        cos, sin = cos[:seq], sin[:seq]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         if n_kv_heads != n_heads:
@@ -282,6 +287,17 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Blocks(nn.ModuleDict):
+    """The transformer blocks keyed by their index ("0", "1", ...), so a pipeline stage holding some
+    of them keeps their single-process names (``layers.5.attention.wq.weight``). ``blocks[5]`` works."""
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        return super().__getitem__(str(key))
+
+    def __delitem__(self, key: int | str) -> None:
+        super().__delitem__(str(key))
+
+
 class Llama(nn.Module):
     """Llama decoder. ``forward(tokens [B, L]) -> logits [B, L, vocab]`` in the model dtype.
 
@@ -306,7 +322,7 @@ class Llama(nn.Module):
         meta = torch.device("meta")
         c = config
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim, device=meta, dtype=dtype)
-        self.layers = nn.ModuleList(TransformerBlock(c, device=meta, dtype=dtype) for _ in range(c.n_layers))
+        self.layers = Blocks({str(i): TransformerBlock(c, device=meta, dtype=dtype) for i in range(c.n_layers)})
         self.norm = RMSNorm(c.dim, c.norm_eps, device=meta, dtype=dtype)
         self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
         # One table for all layers. fp32 regardless of the model dtype (positions near
@@ -327,32 +343,34 @@ class Llama(nn.Module):
     def fsdp_units(self) -> list[str]:
         """Modules besides the blocks whose weights are used only through their own forward, so that a
         sharded engine may gather them just around it (ZeRO-3 units); a tied pair is used twice."""
-        return [] if self.config.tie_embeddings else ["tok_embeddings", "output"]
+        if self.config.tie_embeddings:
+            return []
+        return [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
 
-    def parameters_in_init_order(self) -> list[tuple[str, nn.Parameter]]:
-        """Parameters in the fixed order ``init_weights`` draws them (tied ones once).
-
-        Spelled out instead of relying on registration order, so the random stream
-        is a documented function of the config alone.
-        """
-        order: list[tuple[str, nn.Parameter]] = [("tok_embeddings.weight", self.tok_embeddings.weight)]
-        for i, layer in enumerate(self.layers):
+    def parameters_in_init_order(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter in the fixed order ``init_weights`` draws them (tied ones
+        once), from the config alone: a pipeline stage that holds only some modules draws, and
+        discards, the values of the others, so every parameter gets its single-process value.
+        Spelled out instead of relying on registration order."""
+        c = self.config
+        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        order: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (c.vocab_size, c.dim))]
+        for i in range(c.n_layers):
             p = f"layers.{i}."
-            attn, ffn = layer.attention, layer.feed_forward
             order += [
-                (p + "attention_norm.weight", layer.attention_norm.weight),
-                (p + "attention.wq.weight", attn.wq.weight),
-                (p + "attention.wk.weight", attn.wk.weight),
-                (p + "attention.wv.weight", attn.wv.weight),
-                (p + "attention.wo.weight", attn.wo.weight),
-                (p + "ffn_norm.weight", layer.ffn_norm.weight),
-                (p + "feed_forward.w1.weight", ffn.w1.weight),
-                (p + "feed_forward.w3.weight", ffn.w3.weight),
-                (p + "feed_forward.w2.weight", ffn.w2.weight),
+                (p + "attention_norm.weight", (c.dim,)),
+                (p + "attention.wq.weight", (q, c.dim)),
+                (p + "attention.wk.weight", (kv, c.dim)),
+                (p + "attention.wv.weight", (kv, c.dim)),
+                (p + "attention.wo.weight", (c.dim, q)),
+                (p + "ffn_norm.weight", (c.dim,)),
+                (p + "feed_forward.w1.weight", (c.ffn_hidden, c.dim)),
+                (p + "feed_forward.w3.weight", (c.ffn_hidden, c.dim)),
+                (p + "feed_forward.w2.weight", (c.dim, c.ffn_hidden)),
             ]
-        order.append(("norm.weight", self.norm.weight))
-        if self.output.weight is not self.tok_embeddings.weight:
-            order.append(("output.weight", self.output.weight))
+        order.append(("norm.weight", (c.dim,)))
+        if not c.tie_embeddings:
+            order.append(("output.weight", (c.vocab_size, c.dim)))
         return order
 
     @torch.no_grad()
@@ -368,31 +386,38 @@ class Llama(nn.Module):
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = 0.02
         residual_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.parameters_in_init_order():
+        present = dict(self.named_parameters())
+        for name, shape in self.parameters_in_init_order():
+            param = present.get(name)
             if name.endswith("norm.weight"):
-                if param.device.type != "meta":
+                if param is not None and param.device.type != "meta":
                     param.fill_(1.0)
                 continue
             scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
-            # Parameters left on meta (a pipeline stage materialises only its own layers) still draw
-            # their values, so every materialised parameter gets exactly its single-process value.
-            if param.device.type != "meta":
+            values = torch.empty(shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
+            # Absent (another pipeline stage's) or meta parameters still draw their values, so every
+            # materialised parameter gets exactly its single-process value.
+            if param is not None and param.device.type != "meta":
                 param.copy_(values)
         if self.rope_cos.device.type != "meta":
             cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [B, L] -> logits [B, L, vocab]. A pipeline stage is this model with some modules
+        removed (`pipeline.split.keep_only`): without ``tok_embeddings`` x is the hidden state
+        [B, L, D] from the previous stage, and without ``norm``/``output`` the hidden state is
+        returned."""
+        if self.tok_embeddings is not None:
+            if x.shape[1] > self.config.max_seq_len:
+                raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.output(x) if self.output is not None else x
 
 
 def build_model(

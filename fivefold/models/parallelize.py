@@ -1,136 +1,242 @@
-"""Where each Llama module goes under tensor (+ sequence) parallelism: the plan is data.
+"""The one assembly of a parallel model: plans applied, engines wrapped, the pipeline built.
 
-`LLAMA_TP_PLAN` maps module-name patterns to a placement style; `apply_tensor_parallel` walks the
-model once and swaps modules for their parallel versions (seed 003 §7-8):
+`parallelize(cfg, model_cfg, mesh, device)` returns this rank's *parts* — `WholeModel` (pp = 1) or
+`PipelinedModel` (pp > 1) — used by the trainer, the tests and the benchmarks alike:
 
-- attention: q by heads, k/v by kv heads (column), output projection row-parallel;
-- MLP: gate/up column-parallel, down row-parallel;
-- one entry operator per attention / MLP (f, or the SP all-gather) shared by its column layers,
-  so a block costs exactly 2 entries + 2 exits;
-- token embedding vocab-parallel; the head column-parallel over the vocabulary, its logits
-  consumed by the vocab-parallel cross-entropy (`TPLoss`) without ever being gathered;
-- norms: replicated; under SP they run on this rank's sequence chunk and their weight
-  gradients (partial sums over the chunks) are all-reduced over the TP group.
-The model file itself knows nothing of this.
+1. build the model (or, under pp, this rank's stages: the model on meta, `pipeline.split.keep_only`
+   with `plans.llama_stage_modules`, then materialised and seeded so every parameter gets its
+   single-process value);
+2. tensor parallelism (tp > 1): `apply_tensor_parallel` with `plans.LLAMA_TP_PLAN`; the plan says
+   each parameter's placement ({"tp"} for a slice);
+3. data parallelism: one `ZeroDataParallel` per model / stage over dp, its groups declaring their
+   placement ({"tp"} for a TP slice, + "pp" under a pipeline) for the global norm;
+4. the loss: cross-entropy, or the vocab-parallel one on a TP-sharded head;
+5. pp > 1: a `PipelineRuntime` over the configured schedule.
+
+Both parts offer the same interface to the training loop: `param_groups()`,
+`forward_backward(micro_batches)`, `step(max_norm)`, `global_loss(local)`, `evaluate(batches)`,
+`model_state_bytes()`, `engines` (stage -> engine) and, for pipelines, the measured `timeline`.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass
+import contextlib
+import copy
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fivefold.comm import Comm
-from fivefold.models.llama import Llama
-from fivefold.tensor_parallel.comm_ops import all_reduce_grad_hook, copy_to_tp, gather_from_sp
-from fivefold.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from fivefold.tensor_parallel.loss import vocab_parallel_cross_entropy
+from fivefold.comm import Placement
+from fivefold.config import Config
+from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
+from fivefold.memory import model_state_bytes
+from fivefold.mesh import ParallelMesh
+from fivefold.models.llama import Llama, LlamaConfig
+from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.optim.clip import step_together
+from fivefold.pipeline.builders import build_schedule, forward_only
+from fivefold.pipeline.runtime import PipelineRuntime
+from fivefold.pipeline.simulator import Timeline
+from fivefold.pipeline.split import keep_only
+from fivefold.tensor_parallel.loss import VocabParallelLoss
+from fivefold.tensor_parallel.plan import TPPlan, shard_by_plan
 
-LLAMA_TP_PLAN: dict[str, str] = {
-    "tok_embeddings": "vocab_embedding",
-    "layers.*.attention_norm": "norm",
-    "layers.*.attention": "region_entry",
-    "layers.*.attention.wq": "colwise:n_heads",
-    "layers.*.attention.wk": "colwise:n_kv_heads",
-    "layers.*.attention.wv": "colwise:n_kv_heads",
-    "layers.*.attention.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.feed_forward": "region_entry",
-    "layers.*.feed_forward.w1": "colwise:ffn_hidden",
-    "layers.*.feed_forward.w3": "colwise:ffn_hidden",
-    "layers.*.feed_forward.w2": "rowwise",
-    "norm": "norm",
-    "output": "colwise_vocab",
-}
+__all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "is_tp_sharded", "parallelize",
+           "pipeline_forward_backward", "tp_loss"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def check_tp_divisibility(model: nn.Module, tp: int) -> None:
-    c = model.config
-    for what, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("ffn_hidden", c.ffn_hidden),
-                        ("vocab_size", c.vocab_size)):
-        if value % tp:
-            raise ValueError(f"tensor parallel: {what}={value} is not divisible by tp={tp}; choose tp dividing "
-                             f"n_heads ({c.n_heads}), n_kv_heads ({c.n_kv_heads}), ffn_hidden ({c.ffn_hidden}) "
-                             f"and vocab_size ({c.vocab_size})")
+def lm_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
-
-
-def _style_for(name: str, plan: dict[str, str]) -> str | None:
-    for pattern, style in plan.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return style
-    return None
-
-
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool = False,
-                          plan: dict[str, str] | None = None) -> Llama:
-    """Shard `model` (a `Llama`, or a pipeline stage of one) in place over the TP group of `comm`
-    following `plan` (default LLAMA_TP_PLAN)."""
-    plan = LLAMA_TP_PLAN if plan is None else plan
-    check_tp_divisibility(model, comm.size)
-    # A pipeline stage holds only some of these modules (the embedding first, the head last).
-    emb, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    tied = emb is not None and head is not None and head.weight is emb.weight
-    entry_mode = "gather" if sequence_parallel else "copy"
-    for name, module in list(model.named_modules()):
-        style = _style_for(name, plan)
-        if style is None:
-            continue
-        if style == "vocab_embedding":
-            _set_module(model, name, VocabParallelEmbedding.from_embedding(module, comm, sequence_parallel))
-        elif style.startswith("colwise:"):
-            _set_module(model, name, ColumnParallelLinear.from_linear(module, comm, "none", style.split(":")[1]))
-        elif style == "colwise_vocab":
-            _set_module(model, name, ColumnParallelLinear.from_linear(module, comm, entry_mode, "vocab_size"))
-        elif style == "rowwise":
-            _set_module(model, name, RowParallelLinear.from_linear(module, comm, sequence_parallel))
-        elif style == "region_entry":
-            module.register_forward_pre_hook(_region_entry(comm, entry_mode))
-        elif style == "norm":
-            if sequence_parallel:
-                module.weight.register_hook(all_reduce_grad_hook(comm, "sp_norm_grad"))
-        else:
-            raise ValueError(f"unknown tensor-parallel style '{style}' for module '{name}'")
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
+# -- tensor parallelism -------------------------------------------------------------------------------
+def apply_tensor_parallel(model: nn.Module, comm: Any, sequence_parallel: bool = False,
+                          plan: TPPlan = LLAMA_TP_PLAN) -> nn.Module:
+    """Shard `model` (a `Llama`, or a pipeline stage of one) in place over the TP group of `comm`;
+    the plan's placements are kept on the model (``tp_placements``) for `is_tp_sharded` and the engines."""
+    model.tp_placements = shard_by_plan(model, comm, plan, sequence_parallel)
     model.tp_comm = comm
-    model.sequence_parallel = sequence_parallel
     return model
-
-
-def _region_entry(comm: Comm, mode: str):
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        x = copy_to_tp(args[0], comm) if mode == "copy" else gather_from_sp(args[0], comm)
-        return (x, *args[1:])
-    return hook
 
 
 def is_tp_sharded(name: str, param: nn.Parameter, model: nn.Module) -> bool:
     """True if this parameter holds a 1/T slice (False: replicated across the TP group)."""
-    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    return isinstance(owner, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding) and not (
-        isinstance(owner, RowParallelLinear) and name.endswith("bias"))
+    return "tp" in getattr(model, "tp_placements", {}).get(name, ())
 
 
-@dataclass
-class TPLoss:
-    """Mean next-token cross-entropy on vocabulary-parallel logits [B, L, V/T]."""
-
-    comm: Comm
-    vocab_start: int
-
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, target, self.vocab_start, self.comm)
-
-
-def tp_loss(model: nn.Module) -> TPLoss:
-    """The loss for a TP-sharded model (or last pipeline stage): its head holds vocabulary rows
-    [rank·V/T, (rank+1)·V/T)."""
+def tp_loss(model: nn.Module) -> VocabParallelLoss:
+    """The loss on a TP-sharded head: rank r holds vocabulary rows [r·V/T, (r+1)·V/T)."""
     comm = model.tp_comm
-    return TPLoss(comm, comm.rank * (model.config.vocab_size // comm.size))
+    return VocabParallelLoss(comm, comm.rank * (model.config.vocab_size // comm.size))
+
+
+# -- pipeline stages ------------------------------------------------------------------------------------
+def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *, seed: int = 0,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 layers_per_stage: list[int] | None = None) -> dict[int, Llama]:
+    """The stages `stage_ids` of the model cut into `n_stages`, each with its single-process weights."""
+    names = llama_stage_modules(config, n_stages, layers_per_stage)
+    meta = Llama(config, device="meta", dtype=dtype)
+    stages = {}
+    for s in stage_ids:
+        stage = keep_only(copy.deepcopy(meta), names[s])
+        stage.to_empty(device=device)
+        stage.init_weights(seed)  # draws the whole model's stream, keeps this stage's values
+        stages[s] = stage
+    return stages
+
+
+def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[int, ZeroDataParallel],
+                              inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor | None:
+    """One pipeline step's forward and backward with every stage's gradients reduced over dp once:
+    the M backward passes of a stage run unreduced (`no_sync`), then each engine syncs."""
+    with contextlib.ExitStack() as unreduced:
+        for e in engines.values():
+            unreduced.enter_context(e.no_sync())
+        loss = runtime.step(inputs, targets)
+    for e in engines.values():
+        e.sync_gradients()
+    return loss
+
+
+# -- the assembly -----------------------------------------------------------------------------------------
+def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
+    """TP-shard `module` if tp > 1; returns its loss function."""
+    tp = mesh.comm("tp")
+    if tp.size == 1:
+        return lm_cross_entropy
+    apply_tensor_parallel(module, tp, sequence_parallel=cfg.parallel.sp)
+    return tp_loss(module)
+
+
+def _engine(module: nn.Module, cfg: Config, mesh: ParallelMesh) -> ZeroDataParallel:
+    t, z = cfg.train, cfg.zero
+    tp_placements: dict[str, Placement] = getattr(module, "tp_placements", {})
+    pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
+    return ZeroDataParallel(
+        module, mesh.comm("dp"), zero_stage=z.stage,
+        mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
+        bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
+        prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
+        placement_of=lambda name, p: tp_placements.get(name, frozenset()) | pp,
+        optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+
+
+class _Parts:
+    """What both layouts share: engines, the step over every placement, metrics."""
+
+    engines: dict[int, ZeroDataParallel]
+    timeline: Timeline | None = None
+
+    def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for e in self.engines.values() for g in e.param_groups]
+
+    def step(self, max_norm: float | None) -> float | None:
+        comms = {d: self.mesh.comm(d) for d in ("tp", "pp")}
+        return step_together(list(self.engines.values()), max_norm, comms)
+
+    def model_state_bytes(self) -> int:
+        return sum(model_state_bytes(e).total for e in self.engines.values())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (all of its stages) at master precision; collective over dp."""
+        state: dict[str, torch.Tensor] = {}
+        for e in self.engines.values():
+            state.update(e.full_state_dict())
+        return state
+
+
+class WholeModel(_Parts):
+    """pp = 1: the whole model (TP-sharded if tp > 1) in one engine."""
+
+    def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
+        super().__init__(cfg, mesh, device)
+        model = Llama(model_cfg, seed=cfg.train.seed, device=device)
+        self.loss_fn = _shard(model, cfg, mesh)  # every rank built the full model: keep its slices
+        self.engine = _engine(model, cfg, mesh)
+        self.engines = {0: self.engine}
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        n = len(micro_batches)
+        loss_sum = self.mesh.comm("dp").scalar(0.0)  # all-reduced for the metrics
+        for i, (x, y) in enumerate(micro_batches):
+            defer = self.cfg.zero.defer_reduce and i < n - 1
+            with self.engine.no_sync() if defer else contextlib.nullcontext():
+                loss = self.loss_fn(self.engine(x.to(self.device)), y.to(self.device)) / n
+                self.engine.backward(loss)
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        dp = self.mesh.comm("dp")
+        local = dp.scalar(local)
+        dp.all_reduce(local, tag="metrics")
+        return local.item() / dp.size
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> float:
+        total = self.mesh.comm("dp").scalar(0.0, torch.float64)
+        for x, y in batches:
+            total += self.loss_fn(self.engine(x.to(self.device)), y.to(self.device))
+        return self.global_loss(total / len(batches))
+
+
+class PipelinedModel(_Parts):
+    """pp > 1: this rank's stages (TP-sharded if tp > 1), one engine each, run by a `PipelineRuntime`;
+    the pipeline's micro-batches are the gradient-accumulation micro-batches, reduced over dp once."""
+
+    def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
+        super().__init__(cfg, mesh, device)
+        if cfg.precision.param == "fp16":
+            raise ValueError("precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
+                             "per engine); use bf16 or fp32")
+        p, pp = cfg.pipeline, mesh.comm("pp")
+        self.pp = pp
+        self.schedule = build_schedule(p.schedule, pp.size, cfg.train.grad_accum, p.virtual)
+        layers = [int(v) for v in p.layers_per_stage.split(",")] if p.layers_per_stage else None
+        stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
+                              seed=cfg.train.seed, device=device, layers_per_stage=layers)
+        loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
+        self.engines = {s: _engine(m, cfg, mesh) for s, m in stages.items()}
+        # Between stages flows the hidden state [mb, L, D], a sequence chunk [mb, L/T, D] under SP.
+        seq = cfg.train.seq_len // mesh.size("tp") if cfg.parallel.sp else cfg.train.seq_len
+        self.dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
+        self.shape = lambda mb: (mb, seq, model_cfg.dim)
+        self.loss_fn = loss_fns.get(self.schedule.n_stages - 1, lm_cross_entropy)
+        self.runtime = PipelineRuntime(self.schedule, self.engines, pp, self.loss_fn, self.shape, self.dtype, device)
+
+    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        loss = pipeline_forward_backward(self.runtime, self.engines, [x for x, _ in micro_batches],
+                                         [y for _, y in micro_batches])
+        records = self.pp.all_gather_object(self.runtime.records)
+        self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
+        return loss if loss is not None else self.pp.scalar(0.0)
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Only the last stage has the loss: sum over pp (others add 0), mean over dp."""
+        local = self.pp.scalar(local, torch.float32)
+        self.pp.all_reduce(local, tag="metrics")
+        dp = self.mesh.comm("dp")
+        dp.all_reduce(local, tag="metrics")
+        return local.item() / dp.size
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
+        runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device)
+        loss = runtime.step([x for x, _ in batches], [y for _, y in batches])
+        return self.global_loss(loss if loss is not None else self.pp.scalar(0.0))
+
+
+def parallelize(cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device | str,
+                ) -> WholeModel | PipelinedModel:
+    """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`."""
+    device = torch.device(device)
+    return (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)

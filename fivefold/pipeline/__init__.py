@@ -7,7 +7,7 @@
 - `checks`: `validate`, `check_deadlock_free`;
 - `simulator`: timing only (`simulate` -> `Timeline`: bubble, activations in flight);
 - `runtime`: executes a lowered schedule on this rank's stages;
-- `stage`: cutting a model into stages.
+- `split`: cutting a model into stages by module names (the model says which).
 """
 
 from fivefold.pipeline.actions import (

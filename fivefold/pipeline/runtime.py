@@ -126,7 +126,7 @@ class PipelineRuntime:
             x.requires_grad_(torch.is_grad_enabled())
         # zero-bubble: every `fivefold.ops.linear` in this forward may defer its weight gradient to W
         with recording_weight_grads(self.wgrad) if self.schedule.split_backward else contextlib.nullcontext():
-            out = stage(x, seq_len=inputs[a.microbatch].shape[1]) if a.stage else stage(x)
+            out = stage(x)
         if a.stage == self.n_stages - 1:
             loss = self.loss_fn(out, targets[a.microbatch].to(self.device)) / self.schedule.n_microbatches
             stage_out[key] = loss

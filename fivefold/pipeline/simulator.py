@@ -12,7 +12,7 @@ Dependencies the simulation enforces (each rank runs its compute actions in list
   stage after F(m, s);
 - W(m, s) starts after I(m, s).
 
-Exactness of the textbook bubble formulas (`bubble_formula`), checked in the tests:
+Exactness of the textbook bubble formulas (`fivefold.formulas.bubble_formula`), checked in the tests:
 
 - GPipe and 1F1B: ``(P-1)/(M+P-1)`` exactly, for *any* constant F and B costs (the warm-up and
   the cool-down each cost P-1 times one stage's F, resp. B; ``comm_cost = 0``).
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from fivefold.formulas import bubble_formula  # re-exported: the textbook formula next to its simulation
 from fivefold.pipeline.actions import (
     BACKWARD_KINDS,
     COMPUTE_KINDS,
@@ -231,17 +232,3 @@ def simulate(
             f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; " + "; ".join(stuck)
         )
     return Timeline(records, name=schedule.name, n_virtual=schedule.n_virtual)
-
-
-def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
-    """Textbook bubble fraction of schedule ``name`` (see the module docstring for when it is exact).
-
-    gpipe, 1f1b: (P-1)/(M+P-1); interleaved: (P-1)/(V·M+P-1); zb-h1 (F = I = W): (P-1)/(3M+P-1).
-    """
-    if name in ("gpipe", "1f1b"):
-        return (P - 1) / (M + P - 1)
-    if name == "interleaved":
-        return (P - 1) / (V * M + P - 1)
-    if name == "zb-h1":
-        return (P - 1) / (3 * M + P - 1)
-    raise ValueError(f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1")

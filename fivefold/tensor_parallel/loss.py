@@ -8,6 +8,8 @@ softmax_local - onehot_local, scaled by the incoming gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -52,3 +54,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     keep = target != ignore_index
     losses = _VocabParallelCE.apply(logits, target.masked_fill(~keep, 0), vocab_start, comm)
     return (losses * keep).sum() / keep.sum().clamp(min=1)
+
+
+@dataclass
+class VocabParallelLoss:
+    """Mean next-token cross-entropy on vocabulary-parallel logits [B, L, V/T]; this rank's head holds
+    vocabulary rows from `vocab_start`."""
+
+    comm: Comm
+    vocab_start: int
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.vocab_start, self.comm)

@@ -1,4 +1,10 @@
-"""What rank 0 shows and writes: a progress bar and ``metrics.jsonl`` (the loss curve: `fivefold.report`)."""
+"""What a run shows and leaves behind: the progress bar, ``metrics.jsonl`` and the pictures.
+
+`RunRecord` is the one owner of the run directory (``run.out_dir/run.name``) and writes there only
+on rank 0: a config record first, one record per logged step and validation, the pipeline's
+measured bubble, a summary; at the end the loss curve (and for pipelines the measured timeline
+PNG and Chrome trace) through `fivefold.report`.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fivefold.pipeline.simulator import Timeline
+from fivefold.report import plot_loss, plot_timeline, to_chrome_trace
 
-class MetricsWriter:
-    """Appends one JSON object per line; a no-op on ranks other than 0."""
-
-    def __init__(self, run_dir: Path | None) -> None:
-        self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
-        self._f = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "w", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+__all__ = ["Progress", "RunRecord", "read_metrics"]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -55,3 +46,49 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class RunRecord:
+    """Rank 0 writes; other ranks hold a silent record (every method is a no-op for them)."""
+
+    def __init__(self, run_dir: Path | None, steps: int, progress: bool, name: str) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
+        self._f = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "w", buffering=1)
+        self.progress = Progress(steps, enabled=run_dir is not None and progress, desc=name)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record) + "\n")
+
+    def say(self, msg: str) -> None:
+        self.progress.write(msg)
+
+    def pipeline(self, timeline: Timeline, formula: float, title: str) -> None:
+        """The last step's measured timeline: PNG + Chrome trace, and its bubble next to the formula."""
+        if self.run_dir is None:
+            return
+        plot_timeline(timeline, self.run_dir / "timeline.png",
+                      title=f"{title}, measured (formula bubble {formula:.1%})")
+        to_chrome_trace(timeline, self.run_dir / "trace.json", us_per_unit=1e6)
+        self.write({"kind": "pipeline", "measured_bubble": timeline.bubble_fraction, "formula_bubble": formula})
+        print(f"fivefold: last step's pipeline timeline: measured bubble {timeline.bubble_fraction:.1%} (formula "
+              f"{formula:.1%}); wrote {self.run_dir / 'timeline.png'} and {self.run_dir / 'trace.json'}")
+
+    def close(self, summary: dict[str, Any], plot_title: str | None) -> None:
+        """Write the summary; draw the loss curve (unless `plot_title` is None)."""
+        self.progress.close()
+        if self._f is None:
+            return
+        self.write({"kind": "summary", **summary})
+        self._f.close()
+        self._f = None
+        if plot_title is not None:
+            png = plot_loss(read_metrics(self.path), self.run_dir / "loss.png", title=plot_title)
+            val = summary.get("final_val_loss")
+            print(f"fivefold: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+                  + (f" (val {val:.3f})" if val is not None else "")
+                  + f", {summary['tokens_per_s']:,.0f} tokens/s; wrote {self.path} and {png}")

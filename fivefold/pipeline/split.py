@@ -1,0 +1,71 @@
+"""Cutting a model into pipeline stages by lists of module names (torchtitan style).
+
+Seed 003 §9: stage i holds a contiguous range of transformer blocks; the first stage also holds
+the token embedding, the last the final norm and the head (the loss is computed there). With V
+virtual stages per rank there are P·V stages (placement: the schedule's ``stage_to_rank``).
+
+A stage is the model itself with every module not named for it removed (`keep_only`): an
+attribute becomes None, an entry of a ``ModuleDict`` is deleted, so parameters keep their
+single-process names and the model's own forward — written to skip absent parts — runs the stage.
+Which names go to which stage is the model's plan (`fivefold.models.plans`); this module imports
+no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["keep_only", "split_layers"]
+
+
+def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
+    """Contiguous block ranges per stage: an explicit list, or as even as possible (earlier stages
+    get the extra blocks — the last stage already carries the head and the loss)."""
+    if layers_per_stage is not None:
+        if len(layers_per_stage) != n_stages or sum(layers_per_stage) != n_layers or min(layers_per_stage) < 0:
+            raise ValueError(f"layers_per_stage={layers_per_stage} must have {n_stages} non-negative entries "
+                             f"summing to n_layers={n_layers}")
+        counts = layers_per_stage
+    else:
+        if n_layers < n_stages:
+            raise ValueError(f"n_layers={n_layers} is fewer than the {n_stages} pipeline stages (pp × virtual "
+                             f"stages); use fewer stages or a deeper model")
+        base, extra = divmod(n_layers, n_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def keep_only(model: nn.Module, names: Iterable[str]) -> nn.Module:
+    """Remove (in place) every submodule of `model` that is not named in `names`, not inside one and
+    not a container of one; returns `model`. Pass a copy (e.g. ``copy.deepcopy`` of a meta model)."""
+    keep = set(names)
+    present = {name for name, _ in model.named_modules()}
+    missing = sorted(keep - present)
+    if missing:
+        raise ValueError(f"cannot keep {missing}: no such module in {type(model).__name__} "
+                         f"(top-level modules: {[n for n, _ in model.named_children()]})")
+    _prune(model, "", keep)
+    return model
+
+
+def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
+    for child_name, child in list(module.named_children()):
+        full = prefix + child_name
+        if full in keep or any(full.startswith(k + ".") for k in keep):
+            continue  # kept whole
+        if any(k.startswith(full + ".") for k in keep):
+            _prune(child, full + ".", keep)  # a container of kept modules
+            continue
+        if isinstance(module, nn.ModuleDict):
+            del module[child_name]
+        elif isinstance(module, nn.ModuleList | nn.Sequential):
+            raise ValueError(f"cannot remove '{full}' from a {type(module).__name__}: the indices after it would "
+                             "shift and rename parameters; keep such blocks in an nn.ModuleDict")
+        else:
+            setattr(module, child_name, None)

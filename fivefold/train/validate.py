@@ -1,0 +1,120 @@
+"""`validate(config, world_size)`: every check of a run that needs no process, before any is started.
+
+A bad input gets one clear error naming what to change, in the launching process, instead of a
+traceback from every worker after they loaded data and built models. What the workers cannot know
+cheaply is not guessed: the data's largest token id (a larger vocabulary is then derived, not an
+error). The result (`RunPlan`) is what the workers use, so nothing is resolved twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fivefold.config import Config, ConfigError, resolve_batch
+from fivefold.data_parallel.mixed_precision import parse_dtype
+from fivefold.mesh import ParallelDims
+from fivefold.models import LlamaConfig, get_config
+from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.pipeline.builders import build_schedule
+from fivefold.tensor_parallel.plan import check_divisible
+from fivefold.train.corpus import check_source
+
+__all__ = ["RunPlan", "validate"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a valid config resolves to for a world size: the grid, the batch, the model's shape."""
+
+    dims: ParallelDims
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    model: LlamaConfig  # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
+
+    def model_for(self, max_token: int) -> LlamaConfig:
+        """The model for data whose largest token id is `max_token` (pre-tokenized data with a larger
+        vocabulary, e.g. GPT-2's: round up to a multiple of 64)."""
+        if max_token < self.model.vocab_size:
+            return self.model
+        return dataclasses.replace(self.model, vocab_size=-(-(max_token + 1) // 64) * 64).validate()
+
+
+def _positive(**values: float) -> None:
+    for key, v in values.items():
+        if v <= 0:
+            raise ConfigError(f"{key}={v} must be positive")
+
+
+def _non_negative(**values: float) -> None:
+    for key, v in values.items():
+        if v < 0:
+            raise ConfigError(f"{key}={v} must not be negative")
+
+
+def validate(cfg: Config, world_size: int) -> RunPlan:
+    """Raise `ValueError` (`ConfigError`) naming the first problem of `cfg` on `world_size` processes;
+    return the resolved plan."""
+    t, z, p, r = cfg.train, cfg.zero, cfg.parallel, cfg.run
+    _positive(**{"run.nproc / world size": world_size, "train.steps": t.steps, "run.log_every": r.log_every,
+                 "train.seq_len": t.seq_len, "train.lr": t.lr, "train.eps": t.eps, "train.eval_batches": t.eval_batches,
+                 "zero.bucket_mb": z.bucket_mb, "zero.inflight_buckets": z.inflight_buckets})
+    _non_negative(**{"train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
+                     "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "zero.prefetch": z.prefetch})
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must lie in [0, 1)")
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage={z.stage}: choose a ZeRO stage 0 (DDP), 1, 2 or 3 (FSDP)")
+    for key, name in (("precision.param", cfg.precision.param), ("precision.reduce", cfg.precision.reduce)):
+        try:
+            parse_dtype(name)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+    dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp).resolve(world_size)
+    if dims.cp != 1:
+        raise ConfigError(f"parallel.cp={dims.cp}: context parallelism is not implemented yet; set parallel.cp=1")
+    global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
+
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    model = get_config(cfg.model.preset, **overrides)
+    if t.seq_len > model.max_seq_len:
+        model = dataclasses.replace(model, max_seq_len=t.seq_len).validate()
+    if dims.tp > 1:
+        check_divisible(model, LLAMA_TP_PLAN, dims.tp)
+    if p.sp and t.seq_len % dims.tp:
+        raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len} is not "
+                          f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
+    if dims.pp > 1:
+        if cfg.precision.param == "fp16":
+            raise ConfigError("precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
+                              "per engine); use bf16 or fp32")
+        schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
+        try:
+            layers = [int(v) for v in cfg.pipeline.layers_per_stage.split(",")] if cfg.pipeline.layers_per_stage \
+                else None
+        except ValueError:
+            raise ConfigError(f"pipeline.layers_per_stage={cfg.pipeline.layers_per_stage!r}: give comma-separated "
+                              "block counts, one per (virtual) stage, e.g. '3,3,2'") from None
+        llama_stage_modules(model, schedule.n_stages, layers)  # blocks per stage, tied embeddings
+
+    check_source(cfg.data.path, cfg.data.max_bytes)
+    _check_out_dir(Path(r.out_dir) / r.name)
+    return RunPlan(dims, global_batch, micro_batch, grad_accum, model)
+
+
+def _check_out_dir(run_dir: Path) -> None:
+    for parent in [run_dir, *run_dir.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"run directory {str(run_dir)!r} cannot be created: {str(parent)!r} is a file; "
+                                  "choose another run.out_dir or run.name")
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(f"run directory {str(run_dir)!r} cannot be created: {str(parent)!r} is not "
+                                  "writable; choose another run.out_dir")
+            return

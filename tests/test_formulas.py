@@ -1,0 +1,65 @@
+"""`fivefold.formulas` at known values (DESIGN.md "The numbers the code must reproduce"); no processes.
+
+`ring_wire_bytes` is tested in test_config_mesh, `bubble_formula` in test_pipeline_schedules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fivefold import comm, formulas
+from fivefold.formulas import RECIPES, expected_for, ring_wire_bytes, tp_comm_formula
+
+PSI, N = 1000, 4
+
+
+def test_pure_module():
+    tree = ast.parse(Path(formulas.__file__).read_text())
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                for a in (n.names if isinstance(n, ast.Import) else [None])}
+    assert imported <= {"__future__", "typing"}, imported
+    assert comm.ring_wire_bytes is ring_wire_bytes  # the CommLog uses the same formula
+
+
+@pytest.mark.parametrize("recipe, params, grads, optimizer", [
+    ("ddp", 4 * PSI, 4 * PSI, 8 * PSI),  # 16Ψ
+    ("zero1", 4 * PSI, 4 * PSI, 8 * PSI / N),  # 4Ψ + 4Ψ + 8Ψ/N
+    ("zero2", 4 * PSI, 4 * PSI / N, 8 * PSI / N),  # 4Ψ + 12Ψ/N
+    ("zero3", 4 * PSI / N, 4 * PSI / N, 8 * PSI / N),  # 16Ψ/N
+    ("ddp+zero_optim", 4 * PSI, 4 * PSI, 8 * PSI / N),
+])
+def test_expected_memory(recipe, params, grads, optimizer):
+    memory = expected_for(recipe, PSI, N)["memory"]
+    assert memory == {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+def test_expected_communication():
+    wire = (N - 1) / N
+    ddp, z1, z2, z3 = (expected_for(r, PSI, N) for r in ("ddp", "zero1", "zero2", "zero3"))
+    assert ddp["by_op"] == {"all_reduce": 4 * PSI} and ddp["wire_bytes"] == pytest.approx(2 * wire * 4 * PSI)
+    # ZeRO-1/2 move what DDP moves (RS + AG = AR on the wire); ZeRO-3 1.5× (seed 001 §5.5).
+    for z in (z1, z2):
+        assert z["by_op"] == {"reduce_scatter": 4 * PSI, "all_gather": 4 * PSI}
+        assert z["wire_bytes"] == pytest.approx(ddp["wire_bytes"])
+    assert z3["by_op"] == {"all_gather": 8 * PSI, "reduce_scatter": 4 * PSI} and z3["payload_bytes"] == 12 * PSI
+    assert z3["wire_bytes"] == pytest.approx(1.5 * ddp["wire_bytes"])
+    assert expected_for("ddp+zero_optim", PSI, N)["by_op"] == {"all_reduce": 4 * PSI, "broadcast": 4 * PSI}
+    assert set(RECIPES) == {"ddp", "zero1", "zero2", "zero3", "ddp+zero_optim"}
+
+
+def test_tp_formula_sp_moves_the_same_activation_volume():
+    cfg = SimpleNamespace(n_layers=3, dim=16)
+    B, L, bld = 2, 8, 2 * 8 * 16
+    tp, sp = tp_comm_formula(cfg, B, L, False), tp_comm_formula(cfg, B, L, True)
+    assert tp == {"all_reduce": ((4 * 3 + 2) * bld + 3 * B * L) * 4}
+    assert sp["all_gather"] == sp["reduce_scatter"] == (4 * 3 + 2) * bld * 4
+    assert sp["all_reduce"] == (3 * B * L + (2 * 3 + 1) * 16) * 4
+    # An all-gather + reduce-scatter pair puts an all-reduce's bytes on the wire (seed 003 §8.2).
+    activations = (4 * 3 + 2) * bld * 4
+    pair = ring_wire_bytes("all_gather", activations, N) + ring_wire_bytes("reduce_scatter", activations, N)
+    assert pair == pytest.approx(ring_wire_bytes("all_reduce", activations, N))
+
