@@ -21,7 +21,6 @@ memory) goes through `fivefold.comm.Comm`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -263,12 +262,9 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
     mean_losses = losses / has_loss.clamp(min=1)
     memory_per_rank = world_comm.all_gather_object(memory)
     records_per_rank = world_comm.all_gather_object(records)
-    # Free the wrappers (their hooks, reducers and work handles) while the process group is alive:
-    # left to interpreter exit, their teardown after destroy_process_group can abort the process.
     described = [(r.comm_source, r.notes, r.info, r.memory is not None, r.records is not None) for r in runners]
     del run
     runners.clear()
-    gc.collect()
     world_comm.barrier()
     if rank != 0:
         return None

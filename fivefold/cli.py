@@ -1,9 +1,5 @@
-"""Command line: ``fivefold train | bench {ddp,zero,tp,pp,parallel,all}`` (bench: from a source checkout).
-
-``fivefold train [--config run.toml] [--section.key value ...]`` trains on the embedded default
-(the small Llama on this Python's standard-library sources, 2 local CPU workers) unless told
-otherwise; under torchrun it uses the environment's ranks instead of spawning.
-"""
+"""Command line: ``fivefold train [--config run.toml] [--section.key value ...]`` and ``fivefold bench``; ``train``
+defaults to the small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks)."""
 
 from __future__ import annotations
 
@@ -35,9 +31,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """ddp | zero | tp | pp | parallel | all: the benchmarks of a source checkout (``<repo>/bench/run.py``).
-
-    They compare fivefold with torch's own implementations and are not part of the installed package."""
+    """ddp | zero | tp | pp | parallel | all: a source checkout's ``bench/run.py`` (not in the installed package)."""
     root = Path(fivefold.__file__).resolve().parent.parent
     if not (root / "bench" / "run.py").is_file():
         print("fivefold bench: the benchmarks ship with the source checkout (bench/ next to the fivefold package), "
@@ -58,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"fivefold: unknown command '{argv[0]}'", file=sys.stderr)
-        print("usage: fivefold {" + ",".join(COMMANDS) + "} [options]   (fivefold COMMAND --help)",
-              file=sys.stderr)
+        print("usage: fivefold {" + ",".join(COMMANDS) + "} [options]   (fivefold COMMAND --help)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

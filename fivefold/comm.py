@@ -1,23 +1,10 @@
 """Every collective fivefold issues goes through this module.
 
-`Comm` binds one process group to the name of the mesh dimension it spans ("dp", "tp", ...)
-and a `CommLog`. Each call is recorded with its payload and the ring-wire traffic per rank,
-so tests and `fivefold plan` can check measured communication against the formulas of
-DESIGN.md (seed 001 §communication, seed 003 §NCCL primitives; `fivefold.formulas.ring_wire_bytes`):
-
-    all-reduce      wire = 2(N-1)/N · S      (reduce-scatter followed by all-gather)
-    reduce-scatter  wire =  (N-1)/N · S      (S = the full, unscattered input)
-    all-gather      wire =  (N-1)/N · S      (S = the full, gathered output)
-    broadcast       wire =  (N-1)/N · S      (pipelined ring; the root sends S once)
-    all-to-all      wire =  (N-1)/N · S
-    send / recv     wire =  S
-
-When the log is disabled, recording costs one attribute check per call.
-
-Every tensor handed to a collective must live on the device the group's backend serves (NCCL:
-CUDA; gloo: here, the CPU). gloo would quietly accept a CPU scalar where NCCL raises at the first
-step, so CI on CPU could never see the mistake: `Comm` checks each tensor and names the op, and
-`Comm.scalar` is the one way to make the small tensors collectives need (norms, flags, metrics).
+`Comm` binds one process group to its mesh dimension ("dp", "tp", ...) and a `CommLog` recording each call's payload
+and ring-wire bytes per rank (`formulas.ring_wire_bytes`; seed 001 §communication, seed 003 §NCCL primitives), which
+tests and `fivefold plan` check against DESIGN.md. Every tensor must be on the device the backend serves: gloo
+quietly takes a CPU scalar where NCCL raises, so CPU CI would never see it; `Comm` checks each tensor, and
+`Comm.scalar` makes the small ones (norms, flags, metrics).
 """
 
 from __future__ import annotations
@@ -37,9 +24,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# The mesh dimensions ("tp", "dp", "pp", ...) a tensor's elements are partitioned over: each element
-# lives on exactly one rank of those dimensions (a TP slice: {"tp"}; a ZeRO shard adds "dp"; a pipeline
-# stage's parameter adds "pp"); over the others it is replicated. Global norms sum over exactly these.
+# The mesh dimensions a tensor's elements are partitioned over, each element on exactly one rank of them (a TP
+# slice: {"tp"}; a ZeRO shard adds "dp", a pipeline stage "pp"); replicated over the others. Norms sum over these.
 Placement = frozenset[str]
 
 
@@ -111,10 +97,8 @@ class CommLog:
 
 
 def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
-    """Device type -> backend of the group, for the devices fivefold uses it for: "gloo" ->
-    {cpu: gloo}; "nccl" -> {cuda: nccl}; "cpu:gloo,cuda:nccl" (``init_process_group()`` without a
-    backend) -> both. gloo also takes CUDA tensors ("cpu:gloo,cuda:gloo"), but fivefold runs gloo
-    for the CPU only, so that entry is left out. Empty for a backend this table does not know."""
+    """Device type -> backend of the group, for the devices fivefold uses it for ("cpu:gloo,cuda:nccl" gives both).
+    gloo's CUDA support is left out, as fivefold runs gloo for the CPU only; empty for an unknown backend."""
     config = getattr(dist, "get_backend_config", None)
     backend = str(config(group) if config is not None else dist.get_backend(group)).lower()
     if ":" in backend:
@@ -125,16 +109,9 @@ def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
 
 
 class Comm:
-    """Collectives over one process group, logged under the name of its mesh dimension.
-
-    Async calls return the torch work handle; callers `wait()` on it before reading the
-    result (required for NCCL streams, harmless on gloo).
-
-    ``device`` is where this group's tensors live (the mesh passes its compute device): a tensor on
-    another device (type, or index when the device has one) is refused with an error naming the op,
-    before anything is sent. Without it, the device follows the backend (gloo: CPU; NCCL: CUDA; a
-    "cpu:gloo,cuda:nccl" group takes both and makes its scalars on CUDA).
-    """
+    """Collectives over one process group, logged under the name of its mesh dimension; async calls return the
+    work handle. ``device`` is where this group's tensors live (a tensor elsewhere is refused before anything is
+    sent); by default it follows the backend (a "cpu:gloo,cuda:nccl" group makes scalars on CUDA)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, dim: str = "world",
                  log: CommLog | None = None, device: torch.device | str | None = None) -> None:
@@ -155,8 +132,8 @@ class Comm:
             self.device = torch.device(accelerators[0] if accelerators else "cpu")
 
     def scalar(self, value: float | torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new 0-d tensor holding `value` on this group's device, to hand to a collective (a norm,
-        an overflow flag, a metric). dtype: `value`'s if it is a tensor, else fp32."""
+        """A new 0-d tensor holding `value` on this group's device for a collective (norm, flag, metric); dtype:
+        `value`'s if it is a tensor, else fp32."""
         if isinstance(value, torch.Tensor):
             return value.detach().to(device=self.device, dtype=dtype or value.dtype, copy=True).reshape(())
         return torch.tensor(value, dtype=dtype or torch.float32, device=self.device)
@@ -177,39 +154,31 @@ class Comm:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-                   async_op: bool = False, tag: str = ""):
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+                   tag: str = ""):
         self._check("all_reduce", tensor)
         self._record("all_reduce", tensor, tag)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
-        """`input` is the full buffer (size N·len(output)); this rank keeps its slice in `output`.
-
-        `output` may be this rank's own slice of `input` (in place), as ZeRO-1 does."""
+        """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`, gets its shard."""
         self._check("reduce_scatter", output, input)
         self._record("reduce_scatter", input, tag)
         return _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   tag: str = ""):
-        """`output` is the full buffer (size N·len(input)), filled with every rank's `input`.
-
-        `input` may be this rank's own slice of `output` (in place)."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
+        """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may be its slice)."""
         self._check("all_gather", output, input)
         self._record("all_gather", output, tag)
         return _all_gather_flat(output, input, group=self.group, async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False,
-                  tag: str = ""):
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""):
         self._check("broadcast", tensor)
         self._record("broadcast", tensor, tag)
-        return dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group,
-                              async_op=async_op)
+        return dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group, async_op=async_op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_split_sizes: Sequence[int] | None = None,
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, async_op: bool = False, tag: str = ""):
         self._check("all_to_all", output, input)
         self._record("all_to_all", input, tag)

@@ -1,9 +1,5 @@
-"""Run configuration: a dataclass schema, TOML files, and dotted command-line overrides.
-
-``fivefold train --config run.toml --train.steps 100 --parallel.dp 2`` — every key is
-``section.field``; unknown sections or fields are rejected with the list of valid ones, and
-values are converted to the field's type. The embedded defaults are the `make run` job.
-"""
+"""Run configuration: a dataclass schema (its defaults are the `make run` job), TOML files and ``--section.field``
+overrides converted to the field's type; unknown keys are rejected with the list of valid ones."""
 
 from __future__ import annotations
 
@@ -39,14 +35,14 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel, carved from dp × cp
     sp: bool = False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
 
 
 @dataclass
 class TrainSection:
     steps: int = 150
-    # Give any two of these three; the third is derived (global = micro × accum × dp). With one
-    # or none given, grad_accum defaults to 1 (and micro_batch to 8).
+    # Any two of these three derive the third (global = micro × accum × dp); else grad_accum 1 (micro_batch 8).
     global_batch: int | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None
@@ -73,22 +69,15 @@ class DataSection:
 
 @dataclass
 class ZeroSection:
-    """Data parallelism over dp: the ZeRO stage and its knobs."""
-
     stage: int = 0  # 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
-    # gradient bucket size (ZeRO-3 reduces per unit instead); ZeRO-2 holds about two buckets beyond its
-    # formula at the peak of backward, so smaller buckets lower its peak
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0  # gradient bucket size (ZeRO-3: per unit); ZeRO-2 peaks ~2 buckets above its formula
     find_unused: bool = False
-    # Gradient accumulation: false = reduce every micro-step into the (sharded) gradient, memory as
-    # the stage's formula; true = accumulate full unreduced gradients and reduce once per step
-    # (less communication; ZeRO-2/3 then hold full gradients until the last micro-step).
+    # true: accumulate unreduced gradients and reduce once per step (less traffic; ZeRO-2/3 then hold full
+    # gradients until the last micro-step); false: reduce every micro-step, memory as the stage's formula
     defer_reduce: bool = False
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
-    # ZeRO-2/3: reduce-scatters in flight at once; launching one more first finishes the oldest and
-    # frees its full gradient buffer (higher = more overlap, more memory at the peak of backward)
-    inflight_buckets: int = 1
+    inflight_buckets: int = 1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
 
 
 @dataclass
@@ -130,7 +119,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-# Short flags for the most common keys.
 ALIASES = {"zero": "zero.stage", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
            "steps": "train.steps", "preset": "model.preset", "device": "run.device"}
 
@@ -153,6 +141,9 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _convert(key: str, value: Any, tp: Any) -> Any:
     """Convert a TOML or command-line value to the field type `tp` (which may be Optional)."""
     args = typing.get_args(tp)
@@ -166,13 +157,7 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{key} cannot be empty")
     try:
         if base is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
+            return value if isinstance(value, bool) else _BOOLS[str(value).lower()]
         if base is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -180,7 +165,7 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         if base is float:
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, KeyError):
         raise ConfigError(f"{key}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
 
 
@@ -240,10 +225,7 @@ DEFAULT_MICRO_BATCH = 8
 
 def resolve_batch(global_batch: int | None, micro_batch: int | None, grad_accum: int | None,
                   dp: int) -> tuple[int, int, int]:
-    """Return (global_batch, micro_batch, grad_accum) with global = micro × accum × dp.
-
-    Any two determine the third; all three must agree.
-    """
+    """(global_batch, micro_batch, grad_accum) with global = micro × accum × dp: any two derive the third."""
     given = {k: v for k, v in (("global_batch", global_batch), ("micro_batch", micro_batch),
                                ("grad_accum", grad_accum)) if v is not None}
     for k, v in given.items():
@@ -258,21 +240,15 @@ def resolve_batch(global_batch: int | None, micro_batch: int | None, grad_accum:
             micro_batch = DEFAULT_MICRO_BATCH
     if global_batch is None:
         return micro_batch * grad_accum * dp, micro_batch, grad_accum
-    if micro_batch is None:
-        if global_batch % (grad_accum * dp):
-            raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by grad_accum({grad_accum}) × dp({dp}) = "
-                f"{grad_accum * dp}; change global_batch to a multiple of {grad_accum * dp}")
-        return global_batch, global_batch // (grad_accum * dp), grad_accum
-    if grad_accum is None:
-        if global_batch % (micro_batch * dp):
-            raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by micro_batch({micro_batch}) × dp({dp}) = "
-                f"{micro_batch * dp}; change global_batch to a multiple of {micro_batch * dp}")
-        return global_batch, micro_batch, global_batch // (micro_batch * dp)
+    if micro_batch is None or grad_accum is None:  # derive the missing one from the global batch
+        name, known = ("grad_accum", grad_accum) if micro_batch is None else ("micro_batch", micro_batch)
+        if global_batch % (known * dp):
+            raise ConfigError(f"train.global_batch={global_batch} is not divisible by {name}({known}) × dp({dp}) = "
+                              f"{known * dp}; change global_batch to a multiple of {known * dp}")
+        derived = global_batch // (known * dp)
+        return (global_batch, derived, grad_accum) if micro_batch is None else (global_batch, micro_batch, derived)
     if micro_batch * grad_accum * dp != global_batch:
-        raise ConfigError(
-            f"train.global_batch={global_batch} but micro_batch({micro_batch}) × grad_accum({grad_accum}) × "
-            f"dp({dp}) = {micro_batch * grad_accum * dp}; set one of the three to none (e.g. "
-            "--train.grad_accum none) to derive it, or make them agree")
+        raise ConfigError(f"train.global_batch={global_batch} but micro_batch({micro_batch}) × "
+                          f"grad_accum({grad_accum}) × dp({dp}) = {micro_batch * grad_accum * dp}; set one of the "
+                          "three to none (e.g. --train.grad_accum none) to derive it, or make them agree")
     return global_batch, micro_batch, grad_accum

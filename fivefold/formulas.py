@@ -1,50 +1,22 @@
-"""The formulas fivefold is checked against, in one pure module (plain Python: no torch).
+"""The formulas fivefold is checked against (DESIGN.md "The numbers the code must reproduce"), pure Python.
 
-DESIGN.md ("The numbers the code must reproduce") takes them from the seeds; the tests, the
-benchmarks (`bench/`) and `fivefold plan` compute what *should* happen here, while `fivefold.memory`
-and `fivefold.comm.CommLog` measure what does:
-
-- `ring_wire_bytes`: bytes a rank puts on the wire per collective on a ring of N ranks
-  (seed 001 §5.5 communication analysis, seed 003 §2.1 / §16 NCCL primitives);
-- `RECIPES` / `expected_for`: model-state bytes per rank and payload bytes per step of DDP and
-  ZeRO-1/2/3 (seed 001 §5.1-5.5, seed 003 §4.1 / §4.3), here for fp32 AdamW;
-- `tp_comm_formula`: payload bytes per step of Megatron TP and of TP + SP (seed 003 §7.2, §8.2);
-- `bubble_formula`: the textbook pipeline bubble of GPipe, 1F1B, interleaved 1F1B and ZB-H1
-  (seed 003 §9.1-9.4; Qi et al. 2023 for ZB-H1).
-
-Ψ = parameter count, N = data-parallel degree, P = pipeline ranks, M = micro-batches,
-V = model chunks per pipeline rank, B·L·D = batch × sequence × model width.
+Tests, `bench/` and `fivefold plan` compute here what should happen; `fivefold.memory` and `comm.CommLog` measure
+what does. Ψ = parameter count, N = data-parallel degree, P = pipeline ranks, M = micro-batches, V = model chunks
+per pipeline rank, B·L·D = batch × sequence × model width.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = [
-    "MODEL_STATES",
-    "ModelShape",
-    "RECIPES",
-    "bubble_formula",
-    "expected_for",
-    "ring_wire_bytes",
-    "tp_comm_formula",
-    "tp_comm_formula_text",
-]
+__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "bubble_formula", "expected_for", "ring_wire_bytes",
+           "tp_comm_formula", "tp_comm_formula_text"]
 
-# -- collectives on a ring (seed 001 §5.5, seed 003 §2.1) ---------------------------------------------
-
-# op -> bytes one rank sends per payload byte on a ring of n ranks:
-#   all-reduce 2(N-1)/N · S (reduce-scatter then all-gather); reduce-scatter, all-gather, broadcast
-#   (pipelined ring), all-to-all (N-1)/N · S, S the full buffer; send / recv S.
-_WIRE_FACTOR = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 1.0,
-}
+# -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
+# bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
+_WIRE_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
+                "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 1.0}
 
 
 def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
@@ -81,13 +53,8 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:
-    """The formula's model-state bytes per rank and payload bytes per step and rank (by op).
-
-    ``recipe`` is a key of `RECIPES`, ``padded_params`` Ψ as the implementation pads it (a multiple
-    of N for flat shards), ``world`` N. Returns ``memory`` (params, grads, optimizer, total: bytes,
-    e.g. DDP 16Ψ, ZeRO-3 16Ψ/N), ``by_op`` (op -> payload bytes, e.g. ZeRO-3 AG 8Ψ + RS 4Ψ),
-    ``payload_bytes`` and ``wire_bytes`` (their sum on the wire of a ring, `ring_wire_bytes`).
-    """
+    """Model-state bytes per rank and payload bytes per step and rank of ``recipe`` (a `RECIPES` key), for
+    ``padded_params`` Ψ as padded (a multiple of N for flat shards) and ``world`` N; wire bytes on a ring."""
     r = RECIPES[recipe]
     memory = {name: nbytes * padded_params / (world if sharded else 1)
               for name, (nbytes, sharded) in zip(MODEL_STATES, r["memory"])}
@@ -110,12 +77,11 @@ def tp_comm_formula(config: ModelShape, batch: int, seq_len: int, sequence_paral
                     dtype_bytes: int = 4) -> dict[str, int]:
     """Payload bytes per step and rank of fivefold's TP plan, by op (seed 003 §7.2 / §8.2).
 
-    Per block 4 collectives of B·L·D (2 exits forward, 2 entries backward): all-reduces, or under
-    SP all-gather + reduce-scatter pairs of the same B·L·D each (4 AG + 4 RS). Plus the embedding's
-    exit (forward AR; SP: RS forward + AG backward), the head's entry (backward AR; SP: AG forward
-    + RS backward), 3 all-reduces of B·L fp32 values in the vocab-parallel cross-entropy, and under
-    SP one all-reduce of D per norm weight gradient (2 per block + the final norm).
-    """
+    Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS. Plus the
+    embedding's exit (forward AR; SP: RS forward, AG backward), the head's entry (backward AR; SP: AG forward, RS
+    backward),
+    3 all-reduces of B·L fp32 in the vocab-parallel cross-entropy, and under SP an all-reduce of D per norm weight
+    gradient (2 per block + the final norm)."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim
     if not sequence_parallel:
         return {"all_reduce": ((4 * n + 2) * bld + 3 * bl) * dtype_bytes}
@@ -134,12 +100,8 @@ def tp_comm_formula_text(sequence_parallel: bool) -> str:
 # -- pipeline bubble (seed 003 §9.1-9.4) ------------------------------------------------------------------
 
 def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
-    """Textbook bubble fraction of schedule ``name``: idle share of P ranks over one step.
-
-    gpipe, 1f1b: (P-1)/(M+P-1); interleaved: (P-1)/(V·M+P-1); zb-h1 (F = I = W): (P-1)/(3M+P-1).
-    Exact in the simulator (`fivefold.pipeline.simulator`) for constant F and B costs (GPipe, 1F1B),
-    chunks costing 1/V of a rank's work (interleaved) and F = I = W (ZB-H1).
-    """
+    """Textbook bubble fraction (idle share of P ranks over one step) of schedule ``name``; exact in the
+    simulator under the conditions in `fivefold.pipeline.simulator`."""
     if name in ("gpipe", "1f1b"):
         return (P - 1) / (M + P - 1)
     if name == "interleaved":

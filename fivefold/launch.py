@@ -1,14 +1,9 @@
-"""Starting processes: a torchrun-style environment (`init_distributed`), or N local CPU workers
-joined by gloo (`launch_local`), and the device each process computes on.
-
-Local workers rendezvous through a TCPStore on a port the OS chose (never a fixed one), one
-thread budget each; a worker's exception is re-raised in the parent with its traceback.
-"""
+"""Starting processes: from a torchrun environment (`init_distributed`) or as N local CPU workers joined by gloo
+(`launch_local`), and the device each computes on."""
 
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -39,8 +34,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> to
     """Initialise the default process group from a torchrun-style environment; return the device."""
     device = default_device()
     if not dist.is_initialized():
-        dist.init_process_group(backend or backend_for(device),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend or backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
@@ -61,20 +55,13 @@ def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         del result
     finally:
-        # Wrappers sit in reference cycles (param -> grad hook -> reducer -> param); free them while
-        # the process group still exists, or their destructors may abort the process at exit.
-        gc.collect()
         dist.destroy_process_group()
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
                  timeout_s: float = 300.0, start_method: str = "spawn") -> list[Any]:
-    """Run ``fn(*args)`` in `nproc` local CPU processes joined by gloo; return each rank's result.
-
-    The rendezvous store is created here on a free port chosen by the OS (never a fixed port)
-    and kept alive until the workers finish. A worker's exception is re-raised with its traceback.
-    `fn` must be importable (a module-level function) and its result picklable by torch.save.
-    """
+    """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` gloo CPU processes; return the results.
+    The store listens on a port the OS chose, never a fixed one; a worker's exception re-raises with its traceback."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: need at least one process")
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,

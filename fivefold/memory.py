@@ -1,19 +1,6 @@
-"""Measured model-state memory of one rank: parameters, gradients, optimizer state.
-
-Seed 001 (ZeRO paper, memory accounting): model states are parameters (2Ψ in 16-bit),
-gradients (2Ψ) and optimizer state (KΨ, K = 12 for mixed-precision Adam). This module
-measures what a rank actually holds by counting each *unique storage* once (a gradient that
-is a view of a flat bucket counts the bucket, padding included; a tied weight counts once),
-so tests can compare measurement with the formulas of DESIGN.md.
-
-Two ways to measure:
-- `model_state_bytes`: what an engine says it holds (its ``model_state_tensors``), or a plain
-  module's parameters, gradients and optimizer state — at one moment, e.g. after backward;
-- `reachable_storage_bytes` + `PeakSampler`: every storage reachable through Python references
-  from the training objects (wrapper, optimizer), not trusting any self-report, sampled after
-  every operator while a region (a backward) runs — the peak that decides whether a model fits.
-  Works on fivefold's engines and torch's (DDP, ZeroRedundancyOptimizer, FSDP2) alike.
-"""
+"""Measured model-state memory of one rank (seed 001: parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12), counting
+each *unique storage* once (a gradient viewing a bucket counts it, padding included) to check DESIGN.md's formulas:
+`model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what is reachable."""
 
 from __future__ import annotations
 
@@ -40,10 +27,6 @@ class ModelStateBytes:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
-    def as_mb(self) -> dict[str, float]:
-        return {k: v / 2**20 for k, v in
-                (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer), ("total", self.total))}
-
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
     total = 0
@@ -61,11 +44,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                       extra_params: Iterable[torch.Tensor] = ()) -> ModelStateBytes:
-    """Bytes of unique storages held for parameters, gradients and optimizer state.
-
-    `extra_params` are parameter storages the model does not expose (e.g. fp32 master shards
-    kept by a sharded optimizer count as optimizer state instead: pass them via the optimizer).
-    """
+    """Unique storage bytes of parameters (+ `extra_params` the model does not expose), gradients, optimizer state."""
     seen: set[tuple[str, int]] = set()
     if hasattr(model, "model_state_tensors"):  # ZeRO engines know what they hold (shards, buffers)
         held = model.model_state_tensors()
@@ -77,11 +56,8 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     o_bytes = 0
     if optimizer is not None:
         state_tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        # Parameters owned by the optimizer but not by the model (fp32 masters) are optimizer state.
         owned = [p for g in optimizer.param_groups for p in g["params"]]
-        o_bytes = _storage_bytes([*owned, *state_tensors], seen)
-        # A scalar `step` tensor per parameter is bookkeeping, not model state, but it is real
-        # memory too: it is counted, and is negligible (4-8 bytes).
+        o_bytes = _storage_bytes([*owned, *state_tensors], seen)  # its own params (fp32 masters) count here
     return ModelStateBytes(p_bytes, g_bytes, o_bytes)
 
 
@@ -90,9 +66,7 @@ _OPAQUE = (type, types.ModuleType, types.CodeType, types.FrameType)
 
 
 def _reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from `roots` through Python references: attributes, containers,
-    closures and bound methods (hooks), a tensor's ``.grad``, ``._base`` and a DTensor's local
-    shard. Functions are followed through their closures and defaults, never their globals."""
+    """Tensors reachable from `roots` (containers, closures, ``.grad``, ``._base``, DTensor shards, not globals)."""
     seen: set[int] = set()
     stack = list(roots)
     while stack:
@@ -105,8 +79,9 @@ def _reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
                 yield obj
             stack += [obj.grad if obj.is_leaf else None, obj._base, getattr(obj, "_local_tensor", None)]
         if isinstance(obj, types.FunctionType):
-            stack += [*(c.cell_contents for c in obj.__closure__ or () if _cell_full(c)),
-                      *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+            # a cell's referent is its contents (none when empty)
+            stack += [*gc.get_referents(*(obj.__closure__ or ())), *(obj.__defaults__ or ()),
+                      *(obj.__kwdefaults__ or {}).values()]
         elif isinstance(obj, types.MethodType):
             stack += [obj.__self__, obj.__func__]
         else:
@@ -122,17 +97,8 @@ def _has_data(t: torch.Tensor) -> bool:
     return True
 
 
-def _cell_full(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True
-
-
 def reachable_storage_bytes(roots: Iterable[Any], exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the unique non-empty storages of every tensor reachable from `roots` (see
-    `_reachable_tensors`), except those of `exclude` (e.g. the model's constant buffers)."""
+    """Bytes of the unique storages reachable from `roots`, except `exclude`'s (e.g. the model's constant buffers)."""
     seen: set[tuple[str, int]] = {(str(t.device), t.untyped_storage().data_ptr()) for t in exclude}
     return _storage_bytes(_reachable_tensors(roots), seen)
 
@@ -142,16 +108,10 @@ _DISPATCH_WRAPPERS = (os.path.join("torch", "_compile.py"), os.path.join("torch"
 
 
 class PeakSampler(TorchDispatchMode):
-    """The peak of `reachable_storage_bytes` while a region (a backward) runs: sampled after every
-    operator dispatched in it (backward ops, hooks' ops, collectives) and once on exit.
-
-    ``with PeakSampler([engine, optimizer], exclude=model.buffers()) as s: loss.backward()``, then
-    ``s.peak``. With ``frames=True`` the local variables of the Python frames running inside the
-    region count as roots too, so a buffer that code holds only in a local while it works (e.g. a
-    reduce-scatter input being filled) is seen; so is an activation gradient a hook was handed, a
-    small overcount. `mark(label)` records a labelled sample of the roots in `marks`. Slow (one walk per
-    operator): for tests and one benchmark step.
-    """
+    """Peak `reachable_storage_bytes` over a region, sampled after each dispatched operator and on exit; slow, for
+    tests and one benchmark step. ``with PeakSampler([engine, optimizer], exclude=model.buffers()) as s: ...``.
+    ``frames=True`` adds the region's frame locals as roots: a buffer held only in a local while being filled (a
+    reduce-scatter input) counts, and so, a small overcount, does an activation gradient handed to a hook."""
 
     def __init__(self, roots: Iterable[Any], exclude: Iterable[torch.Tensor] = (), frames: bool = True) -> None:
         super().__init__()

@@ -1,17 +1,6 @@
-"""The process grid: `ParallelDims` -> torch `DeviceMesh`, its derived groups, per-dimension `Comm`s.
-
-Layout (DESIGN.md): ``world = pp × dp × cp × tp`` with tp innermost, so tensor-parallel
-peers are adjacent ranks (the same node on a GPU cluster). Derived groups, built once at start:
-
-- ``dp_cp``: dp × cp flattened — gradients and the loss are averaged over both (a context-parallel
-  rank holds a slice of the same sequences, so a replicated weight's gradient sums over cp too);
-- ``ep``: expert parallelism carved from dp × cp — blocks of ``ep`` consecutive ranks of each
-  dp_cp group hold different experts; ``ep_dp`` is its complement (the ranks holding the *same*
-  experts), over which expert gradients are reduced.
-
-The grid is an explicit object passed to whoever needs it; nothing here is a module-level
-singleton. Starting processes is `fivefold.launch`'s job.
-"""
+"""The process grid ``world = pp × dp × cp × tp`` (DESIGN.md; tp innermost, so TP peers share a node) as a torch
+`DeviceMesh`, derived groups and per-dimension `Comm`s. Gradients reduce over ``dp_cp`` (a cp rank holds a slice of
+the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different experts, reduced over ``ep_dp``."""
 
 from __future__ import annotations
 
@@ -47,15 +36,13 @@ class ParallelDims:
         others = self.pp * self.cp * self.tp
         if self.dp == -1:
             if world_size % others:
-                raise ValueError(
-                    f"world size {world_size} is not divisible by pp({self.pp}) × cp({self.cp}) × "
-                    f"tp({self.tp}) = {others}; change the degrees or the number of processes")
+                raise ValueError(f"world size {world_size} is not divisible by pp({self.pp}) × cp({self.cp}) × "
+                                 f"tp({self.tp}) = {others}; change the degrees or the number of processes")
             return replace(self, dp=world_size // others).resolve(world_size)
         if others * self.dp != world_size:
-            raise ValueError(
-                f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
-                f"but the world size is {world_size}; make the product equal the number of processes "
-                f"(or set dp=-1 to derive it)")
+            raise ValueError(f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
+                             f"but the world size is {world_size}; make the product equal the number of processes "
+                             f"(or set dp=-1 to derive it)")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
                              "expert-parallel ranks are carved from the data (and context) parallel ones")
@@ -80,8 +67,7 @@ class ParallelDims:
 class ParallelMesh:
     """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu",
-                 comm_log: CommLog | None = None) -> None:
+    def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu", comm_log: CommLog | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
                                "or run under `fivefold train` / torchrun")
@@ -94,8 +80,7 @@ class ParallelMesh:
         self._comms: dict[str, Comm] = {}
 
     def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
-        """dp_cp, ep and ep_dp. Every rank creates every group, in the same order (a collective);
-        where a derived group equals a mesh dimension's, that group is reused."""
+        """dp_cp, ep, ep_dp; every rank creates every group in the same order (a collective), reusing equal ones."""
         d = self.dims
         me = dist.get_rank()
         # rows: one dp×cp group per (pp, tp) coordinate, ranks in (dp, cp) order

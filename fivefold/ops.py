@@ -1,15 +1,6 @@
-"""`linear(x, w, b)`: the matmul layers opt into so a zero-bubble pipeline can split their backward.
-
-Zero-bubble schedules (seed 003 §14; Qi et al. 2023) split a backward pass into I (the input
-gradient, on the critical path) and W (the weight gradients, deferred to fill bubbles). A layer
-that computes ``linear(x, w, b)`` — fivefold's `Linear`, the tensor-parallel layers, the MoE experts
-— takes part; nothing is patched. The pipeline runtime runs a stage's forward under
-`recording_weight_grads(store)`: such a linear gives autograd no edge to its weight and bias, so
-its backward (I) returns only the input gradient and queues (x, grad_out) in the store under
-``store.current``; `WeightGradStore.run(key)` later (W) computes dW and db for that micro-batch
-and hands them to autograd, so accumulation and gradient hooks (the data-parallel reducer) fire
-then, once. Outside a recording forward, `linear` is plain `F.linear`.
-"""
+"""`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (seed 003 §14; Qi et al. 2023) can split backward
+into I (input gradient) and W (weight gradients, deferred into bubbles): under `recording_weight_grads` I only queues
+(x, grad_out), and `WeightGradStore.run` (W) later hands dW, db to autograd, so accumulation and DP hooks fire then."""
 
 from __future__ import annotations
 
@@ -50,8 +41,7 @@ _recording: ContextVar[WeightGradStore | None] = ContextVar("fivefold_weight_gra
 
 @contextmanager
 def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
-    """Linears run in this block leave their weight gradients to `store`: their backward computes
-    only the input gradient; `store.run(key)` adds the weight gradients later."""
+    """Linears run in this block leave their weight gradients to `store` (added later by `store.run(key)`)."""
     token = _recording.set(store)
     try:
         yield
@@ -81,16 +71,12 @@ def _weight_grads(x: torch.Tensor, grad_out: torch.Tensor, with_bias: bool) -> t
     return g.t() @ x.flatten(0, -2), (g.sum(0) if with_bias else None)
 
 
-class _Deferred:
-    """Where a recorded linear's weight gradients go (a plain object: not an autograd input)."""
-
+class _Deferred:  # where a recorded linear's weight gradients go: a plain object, so not an autograd input
     def __init__(self, store: WeightGradStore, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.store, self.weight, self.bias = store, weight, bias
 
 
-class _LinearInputGradOnly(torch.autograd.Function):
-    """y = x Wᵀ + b whose backward returns dL/dx and queues the weight and bias gradients."""
-
+class _LinearInputGradOnly(torch.autograd.Function):  # backward returns dL/dx and queues dW, db
     @staticmethod
     def forward(ctx, x, weight, bias, deferred):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
@@ -105,9 +91,7 @@ class _LinearInputGradOnly(torch.autograd.Function):
         return grad_out @ weight, None, None, None
 
 
-class _ApplyWeightGrad(torch.autograd.Function):
-    """Routes deferred weight (and bias) gradients through autograd, so AccumulateGrad and hooks run."""
-
+class _ApplyWeightGrad(torch.autograd.Function):  # deferred dW, db through autograd, so AccumulateGrad and hooks run
     @staticmethod
     def forward(ctx, weight, bias, x, grad_out):  # type: ignore[override]
         ctx.save_for_backward(x, grad_out)

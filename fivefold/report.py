@@ -1,7 +1,5 @@
-"""Pictures of a run: the loss curve and pipeline timelines (PNG, Chrome trace), written atomically.
-
-Reads plain data — ``metrics.jsonl`` records and `pipeline.simulator.Timeline` s — and owns
-every matplotlib import of the package.
+"""Pictures of a run: the loss curve and pipeline timelines (PNG, Chrome trace), written atomically. Reads plain
+data (``metrics.jsonl`` records, `pipeline.simulator.Timeline` s) and owns every matplotlib import of the package.
 """
 
 from __future__ import annotations
@@ -22,24 +20,20 @@ OTHER_COLOR = "#B0B0B0"
 
 
 def _atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=suffix)
     os.close(fd)
     try:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") -> None:
-    """Draw ``timeline`` as a Gantt chart PNG: one row per rank (rank 0 on top), time on x, one
-    box per event coloured by kind (F, B, I, W; grey for other labels) with its micro-batch
-    number inside. With V > 1 chunks the later chunks are drawn lighter. Written atomically."""
+    """Gantt chart PNG of ``timeline``: a row per rank, a box per event coloured by kind; later chunks lighter."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -58,16 +52,12 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
             color = KIND_COLORS.get(e.kind, OTHER_COLOR)
             chunk = e.stage // P if V > 1 else 0
             alpha = 1.0 - 0.45 * chunk / max(V - 1, 1)
-            ax.broken_barh(
-                [(e.start - t0, e.duration)], (r - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.6,
-                alpha=alpha,
-            )
+            ax.broken_barh([(e.start - t0, e.duration)], (r - 0.4, 0.8), facecolors=color, edgecolors="white",
+                           linewidth=0.6, alpha=alpha)
             box_px = e.duration * px_per_unit
             if box_px >= 7:
-                ax.text(
-                    e.start - t0 + e.duration / 2, r, str(e.microbatch), ha="center", va="center",
-                    fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold",
-                )
+                ax.text(e.start - t0 + e.duration / 2, r, str(e.microbatch), ha="center", va="center",
+                        fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold")
     ax.set_ylim(P - 0.5, -0.5)
     ax.set_xlim(0, span)
     ax.set_yticks(range(P))
@@ -82,10 +72,8 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
         handles.append(Patch(color="white", label=f"lighter = later chunk (V={V})"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     heading = title or timeline.name
-    stats = (
-        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
-        f"peak in-flight {timeline.peak_in_flight}"
-    )
+    stats = (f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
+             f"peak in-flight {timeline.peak_in_flight}")
     ax.set_title(f"{heading} — {stats}" if heading else stats, fontsize=10)
     ax.grid(axis="x", linestyle=":", alpha=0.5)
     ax.set_axisbelow(True)
@@ -94,28 +82,16 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
 
 
 def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: float = 1e6) -> None:
-    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one complete ("X")
-    event per action, pid 0, tid = rank, ``ts``/``dur`` in microseconds (times × ``us_per_unit``;
-    the default reads times as seconds), plus thread-name metadata events. Written atomically."""
+    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one "X" event per action, tid = rank,
+    times × ``us_per_unit`` as microseconds (the default reads times as seconds)."""
     t0 = timeline.start
-    events: list[dict] = [
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-        for r in range(timeline.n_ranks)
-    ]
+    events: list[dict] = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+                          for r in range(timeline.n_ranks)]
     for r, evs in enumerate(timeline.events):
         for e in evs:
-            events.append(
-                {
-                    "name": f"{e.kind}{e.microbatch}@s{e.stage}",
-                    "cat": e.kind,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": r,
-                    "ts": (e.start - t0) * us_per_unit,
-                    "dur": e.duration * us_per_unit,
-                    "args": {"microbatch": e.microbatch, "stage": e.stage},
-                }
-            )
+            events.append({"name": f"{e.kind}{e.microbatch}@s{e.stage}", "cat": e.kind, "ph": "X", "pid": 0, "tid": r,
+                           "ts": (e.start - t0) * us_per_unit, "dur": e.duration * us_per_unit,
+                           "args": {"microbatch": e.microbatch, "stage": e.stage}})
     data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": timeline.name}}
 
     def write(tmp: str) -> None:

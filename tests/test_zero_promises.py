@@ -411,8 +411,6 @@ def test_every_tensor_factory_names_its_device():
     offenders = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package).as_posix()
-        if rel.startswith("bench"):  # benchmarks run on CPU gloo only, outside the library path
-            continue
         tree = ast.parse(path.read_text())
         for func in ast.walk(tree):
             if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef) or (rel, func.name) in CPU_BY_DESIGN:

@@ -1,6 +1,7 @@
 """Data parallelism: flat buckets (shared by all), DDP, and the ZeRO 0-3 engine.
 
-`data_parallel(module, comm, zero_stage=...)` is the one entry point the trainer uses.
+`ZeroDataParallel(module, comm, zero_stage=...)` is what the trainer wraps every model (or pipeline
+stage) in (`fivefold.models.parallelize`); `DDP` and `ShardedOptimizer` stand alone for any module.
 """
 
 from fivefold.data_parallel.buckets import BucketedGradReducer, FlatLayout, GradBucket, assign_buckets

@@ -1,23 +1,11 @@
 """Flat padded buffers and the bucketed gradient reducer: the one implementation behind DDP and ZeRO.
 
-Seed 000 (DP): instead of one all-reduce per parameter after backward, gradients are grouped
-into buckets; a post-accumulate-grad hook marks a parameter ready and the bucket's collective is
-launched asynchronously the moment its last gradient arrives, overlapping the rest of backward.
-
-- `FlatLayout` places tensors back to back in one 1-D buffer padded to a multiple of ``pad_to``
-  (ZeRO pads to the DP degree so every rank owns an equal contiguous shard).
-- `assign_buckets` groups parameters into buckets of at most ``bucket_bytes`` (one parameter may
-  exceed it alone) in *reverse registration order*, the order in which backward produces them.
-- `BucketedGradReducer` points each ``param.grad`` at a view of its bucket's flat buffer (no second
-  copy of the gradients), tracks readiness per step, launches buckets in index order (every rank
-  issues the same collectives in the same order), and at backward's end flushes what is left and
-  waits. *What* a bucket's collective is — all-reduce (DDP) or reduce-scatter (ZeRO-1/2) — is a
-  strategy passed in, so the bookkeeping exists once.
-- With ``max_inflight`` (ZeRO-2/3, whose full-size gradient buffers are temporary), launching a
-  bucket first completes the oldest launched ones beyond that bound: their collective is waited
-  for, finished and their buffer released *during* backward, so the peak holds a bounded number of
-  full gradient buffers instead of all of them until backward ends (as FSDP bounds its in-flight
-  reduce-scatters). Completion is in launch order too.
+Seed 000 (DP): gradients are bucketed in reverse registration order (the order backward produces them); a
+post-accumulate-grad hook marks a parameter ready and the bucket's collective launches asynchronously with its last
+gradient, overlapping the rest of backward. Buckets launch in index order so every rank issues the same collectives
+in the same order; the collective itself (all-reduce for DDP, reduce-scatter for ZeRO) is a strategy passed in.
+``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the
+bound during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
 """
 
 from __future__ import annotations
@@ -73,11 +61,8 @@ class FlatLayout:
 
 
 def assign_buckets(named_params: NamedParams, bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
-    """Split trainable parameters into buckets in reverse registration order.
-
-    A bucket is closed once it holds at least `bucket_bytes`; parameters of a different dtype or
-    device start a new bucket (one flat buffer has one dtype).
-    """
+    """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration order; a change of
+    dtype or device starts a new bucket (one flat buffer has one dtype)."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
     size = 0
@@ -100,19 +85,11 @@ def assign_buckets(named_params: NamedParams, bucket_bytes: float) -> list[list[
 class GradBucket:
     """One bucket: its parameters, the flat gradient buffer laid out by `layout`, and readiness.
 
-    Two ways to get gradients in:
-    - views (DDP, ZeRO-0 with matching dtypes): ``param.grad`` *is* a view of the buffer, autograd
-      accumulates in place, and the buffer lives for the whole run;
-    - copy (ZeRO-1/2/3, or a reduce dtype unlike the parameter's): the hook adds ``param.grad`` into
-      the buffer and drops it. ZeRO-1 keeps its buffer (``keep_buffer``); for ZeRO-2/3 the buffer
-      exists only from the first gradient of a sync window until the bucket's collective has
-      finished (`release`): non-owned gradients are freed.
-    - ZeRO-3 (``defer_copy``): gradients stay where autograd put them until the unit is complete,
-      when the unit's gathered parameters are freed (the reducer's ``on_all_grads``); the buffer is
-      allocated and all copied in (`copy_in`) just before the launch, as FSDP2 does — so the buffer
-      never coexists with the unit's parameters and half its gradients. Under ``no_sync`` the hook
-      copies as usual, so accumulation over micro-batches happens in the buffer's (reduce) dtype.
-    """
+    Views (DDP, matching dtypes): ``param.grad`` is a view of the buffer, which lives for the run. Copy (ZeRO, or a
+    reduce dtype unlike the parameter's): the hook adds ``param.grad`` into the buffer and drops it; ZeRO-1 keeps the
+    buffer, ZeRO-2/3 hold it only until the collective finished (`release`). ZeRO-3 (``defer_copy``) copies all
+    gradients in (`copy_in`) just before the launch, after the unit's gathered parameters were freed (as FSDP2), so
+    the buffer never coexists with the unit's parameters; under ``no_sync`` it copies as usual (reduce dtype)."""
 
     def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
                  keep_buffer: bool = True, views: bool | None = None, defer_copy: bool = False) -> None:
@@ -128,14 +105,9 @@ class GradBucket:
         self.defer_copy = defer_copy and not self.views and not keep_buffer
         self.grad: torch.Tensor | None = None
         if self.views:
-            self._allocate()
-            for i in range(len(self.params)):
-                self.bind_grad(i)
-        self.pending = len(self.params)
-        self.launched = False
-        self.work = None  # async handle of this step's collective
+            self.copy_in()  # every .grad becomes its view of the buffer, for the whole run
         self.out: torch.Tensor | None = None  # where the collective leaves this rank's result
-        self.touched = False  # a gradient arrived in the current backward
+        self.reset()
 
     def _allocate(self) -> torch.Tensor:
         if self.grad is None:
@@ -169,10 +141,10 @@ class GradBucket:
             self.grad = None
 
     def reset(self) -> None:
-        self.pending = len(self.params)
+        self.pending = len(self.params)  # gradients still missing in this backward
         self.launched = False
-        self.work = None
-        self.touched = False
+        self.work = None  # async handle of this step's collective
+        self.touched = False  # a gradient arrived in the current backward
 
 
 def make_grad_buckets(named_params: NamedParams, bucket_bytes: float, pad_to: int = 1,
@@ -223,21 +195,18 @@ class BucketedGradReducer:
         self._task = -1  # autograd graph task of the backward whose end callback is queued
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
         self._where: dict[int, tuple[GradBucket, int]] = {}
-        self._hooks = []
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    # -- hooks -------------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket, i = self._where[id(p)]
         task = _graph_task_id()
         if self._callback_queued and task != self._task:
-            raise RuntimeError(
-                f"gradient of '{bucket.names[i]}' arrived in a new backward, but the previous one never "
-                "finished (it raised): some of its buckets were already reduced. Call zero_grad() before "
-                "running backward again")
+            raise RuntimeError(f"gradient of '{bucket.names[i]}' arrived in a new backward, but the previous one "
+                               "never finished (it raised): some of its buckets were already reduced. Call "
+                               "zero_grad() before running backward again")
         if not self._callback_queued:
             self._callback_queued = True
             self._task = task
@@ -255,10 +224,9 @@ class BucketedGradReducer:
             return
         if self._ready.get(id(p)):
             if bucket.launched:
-                raise RuntimeError(
-                    f"gradient of '{bucket.names[i]}' was accumulated again after its bucket's "
-                    "collective was launched in this backward (reentrant checkpointing or a second "
-                    "backward through the same graph); use non-reentrant checkpointing or no_sync()")
+                raise RuntimeError(f"gradient of '{bucket.names[i]}' was accumulated again after its bucket's "
+                                   "collective was launched in this backward (reentrant checkpointing or a second "
+                                   "backward through the same graph); use non-reentrant checkpointing or no_sync()")
             return
         self._ready[id(p)] = True
         bucket.pending -= 1
@@ -302,17 +270,14 @@ class BucketedGradReducer:
         if self.on_backward_end is not None:
             self.on_backward_end()
 
-    # -- public ------------------------------------------------------------------------------
     @property
     def interrupted(self) -> bool:
-        """A synchronising backward started and never reached its end (it raised): some buckets may be
-        reduced and others not, so its gradients must not be stepped on."""
+        """A synchronising backward started and never finished (it raised): its gradients are partly reduced."""
         return bool(self._ready) or self._callback_queued
 
     def no_more_grads(self, bucket: GradBucket) -> None:
-        """The bucket's owner knows its gradients of this backward are all in (ZeRO-3: the unit's
-        backward is over). With ``find_unused``, parameters without one count as unused (zero) and
-        the bucket completes now, so it does not hold every later bucket back until backward ends."""
+        """The owner knows the bucket's gradients of this backward are all in (ZeRO-3: unit done); with ``find_unused``
+        missing ones count as zero and the bucket launches now instead of holding later buckets back."""
         if not (self.require_sync and self.find_unused) or bucket.pending == 0:
             return
         for i, p in enumerate(bucket.params):
@@ -329,20 +294,17 @@ class BucketedGradReducer:
         return [b.names[i] for b in self.buckets for i, p in enumerate(b.params) if not self._ready.get(id(p))]
 
     def flush(self) -> None:
-        """End of a synchronising backward: parameters without a gradient are an error (or zeros
-        with find_unused), then every bucket is completed."""
+        """End of a synchronising backward: a missing gradient is an error (zero with find_unused); complete buckets."""
         missing = self.unready_names()
         if missing and not self.find_unused:
-            raise RuntimeError(
-                f"{len(missing)} parameter(s) received no gradient in this backward: "
-                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Every rank must "
-                "reduce every bucket; freeze them (requires_grad=False), make them "
-                "part of the loss, or pass find_unused=True to reduce a zero gradient for them")
+            raise RuntimeError(f"{len(missing)} parameter(s) received no gradient in this backward: "
+                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Every rank must "
+                               "reduce every bucket; freeze them (requires_grad=False), make them part of the "
+                               "loss, or pass find_unused=True to reduce a zero gradient for them")
         self.sync_now()
 
     def sync_now(self) -> None:
-        """Reduce what every parameter holds now, ready or not (used after a pipeline's many
-        backward passes ran under no_sync): launch what is left in order, wait, finish, reset."""
+        """Reduce what every parameter holds now, ready or not (after a pipeline's backwards ran under no_sync)."""
         for bucket in self.buckets[self._next_to_launch:]:
             if bucket.pending and self.on_all_grads is not None:
                 self.on_all_grads(bucket)  # nothing more will arrive
@@ -362,8 +324,7 @@ class BucketedGradReducer:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Hooks still bring gradients into the buckets, but nothing is reduced until the first
-        backward after the context (or `sync_now`)."""
+        """Hooks still fill the buckets; nothing is reduced until the next synchronising backward (or `sync_now`)."""
         previous = self.require_sync
         self.require_sync = False
         try:
@@ -372,8 +333,7 @@ class BucketedGradReducer:
             self.require_sync = previous
 
     def zero_grad(self) -> None:
-        """Zero every bucket (in place where the buffer is kept; views survive) and forget any
-        half-done backward (one that raised before its end-of-backward callback ran)."""
+        """Zero every bucket (in place where kept; views survive) and forget a half-done backward that raised."""
         for bucket in self.buckets:
             if bucket.keep_buffer and bucket.grad is not None:
                 bucket.grad.zero_()
@@ -390,8 +350,3 @@ class BucketedGradReducer:
         self._next_to_complete = 0
         self._callback_queued = False
         self.unsynced = False
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

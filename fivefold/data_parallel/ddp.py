@@ -1,9 +1,7 @@
 """DDP: replicated parameters, gradients averaged by bucketed all-reduce overlapped with backward.
 
-Seed 000 (naive DP -> bucketed overlap) and DESIGN.md's DDP row: model states 16Ψ bytes per rank
-with mixed-precision Adam; communication per step one all-reduce of Ψ gradient elements, ring
-wire 2(N-1)/N · Ψ · bytes per rank. Buckets and hooks live in `buckets.py`; this module only says
-what a full bucket does (scale by 1/N, all-reduce) and adds `no_sync()` for gradient accumulation.
+Seed 000 (naive DP -> bucketed overlap), DESIGN.md's DDP row: 16Ψ bytes per rank, one all-reduce of Ψ per step
+(ring wire 2(N-1)/N · Ψ · bytes). Buckets and hooks live in `buckets.py`; here only what a full bucket does.
 """
 
 from __future__ import annotations
@@ -34,16 +32,9 @@ def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 
 
 
 class DDP(nn.Module):
-    """Data-parallel wrapper for any module, like `torch.nn.parallel.DistributedDataParallel`.
-
-    - parameters are broadcast from group rank 0 at construction;
-    - each trainable parameter's ``.grad`` is a view into a flat bucket (``bucket_mb`` MiB,
-      reverse registration order); its bucket's async all-reduce starts when its last
-      gradient is accumulated, and backward's end waits for all of them;
-    - tied parameters are one parameter (counted once); frozen ones are ignored; a parameter
-      without a gradient is an error unless ``find_unused=True``;
-    - inside ``no_sync()`` gradients accumulate locally with no communication.
-    """
+    """Data-parallel wrapper for any module, like `torch.nn.parallel.DistributedDataParallel`: parameters broadcast
+    from group rank 0, ``.grad`` views into flat buckets all-reduced as they fill, tied parameters counted once,
+    frozen ones ignored; a parameter without a gradient is an error unless ``find_unused=True``."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, bucket_mb: float = 25.0,
                  find_unused: bool = False, broadcast_init: bool = True) -> None:

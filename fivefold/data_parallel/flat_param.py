@@ -1,24 +1,10 @@
 """`FlatParam`: a bucket's (ZeRO-0/1/2) or unit's (ZeRO-3) parameters as views of one flat buffer.
 
-Seed 000/001 (ZeRO): every rank owns a contiguous 1/N shard of each flat buffer (padded to a
-multiple of N, never uneven), keeps the fp32 master weights and optimizer state only for that
-shard, and receives only that shard of the averaged gradient.
-
-Layout of one FlatParam (``[ decay params | no-decay params | padding ]``, each rank a 1/N slice):
-
-- ``full``   compute dtype, the whole buffer; the module's parameters are views into it. ZeRO-3
-             frees its storage between uses (``untyped_storage().resize_(0)``) and all-gathers
-             into it again, so tensors autograd saved stay valid.
-- ``local``  this rank's shard in compute dtype: a view of ``full`` (ZeRO-0/1/2) or its own
-             persistent tensor (ZeRO-3, the only copy of the parameters between uses).
-- ``master`` the fp32 master shard the optimizer steps: ``local`` itself when the compute dtype
-             is fp32, otherwise an fp32 shard filled from the parameters' original values (never
-             from the rounded 16-bit copy).
-- ``grad_shard`` the averaged gradient for this shard (reduce dtype), filled by the bucket's
-             reduce-scatter (or all-reduce at stage 0) and consumed by the optimizer step.
-
-Parameters are ordered by optimizer group inside the buffer, so a shard meets at most one
-contiguous segment per group, cut into pieces of at most 1 MiB: each becomes one fp32 `nn.Parameter` of the optimizer.
+Seed 000/001 (ZeRO): every rank owns a contiguous 1/N shard of each buffer (padded to a multiple of N), keeps fp32
+master weights and optimizer state only for it and receives only its shard of the averaged gradient. Parameters
+are ordered by optimizer group (one segment per group in a shard). ``full``: the whole buffer in compute dtype,
+parameters are views into it; ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and gathers
+into it again, so tensors autograd saved stay valid. ``local`` is this rank's shard, ``master`` its fp32 copy.
 """
 
 from __future__ import annotations
@@ -33,9 +19,8 @@ from fivefold.data_parallel.buckets import FlatLayout
 
 GroupOf = Callable[[str, nn.Parameter], int]
 
-# The optimizer sees each group segment in pieces of at most this many elements (1 MiB of fp32):
-# an elementwise optimizer makes ~10 passes over (param, grad, m, v), which stay in cache for a
-# 1 MiB piece but stream from memory for a 25 MiB bucket (measured: AdamW 3-4x slower on CPU).
+# Optimizer pieces of at most 1 MiB of fp32: an elementwise optimizer makes ~10 passes over (param, grad, m, v),
+# which stay in cache for 1 MiB but stream from memory for a 25 MiB bucket (measured: AdamW 3-4x slower on CPU).
 OPTIMIZER_CHUNK = 2**18
 
 
@@ -73,8 +58,7 @@ class FlatParam:
         else:
             self.local = self.full[self.start:self.end]
             self.is_unsharded = True
-        # The fp32 master comes from the original values, not from the 16-bit copy: wrapping must not
-        # round the weights (fine-tuning from an fp32 checkpoint keeps every bit).
+        # The fp32 master comes from the original values, not the 16-bit copy: wrapping must not round the weights.
         self.master = self.local if param_dtype == torch.float32 else self.shard_of(originals, torch.float32)
         del originals
         self.segments = self._group_segments()
@@ -82,8 +66,7 @@ class FlatParam:
         self.grad_shard: torch.Tensor | None = None
 
     def shard_of(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter, None =
-        zeros) in `dtype`: the master from the original weights, a gradient shard from full gradients."""
+        """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter, None = zeros)."""
         shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.full.device)
         with torch.no_grad():
             for slot, t in zip(self.layout.slots, tensors):
@@ -93,8 +76,7 @@ class FlatParam:
         return shard
 
     def _group_segments(self) -> list[tuple[int, int, int]]:
-        """(group, a, b): the part [a, b) of this rank's shard (local coordinates) in each group, cut
-        into `OPTIMIZER_CHUNK` pieces."""
+        """(group, a, b): each group's part [a, b) of this rank's shard (local coordinates), in `OPTIMIZER_CHUNK`s."""
         segments = []
         for g in sorted(set(self.group_ids)):
             members = [i for i, gid in enumerate(self.group_ids) if gid == g]
@@ -110,7 +92,6 @@ class FlatParam:
     def shard_numel(self) -> int:
         return self.end - self.start
 
-    # -- ZeRO-3: gather before use, free after --------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Re-grow ``full`` and all-gather every rank's ``local`` into it (no-op if already there)."""
         if self.is_unsharded:
@@ -143,7 +124,6 @@ class FlatParam:
                 p.data = self._empty
             self.is_unsharded = False
 
-    # -- gradients and optimizer -------------------------------------------------------
     def accumulate_grad(self, shard_grad: torch.Tensor) -> None:
         if self.grad_shard is None:
             self.grad_shard = shard_grad

@@ -1,22 +1,10 @@
 """ZeRO-3 / FSDP: parameters live as shards; a unit is gathered just before use and freed after.
 
-Seed 000 (ZeRO-3 flow): forward all-gathers a layer's parameters, computes, frees them; backward
-all-gathers them again, computes, reduce-scatters the gradients and frees — communication
-2Ψ all-gather + Ψ reduce-scatter per step (DESIGN.md), memory 16Ψ/N.
-
-This module owns *when* units are gathered and freed (module hooks, the pre-backward hook, and
-prefetching); the flat buffers are `FlatParam`s and the post-backward reduce-scatter is the
-shared `BucketedGradReducer` (a unit is one bucket), both driven by `ZeroDataParallel`.
-
-- forward pre-hook: gather the unit (waiting for a prefetch in flight), then prefetch the next
-  `prefetch` units in the recorded forward order;
-- forward post-hook: free the unit (``reshard_after_forward``) and wrap its outputs in
-  `_RunInBackward`, whose backward gathers it again and prefetches the next units in the recorded
-  backward order;
-- post-backward: when the unit's last gradient is accumulated the engine frees the unit and its
-  bucket is launched (reduce-scatter). With ``after_unit_backward`` the unit's tensor inputs are
-  wrapped too, so the engine learns when the unit's backward is over even if some parameter got
-  no gradient (``find_unused``), as FSDP2 registers its post-backward on a module's inputs.
+Seed 000 (ZeRO-3 flow): 2Ψ all-gather + Ψ reduce-scatter per step, memory 16Ψ/N (DESIGN.md). This module owns
+*when* units are gathered and freed: the forward pre-hook gathers and prefetches the next ``prefetch`` units in
+recorded forward order; the post-hook frees (``reshard_after_forward``) and wraps the outputs in `_RunInBackward`,
+whose backward gathers again and prefetches in backward order. With ``after_unit_backward`` the inputs are wrapped
+too, so the engine learns a unit's backward is over even if a parameter got no gradient (as FSDP2 does).
 """
 
 from __future__ import annotations
@@ -40,16 +28,10 @@ def default_unit_classes(module: nn.Module) -> tuple[type, ...]:
 
 
 def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[str, nn.Module]]:
-    """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only,
-    then the root itself for every parameter no unit claimed.
-
-    The default (``spec=None``) is each transformer block, plus the modules the root names in its
-    ``fsdp_units`` (fivefold's Llama: the token embedding and the output head, torchtitan's layout),
-    so their gradients are reduced and freed when they arrive instead of living in the root's buffer
-    for the whole backward. Only the model can say that a module's weights are used through its own
-    forward alone (``h + self.pos.weight`` or ``F.linear(h, self.head.weight)`` would read a freed
-    unit), so no other module is promoted; a named module whose parameters are shared (tied
-    embeddings) stays in the root."""
+    """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only, then the root.
+    By default each transformer block plus the modules the root names in ``fsdp_units`` (torchtitan's layout), so
+    their gradients are freed on arrival instead of living in the root's buffer: only the model can say a module's
+    weights are used through its own forward alone. A named module with shared (tied) parameters stays in the root."""
     if spec is None:
         classes = default_unit_classes(module)
         match = lambda name, m: isinstance(m, classes) if classes else False  # noqa: E731
@@ -82,8 +64,8 @@ def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[st
 
 
 class _RunInBackward(torch.autograd.Function):
-    """Identity whose backward first calls a hook: on a unit's outputs it runs before the unit's own
-    backward (gather again), on its inputs after it (the unit's gradients are all in)."""
+    """Identity whose backward first calls a hook: on a unit's outputs before the unit's backward (gather again),
+    on its inputs after it (the unit's gradients are all in)."""
 
     @staticmethod
     def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
@@ -123,10 +105,9 @@ class FSDPHooks:
         self._recording_forward = True
         self._recording_backward = True
         self.trace: list[tuple[str, int, int]] | None = None  # (event, unit, #units unsharded)
-        self._handles = []
         for i, (module, _) in enumerate(units):
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(i)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(i)))
+            module.register_forward_pre_hook(self._make_pre_forward(i))
+            module.register_forward_hook(self._make_post_forward(i))
 
     def n_unsharded(self) -> int:
         return sum(1 for _, f in self.units if f.is_unsharded or f.gathering)
@@ -181,8 +162,3 @@ class FSDPHooks:
             self._recording_backward = False
         for _, flat in self.units:
             flat.reshard()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

@@ -1,11 +1,8 @@
 """Mixed-precision policy and dynamic loss scaling.
 
-Seed 001 (ZeRO paper §3 / mixed-precision Adam): parameters and gradients in 16-bit (2Ψ + 2Ψ),
-an fp32 master copy of the weights plus Adam's m and v in the optimizer (KΨ, K = 12). The
-master copy lives inside the (sharded) optimizer; the compute copy is what forward uses.
-fp16 needs loss scaling: the loss is multiplied by S before backward, gradients are divided by
-S before the step, and a step whose gradients overflowed (inf/nan on *any* rank) is skipped and
-S halved; after `growth_interval` clean steps S doubles.
+Seed 001 (ZeRO paper §3, mixed-precision Adam): 16-bit parameters and gradients (2Ψ + 2Ψ), fp32 master weights
+plus Adam's m and v in the (sharded) optimizer (KΨ, K = 12). fp16 needs loss scaling: a step whose gradients
+overflowed on any rank is skipped and the scale halved; it doubles after `growth_interval` clean steps.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """param_dtype: storage and compute of the model's parameters; reduce_dtype: gradient buckets
-    and collectives (None = fp32); master weights and optimizer state are always fp32."""
+    """param_dtype: the parameters' storage and compute; reduce_dtype: gradient buckets, collectives (None = fp32)."""
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None

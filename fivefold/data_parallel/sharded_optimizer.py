@@ -1,23 +1,10 @@
 """`ShardedOptimizer`: any elementwise torch optimizer stepping only this rank's shard.
 
-Seed 000 (ZeRO-1): "for AdamW, knowing part of the gradient is enough to compute that part's
-first and second moments and update that part of the parameters" — so a torch optimizer over
-the fp32 master *shard* of each flat buffer is exact, and its state (m, v) exists only for the
-shard: optimizer memory KΨ/N. After the step the updated shards are all-gathered (ZeRO-1/2) or
-simply kept (ZeRO-3). Optimizers that are not elementwise (Muon orthogonalises whole matrices,
-Adafactor factors them) would compute something else on a shard, and are refused.
-
-Used two ways:
-- standalone, like `torch.distributed.optim.ZeroRedundancyOptimizer`: ``ShardedOptimizer(params,
-  torch.optim.AdamW, comm, lr=...)`` after the gradients were averaged (e.g. by DDP);
-- by the ZeRO engine, whose reduce-scatter already delivered the gradient shards.
-
-One `step` does, in order: fp32 gradient shards -> unscale (fp16 loss scaling) -> the global norm
-(`fivefold.optim.clip`: local squared sums by placement, all-reduced over the dimensions they are
-partitioned over; for clipping, and inf/nan detection agreed by every rank) -> skip or clip ->
-inner optimizer step -> write back to the compute dtype -> all-gather (ZeRO-1/2). Each group's
-``placement`` (kwarg, default none) names the mesh dimensions other than dp its parameters are
-partitioned over (a tensor-parallel slice: {"tp"}); the optimizer adds "dp" when it is sharded.
+Seed 000 (ZeRO-1): "for AdamW, knowing part of the gradient is enough to compute that part's first and second
+moments and update that part of the parameters", so an optimizer over the fp32 master shard is exact with state
+KΨ/N; non-elementwise ones (Muon, Adafactor) are refused. Used standalone after DDP (like ZeroRedundancyOptimizer)
+or by the ZeRO engine. A step: unscale (fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan
+skip every rank agrees on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
 """
 
 from __future__ import annotations
@@ -34,10 +21,9 @@ from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
 from fivefold.optim.clip import global_grad_sq_norm
 
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
-    torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
-)
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+                                            torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam,
+                                            torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop)
 
 
 def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
@@ -55,8 +41,7 @@ class ShardedOptimizer:
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], optimizer_class: type,
                  comm: Comm, *, elementwise: bool | None = None, **defaults: Any) -> None:
-        """Standalone use: flattens `params` (tensors or torch-style param-group dicts) into one
-        flat buffer per (dtype, device); each parameter's ``.data`` becomes a view into it."""
+        """Standalone: flattens `params` (tensors or param-group dicts) into one flat buffer per (dtype, device)."""
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -143,11 +128,8 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> float | None:
-        """Step the shards; returns the global gradient norm when it was computed (clipping or fp16).
-
-        Standalone use (after DDP averaged the gradients): the norm is over this optimizer's groups
-        and dp shards. A non-finite norm means some rank overflowed, and every rank skips the step.
-        """
+        """Step the shards; returns the global gradient norm when computed (clipping or fp16). Standalone, the norm
+        is over this optimizer's groups and dp shards; a non-finite norm makes every rank skip the step."""
         norm = None
         if max_norm is not None or self.loss_scaler is not None:
             sq = global_grad_sq_norm([self.local_sq_norms()], {"dp": self.comm}, self.comm.device).item()
@@ -157,8 +139,7 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def local_sq_norms(self) -> dict[Placement, torch.Tensor]:
-        """Prepare the fp32 (unscaled) gradient shards and return this rank's squared sums by placement
-        (device tensors), for `fivefold.optim.clip.global_grad_sq_norm`."""
+        """Prepare the fp32 unscaled gradient shards; return this rank's squared sums by placement (device tensors)."""
         self._prepare_grads()
         out: dict[Placement, torch.Tensor] = {}
         for g, placement in self._grads:
@@ -174,8 +155,7 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def apply_step(self, norm: float | None, max_norm: float | None = None) -> None:
-        """Skip (non-finite `norm`: some rank overflowed, every rank agrees) or clip to `max_norm` and
-        step the shards, then write back and all-gather (ZeRO-1/2)."""
+        """Skip (non-finite `norm`, agreed by every rank) or clip to `max_norm` and step; write back, all-gather."""
         self._prepare_grads()
         found_inf = norm is not None and not math.isfinite(norm)
         if self.loss_scaler is not None:

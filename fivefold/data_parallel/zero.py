@@ -9,22 +9,9 @@ DESIGN.md / seed 001 table, Ψ parameters, N ranks, mixed-precision Adam (K = 12
 | 2     | + gradients                | 2Ψ + 14Ψ/N          | reduce-scatter Ψ + all-gather Ψ            |
 | 3     | + parameters               | 16Ψ/N               | all-gather 2Ψ + reduce-scatter Ψ           |
 
-Where each stage differs (everything else is shared):
-
-- what a full gradient bucket does: `_launch_bucket` — all-reduce (0) or reduce-scatter (1-3),
-  in place into the rank's own slice for stage 1 (the full gradient buffer is kept anyway);
-- what is kept afterwards: `_finish_bucket` — **ZeRO-2/3 free the non-owned gradients here**
-  (`GradBucket.release` after the shard was accumulated), during backward: the reducer completes
-  a bucket as soon as it falls out of the ``inflight_buckets`` window; ZeRO-1 keeps the full buffer;
-- stage 3 frees each unit's parameters after its reduce-scatter is launched and gathers them
-  around each use (`fsdp.FSDPHooks`).
-
-Gradient accumulation: each backward outside `no_sync()` reduces its buckets and accumulates the
-result into the sharded gradient (memory stays at the stage's formula; communication is paid
-every micro-step). Inside `no_sync()` gradients accumulate unreduced in full-size buffers and
-are reduced once, by the first backward outside it (one reduction per step, but stage 2/3 then
-hold full gradients until it — the DDP trade-off). ZeRO-1 keeps full buffers regardless, so
-deferring costs it no memory.
+Stages differ only in `_launch_bucket`, `_finish_bucket` (where ZeRO-2/3 free non-owned gradients, during backward)
+and stage 3's per-unit gather / free (`fsdp.FSDPHooks`). Each backward outside `no_sync()` reduces into the sharded
+gradient; inside it full gradients accumulate unreduced until the first one outside (costing stage 2/3 memory).
 """
 
 from __future__ import annotations
@@ -47,26 +34,17 @@ from fivefold.optim.clip import step_together
 
 
 def default_no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """Norm weights, biases (1-D) and embedding tables get no weight decay (a parameter can also opt
-    out with ``param.no_weight_decay = True``, as vocab-parallel embeddings do)."""
+    """Norm weights, biases (1-D), embedding tables and ``param.no_weight_decay`` parameters get no weight decay."""
     if param.ndim < 2 or getattr(param, "no_weight_decay", False):
         return True
     return any(isinstance(m, nn.Embedding) and m.weight is param for m in module.modules())
 
 
 class ZeroDataParallel(nn.Module):
-    """Data parallelism with ZeRO stage 0-3 on flat padded buffers, owning its sharded optimizer.
-
-    Use: ``model = ZeroDataParallel(module, comm, zero_stage=2, lr=1e-3)``; per step
-    ``model.backward(loss)`` (scales for fp16) for each micro-batch, then
-    ``norm = model.step(max_norm)`` and nothing else (gradients are cleared by the step).
-
-    ``inflight_buckets`` (ZeRO-2/3): reduce-scatters that may be outstanding after a launch; launching
-    one more first waits for the oldest and frees its full-size gradient buffer (and ZeRO-3 frees a
-    unit's gathered parameters as soon as all its gradients exist). The peak during backward is then
-    the stage's formula plus about ``inflight_buckets + 1`` full gradient buffers (and, for ZeRO-3, the
-    gathered units: the current one, ``prefetch`` ahead, and the root).
-    """
+    """Data parallelism with ZeRO stage 0-3 on flat padded buffers, owning its sharded optimizer. Per step:
+    ``model.backward(loss)`` per micro-batch, then ``norm = model.step(max_norm)``. ``inflight_buckets`` (ZeRO-2/3)
+    bounds the outstanding reduce-scatters: the backward peak is the stage's formula plus about ``inflight_buckets
+    + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root)."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
@@ -74,8 +52,7 @@ class ZeroDataParallel(nn.Module):
                  no_decay: Any = default_no_decay, find_unused: bool = False, units: UnitSpec = None,
                  reshard_after_forward: bool = True, prefetch: int = 1, inflight_buckets: int = 1,
                  loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
-                 elementwise: bool | None = None,
-                 placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
+                 elementwise: bool | None = None, placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
                  **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
@@ -94,10 +71,8 @@ class ZeroDataParallel(nn.Module):
             if not p.requires_grad:
                 p.data = p.data.to(self.mp.param_dtype)
 
-        # Optimizer groups: (weight decay or not) × placement — the mesh dimensions besides dp a parameter
-        # is partitioned over (`placement_of`, from the model's plans: a TP slice is {"tp"}, a pipeline
-        # stage's parameter adds "pp"). The placement matters only for the global gradient norm
-        # (`fivefold.optim.clip`); the engine itself knows no other dimension.
+        # Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is partitioned over,
+        # from `placement_of`); placement matters only for the global gradient norm, the engine knows no other dim.
         def key_of(name: str, p: nn.Parameter) -> tuple[bool, Placement]:
             skip_decay = no_decay is not None and no_decay(name, p, module)
             return skip_decay, frozenset(placement_of(name, p)) if placement_of is not None else frozenset()
@@ -116,13 +91,11 @@ class ZeroDataParallel(nn.Module):
                                     sharded=zero_stage >= 1) for i, g in enumerate(groups)]
         else:
             self.flats, unit_modules = self._build_units(module, named, units, group_of)
-            # With find_unused, a unit whose backward is over completes its bucket even if a parameter got
-            # no gradient, instead of holding every later bucket until backward ends.
+            # With find_unused, a finished unit completes its bucket instead of holding later buckets back.
             self.fsdp = FSDPHooks(list(zip(unit_modules, self.flats)), reshard_after_forward=reshard_after_forward,
                                   prefetch=prefetch,
                                   after_unit_backward=self._unit_backward_done if find_unused else None)
-        # ZeRO-1 copies gradients in (no views): its reduced shard lives inside the kept buffer, and a
-        # later backward must not add onto it before `_move_reduced_shard_out` ran.
+        # ZeRO-1 copies gradients in (no views): its reduced shard lives in the kept buffer until moved out.
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
                                    keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3)
                         for f in self.flats]
@@ -131,9 +104,7 @@ class ZeroDataParallel(nn.Module):
             on_backward_end=self._on_backward_end,
             before_first_grad=self._move_reduced_shard_out if zero_stage == 1 else None,
             on_all_grads=self._free_unit if zero_stage == 3 else None,
-            # ZeRO-2/3 free each full gradient buffer once its reduce-scatter is done; bounding the buckets
-            # in flight makes that happen during backward, so the peak holds a few buffers, not all of them.
-            # Stages 0/1 keep their buffers anyway: waiting early would buy no memory.
+            # bounded in flight so ZeRO-2/3 free full buffers during backward; stages 0/1 keep them anyway
             max_inflight=inflight_buckets if zero_stage >= 2 else None)
         if loss_scaler is None and self.mp.needs_loss_scaling:
             loss_scaler = DynamicLossScaler()
@@ -149,9 +120,8 @@ class ZeroDataParallel(nn.Module):
         owner: dict[int, str] = {}
         by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
         unit_mods = dict(find_unit_modules(module, spec))
-        # Every name of every parameter (a tied one has several). A parameter used by two units must
-        # belong to the root: the root stays gathered around all of its children (forward, and
-        # backward until its last gradient), while two sibling units are never gathered together.
+        # Every name of every parameter (a tied one has several). A parameter used by two units belongs to the root,
+        # which stays gathered around all its children; two sibling units are never gathered together.
         for name, p in module.named_parameters(remove_duplicate=False):
             if not p.requires_grad:
                 continue
@@ -172,13 +142,11 @@ class ZeroDataParallel(nn.Module):
                            sharded=True, reshard=True) for i, u in enumerate(order)]
         return flats, [unit_mods[u] for u in order]
 
-    # -- the per-stage part ----------------------------------------------------------------
     def _unit_backward_done(self, unit: int) -> None:
         self.reducer.no_more_grads(self.buckets[unit])
 
     def _free_unit(self, bucket: GradBucket) -> None:
-        """ZeRO-3: every gradient of this unit exists, so its gathered parameters are not needed any more
-        (freed now, whatever the launch order; its gradients are copied into the bucket at launch)."""
+        """ZeRO-3: every gradient of this unit exists, so free its gathered parameters (copied in at launch)."""
         self.flats[bucket.index].reshard()
 
     def _launch_bucket(self, bucket: GradBucket) -> Any:
@@ -203,24 +171,19 @@ class ZeroDataParallel(nn.Module):
         else:
             flat.accumulate_grad(bucket.out)
         bucket.out = None
-        # ZeRO-2/3: this is where non-owned gradients are freed — the reducer calls
-        # bucket.release() next, dropping the full-size buffer (keep_buffer=False).
 
     def _on_backward_end(self) -> None:
         if self.fsdp is not None:
             self.fsdp.backward_done()
 
     def _move_reduced_shard_out(self, bucket: GradBucket) -> None:
-        """ZeRO-1, first gradient of a new backward into a bucket whose reduced shard still sits in
-        place (gradients accumulated over several synchronising backwards): keep that shard in a
-        tensor of its own and clear the buffer for the new local gradients."""
+        """ZeRO-1, first new gradient into a bucket still holding its reduced shard: move it out, clear the buffer."""
         flat = self.flats[bucket.index]
         if flat.grad_shard is not None and bucket.grad is not None and \
                 flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
             flat.grad_shard = flat.grad_shard.clone()
             bucket.grad.zero_()
 
-    # -- public ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
@@ -235,16 +198,13 @@ class ZeroDataParallel(nn.Module):
         return self.reducer.no_sync()
 
     def sync_gradients(self) -> None:
-        """Reduce the gradients accumulated under `no_sync()` now, outside any backward (a pipeline
-        runs many backward passes per step and reduces once after the last)."""
+        """Reduce what `no_sync()` accumulated now, outside any backward (a pipeline reduces once after its last)."""
         self.reducer.sync_now()
-        if self.fsdp is not None:
-            self.fsdp.backward_done()
+        self._on_backward_end()
 
     def step(self, max_norm: float | None = None) -> float | None:
-        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients.
-        Parameters partitioned over other mesh dimensions (TP, PP) need those groups for the norm:
-        use `fivefold.optim.step_together(engines, max_norm, comms)`."""
+        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients. With
+        TP / PP partitioned parameters use `fivefold.optim.step_together(engines, max_norm, comms)`."""
         return step_together([self], max_norm)
 
     def check_step_allowed(self) -> None:
@@ -265,9 +225,8 @@ class ZeroDataParallel(nn.Module):
         return self.optimizer.param_groups
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter under the wrapped module's own names and shapes, at master (fp32)
-        precision, gathered from the shards; frozen parameters and buffers included. Collective:
-        call on every rank."""
+        """Every parameter (fp32 master) gathered under the module's own names, plus frozen ones and buffers.
+        Collective: call on every rank."""
         master_by_param: dict[int, torch.Tensor] = {}
         for flat in self.flats:
             gathered = flat.full_master()

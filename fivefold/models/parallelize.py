@@ -1,22 +1,6 @@
-"""The one assembly of a parallel model: plans applied, engines wrapped, the pipeline built.
-
-`parallelize(cfg, model_cfg, mesh, device)` returns this rank's *parts* — `WholeModel` (pp = 1) or
-`PipelinedModel` (pp > 1) — used by the trainer, the tests and the benchmarks alike:
-
-1. build the model (or, under pp, this rank's stages: the model on meta, `pipeline.split.keep_only`
-   with `plans.llama_stage_modules`, then materialised and seeded so every parameter gets its
-   single-process value);
-2. tensor parallelism (tp > 1): `apply_tensor_parallel` with `plans.LLAMA_TP_PLAN`; the plan says
-   each parameter's placement ({"tp"} for a slice);
-3. data parallelism: one `ZeroDataParallel` per model / stage over dp, its groups declaring their
-   placement ({"tp"} for a TP slice, + "pp" under a pipeline) for the global norm;
-4. the loss: cross-entropy, or the vocab-parallel one on a TP-sharded head;
-5. pp > 1: a `PipelineRuntime` over the configured schedule.
-
-Both parts offer the same interface to the training loop: `param_groups()`,
-`forward_backward(micro_batches)`, `step(max_norm)`, `global_loss(local)`, `evaluate(batches)`,
-`model_state_bytes()`, `engines` (stage -> engine) and, for pipelines, the measured `timeline`.
-"""
+"""The one assembly of a parallel model (trainer, tests, benchmarks): `parallelize` returns this rank's `WholeModel`
+(pp = 1) or `PipelinedModel`: the model or its stages TP-sharded by `plans.LLAMA_TP_PLAN`, one `ZeroDataParallel`
+each (its groups declaring their `Placement` for the global norm), the loss and, under pp, a `PipelineRuntime`."""
 
 from __future__ import annotations
 
@@ -54,11 +38,9 @@ def lm_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-# -- tensor parallelism -------------------------------------------------------------------------------
 def apply_tensor_parallel(model: nn.Module, comm: Any, sequence_parallel: bool = False,
                           plan: TPPlan = LLAMA_TP_PLAN) -> nn.Module:
-    """Shard `model` (a `Llama`, or a pipeline stage of one) in place over the TP group of `comm`;
-    the plan's placements are kept on the model (``tp_placements``) for `is_tp_sharded` and the engines."""
+    """Shard `model` (a `Llama` or a stage of one) in place over `comm`; placements go to ``model.tp_placements``."""
     model.tp_placements = shard_by_plan(model, comm, plan, sequence_parallel)
     model.tp_comm = comm
     return model
@@ -75,7 +57,6 @@ def tp_loss(model: nn.Module) -> VocabParallelLoss:
     return VocabParallelLoss(comm, comm.rank * (model.config.vocab_size // comm.size))
 
 
-# -- pipeline stages ------------------------------------------------------------------------------------
 def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  layers_per_stage: list[int] | None = None) -> dict[int, Llama]:
@@ -93,8 +74,7 @@ def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *
 
 def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[int, ZeroDataParallel],
                               inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor | None:
-    """One pipeline step's forward and backward with every stage's gradients reduced over dp once:
-    the M backward passes of a stage run unreduced (`no_sync`), then each engine syncs."""
+    """One pipeline step; each stage's M backwards run unreduced (`no_sync`), then every engine reduces over dp once."""
     with contextlib.ExitStack() as unreduced:
         for e in engines.values():
             unreduced.enter_context(e.no_sync())
@@ -104,7 +84,6 @@ def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[int, ZeroD
     return loss
 
 
-# -- the assembly -----------------------------------------------------------------------------------------
 def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
     """TP-shard `module` if tp > 1; returns its loss function."""
     tp = mesh.comm("tp")
@@ -190,8 +169,7 @@ class WholeModel(_Parts):
 
 
 class PipelinedModel(_Parts):
-    """pp > 1: this rank's stages (TP-sharded if tp > 1), one engine each, run by a `PipelineRuntime`;
-    the pipeline's micro-batches are the gradient-accumulation micro-batches, reduced over dp once."""
+    """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation micro-batches."""
 
     def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
         super().__init__(cfg, mesh, device)

@@ -1,16 +1,6 @@
-"""Where each part of fivefold's Llama goes under each dimension: plans as data, typed.
-
-- `LLAMA_TP_PLAN` (seed 003 §7-8): attention split by heads (q by query heads, k/v by kv heads),
-  output projection row-parallel; SwiGLU gate/up column-parallel, down row-parallel; one entry
-  operator per attention / MLP region; embedding vocab-parallel; the head column-parallel over
-  the vocabulary, its logits consumed by the vocab-parallel cross-entropy without being gathered;
-  norms replicated (under SP their weight gradients are all-reduced).
-- `llama_stage_modules` (seed 003 §9): the module names of each pipeline stage — contiguous
-  blocks, the embedding on the first stage, the final norm and the head on the last.
-- ZeRO-3 units: the blocks, plus ``Llama.fsdp_units`` (embedding, head).
-
-The model file itself knows nothing of this; `models.parallelize` applies the plans.
-"""
+"""Where each part of fivefold's Llama goes under each dimension, as data applied by `models.parallelize`:
+`LLAMA_TP_PLAN` (seed 003 §7-8: heads split, wo and w2 row-parallel, embedding and head vocab-parallel, norms
+replicated) and `llama_stage_modules` (§9: contiguous blocks, the embedding first, the norm and head last)."""
 
 from __future__ import annotations
 
@@ -40,7 +30,7 @@ LLAMA_TP_PLAN: TPPlan = {
 
 def llama_stage_modules(config: LlamaConfig, n_stages: int, layers_per_stage: list[int] | None = None,
                         ) -> list[list[str]]:
-    """For each of `n_stages` stages, the names of the modules it holds (`pipeline.split.keep_only`)."""
+    """For each stage, the names of the modules it holds (for `pipeline.split.keep_only`)."""
     if config.tie_embeddings and n_stages > 1:
         raise ValueError("tie_embeddings=True with pipeline parallelism: the embedding (first stage) and the head "
                          "(last stage) live on different ranks; set model.tie_embeddings=false or pp=1")

@@ -1,5 +1,4 @@
-"""Optimizer-side pieces shared by every layout: the global gradient norm over placements and the
-step of several engines together (`clip`), the learning-rate schedule (`lr`)."""
+"""Optimizer pieces shared by every layout: the global-norm step over placements (`clip`), the LR schedule (`lr`)."""
 
 from fivefold.optim.clip import global_grad_sq_norm, step_together
 from fivefold.optim.lr import lr_at

@@ -1,30 +1,17 @@
-"""The global gradient norm of a model spread over a mesh, and the optimizer step it gates.
-
-Clipping needs ‖g‖ over the *whole* model while each rank holds pieces: ZeRO shards (over dp),
-tensor-parallel slices (over tp), pipeline stages (over pp), and later context / expert pieces.
-Every parameter group declares its `Placement` — the mesh dimensions its elements are partitioned
-over; over the others it is replicated. Squared norms are summed over exactly those dimensions:
-summing over a replicated dimension would count the same elements N times.
-
-`global_grad_sq_norm` takes each engine's local squared sums by placement (device tensors), and for
-each dimension, innermost first (tp, cp, ep, dp, pp), merges the entries that no longer differ and
-all-reduces the ones partitioned over it — one small all-reduce per dimension in use (a scalar when
-one placement remains). The result decides the step for every rank alike: non-finite means some
-rank overflowed (fp16), and every engine skips.
-"""
+"""The global gradient norm of a model spread over a mesh, and the optimizer step it gates. Each group declares its
+`Placement`, the dimensions it is partitioned over; squared norms are summed over exactly those (over a replicated one
+the same elements would count N times), innermost first (`DIM_ORDER`), merging entries that no longer differ: one
+small all-reduce per dimension. Every rank gets the same norm, so a non-finite one (fp16 overflow) skips all engines."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from fivefold.comm import Comm, Placement
-
-if TYPE_CHECKING:
-    from fivefold.data_parallel.zero import ZeroDataParallel
 
 __all__ = ["DIM_ORDER", "global_grad_sq_norm", "step_together"]
 
@@ -65,12 +52,22 @@ def global_grad_sq_norm(parts: Iterable[Mapping[Placement, torch.Tensor]], comms
     return sum(entries.values())
 
 
-def step_together(engines: Sequence[ZeroDataParallel], max_norm: float | None = None,
+class Engine(Protocol):
+    """What `step_together` needs of a data-parallel engine (`ZeroDataParallel`)."""
+
+    comm: Comm
+    loss_scaler: Any
+    optimizer: Any  # local_sq_norms() -> {placement: tensor}; apply_step(norm, max_norm)
+
+    def check_step_allowed(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+def step_together(engines: Sequence[Engine], max_norm: float | None = None,
                   comms: Mapping[str, Comm] | None = None) -> float | None:
-    """One optimizer step for engines that form one model (this rank's pipeline stages, or one engine),
-    clipping by the norm over all of them and over every mesh dimension their groups are partitioned
-    over; `comms` maps those dimensions to groups ("tp", "pp", ...; "dp" defaults to the engines').
-    Returns the norm when one was needed (clipping or fp16 loss scaling)."""
+    """One step of the engines forming one model (this rank's stages), clipped by their global norm; `comms` maps
+    partitioned dimensions to groups ("dp" defaults to the engines'). Returns the norm if one was needed."""
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()

@@ -1,13 +1,8 @@
 """Pipeline parallelism, schedules as data.
 
-- `actions`: the vocabulary (F/B/I/W, SEND/RECV, `Action`, `Schedule`) and `steps`, the one
-  reading of a lowered list (computes one by one, the communication between two as one batch);
-- `builders`: one function per schedule, ``(P, M, V) -> Schedule``; `build_schedule` by name;
-- `lowering`: the SEND / RECV each compute needs (`lower`);
-- `checks`: `validate`, `check_deadlock_free`;
-- `simulator`: timing only (`simulate` -> `Timeline`: bubble, activations in flight);
-- `runtime`: executes a lowered schedule on this rank's stages;
-- `split`: cutting a model into stages by module names (the model says which).
+`actions` (vocabulary, `steps`), `builders` (one ``(P, M, V) -> Schedule`` per schedule), `lowering` (`lower`),
+`checks` (`validate`, `check_deadlock_free`), `simulator` (timing only), `runtime` (executes a lowered schedule on
+this rank's stages), `split` (cutting a model into stages by module names).
 """
 
 from fivefold.pipeline.actions import (

@@ -1,49 +1,11 @@
-"""Pipeline schedules as data: the vocabulary (action kinds, `Action`, `Schedule`) and the one
-reading of a lowered list (`steps`).
+"""Pipeline schedules as data: the vocabulary (`Action`, `Schedule`) and `steps`, the one reading of a lowered list.
 
-A schedule is a pure function of (P ranks, M micro-batches, V virtual stages per rank) that
-returns, for every rank, the ordered list of `Action` s that rank executes (`builders`). One
-runtime executes any such list; the simulator times it; `checks.validate` and
-`checks.check_deadlock_free` prove it complete and executable. Nothing here touches torch.
-
-Stages and ranks
-    The model is cut into S = P·V *virtual stages* 0..S-1, in model order. ``stage_to_rank[s]``
-    says which rank holds stage s. Plain schedules have V = 1 and stage s on rank s; the
-    interleaved schedule places stage v·P + r on rank r (rank r holds chunks r, P + r, 2P + r...),
-    so ``stage_to_rank[s] = s % P``.
-
-Action kinds
-    Compute (what a schedule builder emits):
-
-    - ``F``  forward of micro-batch m through stage s; stores the stage's activations.
-    - ``B``  *full* backward of (m, s): input gradient and weight gradients in one pass
-      (GPipe, 1F1B, interleaved 1F1B). Frees the activations of (m, s).
-    - ``I``  input-gradient half of the backward (zero-bubble schedules): computes dL/d(input)
-      and sends it upstream, so it is on the critical path. The activations still needed for the
-      weight gradient stay alive.
-    - ``W``  weight-gradient half (zero-bubble): dL/dW for (m, s), off the critical path, placed
-      by the schedule to fill bubbles. Frees the activations of (m, s).
-
-    A (m, s) pair is backed-off either by one ``B`` or by one ``I`` followed by one ``W``.
-
-    Communication (inserted by `lowering.lower`):
-
-    - ``SEND_F`` / ``RECV_F`` the activation leaving stage s after its F / entering stage s
-      before its F; ``SEND_B`` / ``RECV_B`` the gradient w.r.t. a stage's input leaving stage s
-      after its B or I / the gradient w.r.t. a stage's output entering stage s before its B or I.
-
-    The ``stage`` of a communication action is always the stage *on this rank* that produces or
-    consumes the tensor, and ``peer`` is the other rank. So ``SEND_F(m, s) -> peer`` is matched by
-    ``RECV_F(m, s + 1) <- rank_of(s)`` on the peer, and ``SEND_B(m, s)`` by ``RECV_B(m, s - 1)``
-    (`Action.counterpart` computes it).
-
-What a lowered list means (`steps`: the runtime, the deadlock check and the simulator all read it so)
-    Each rank walks its list in order. Compute actions run to completion. The communication
-    actions between two compute actions form one *batch*, which the runtime issues as one
-    ``batch_isend_irecv`` (receives first) and waits on before the next compute. Sends are
-    buffered (never block); a receive blocks until its matching send was issued. The stricter
-    *rendezvous* model — a batch completes only once every op in it is matched by a posted op on
-    the peer, which is what NCCL guarantees — is ``check_deadlock_free(..., rendezvous=True)``.
+S = P·V virtual stages are placed by ``stage_to_rank`` (plain: stage s on rank s; interleaved: ``s % P``). Compute:
+``F``, full backward ``B``, or its zero-bubble halves ``I`` (input gradient, critical path) and ``W`` (weight
+gradient, fills bubbles). Comm (added by `lowering.lower`): ``SEND_F``/``RECV_F`` activations, ``SEND_B``/``RECV_B``
+input gradients, ``stage`` being this rank's stage that makes or uses the tensor (`Action.counterpart`). A lowered list
+means (runtime, checks and simulator alike): computes one by one; the comm actions between two computes are one
+batch (one ``batch_isend_irecv``, waited on before the next compute); sends buffered, receives blocking.
 """
 
 from __future__ import annotations
@@ -80,10 +42,7 @@ class DeadlockError(ScheduleError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's list: ``kind`` of micro-batch ``microbatch`` at virtual stage ``stage``.
-
-    ``peer`` is the other rank of a communication action and None for compute actions.
-    """
+    """One step of a rank's list: ``kind`` of ``microbatch`` at virtual ``stage``; ``peer`` only for comm actions."""
 
     kind: str
     microbatch: int
@@ -127,12 +86,8 @@ class Action:
 
 @dataclass
 class Schedule:
-    """Per-rank action lists of one pipeline schedule.
-
-    ``actions[r]`` is rank r's list: compute actions only as built by the schedule functions,
-    compute + communication after `lower` (``is_lowered``). ``fuse_forward_backward`` asks `lower`
-    to treat an F and the backward right after it as one unit with no communication inside.
-    """
+    """Per-rank action lists, compute only as built, with communication after `lower` (``is_lowered``).
+    ``fuse_forward_backward`` asks `lower` to treat an F and the backward right after it as one unit."""
 
     name: str
     n_ranks: int
@@ -162,26 +117,16 @@ class Schedule:
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.is_compute]
 
-    def lowered(self) -> Schedule:
-        from fivefold.pipeline.lowering import lower
-
-        return lower(self)
-
     def format(self) -> str:
         """One line per rank, e.g. ``rank 0: F0@s0 F1@s0 B0@s0 ...`` (handy in error messages)."""
         return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
-
-
-# --------------------------------------------------------------------------------------------
-# the one reading of a lowered list
 
 
 Step = Action | list[Action]
 
 
 def iter_steps(rank_actions: Sequence[Action]) -> Iterator[Action | list[Action]]:
-    """Walk one rank's lowered list as the runtime does: compute actions one by one, and each
-    maximal run of communication actions between two computes as one list (one batch)."""
+    """Walk one rank's lowered list: compute actions one by one, each run of comm actions as one list (batch)."""
     batch: list[Action] = []
     for a in rank_actions:
         if a.is_comm:
@@ -195,10 +140,8 @@ def iter_steps(rank_actions: Sequence[Action]) -> Iterator[Action | list[Action]
         yield batch
 
 
-
-
 def steps(rank_actions: Sequence[Action]) -> list[Step]:
-    """`iter_steps` as a list: what every reader of a lowered list walks, one index per step."""
+    """`iter_steps` as a list, one index per step."""
     return list(iter_steps(rank_actions))
 
 

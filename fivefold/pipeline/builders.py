@@ -1,7 +1,5 @@
-"""Schedule builders: one function per pipeline schedule, all with the signature
-``(P ranks, M micro-batches, V virtual stages per rank) -> Schedule`` (compute actions only;
-`lowering.lower` adds the communication). A new schedule (DualPipeV) is one more builder here and
-one entry in `SCHEDULES`; lowering, checks, simulator and runtime read any placement and list.
+"""Schedule builders: one function per pipeline schedule, ``(P, M, V) -> Schedule`` (compute actions only;
+`lowering.lower` adds the communication). A new schedule is one more builder here and one entry in `SCHEDULES`.
 """
 
 from __future__ import annotations
@@ -22,9 +20,7 @@ def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
 
 def _check_m_ge_p(name: str, P: int, M: int, why: str) -> None:
     if M < P:
-        raise ValueError(
-            f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M >= P"
-        )
+        raise ValueError(f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M >= P")
 
 
 def _plain_placement(P: int) -> list[int]:
@@ -36,49 +32,25 @@ def _one_stage_per_rank(name: str, V: int) -> None:
         raise ValueError(f"schedule {name!r} has one stage per rank (V=1), got V={V}; only 'interleaved' takes V > 1")
 
 
-# --------------------------------------------------------------------------------------------
-# schedules
-
-
 def gpipe(P: int, M: int, V: int = 1) -> Schedule:
-    """GPipe (Huang et al. 2019): every rank runs all M forwards, then all M backwards.
-
-    Backwards run in *reverse* micro-batch order (B_{M-1} ... B_0, as in seed 003 §9.2): the last
-    stage can start on the micro-batch it has just finished. (Forward order gives the same
-    makespan; reverse order is the stack order of the stored activations.) Every rank holds the
-    activations of all M micro-batches at the turn. Bubble (P-1)/(M+P-1) for any F and B cost.
-    """
+    """GPipe (Huang et al. 2019; seed 003 §9.2): all M forwards, then all M backwards in reverse order (the stack
+    order of the stored activations). Every rank holds M micro-batches at the turn; bubble (P-1)/(M+P-1)."""
     name = "gpipe"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "with fewer the pipeline never fills (no moment has every stage busy) and the bubble "
-        "(P-1)/(M+P-1) is at least 50%",
-    )
+    _check_m_ge_p(name, P, M, "with fewer the pipeline never fills (no moment has every stage busy) and the bubble "
+                  "(P-1)/(M+P-1) is at least 50%")
     actions = [[Action(F, m, r) for m in range(M)] + [Action(B, m, r) for m in reversed(range(M))] for r in range(P)]
     return Schedule(name, P, M, 1, _plain_placement(P), actions)
 
 
 def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
-    """1F1B (PipeDream-flush / Megatron, seed 003 §9.5).
-
-    Rank r: warm-up of P-1-r forwards; steady state of (F, B) pairs — forward of the next
-    micro-batch, then backward of the oldest one; cool-down of the last P-1-r backwards.
-    Rank r holds at most P-r micro-batches of activations (P on the first stage). Same bubble as
-    GPipe, (P-1)/(M+P-1), for any F and B cost.
-    """
+    """1F1B (PipeDream-flush / Megatron, seed 003 §9.5): rank r warms up with P-1-r forwards, then runs (F, B)
+    pairs, then the last P-1-r backwards. Rank r holds at most P-r micro-batches; bubble as GPipe."""
     name = "1f1b"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "with fewer, the first stage runs out of forwards before the first backward returns",
-    )
+    _check_m_ge_p(name, P, M, "with fewer, the first stage runs out of forwards before the first backward returns")
     actions = []
     for r in range(P):
         n_warmup = P - 1 - r
@@ -91,36 +63,19 @@ def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
 
 
 def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
-    """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC 2021; seed 003 §9.4).
-
-    Rank r holds V model chunks: virtual stages r, P + r, ..., (V-1)·P + r. Micro-batches go
-    through the chunks in groups of P: a rank's k-th forward is chunk ``(k mod P·V) // P`` of
-    micro-batch ``(k // P·V)·P + k mod P`` (backwards visit the chunks in reverse). Rank r warms up
-    with ``2·(P-1-r) + (V-1)·P`` forwards, then alternates forward k+warmup / backward k, then
-    cools down — Megatron's ``forward_backward_pipelining_with_interleaving`` (which also, for
-    M == P, runs every forward first; this builder uses the general warm-up for M == P too, which
-    keeps less memory alive and has the same makespan).
-
-    Bubble (P-1)/(V·M+P-1) when every chunk costs F/V and B/V (each rank runs 1/V of its layers
-    per chunk). Megatron requires M to be a multiple of P, and so does this function.
-    """
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC 2021; seed 003 §9.4): rank r holds chunks r, P + r, ...;
+    micro-batches pass them in groups of P (M % P == 0, as in Megatron). Warm-up ``2·(P-1-r) + (V-1)·P`` forwards,
+    also for M == P (Megatron runs all forwards first there: same makespan, more memory). Bubble (P-1)/(V·M+P-1)."""
     name = "interleaved"
     _check_sizes(name, P, M, V)
     if V < 2:
         raise ValueError(f"{name}: needs V >= 2 virtual stages per rank (got V={V}); V=1 is plain 1F1B, use '1f1b'")
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "micro-batches enter each model chunk in groups of P, and with fewer the first chunk's group is "
-        "incomplete before the second chunk starts",
-    )
+    _check_m_ge_p(name, P, M, "micro-batches enter each model chunk in groups of P, and with fewer the first "
+                  "chunk's group is incomplete before the second chunk starts")
     if M % P != 0:
-        raise ValueError(
-            f"{name} needs the number of micro-batches to be a multiple of the pipeline size "
-            f"(M={M}, P={P}, M % P = {M % P}), as Megatron requires: micro-batches are processed in groups "
-            f"of P per model chunk; use M = {(M // P + 1) * P} or {max(P, M // P * P)}"
-        )
+        raise ValueError(f"{name} needs the number of micro-batches to be a multiple of the pipeline size "
+                         f"(M={M}, P={P}, M % P = {M % P}), as Megatron requires: micro-batches are processed in "
+                         f"groups of P per model chunk; use M = {(M // P + 1) * P} or {max(P, M // P * P)}")
     S = P * V
     total = M * V
 
@@ -153,30 +108,14 @@ def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
 
 
 def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
-    """ZB-H1 ("Zero Bubble Pipeline Parallelism", Qi et al. 2023, §3.1).
-
-    The backward is split into I (input gradient, on the critical path: the upstream stage waits
-    for it) and W (weight gradient, needed only by the optimizer step). The skeleton is 1F1B with
-    B replaced by I — rank r warms up with P-1-r forwards, then runs (F, I) pairs, then the
-    remaining I's — and each rank *defers* its W's: rank r runs W of micro-batch i after the I of
-    micro-batch i + r, and flushes its r last W's at the end (interleaved with the cool-down I's
-    on the first ranks). The later W's fill the cool-down bubbles of 1F1B: with F = I = W the
-    makespan drops from 3·(M+P-1) to 3·M + P-1, i.e. the bubble shrinks from (P-1)/(M+P-1) to
-    (P-1)/(3M+P-1).
-
-    Memory: activations of (m, s) live from F to W. Rank r then holds at most (P-1-r) + 1 + r = P
-    micro-batches — 1F1B's peak on its first stage, so the pipeline's peak activation memory is
-    that of 1F1B (the paper's "same peak memory"); ranks r > 0 hold more than 1F1B's P-r.
-    """
+    """ZB-H1 ("Zero Bubble Pipeline Parallelism", Qi et al. 2023, §3.1): 1F1B with B split into I (critical path)
+    and W, deferred: rank r runs W(i) after I(i + r), filling 1F1B's cool-down; with F = I = W the bubble shrinks to
+    (P-1)/(3M+P-1). Activations live F to W: at most P micro-batches per rank (1F1B's peak, "same peak memory")."""
     name = "zb-h1"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "with fewer, the first stage runs out of forwards before the first input-gradient pass returns",
-    )
+    _check_m_ge_p(name, P, M, "with fewer, the first stage runs out of forwards before the first input-gradient "
+                  "pass returns")
     actions = []
     for r in range(P):
         n_warmup = P - 1 - r
@@ -194,17 +133,12 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
     return Schedule(name, P, M, 1, _plain_placement(P), actions)
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved_1f1b,
-    "zb-h1": zero_bubble_h1,
-}
+SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
+                                                 "zb-h1": zero_bubble_h1}
 
 
 def forward_only(P: int, M: int, stage_to_rank: list[int], name: str = "forward-only") -> Schedule:
-    """Evaluation: every micro-batch through every stage, no backward. Each rank runs its stages in
-    model order per micro-batch; dependencies only point to lower stages, so no cycle can form."""
+    """Evaluation: every micro-batch through every stage in model order, no backward (no cycle can form)."""
     actions = [[Action(F, m, s) for m in range(M) for s in range(len(stage_to_rank)) if stage_to_rank[s] == r]
                for r in range(P)]
     V = len(stage_to_rank) // P

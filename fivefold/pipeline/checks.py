@@ -1,8 +1,5 @@
-"""Checks of schedules: `validate` (complete, ordered, communication matched) and
-`check_deadlock_free` (the per-rank lists, executed as the runtime reads them, cannot block).
-
-Both read a lowered list through `actions.steps` — computes one by one, the communication
-between two computes as one batch — the same reading as the runtime and the simulator.
+"""Checks of schedules: `validate` (complete, ordered, communication matched) and `check_deadlock_free` (the
+per-rank lists cannot block), both reading lowered lists through `actions.steps` like the runtime and simulator.
 """
 
 from __future__ import annotations
@@ -34,19 +31,9 @@ __all__ = ["validate", "check_deadlock_free"]
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise `ScheduleError` unless ``schedule`` is complete and ordered.
-
-    - shape: one list per rank, ``stage_to_rank`` has P·V entries, every rank in range;
-    - completeness: for every micro-batch and virtual stage, exactly one F and either exactly one
-      B or exactly one I and one W, all on the rank that holds the stage;
-    - order within a rank: F(m, s) before the B / I of (m, s), I(m, s) before W(m, s);
-    - lowered schedules: every SEND has exactly one matching RECV on its peer and vice versa (see
-      `Action.counterpart`), peers are the ranks holding the neighbouring stages, every compute
-      whose input comes from another rank is preceded by its RECV, and every compute whose output
-      goes to another rank is followed by its SEND.
-
-    Cross-rank feasibility (could the lists block each other?) is `check_deadlock_free`'s job.
-    """
+    """Raise `ScheduleError` unless ``schedule`` is complete (one F and one B, or I and W, per micro-batch and
+    stage, on the stage's rank), ordered within each rank, and, if lowered, has every SEND matched by its RECV
+    around the right computes. Cross-rank feasibility is `check_deadlock_free`'s job."""
     P, M, S = schedule.n_ranks, schedule.n_microbatches, schedule.n_stages
     errors: list[str] = []
     if len(schedule.actions) != P:
@@ -76,14 +63,9 @@ def validate(schedule: Schedule) -> None:
             label = f"micro-batch {m} stage {s}"
             if n[F] != 1:
                 errors.append(f"{label}: {n[F]} forwards (F), expected exactly 1")
-            if n[B] == 1 and n[I] == 0 and n[W] == 0:
-                pass
-            elif n[B] == 0 and n[I] == 1 and n[W] == 1:
-                pass
-            else:
-                errors.append(
-                    f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; expected one B, or one I and one W"
-                )
+            if (n[B], n[I], n[W]) not in ((1, 0, 0), (0, 1, 1)):
+                errors.append(f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; "
+                              "expected one B, or one I and one W")
     if errors:
         raise ScheduleError(_report(schedule.name, "is incomplete", errors))
 
@@ -158,14 +140,9 @@ def _report(name: str, what: str, errors: list[str], limit: int = 12) -> str:
 
 
 def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezvous: bool = False) -> None:
-    """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever.
-
-    Model (``rendezvous=False``, the default): each rank runs its steps in order; computes and
-    sends never block (sends are buffered); a batch waits until every receive in it has its send.
-    With ``rendezvous=True`` all ops of a batch are posted together and the rank moves on only
-    when every one of them is matched by an op the peer has posted — sends block too, as with
-    NCCL. Also raises if a rank finishes with a SEND nobody receives.
-    """
+    """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever or a SEND is
+    never received. Default: sends are buffered, a batch waits for its receives; ``rendezvous=True`` (NCCL): a
+    batch completes only when every op in it is matched by a posted peer op."""
     lists = [list(acts) for acts in (schedule.actions if isinstance(schedule, Schedule) else schedule)]
     name = schedule.name if isinstance(schedule, Schedule) else "schedule"
     if isinstance(schedule, Schedule) and not schedule.is_lowered:
@@ -239,9 +216,7 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
     leftover = sent - received
     if leftover:
         msgs = [f"rank {src} SEND_{kind}{m}@s{s}->r{dst}" for (src, dst, kind, m, s) in sorted(leftover)]
-        raise DeadlockError(
-            f"{name!r}: sends never received (the peer has no matching RECV): " + ", ".join(msgs[:12])
-        )
+        raise DeadlockError(f"{name!r}: sends never received (the peer has no matching RECV): " + ", ".join(msgs[:12]))
 
 
 def _step_starts(plan: list) -> list[int]:

@@ -1,11 +1,7 @@
-"""Lowering: a schedule's compute lists -> the communication each rank needs, made explicit.
+"""Lowering: insert the SEND / RECV each rank needs around its compute actions.
 
-`transfers` says what one compute action receives before it and sends after it; `lower` inserts
-those SEND / RECV actions so that each batch between two computes is "send what the last compute
-produced, receive what the next one needs" (Megatron's ``send_forward_recv_backward`` pairing).
-With ``Schedule.fuse_forward_backward`` an F and the backward right after it form one unit with no
-communication inside (Megatron's combined step): the interleaved schedule needs it for M > P to
-stay deadlock-free when sends block (NCCL; `checks.check_deadlock_free(..., rendezvous=True)`).
+Each batch between two computes is "send what the last compute produced, receive what the next one needs"
+(Megatron's ``send_forward_recv_backward`` pairing); a neighbouring stage on the same rank needs no transfer.
 """
 
 from __future__ import annotations
@@ -37,22 +33,9 @@ def transfers(schedule: Schedule, rank: int, a: Action) -> tuple[list[Action], l
 
 
 def lower(schedule: Schedule) -> Schedule:
-    """Return a copy of ``schedule`` with the communication each rank needs made explicit.
-
-    Before the F of stage s > 0: ``RECV_F`` from the rank of s-1. After the F of stage s < S-1:
-    ``SEND_F`` to the rank of s+1. Before a backward (B or I) of stage s < S-1: ``RECV_B`` from
-    the rank of s+1. After a backward of stage s > 0: ``SEND_B`` to the rank of s-1. W moves no
-    data. When the neighbouring stage lives on the same rank the tensor stays local: no action.
-    So each batch between two computes is "send what the last compute produced, receive what the
-    next one needs".
-
-    With ``schedule.fuse_forward_backward`` an F directly followed by a backward is one unit with
-    no communication inside: the backward's RECV_B joins the F's receives before the F, and the
-    F's SEND_F goes out with the backward's SEND_B after it — Megatron's
-    ``send_forward_backward_recv_forward_backward`` step. The interleaved schedule needs this
-    pairing (for M > P) to stay deadlock-free when sends block (`check_deadlock_free` with
-    ``rendezvous=True``, i.e. NCCL semantics).
-    """
+    """Return a copy of ``schedule`` with the communication each rank needs made explicit. With
+    ``fuse_forward_backward`` an F and the backward right after it are one unit with no communication inside
+    (Megatron's ``send_forward_backward_recv_forward_backward``): interleaved 1F1B with M > P needs it under NCCL."""
     if schedule.is_lowered:
         return schedule
     out: list[list[Action]] = []

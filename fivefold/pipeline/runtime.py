@@ -1,20 +1,8 @@
-"""Executes any lowered pipeline schedule (`schedules.py`) on this rank's stages.
+"""Executes any lowered pipeline schedule on this rank's stages (seed 003 §9 / §14).
 
-Seed 003 §9 / §14. The runtime walks this rank's action list (`iter_steps`): each run of
-communication actions becomes one `batch_isend_irecv` (receives waited for before the next
-compute, sends waited for at the end of the step — sends are buffered), each compute action
-runs one stage on one micro-batch:
-
-- ``F``: forward; the last stage also computes the loss (divided by M, so the gradients
-  accumulated over micro-batches are those of the mean loss);
-- ``B``: full backward from the stored output and the received output-gradient;
-- ``I`` / ``W`` (zero-bubble): the forward ran under `ops.recording_weight_grads`, so ``I``
-  computes the input-gradient only — every `ops.linear`'s weight-gradient matmul is queued in a
-  `WeightGradStore` — and ``W`` runs the queued ones for that micro-batch, accumulating into
-  ``.grad`` through autograd (so gradient hooks still fire).
-
-Each compute action's wall-clock start/end is recorded in `records` (the trainer gathers every
-rank's into a `simulator.Timeline`: bubble fraction, PNG, Chrome trace, measured not simulated).
+Each comm batch is one `batch_isend_irecv`; each compute runs one stage on one micro-batch, the last stage dividing
+the loss by M (gradients of the mean loss). Zero-bubble: forwards run under `ops.recording_weight_grads`, so ``I``
+only queues every `ops.linear`'s weight-gradient matmul, which ``W`` runs through autograd (hooks still fire).
 """
 
 from __future__ import annotations
@@ -44,9 +32,8 @@ class PipelineRuntime:
                  device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         if not schedule.is_lowered and self.device.type == "cpu":
-            # gloo sends never block (buffered), so the F+B pairing that keeps interleaved 1F1B
-            # deadlock-free under NCCL's blocking sends is not needed; without it each SEND_F leaves
-            # right after its F instead of after the paired backward.
+            # gloo sends never block, so the F+B pairing that keeps interleaved 1F1B deadlock-free under NCCL is
+            # not needed; without it each SEND_F leaves right after its F instead of after the paired backward.
             schedule = dataclasses.replace(schedule, fuse_forward_backward=False)
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         self.rank = comm.rank
@@ -64,15 +51,12 @@ class PipelineRuntime:
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
         self.records: list[tuple[str, int, int, float, float]] = []
-        # Post the next batch's receives one batch early. Safe with gloo, where every p2p op
-        # progresses on its own; NCCL serialises a peer pair's ops on one stream, so a receive
-        # posted ahead of a send the peer is waiting for could block it: off on accelerators.
+        # Post the next batch's receives one batch early. Safe with gloo (every p2p op progresses on its own); NCCL
+        # serialises a peer pair's ops on one stream, so an early receive could block a send the peer waits for.
         self.lookahead_recv = self.device.type == "cpu"
 
-    # -- one step -------------------------------------------------------------------------------
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """Run every micro-batch forward and backward; returns the summed loss/M on the last stage
-        (a forward-only schedule, e.g. `schedules.forward_only`, runs under no_grad: evaluation)."""
+        """Run every micro-batch forward and backward; the summed loss/M on the last stage (no_grad if forward-only)."""
         if not any(a.kind != "F" for acts in self.schedule.actions for a in acts if a.is_compute):
             with torch.no_grad():
                 return self._run(inputs, targets)
@@ -98,8 +82,7 @@ class PipelineRuntime:
             if isinstance(item, list):
                 later = [j for j in batches if j > i]
                 upcoming = plan[later[0]] if later else []
-                self._communicate(item, upcoming, mb_size, stage_in, stage_out, grad_out, grad_in, send_works,
-                                  posted)
+                self._communicate(item, upcoming, mb_size, stage_in, stage_out, grad_out, grad_in, send_works, posted)
                 continue
             a: Action = item
             key = (a.stage, a.microbatch)
@@ -156,9 +139,8 @@ class PipelineRuntime:
 
     def _communicate(self, batch: list[Action], upcoming: list[Action], mb_size: int, stage_in, stage_out,
                      grad_out, grad_in, send_works: list, posted: dict) -> None:
-        """One batch_isend_irecv: this batch's sends and the receives it still needs, plus (look-ahead)
-        the receives of the next batch, so a transfer can progress while this rank computes. Waits
-        only for this batch's receives; sends finish by the end of the step."""
+        """One batch_isend_irecv of this batch's sends and receives plus (look-ahead) the next batch's receives, so
+        a transfer progresses while this rank computes. Waits for this batch's receives; sends wait at step end."""
         ops: list[tuple[str, torch.Tensor, int]] = []
         new_recvs: list[tuple[Action, torch.Tensor]] = []
         shape = tuple(self.activation_shape(mb_size))

@@ -1,24 +1,8 @@
 """Timing model of pipeline schedules: simulated (or measured) timelines, bubble, activations in flight.
 
-`simulate` plays a `Schedule` with a cost per action kind and returns a `Timeline`. A
-`Timeline` is only per-rank records ``(kind, microbatch, stage, start, end)``, so the runtime
-can build one from wall-clock measurements and reuse the bubble / memory computation; drawing
-one (`fivefold.report.plot_timeline`, `to_chrome_trace`) lives with the other pictures.
-
-Dependencies the simulation enforces (each rank runs its compute actions in list order):
-
-- F(m, s) starts after F(m, s-1) ended (+ ``comm_cost`` when s-1 is on another rank);
-- B(m, s) / I(m, s) starts after B/I(m, s+1) ended (+ ``comm_cost`` across ranks); on the last
-  stage after F(m, s);
-- W(m, s) starts after I(m, s).
-
-Exactness of the textbook bubble formulas (`fivefold.formulas.bubble_formula`), checked in the tests:
-
-- GPipe and 1F1B: ``(P-1)/(M+P-1)`` exactly, for *any* constant F and B costs (the warm-up and
-  the cool-down each cost P-1 times one stage's F, resp. B; ``comm_cost = 0``).
-- Interleaved 1F1B: ``(P-1)/(V·M+P-1)`` exactly when each model chunk costs 1/V of a rank's
-  per-micro-batch F and B (any constant chunk costs, e.g. the defaults F=1, B=2 per chunk).
-- ZB-H1 with F = I = W = c: ``(P-1)/(3M+P-1)``.
+A `Timeline` is only per-rank ``(kind, microbatch, stage, start, end)`` records, reused for measured steps. Tests check
+`formulas.bubble_formula` exactly: GPipe and 1F1B for any constant F and B, interleaved when a chunk costs 1/V of a
+rank's F and B, ZB-H1 with F = I = W.
 """
 
 from __future__ import annotations
@@ -46,10 +30,8 @@ __all__ = ["DEFAULT_COSTS", "Event", "Timeline", "simulate", "bubble_formula"]
 DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
 
 
-
 class Event(NamedTuple):
-    """One timed action on one rank. ``kind`` is an action kind (F, B, I, W) or any label the
-    runtime records (e.g. ``"RECV_F"`` for time spent waiting on a receive)."""
+    """One timed action on one rank: an action kind or a runtime label (e.g. ``"RECV_F"`` for a wait)."""
 
     kind: str
     microbatch: int
@@ -70,13 +52,8 @@ class Event(NamedTuple):
 
 
 class Timeline:
-    """Per-rank timed events of one pipeline step.
-
-    ``Timeline(records)`` takes, for every rank, a list of records — ``(kind, microbatch, stage,
-    start, end)`` tuples, `Event` s, or ``(Action, start, end)`` — in execution order. Times are
-    in any unit (simulation cost units, or seconds when measured). Only compute events (F, B, I,
-    W) count as busy time; other labels are drawn in grey and count as idle.
-    """
+    """Per-rank timed events of one pipeline step, from ``(kind, microbatch, stage, start, end)`` tuples, `Event` s
+    or ``(Action, start, end)`` in execution order, in any time unit. Only F, B, I, W count as busy."""
 
     def __init__(self, records: Sequence[Iterable], name: str = "", n_virtual: int = 1):
         self.name = name
@@ -124,13 +101,8 @@ class Timeline:
 
     @property
     def peak_in_flight(self) -> list[int]:
-        """Per rank, the most (stage, micro-batch) activations alive at once.
-
-        An F stores one; the pass that last needs them frees it: a full B, or the W of a split
-        backward (an I frees nothing — the weight gradient still needs the stored inputs; in real
-        code I can free the part only the input gradient used, which this count ignores). With
-        V > 1 chunks per rank, each unit is one chunk's activations (1/V of the rank's layers).
-        """
+        """Per rank, the most (stage, micro-batch) activations alive at once: F stores one, B or W frees it (not I:
+        the weight gradient still needs the inputs). With V > 1 a unit is one chunk's activations."""
         peaks = []
         for evs in self.events:
             alive = peak = 0
@@ -144,31 +116,15 @@ class Timeline:
         return peaks
 
     def __repr__(self) -> str:
-        return (
-            f"Timeline({self.name!r}, ranks={self.n_ranks}, makespan={self.makespan:g}, "
-            f"bubble={self.bubble_fraction:.4f}, peak_in_flight={self.peak_in_flight})"
-        )
+        return (f"Timeline({self.name!r}, ranks={self.n_ranks}, makespan={self.makespan:g}, "
+                f"bubble={self.bubble_fraction:.4f}, peak_in_flight={self.peak_in_flight})")
 
 
-def simulate(
-    schedule: Schedule,
-    costs: Mapping[str, float] | Callable[[Action], float] | None = None,
-    comm_cost: float = 0.0,
-) -> Timeline:
-    """Event-driven play of ``schedule``; returns the simulated `Timeline`.
-
-    ``costs`` maps an action kind to its duration (default `DEFAULT_COSTS`: F=1, B=2, I=1, W=1),
-    or is a function of the `Action` (e.g. a heavier last stage). Each rank runs its compute
-    actions in order; an action starts when its rank is free and its input exists: F(m, s) after
-    F(m, s-1), B/I(m, s) after B/I(m, s+1) (on the last stage after F(m, s)), W after I; plus
-    ``comm_cost`` when the input comes from another rank.
-
-    A *lowered* schedule is played the way the runtime runs it: a send leaves when its rank
-    reaches it (after the compute before it), and a rank at a batch of communication actions waits
-    until every receive of the batch has arrived (send time + ``comm_cost``) before the next
-    compute. For the plain lowering this changes nothing; a fused (F, backward) unit delays the
-    F's output by one backward. Raises `DeadlockError` if the lists can never finish.
-    """
+def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action], float] | None = None,
+             comm_cost: float = 0.0) -> Timeline:
+    """Event-driven play of ``schedule`` with ``costs`` per action kind (or a function of the `Action`): an action
+    starts when its rank is free and its input exists (+ ``comm_cost`` across ranks); lowered batches wait for their
+    receives as in the runtime. Raises `DeadlockError` if the lists can never finish."""
     if costs is None:
         costs = DEFAULT_COSTS
     cost_of = costs if callable(costs) else (lambda a: costs[a.kind])
@@ -228,7 +184,6 @@ def simulate(
                 progress = True
     stuck = [f"rank {r} waits at {plans[r][pc[r]]}" for r in range(P) if pc[r] < len(plans[r])]
     if stuck:
-        raise DeadlockError(
-            f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; " + "; ".join(stuck)
-        )
+        raise DeadlockError(f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; "
+                            + "; ".join(stuck))
     return Timeline(records, name=schedule.name, n_virtual=schedule.n_virtual)

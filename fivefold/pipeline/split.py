@@ -1,15 +1,6 @@
-"""Cutting a model into pipeline stages by lists of module names (torchtitan style).
-
-Seed 003 §9: stage i holds a contiguous range of transformer blocks; the first stage also holds
-the token embedding, the last the final norm and the head (the loss is computed there). With V
-virtual stages per rank there are P·V stages (placement: the schedule's ``stage_to_rank``).
-
-A stage is the model itself with every module not named for it removed (`keep_only`): an
-attribute becomes None, an entry of a ``ModuleDict`` is deleted, so parameters keep their
-single-process names and the model's own forward — written to skip absent parts — runs the stage.
-Which names go to which stage is the model's plan (`fivefold.models.plans`); this module imports
-no model.
-"""
+"""Cutting a model into pipeline stages by module names (torchtitan style; seed 003 §9); imports no model. A stage is
+the model with every module not named for it removed (`keep_only`), so parameters keep their single-process names and
+the model's own forward, which skips absent parts, runs the stage."""
 
 from __future__ import annotations
 
@@ -21,8 +12,7 @@ __all__ = ["keep_only", "split_layers"]
 
 
 def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
-    """Contiguous block ranges per stage: an explicit list, or as even as possible (earlier stages
-    get the extra blocks — the last stage already carries the head and the loss)."""
+    """Contiguous block ranges per stage: explicit, or even with extras on early stages (the last has head and loss)."""
     if layers_per_stage is not None:
         if len(layers_per_stage) != n_stages or sum(layers_per_stage) != n_layers or min(layers_per_stage) < 0:
             raise ValueError(f"layers_per_stage={layers_per_stage} must have {n_stages} non-negative entries "
@@ -42,8 +32,8 @@ def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | Non
 
 
 def keep_only(model: nn.Module, names: Iterable[str]) -> nn.Module:
-    """Remove (in place) every submodule of `model` that is not named in `names`, not inside one and
-    not a container of one; returns `model`. Pass a copy (e.g. ``copy.deepcopy`` of a meta model)."""
+    """Remove in place (pass a copy) every submodule not named, inside a named one or containing one; return `model`.
+    Refuses to remove from a ModuleList / Sequential: the later indices, hence parameter names, would shift."""
     keep = set(names)
     present = {name for name, _ in model.named_modules()}
     missing = sorted(keep - present)

@@ -1,18 +1,6 @@
-"""The conjugate communication operators of tensor and sequence parallelism (seed 003 §7-8).
-
-Megatron's f / g pair for a column-parallel -> row-parallel region, and its sequence-parallel
-counterpart, each an autograd function whose backward is the other's forward:
-
-| operator                    | forward                        | backward                       |
-|-----------------------------|--------------------------------|--------------------------------|
-| `copy_to_tp` (f)            | identity                       | all-reduce                     |
-| `reduce_from_tp` (g)        | all-reduce                     | identity                       |
-| `gather_from_sp`            | all-gather along the sequence  | reduce-scatter along sequence  |
-| `scatter_to_sp`             | reduce-scatter along sequence  | all-gather along the sequence  |
-
-Per transformer block, TP costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces
-each with an all-gather + reduce-scatter of the same volume. All traffic goes through `Comm`.
-"""
+"""The conjugate communication operators of TP and SP (Megatron, seed 003 §7-8), each backward its partner's
+forward. Per block TP costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces each with an
+all-gather and a reduce-scatter of the same volume."""
 
 from __future__ import annotations
 
@@ -90,8 +78,7 @@ class _ScatterToSP(torch.autograd.Function):
 
 
 def all_reduce_grad_hook(comm: Comm, tag: str):
-    """A tensor hook summing a replicated parameter's gradient over the TP group (SP computes it
-    from each rank's sequence chunk: partial sums)."""
+    """A tensor hook summing a replicated parameter's gradient over TP: under SP each rank's is a partial sum."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         comm.all_reduce(grad, tag=tag)

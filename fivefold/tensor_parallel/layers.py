@@ -1,16 +1,7 @@
-"""Tensor-parallel layers (Megatron, seed 003 §7): each holds only this rank's slice of a weight.
-
-- `ColumnParallelLinear`: weight rows (output features) split over T ranks; output stays split
-  (attention heads, MLP hidden, vocabulary logits). Optional entry operator on its input.
-- `RowParallelLinear`: weight columns (input features) split; partial outputs are summed by the
-  exit operator: all-reduce, or reduce-scatter along the sequence under SP.
-- `VocabParallelEmbedding`: rows of the vocabulary split; tokens outside this rank's range
-  contribute zeros, then the same exit operator sums the partial embeddings.
-
-Layers are built *from* the full single-process module (`from_linear`, `from_embedding`): every
-rank initialises the full weight with the model's seed and keeps its slice, so a TP run and a
-single-process run start from identical full weights.
-"""
+"""Tensor-parallel layers (Megatron, seed 003 §7), each holding this rank's slice of a weight: column-parallel splits
+output features, row-parallel input features (partial outputs summed by the exit), the embedding vocabulary rows.
+Each is built *from* the full module (`from_linear`): every rank initialises the whole weight from the model's seed
+and keeps its slice, so TP and single-process runs start from identical weights."""
 
 from __future__ import annotations
 
@@ -50,8 +41,7 @@ def _exit(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_localᵀ with W split by rows. `input_mode`: "none" (the caller already applied
-    the entry operator for a group of layers sharing the input), "copy" (f), or "gather" (SP)."""
+    """y_local = x W_localᵀ, W split by rows; `input_mode` "copy" (f), "gather" (SP) or "none" (e.g. `RegionEntry`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none") -> None:
         super().__init__()

@@ -1,10 +1,5 @@
-"""Vocabulary-parallel cross-entropy: the full-vocabulary logits never exist on one rank.
-
-Each rank holds logits for vocabulary rows [start, start + V/T). Three all-reduces over the TP
-group of one value per token: the max (for a stable softmax), the sum of exponentials, and the
-target's logit (contributed by the rank that owns the target). Backward is local:
-softmax_local - onehot_local, scaled by the incoming gradient.
-"""
+"""Vocabulary-parallel cross-entropy (seed 003 §7): the full logits never exist on one rank. Three all-reduces of one
+value per token (max, sum of exponentials, the target's logit from its owner); backward is local."""
 
 from __future__ import annotations
 
@@ -45,10 +40,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, comm: Comm,
                                  ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy over tokens whose target is not `ignore_index`.
-
-    logits: [..., V/T] this rank's vocabulary slice (rows from `vocab_start`); target: [...] global ids.
-    """
+    """Mean cross-entropy of targets (global ids) except `ignore_index`; logits [..., V/T]: rows from `vocab_start`."""
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
     keep = target != ignore_index
@@ -58,8 +50,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 @dataclass
 class VocabParallelLoss:
-    """Mean next-token cross-entropy on vocabulary-parallel logits [B, L, V/T]; this rank's head holds
-    vocabulary rows from `vocab_start`."""
+    """Mean next-token cross-entropy on vocab-parallel logits [B, L, V/T] (this rank's rows from `vocab_start`)."""
 
     comm: Comm
     vocab_start: int

@@ -1,22 +1,8 @@
-"""A tensor-parallel plan is data: module-name patterns -> typed styles; `shard_by_plan` applies one.
-
-Seed 003 §7-8 (Megatron). Each style says what a module becomes and which of its parameters end
-up holding a 1/T slice (their *placement* is ``{"tp"}``; the others are replicated over tp):
-
-- `Colwise`    weight rows (output features) split; weight and bias sliced;
-- `Rowwise`    weight columns (input features) split, exit all-reduce (SP: reduce-scatter); the
-               bias is added once, after the exit: replicated;
-- `VocabEmbedding` vocabulary rows split, exit as Rowwise;
-- `VocabHead`  the output head, column-parallel over the vocabulary with its own entry operator
-               (f, or the SP all-gather); its logits feed the vocab-parallel cross-entropy;
-- `RegionEntry` one entry operator (f, or the SP all-gather) shared by the column layers of a
-               region (attention, MLP), so a block costs 2 entries + 2 exits; no parameters;
-- `Norm`       replicated; under SP it sees a sequence chunk, so its weight gradient (a partial
-               sum) is all-reduced over tp.
-
-``Colwise``/``Rowwise`` name the config field that must be divisible by the TP degree (for a
-clear error before anything is sharded). The plan of fivefold's Llama is `models.plans.LLAMA_TP_PLAN`.
-"""
+"""A tensor-parallel plan is data (module-name patterns -> typed styles), applied by `shard_by_plan` (seed 003 §7-8).
+`Colwise` splits output features; `Rowwise` input features (its bias, added once after the exit, is replicated);
+`VocabEmbedding` / `VocabHead` the vocabulary; `RegionEntry` is one entry operator shared by a region's column layers
+(2 entries + 2 exits per block); `Norm` stays replicated, its weight gradient all-reduced under SP (a partial sum).
+``divides`` names the config field tp must divide, checked before anything is sharded."""
 
 from __future__ import annotations
 
@@ -90,9 +76,8 @@ def check_divisible(config: Any, plan: TPPlan, tp: int) -> None:
 
 def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel: bool = False,
                   config: Any = None) -> dict[str, Placement]:
-    """Swap `model`'s modules (in place) for their parallel versions over the TP group of `comm`;
-    return the placement of every parameter ({"tp"}: a slice, {}: replicated). `config` (default
-    ``model.config``) is checked for divisibility first. Tied weights stay tied."""
+    """Swap `model`'s modules in place for their parallel versions over `comm` (tied weights stay tied); return each
+    parameter's placement. `config` (default ``model.config``) is checked for divisibility first."""
     check_divisible(config if config is not None else model.config, plan, comm.size)
     entry = "gather" if sequence_parallel else "copy"
     names_of: dict[int, list[str]] = {}

@@ -1,1 +1,1 @@
-"""Training: data, trainer, checkpointing, metrics."""
+"""Training: the loop and launcher (`trainer`), config validation, corpus and dataset, run records."""

@@ -1,13 +1,5 @@
-"""Corpus sources -> uint16 token arrays, and the byte tokenizer (no downloads).
-
-- :class:`ByteTokenizer` -- UTF-8 bytes as tokens (vocab 256).
-- :func:`load_tokens` / :func:`load_splits` -- turn a corpus source into uint16 token arrays.
-  Sources: ``None`` (the embedded default corpus: this Python's own standard-library
-  sources), a text file, a folder of text files, a comma-separated list of files, a
-  nanoGPT ``.bin`` file (pre-tokenized uint16, memory-mapped) or a nanoGPT folder holding
-  ``train.bin`` and ``val.bin``.
-- :func:`check_source` -- the same source checked without reading it (validation before
-  any process starts).
+"""Corpus sources -> uint16 token arrays (`load_tokens`, `load_splits`), the byte tokenizer, and `check_source`
+(the same source checked from file sizes and names, before any process starts). No downloads.
 """
 
 from __future__ import annotations
@@ -20,15 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = [
-    "DEFAULT_CORPUS_MAX_BYTES",
-    "SEPARATOR",
-    "ByteTokenizer",
-    "check_source",
-    "default_corpus_bytes",
-    "load_splits",
-    "load_tokens",
-]
+__all__ = ["DEFAULT_CORPUS_MAX_BYTES", "SEPARATOR", "ByteTokenizer", "check_source", "default_corpus_bytes",
+           "load_splits", "load_tokens"]
 
 #: Cap applied to the embedded default corpus when ``max_bytes`` is not given.
 DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
@@ -36,17 +21,13 @@ DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
 SEPARATOR = b"\n\n"
 
 _SKIP_STDLIB_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
-_BINARY_EXTENSIONS = frozenset(
-    {
-        ".bin", ".npy", ".npz", ".pt", ".pth", ".ckpt", ".safetensors", ".pkl", ".pickle",
-        ".pyc", ".pyo", ".so", ".dll", ".dylib", ".exe", ".o", ".a", ".lib", ".class", ".jar",
-        ".zip", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z", ".tar", ".rar",
-        ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".tif", ".tiff",
-        ".mp3", ".wav", ".flac", ".ogg", ".mp4", ".avi", ".mov", ".mkv", ".webm",
-        ".pdf", ".doc", ".docx", ".xls", ".xlsx", ".ppt", ".pptx",
-        ".ttf", ".otf", ".woff", ".woff2", ".db", ".sqlite", ".parquet", ".arrow",
-    }
-)  # fmt: skip
+_BINARY_EXTENSIONS = frozenset({".bin", ".npy", ".npz", ".pt", ".pth", ".ckpt", ".safetensors", ".pkl", ".pickle",
+                                ".pyc", ".pyo", ".so", ".dll", ".dylib", ".exe", ".o", ".a", ".lib", ".class", ".jar",
+                                ".zip", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z", ".tar", ".rar", ".png", ".jpg",
+                                ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".tif", ".tiff", ".mp3", ".wav", ".flac",
+                                ".ogg", ".mp4", ".avi", ".mov", ".mkv", ".webm", ".pdf", ".doc", ".docx", ".xls",
+                                ".xlsx", ".ppt", ".pptx", ".ttf", ".otf", ".woff", ".woff2", ".db", ".sqlite",
+                                ".parquet", ".arrow"})  # fmt: skip
 _SNIFF_BYTES = 1024
 
 
@@ -60,11 +41,7 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor) -> str:
-        """Decode token ids (array, tensor or iterable of ints) back to text.
-
-        Invalid UTF-8 sequences (e.g. a window cut in the middle of a multi-byte
-        character) are replaced with U+FFFD instead of raising.
-        """
+        """Decode token ids to text; invalid UTF-8 (a window cut inside a character) becomes U+FFFD, not an error."""
         if isinstance(ids, torch.Tensor):
             arr = ids.detach().cpu().numpy()
         elif isinstance(ids, np.ndarray):
@@ -78,9 +55,6 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
-
-
-# --------------------------------------------------------------------------- corpus sources
 
 
 def _bytes_to_tokens(data: bytes | bytearray | memoryview) -> np.ndarray:
@@ -113,14 +87,8 @@ def _stdlib_files() -> list[Path]:
 
 
 def default_corpus_bytes(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> bytes:
-    """The embedded default corpus: this interpreter's standard-library ``.py`` sources.
-
-    Files are walked in sorted order (``site-packages``, ``test``/``tests``,
-    ``idlelib`` and ``lib2to3`` skipped), joined with :data:`SEPARATOR` and cut
-    at ``max_bytes``. The content therefore depends on the Python version:
-    another Python gives a different, but equally deterministic, corpus. It is
-    offline, license-friendly, about 10 MB of real code, and loads in tens of ms.
-    """
+    """The embedded default corpus: this interpreter's stdlib ``.py`` sources in sorted order (site-packages, tests,
+    idlelib, lib2to3 skipped), cut at ``max_bytes``. Deterministic per Python version, offline, ~10 MB of code."""
 
     def chunks() -> Iterable[bytes]:
         for f in _stdlib_files():
@@ -208,12 +176,8 @@ def _split_sources(path: str) -> list[Path]:
 
 
 def load_splits(path: str | None, max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Load a corpus source as ``(tokens, None)``, or ``(train, val)`` when the source defines the split.
-
-    Only a nanoGPT folder (one holding ``train.bin`` and ``val.bin``) defines its
-    own split; both arrays are then memory-mapped and ``max_bytes`` caps each of
-    them. For every other source see :func:`load_tokens`.
-    """
+    """Load a corpus source as ``(tokens, None)``, or as memory-mapped ``(train, val)`` for a nanoGPT folder
+    (``train.bin`` + ``val.bin``, ``max_bytes`` capping each); other sources as in `load_tokens`."""
     if path is not None and _is_nanogpt_folder(Path(path)):
         folder = Path(path)
         return _load_bin(folder / "train.bin", max_bytes), _load_bin(folder / "val.bin", max_bytes)
@@ -221,27 +185,10 @@ def load_splits(path: str | None, max_bytes: int | None = None) -> tuple[np.ndar
 
 
 def load_tokens(path: str | None, max_bytes: int | None = None) -> np.ndarray:
-    """Load a corpus source as one uint16 token array (byte tokens, or nanoGPT ids for ``.bin``).
-
-    ``path`` may be:
-
-    - ``None``: the embedded default corpus (:func:`default_corpus_bytes`),
-      capped at ``max_bytes`` or :data:`DEFAULT_CORPUS_MAX_BYTES`;
-    - a text file (its bytes);
-    - a folder: all text-like files below it, recursively, in sorted order,
-      joined with :data:`SEPARATOR` (files with a NUL byte in their first KiB,
-      known binary extensions and hidden entries are skipped);
-    - a ``.bin`` file: pre-tokenized uint16 ids in nanoGPT format, memory-mapped
-      (``max_bytes`` then caps the file bytes read, i.e. ``max_bytes // 2`` tokens);
-    - a nanoGPT folder with ``train.bin`` and ``val.bin``: returned here as
-      train followed by val (a copy); use :func:`load_splits` or
-      :meth:`TokenDataset.from_path` to keep the split and the memory maps;
-    - a comma-separated list of the above (non-nanoGPT) sources, concatenated
-      in the given order (``max_bytes`` caps each element).
-
-    Raises ``FileNotFoundError`` naming the path when it does not exist and
-    ``ValueError`` naming it when the corpus is empty.
-    """
+    """Load a corpus source as one uint16 token array (byte tokens, or nanoGPT ids for ``.bin``): ``None`` (the
+    embedded default corpus, capped at ``max_bytes`` or `DEFAULT_CORPUS_MAX_BYTES`), a text file, a folder (text files
+    below it in sorted order; binaries and hidden entries skipped), a nanoGPT ``.bin`` (memory-mapped) or folder
+    (train then val, a copy; `load_splits` keeps the split), or a comma-separated list of non-nanoGPT sources."""
     if path is None:
         cap = DEFAULT_CORPUS_MAX_BYTES if max_bytes is None else max_bytes
         return _bytes_to_tokens(default_corpus_bytes(cap))

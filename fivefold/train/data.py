@@ -1,19 +1,8 @@
 """The token dataset: a deterministic train/validation split and the batch layout over ranks.
 
-- :class:`TokenDataset` -- contiguous train/validation split; random training windows drawn
-  from a generator seeded by ``(seed, step)``; the :meth:`~TokenDataset.micro_batch` layout
-  that shards one global batch over gradient-accumulation micro-steps and data-parallel
-  ranks; fixed validation batches sharded across data-parallel ranks. Corpus loading and the
-  tokenizer live in `fivefold.train.corpus`.
-
-Determinism contract: the global batch of a step depends only on the tokens, ``seq_len``,
-``seed``, ``step`` and ``global_batch_size`` -- not on the number of ranks, on which rank
-asks, or on the order of calls. The union of all micro batches (in layout order) is exactly
-the global batch, which is what lets tests compare distributed training with single-process
-training on the same data.
-
-Nothing here calls ``torch.distributed``: callers pass ``dp_rank``/``dp_size``. Tensors are
-returned on the CPU; the caller moves them to its device.
+Determinism contract: a step's global batch depends only on the tokens, ``seq_len``, ``seed``, ``step`` and
+``global_batch_size`` (not on the number of ranks, which rank asks or the call order), and the micro-batches in
+layout order are exactly it, so tests compare distributed with single-process training. No ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -26,9 +15,6 @@ from fivefold.train.corpus import ByteTokenizer, load_splits, load_tokens
 __all__ = ["ByteTokenizer", "TokenDataset", "load_splits", "load_tokens"]
 
 
-# --------------------------------------------------------------------------- dataset
-
-
 def _check_positive(**values: int) -> None:
     for name, v in values.items():
         if int(v) != v or v <= 0:
@@ -36,75 +22,39 @@ def _check_positive(**values: int) -> None:
 
 
 class TokenDataset:
-    """Contiguous train/val split of a token array with deterministic, rank-independent batches.
+    """Contiguous train/val split of a token array (the last ``val_fraction`` is validation) with deterministic,
+    rank-independent batches of ``seq_len + 1``-token windows inside one split; ``np.memmap`` arrays are fine."""
 
-    ``TokenDataset(tokens, seq_len, val_fraction=0.05, seed=0)`` holds out the
-    last ``val_fraction`` of ``tokens`` (contiguous) as the validation split;
-    :meth:`from_splits` takes explicit train/val arrays and :meth:`from_path`
-    loads a corpus source (honouring a nanoGPT folder's own split).
-
-    A window is ``seq_len + 1`` consecutive tokens lying entirely inside one
-    split; ``x`` is its first ``seq_len`` tokens, ``y`` the last ``seq_len`` (``x``
-    shifted by one). Training windows never read validation tokens and vice
-    versa. Arrays may be ``np.memmap``: only the requested rows are gathered.
-
-    Attributes: ``train_tokens``, ``val_tokens`` (the split arrays; ``val_tokens``
-    is empty when ``val_fraction == 0``), ``seq_len``, ``seed``, ``source``.
-    """
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        seq_len: int,
-        val_fraction: float = 0.05,
-        seed: int = 0,
-        *,
-        source: str = "<tokens>",
-    ) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05, seed: int = 0, *,
+                 source: str = "<tokens>") -> None:
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         _check_positive(seq_len=seq_len)
         n = len(tokens)
         n_val = int(n * val_fraction)
         if val_fraction > 0 and n_val < seq_len + 1:
-            raise ValueError(
-                f"corpus {source} too small for seq_len={seq_len}: {n} tokens x val_fraction={val_fraction} "
-                f"= {n_val} validation tokens, need at least seq_len + 1 = {seq_len + 1}"
-            )
+            raise ValueError(f"corpus {source} too small for seq_len={seq_len}: {n} tokens x "
+                             f"val_fraction={val_fraction} = {n_val} validation tokens, need at least seq_len + 1 = "
+                             f"{seq_len + 1}")
         self._init(tokens[: n - n_val], tokens[n - n_val :], seq_len, seed, source)
 
     @classmethod
-    def from_splits(
-        cls,
-        train: np.ndarray,
-        val: np.ndarray | None,
-        seq_len: int,
-        seed: int = 0,
-        *,
-        source: str = "<tokens>",
-    ) -> TokenDataset:
+    def from_splits(cls, train: np.ndarray, val: np.ndarray | None, seq_len: int, seed: int = 0, *,
+                    source: str = "<tokens>") -> TokenDataset:
         """Build from explicit train and val arrays (``val`` may be ``None`` or empty: no validation)."""
         _check_positive(seq_len=seq_len)
         if val is None:
             val = np.zeros(0, dtype=np.uint16)
         if 0 < len(val) < seq_len + 1:
-            raise ValueError(
-                f"validation split of {source} too small for seq_len={seq_len}: "
-                f"{len(val)} tokens, need at least {seq_len + 1}"
-            )
+            raise ValueError(f"validation split of {source} too small for seq_len={seq_len}: "
+                             f"{len(val)} tokens, need at least {seq_len + 1}")
         self = cls.__new__(cls)
         self._init(train, val, seq_len, seed, source)
         return self
 
     @classmethod
-    def from_path(
-        cls,
-        path: str | None,
-        seq_len: int,
-        val_fraction: float = 0.05,
-        seed: int = 0,
-        max_bytes: int | None = None,
-    ) -> TokenDataset:
+    def from_path(cls, path: str | None, seq_len: int, val_fraction: float = 0.05, seed: int = 0,
+                  max_bytes: int | None = None) -> TokenDataset:
         """Load a corpus source (see :func:`load_tokens`); a nanoGPT folder keeps its own train/val split."""
         source = repr(path) if path is not None else "<default: Python stdlib sources>"
         train, val = load_splits(path, max_bytes)
@@ -114,17 +64,13 @@ class TokenDataset:
 
     def _init(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, source: str) -> None:
         if len(train) < seq_len + 1:
-            raise ValueError(
-                f"corpus {source} too small for seq_len={seq_len}: training split has {len(train)} tokens, "
-                f"need at least seq_len + 1 = {seq_len + 1}"
-            )
+            raise ValueError(f"corpus {source} too small for seq_len={seq_len}: training split has {len(train)} "
+                             f"tokens, need at least seq_len + 1 = {seq_len + 1}")
         self.train_tokens = train
         self.val_tokens = val
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.source = source
-
-    # ------------------------------------------------------------------ helpers
 
     def _windows(self, data: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather ``data[s : s + seq_len + 1]`` for each start; split into (x, y) int64 tensors."""
@@ -140,40 +86,19 @@ class TokenDataset:
         # largest valid start is len - seq_len - 1 (the window needs seq_len + 1 tokens); high is exclusive
         return rng.integers(0, len(self.train_tokens) - self.seq_len, size=int(global_batch_size))
 
-    # ------------------------------------------------------------------ public API
-
     def global_batch(self, step: int, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole global batch of ``step``: ``(x, y)`` int64 tensors of shape [global_batch_size, seq_len].
-
-        Window starts come from ``numpy.random.default_rng([seed, step])``, so the
-        batch depends only on (tokens, seq_len, seed, step, global_batch_size).
-        """
+        """The global batch of ``step``, ``(x, y)`` int64 [global_batch_size, seq_len], from rng ``[seed, step]``."""
         return self._windows(self.train_tokens, self._train_starts(step, global_batch_size))
 
-    def micro_batch(
-        self,
-        step: int,
-        global_batch_size: int,
-        micro_step: int = 0,
-        grad_accum: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of ``global_batch(step, global_batch_size)`` for one micro-step on one DP rank.
-
-        Layout: the global batch is cut into ``grad_accum`` micro-steps, each cut
-        into ``dp_size`` contiguous slices of ``mb = global_batch_size // (grad_accum
-        * dp_size)`` rows; this returns rows ``[(micro_step * dp_size + dp_rank) * mb,
-        ... + mb)``. Concatenating all (micro_step, dp_rank) slices in that order
-        reproduces the global batch exactly. Only these ``mb`` rows are gathered.
-        """
+    def micro_batch(self, step: int, global_batch_size: int, micro_step: int = 0, grad_accum: int = 1,
+                    dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``[(micro_step * dp_size + dp_rank) * mb, ... + mb)`` of ``global_batch(step, ...)``, with ``mb =
+        global_batch_size // (grad_accum * dp_size)``; only these rows are gathered."""
         _check_positive(global_batch_size=global_batch_size, grad_accum=grad_accum, dp_size=dp_size)
         per_step = grad_accum * dp_size
         if global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by "
-                f"grad_accum({grad_accum}) x dp_size({dp_size}) = {per_step}"
-            )
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                             f"grad_accum({grad_accum}) x dp_size({dp_size}) = {per_step}")
         if not 0 <= micro_step < grad_accum:
             raise ValueError(f"micro_step={micro_step} out of range for grad_accum={grad_accum}")
         if not 0 <= dp_rank < dp_size:
@@ -184,39 +109,24 @@ class TokenDataset:
         return self._windows(self.train_tokens, starts)
 
     def val_starts(self, n_batches: int, batch_size: int) -> np.ndarray:
-        """Start offsets (into ``val_tokens``) of the ``n_batches * batch_size`` validation windows.
-
-        Evenly spaced from the first to the last valid start, in batch order.
-        """
+        """Start offsets into ``val_tokens`` of the ``n_batches * batch_size`` validation windows, evenly spaced."""
         _check_positive(n_batches=n_batches, batch_size=batch_size)
         if len(self.val_tokens) < self.seq_len + 1:
-            raise ValueError(
-                f"no validation split in {self.source}: {len(self.val_tokens)} val tokens "
-                f"(seq_len={self.seq_len}); use val_fraction > 0 or a val.bin"
-            )
+            raise ValueError(f"no validation split in {self.source}: {len(self.val_tokens)} val tokens "
+                             f"(seq_len={self.seq_len}); use val_fraction > 0 or a val.bin")
         last = len(self.val_tokens) - self.seq_len - 1
         return np.linspace(0, last, n_batches * batch_size).round().astype(np.int64)
 
-    def val_batches(
-        self, n_batches: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's share of a fixed set of ``n_batches`` validation batches of ``batch_size`` rows.
-
-        The ``n_batches * batch_size`` windows are evenly spaced over the
-        validation split (same every call). Rank ``r`` takes batches ``r, r +
-        dp_size, r + 2 * dp_size, ...``: the shards are disjoint and cover all
-        batches. ``n_batches`` must be divisible by ``dp_size``, so every rank gets
-        the same number of equal-sized batches and the mean over ranks of the
-        per-rank mean loss equals the global mean loss.
-        """
+    def val_batches(self, n_batches: int, batch_size: int, dp_rank: int = 0,
+                    dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches ``dp_rank::dp_size`` of a fixed validation set; ``n_batches % dp_size == 0`` makes the
+        mean of the per-rank means the global mean."""
         _check_positive(dp_size=dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
         if n_batches % dp_size:
-            raise ValueError(
-                f"n_batches={n_batches} is not divisible by dp_size={dp_size}: "
-                "ranks would average different numbers of batches"
-            )
+            raise ValueError(f"n_batches={n_batches} is not divisible by dp_size={dp_size}: "
+                             "ranks would average different numbers of batches")
         starts = self.val_starts(n_batches, batch_size).reshape(n_batches, batch_size)
         return [self._windows(self.val_tokens, starts[b]) for b in range(dp_rank, n_batches, dp_size)]
 
@@ -225,7 +135,5 @@ class TokenDataset:
         return len(self.train_tokens) - self.seq_len
 
     def __repr__(self) -> str:
-        return (
-            f"TokenDataset(source={self.source}, train_tokens={len(self.train_tokens):,}, "
-            f"val_tokens={len(self.val_tokens):,}, seq_len={self.seq_len}, seed={self.seed})"
-        )
+        return (f"TokenDataset(source={self.source}, train_tokens={len(self.train_tokens):,}, "
+                f"val_tokens={len(self.val_tokens):,}, seq_len={self.seq_len}, seed={self.seed})")

@@ -1,10 +1,5 @@
-"""What a run shows and leaves behind: the progress bar, ``metrics.jsonl`` and the pictures.
-
-`RunRecord` is the one owner of the run directory (``run.out_dir/run.name``) and writes there only
-on rank 0: a config record first, one record per logged step and validation, the pipeline's
-measured bubble, a summary; at the end the loss curve (and for pipelines the measured timeline
-PNG and Chrome trace) through `fivefold.report`.
-"""
+"""What a run shows and leaves behind: the progress bar, and `RunRecord`, sole owner of the run directory (written on
+rank 0): ``metrics.jsonl``, then the loss curve and, for pipelines, the measured timeline (via `fivefold.report`)."""
 
 from __future__ import annotations
 

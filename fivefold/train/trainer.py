@@ -1,13 +1,6 @@
-"""The training loop of one rank (`train`), and the launcher that starts all ranks (`run`).
-
-`run` validates the whole config for the world size first (`validate`), in the launching
-process, then trains under torchrun or spawns ``run.nproc`` local CPU workers. `train` builds
-this rank's parts (`models.parallelize`) and runs the loop; one step (DESIGN.md data flow): for
-each of ``grad_accum`` micro-batches of this dp rank's slice, forward + backward (gradients
-reduced during backward, every micro-step or only the last one with ``zero.defer_reduce``) ->
-the global gradient norm and clipping -> AdamW with warmup + cosine LR -> gradients cleared.
-Rank 0 records it all (`metrics.RunRecord`).
-"""
+"""The training loop of one rank (`train`) and the launcher of all ranks (`run`, which validates first). A step
+(DESIGN.md data flow): forward + backward per micro-batch (reduced during backward) -> global norm and clipping ->
+AdamW with warmup + cosine LR."""
 
 from __future__ import annotations
 
@@ -56,8 +49,7 @@ def run(cfg: Config) -> TrainResult:
         finally:
             dist.destroy_process_group()
     if cfg.run.device not in ("auto", "cpu"):
-        raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for "
-                         f"accelerators")
+        raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     plan = validate(cfg, cfg.run.nproc)  # every error here, before any process starts
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
@@ -82,9 +74,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                        cfg.run.name)
     record.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
                   "params": n_params, "world": dist.get_world_size(), "dp": dp})
-    record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh)}, "
-               f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), "
-               f"{data}")
+    record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh)}, global batch "
+               f"{t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), {data}")
     eval_batches = data.val_batches(max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch, dp_rank=dp_rank,
                                     dp_size=dp)
     tokens_per_step = t.global_batch * t.seq_len

@@ -1,10 +1,6 @@
-"""`validate(config, world_size)`: every check of a run that needs no process, before any is started.
-
-A bad input gets one clear error naming what to change, in the launching process, instead of a
-traceback from every worker after they loaded data and built models. What the workers cannot know
-cheaply is not guessed: the data's largest token id (a larger vocabulary is then derived, not an
-error). The result (`RunPlan`) is what the workers use, so nothing is resolved twice.
-"""
+"""`validate(config, world_size)`: every check needing no process, run before any starts, so a bad input gets one
+error naming what to change instead of a traceback from every worker after loading data. Workers use the `RunPlan`,
+so nothing is resolved twice; only the data's largest token id is left to them (it may grow the vocabulary)."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ class RunPlan:
     model: LlamaConfig  # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
 
     def model_for(self, max_token: int) -> LlamaConfig:
-        """The model for data whose largest token id is `max_token` (pre-tokenized data with a larger
-        vocabulary, e.g. GPT-2's: round up to a multiple of 64)."""
+        """The model for data whose largest token id is `max_token` (a larger vocabulary is rounded up to 64·k)."""
         if max_token < self.model.vocab_size:
             return self.model
         return dataclasses.replace(self.model, vocab_size=-(-(max_token + 1) // 64) * 64).validate()
@@ -56,8 +51,7 @@ def _non_negative(**values: float) -> None:
 
 
 def validate(cfg: Config, world_size: int) -> RunPlan:
-    """Raise `ValueError` (`ConfigError`) naming the first problem of `cfg` on `world_size` processes;
-    return the resolved plan."""
+    """Raise a `ValueError` naming the first problem of `cfg` on `world_size` processes; return the resolved plan."""
     t, z, p, r = cfg.train, cfg.zero, cfg.parallel, cfg.run
     _positive(**{"run.nproc / world size": world_size, "train.steps": t.steps, "run.log_every": r.log_every,
                  "train.seq_len": t.seq_len, "train.lr": t.lr, "train.eps": t.eps, "train.eval_batches": t.eval_batches,
@@ -76,9 +70,11 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
 
-    dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp).resolve(world_size)
-    if dims.cp != 1:
-        raise ConfigError(f"parallel.cp={dims.cp}: context parallelism is not implemented yet; set parallel.cp=1")
+    dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep).resolve(world_size)
+    for dim, what in (("cp", "context"), ("ep", "expert")):
+        if getattr(dims, dim) != 1:
+            raise ConfigError(f"parallel.{dim}={getattr(dims, dim)}: {what} parallelism is not implemented yet; set "
+                              f"parallel.{dim}=1")
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}

@@ -1,0 +1,84 @@
+"""The derived process groups at world 8: dp_cp (gradients and loss over dp × cp), ep carved from
+dp × cp and its complement ep_dp — every rank's membership against the layout computed here from
+the grid (world = pp × dp × cp × tp, tp innermost), independently of the mesh code."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+from dist_utils import run_workers
+
+from fivefold.comm import CommLog
+from fivefold.mesh import DERIVED_DIMS, MESH_DIMS, ParallelDims, ParallelMesh
+
+LAYOUTS = {
+    "dp2-cp2-tp2-ep2": ParallelDims(pp=1, dp=2, cp=2, tp=2, ep=2),
+    "pp2-dp4-ep2": ParallelDims(pp=2, dp=4, ep=2),
+    "dp2-cp2-pp2-ep4": ParallelDims(pp=2, dp=2, cp=2, ep=4),
+    "pp2-dp2-tp2": ParallelDims(pp=2, dp=2, tp=2),  # cp = ep = 1: dp_cp and ep_dp are dp, ep is each rank alone
+}
+
+
+def _worker() -> dict:
+    out = {}
+    for name, dims in LAYOUTS.items():
+        mesh = ParallelMesh(dims, "cpu", CommLog())
+        out[name] = {dim: sorted(dist.get_process_group_ranks(mesh.group(dim))) for dim in (*MESH_DIMS, *DERIVED_DIMS)}
+        out[name]["sizes"] = {dim: (mesh.size(dim), mesh.comm(dim).size) for dim in (*MESH_DIMS, *DERIVED_DIMS)}
+        out[name]["ranks"] = {dim: (mesh.rank(dim), mesh.comm(dim).rank) for dim in DERIVED_DIMS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return run_workers(_worker, 8)
+
+
+def _expected(dims: ParallelDims, rank: int) -> dict[str, list[int]]:
+    """Coordinates in row-major (pp, dp, cp, tp); groups vary the named coordinates, fix the rest."""
+    shape = dims.shape()
+    coords = dict(zip(MESH_DIMS, next(c for c in itertools.product(*map(range, shape))
+                                     if sum(v * _stride(shape, i) for i, v in enumerate(c)) == rank)))
+
+    def ranks(varying: tuple[str, ...]) -> list[int]:
+        out = []
+        for c in itertools.product(*(range(getattr(dims, d)) if d in varying else [coords[d]] for d in MESH_DIMS)):
+            out.append(sum(v * _stride(shape, i) for i, v in enumerate(c)))
+        return sorted(out)
+
+    dp_cp = ranks(("dp", "cp"))  # in (dp, cp) order = sorted, since tp is innermost
+    position = dp_cp.index(rank)
+    block = position // dims.ep
+    ep = dp_cp[block * dims.ep:(block + 1) * dims.ep]
+    ep_dp = [r for i, r in enumerate(dp_cp) if i % dims.ep == position % dims.ep]
+    return dict(pp=ranks(("pp",)), dp=ranks(("dp",)), cp=ranks(("cp",)), tp=ranks(("tp",)), dp_cp=dp_cp, ep=ep,
+                ep_dp=ep_dp)
+
+
+def _stride(shape: tuple[int, ...], i: int) -> int:
+    out = 1
+    for n in shape[i + 1:]:
+        out *= n
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_is_in_the_groups_of_its_coordinates(groups, layout):
+    dims = LAYOUTS[layout].resolve(8)
+    for rank, res in enumerate(groups):
+        got = res[layout]
+        want = _expected(dims, rank)
+        for dim, members in want.items():
+            assert got[dim] == members, f"{layout} rank {rank} {dim}"
+        for dim, (size, comm_size) in got["sizes"].items():
+            assert size == comm_size == len(want[dim]), f"{layout} rank {rank} {dim} size"
+        for dim, (r, comm_rank) in got["ranks"].items():
+            assert r == comm_rank == want[dim].index(rank), f"{layout} rank {rank} {dim} rank"
+
+
+def test_ep_must_divide_dp_times_cp():
+    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide dp\(2\) × cp\(2\) = 4"):
+        ParallelDims(dp=2, cp=2, ep=3).resolve(4)
+    assert ParallelDims(dp=-1, cp=2, ep=4).resolve(8).dp == 4

@@ -1,0 +1,99 @@
+"""`validate(config, world_size)`: every bad input named in the launching process, before any worker
+starts — a clear message saying what to change — and a good config resolved once (grid, batch, model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.config import ConfigError, load_config
+from fivefold.train.trainer import run
+from fivefold.train.validate import validate
+
+TINY = ["--preset", "tiny"]
+
+# (overrides, world size, message the error must contain)
+BAD = [
+    (["--steps", "0"], 2, "train.steps=0 must be positive"),
+    (["--steps", "-3"], 2, "train.steps=-3 must be positive"),
+    (["--run.log_every", "0"], 2, "run.log_every=0 must be positive"),
+    ([], 0, "world size=0 must be positive"),
+    (["--train.eps", "0"], 2, "train.eps=0.0 must be positive"),
+    (["--zero.inflight_buckets", "0"], 2, "zero.inflight_buckets=0 must be positive"),
+    (["--zero.prefetch", "-1"], 2, "zero.prefetch=-1 must not be negative"),
+    (["--data.val_fraction", "1.0"], 2, "data.val_fraction=1.0 must lie in [0, 1)"),
+    (["--train.min_lr_ratio", "2"], 2, "train.min_lr_ratio=2.0 must lie in [0, 1]"),
+    (["--zero", "5"], 2, "zero.stage=5: choose a ZeRO stage 0 (DDP), 1, 2 or 3"),
+    (["--precision.param", "fp8"], 2, "precision.param: unknown dtype 'fp8'"),
+    (["--preset", "huge"], 2, "unknown model preset 'huge'"),
+    (TINY + ["--model.dim", "132", "--model.n_heads", "4"], 2, "head_dim=33 (dim=132 / n_heads=4) must be even"),
+    (TINY + ["--parallel.tp", "2", "--model.n_kv_heads", "1"], 2, "n_kv_heads=1 is not divisible by tp=2"),
+    (TINY + ["--parallel.tp", "2", "--parallel.sp", "true", "--train.seq_len", "63"], 2,
+     "train.seq_len=63 is not divisible by tp=2"),
+    (TINY + ["--parallel.pp", "8", "--train.grad_accum", "8"], 8, "n_layers=4 is fewer than the 8 pipeline stages"),
+    (TINY + ["--parallel.pp", "2", "--train.grad_accum", "2", "--precision.param", "fp16"], 2,
+     "fp16 with pipeline parallelism is not supported"),
+    (TINY + ["--parallel.pp", "2", "--train.grad_accum", "2", "--model.tie_embeddings", "true"], 2,
+     "tie_embeddings=True with pipeline parallelism"),
+    (TINY + ["--parallel.pp", "2", "--train.grad_accum", "2", "--pipeline.layers_per_stage", "3,3"], 2,
+     "layers_per_stage=[3, 3] must have 2 non-negative entries summing to n_layers=4"),
+    (TINY + ["--parallel.pp", "2", "--train.grad_accum", "2", "--pipeline.layers_per_stage", "a,b"], 2,
+     "give comma-separated block counts"),
+    (TINY + ["--parallel.pp", "2", "--train.grad_accum", "2", "--pipeline.schedule", "pipedream"], 2,
+     "unknown pipeline schedule 'pipedream'"),
+    (TINY + ["--parallel.pp", "2", "--train.grad_accum", "1"], 2, "M=1 < P=2"),
+    (["--parallel.cp", "2"], 2, "parallel.cp=2: context parallelism is not implemented yet"),
+    (["--parallel.ep", "2"], 2, "parallel.ep=2: expert parallelism is not implemented yet"),
+    (["--parallel.ep", "3"], 2, "parallel.ep=3 must divide dp(2) × cp(1) = 2"),
+    (["--parallel.dp", "3"], 2, "dp(3) × cp(1) × tp(1) = 3 but the world size is 2"),
+    (["--train.global_batch", "30", "--train.micro_batch", "4"], 2,
+     "global_batch=30 is not divisible by micro_batch(4)"),
+    (["--data.max_bytes", "0"], 2, "data.max_bytes=0 must be positive"),
+    (["--data.max_bytes", "-5"], 2, "data.max_bytes=-5 must be positive"),
+]
+
+
+@pytest.mark.parametrize("overrides, world, message", BAD, ids=[m.split(":")[0][:40] for _, _, m in BAD])
+def test_bad_input_is_named_before_anything_starts(overrides, world, message):
+    with pytest.raises(ValueError) as err:
+        validate(load_config(None, overrides), world)
+    assert message in str(err.value)
+
+
+def test_bad_data_sources_and_run_directories(tmp_path):
+    def error(*overrides: str) -> str:
+        with pytest.raises((ValueError, FileNotFoundError)) as err:
+            validate(load_config(None, ["--run.out_dir", str(tmp_path / "runs"), *overrides]), 2)
+        return str(err.value)
+
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
+    (tmp_path / "binaries").mkdir()
+    (tmp_path / "binaries" / "blob.png").write_bytes(b"\x89PNG\x00")
+    (tmp_path / "afile").write_text("x")
+    assert "corpus path not found" in error("--data", str(tmp_path / "missing.txt"))
+    assert "is empty" in error("--data", str(tmp_path / "empty.txt"))
+    assert "not a whole number of uint16 tokens" in error("--data", str(tmp_path / "odd.bin"))
+    assert "contains no non-empty text files" in error("--data", str(tmp_path / "binaries"))
+    assert "is a file" in error("--run.out_dir", str(tmp_path / "afile" / "runs"))
+
+
+def test_moved_keys_say_where_they_went():
+    with pytest.raises(ConfigError, match=r"'ddp.prefetch' is now 'zero.prefetch'"):
+        load_config(None, ["--ddp.prefetch", "2"])
+    with pytest.raises(ConfigError, match=r"'parallel.zero' is now 'zero.stage'"):
+        load_config(None, ["--parallel.zero", "2"])
+
+
+def test_a_good_config_is_resolved_once():
+    plan = validate(load_config(None, TINY + ["--parallel.tp", "2", "--train.global_batch", "16",
+                                              "--train.micro_batch", "2", "--train.seq_len", "512"]), 4)
+    assert (plan.dims.dp, plan.dims.tp) == (2, 2)
+    assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (16, 2, 4)
+    assert plan.model.max_seq_len == 512 and plan.model.dim == 128  # grown to the sequence length
+    assert plan.model_for(255).vocab_size == 256 and plan.model_for(50000).vocab_size == 50048
+
+
+def test_run_validates_in_the_launching_process():
+    """The launcher refuses before spawning: a worker would take seconds to start and fail."""
+    with pytest.raises(ValueError, match="train.steps=0 must be positive"):
+        run(load_config(None, ["--steps", "0", "--nproc", "2"]))
