@@ -17,7 +17,8 @@ def _train(argv: list[str]) -> int:
         description="Train a Llama-style model (dp / ZeRO / tp / sp / pp). Every config key can be overridden as "
                     "--section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
                     + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()))
-    parser.add_argument("--config", help="TOML file with [model] [parallel] [train] [data] [ddp] [run] sections")
+    parser.add_argument("--config", help="TOML file with sections [model] [parallel] [zero] [train] [data] "
+                                         "[precision] [pipeline] [run]")
     args, overrides = parser.parse_known_args(argv)
     from fivefold.train.trainer import run
 

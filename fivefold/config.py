@@ -86,6 +86,14 @@ class PipelineSection:
     virtual: int = 1  # virtual stages per rank (interleaved)
     layers_per_stage: str = ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
 
+    def layers(self) -> list[int] | None:
+        """``layers_per_stage`` as block counts (None: as even as possible)."""
+        try:
+            return [int(v) for v in self.layers_per_stage.split(",")] if self.layers_per_stage else None
+        except ValueError:
+            raise ConfigError(f"pipeline.layers_per_stage={self.layers_per_stage!r}: give comma-separated block "
+                              "counts, one per (virtual) stage, e.g. '3,3,2'") from None
+
 
 @dataclass
 class PrecisionSection:

@@ -113,7 +113,7 @@ class ParallelMesh:
 
     def rank(self, dim: str) -> int:
         if dim in DERIVED_DIMS:
-            return dist.get_rank(self._derived[dim])
+            return dist.get_rank(self.group(dim))
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str) -> dist.ProcessGroup:

@@ -52,7 +52,9 @@ def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x Wᵀ + b; under `recording_weight_grads` its weight gradients wait in the store."""
     store = _recording.get()
-    if store is None:
+    if store is None or not (torch.is_grad_enabled() and x.requires_grad):
+        # nothing to defer to: without a gradient path through x there is no I pass to split off (the first
+        # layer of a stage fed raw inputs), so the weight gradient is computed by the one backward there is
         return F.linear(x, weight, bias)
     # The parameters travel outside autograd's inputs: no AccumulateGrad (and no hook) until W.
     return _LinearInputGradOnly.apply(x, weight.detach(), None if bias is None else bias.detach(),

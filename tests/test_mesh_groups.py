@@ -25,9 +25,10 @@ def _worker() -> dict:
     out = {}
     for name, dims in LAYOUTS.items():
         mesh = ParallelMesh(dims, "cpu", CommLog())
+        ranks = {dim: mesh.rank(dim) for dim in DERIVED_DIMS}  # before anything asked for a group (ep = 1 is lazy)
         out[name] = {dim: sorted(dist.get_process_group_ranks(mesh.group(dim))) for dim in (*MESH_DIMS, *DERIVED_DIMS)}
         out[name]["sizes"] = {dim: (mesh.size(dim), mesh.comm(dim).size) for dim in (*MESH_DIMS, *DERIVED_DIMS)}
-        out[name]["ranks"] = {dim: (mesh.rank(dim), mesh.comm(dim).rank) for dim in DERIVED_DIMS}
+        out[name]["ranks"] = {dim: (ranks[dim], mesh.comm(dim).rank) for dim in DERIVED_DIMS}
     return out
 
 

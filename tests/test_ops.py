@@ -42,3 +42,18 @@ def test_deferred_weight_and_bias_gradients_equal_autograd():
         torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-7)
         if bias:
             torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_linear_on_an_input_without_gradient_is_not_deferred():
+    """The first layer of a stage fed raw inputs: no I pass exists to split off, so its weight gradient must come
+    from the one backward there is (deferring it would lose it)."""
+    layer, ref = _layer(True), _layer(True)
+    x = torch.randn(4, 5)  # requires no grad
+    store = WeightGradStore()
+    with recording_weight_grads(store):
+        out = torch.nn.functional.layer_norm(layer(x), (3,))
+    out.pow(2).sum().backward()
+    torch.nn.functional.layer_norm(ref(x), (3,)).pow(2).sum().backward()
+    assert store.pending() == 0
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad)

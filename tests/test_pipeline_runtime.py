@@ -171,18 +171,38 @@ def test_pp2_dp2_training_matches_single_process(ppdp_results, run):
                                            msg=f"rank {rank} step {step} {name}")
 
 
+def _empty_stage_worker() -> list:
+    """pp 3 with a middle stage holding no block (no parameters at all): its rank still takes part in the
+    global norm's collectives, so every rank clips alike and nothing hangs."""
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models.parallelize import parallelize
+
+    mesh = ParallelMesh(ParallelDims(pp=3, dp=1), "cpu", CommLog())
+    cfg = _parts_config("1f1b", 1, 4, 1, pp=3, dp=1)
+    cfg.pipeline.layers_per_stage = "3,0,5"
+    parts = parallelize(cfg, CFG, mesh, "cpu")
+    history = []
+    for step in range(PPDP_STEPS):
+        x, y = _step_batch(step)
+        parts.forward_backward(list(zip(x.chunk(4), y.chunk(4))))
+        parts.step(CLIP)
+        history.append(parts.full_state_dict())
+    return history
+
+
+def test_pipeline_stage_without_parameters_trains_like_single_process():
+    ref = _ppdp_reference()
+    results = run_workers(_empty_stage_worker, 3)
+    assert not results[1][0], "the middle stage holds no parameters"
+    for rank, history in enumerate(results):
+        for step, got in enumerate(history):
+            for name, value in got.items():
+                torch.testing.assert_close(value, ref[step][name], rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank} step {step} {name}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The 3-D mesh: pp 2 × dp 2 × tp 2 (+ SP), ZeRO-1 over dp, 1F1B — 8 processes, a few steps.
-def _tp_dim(name: str) -> int | None:
-    """How LLAMA_TP_PLAN splits a parameter: rows (0), columns (1) or not at all (None)."""
-    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight",
-                      "tok_embeddings.weight")):
-        return 0
-    if name.endswith(("wo.weight", "w2.weight")):
-        return 1
-    return None
-
-
 def _mesh3d_worker() -> dict:
     from fivefold.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
@@ -198,7 +218,9 @@ def _mesh3d_worker() -> dict:
         parts.forward_backward(list(zip(xs.chunk(M), ys.chunk(M))))
         parts.step(CLIP)
         history.append(parts.full_state_dict())
-    return dict(history=history, tp_rank=tp.rank)
+    # where each parameter's TP slice comes from, as the plan declares it (what checkpoint resharding relies on)
+    tp_dims = {n: pl.tp_dim for e in parts.engines.values() for n, pl in e.module.tp_placements.items()}
+    return dict(history=history, tp_rank=tp.rank, tp_dims=tp_dims)
 
 
 CFG_3D = get_config("tiny", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=16)
@@ -220,6 +242,6 @@ def test_pp2_dp2_tp2_sp_training_matches_single_process():
         for rank, res in enumerate(results):
             for name, got in res["history"][step].items():
                 full = dict(model.named_parameters())[name].detach()
-                dim = _tp_dim(name)
+                dim = res["tp_dims"][name]
                 want = full if dim is None else full.chunk(2, dim)[res["tp_rank"]]
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step} {name}")

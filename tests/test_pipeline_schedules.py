@@ -357,3 +357,26 @@ def test_chrome_trace(tmp_path):
     first = min(events, key=lambda e: (e["tid"], e["ts"]))
     assert first["name"] == "F0@s0" and first["ts"] == 0 and first["dur"] == 1e6
     assert max(e["ts"] + e["dur"] for e in events) == t.makespan * 1e6
+
+
+def test_messages_between_two_ranks_must_be_posted_in_the_same_order():
+    """p2p between a pair of ranks matches by posting order (no tags), not by identity: a V-shaped placement
+    (rank 0: stages 0 and 3, rank 1: stages 1 and 2) where rank 1 sends a gradient before an activation that
+    rank 0 receives first would hand each receive the other's tensor — complete, live, and wrong."""
+    def v_shaped(rank1: list[Action]) -> Schedule:
+        rank0 = [Action(F, m, 0) for m in range(4)]
+        for m in range(4):
+            rank0 += [Action(F, m, 3), Action(B, m, 3)]
+        rank0 += [Action(B, m, 0) for m in range(4)]
+        return Schedule("v", 2, 4, 2, [0, 1, 1, 0], [rank0, rank1])
+
+    good = [a for m in range(4) for a in (Action(F, m, 1), Action(F, m, 2))]
+    good += [a for m in range(4) for a in (Action(B, m, 2), Action(B, m, 1))]
+    bad = [a for m in range(3) for a in (Action(F, m, 1), Action(F, m, 2))]
+    bad += [Action(B, 0, 2), Action(B, 0, 1), Action(F, 3, 1), Action(F, 3, 2)]
+    bad += [a for m in range(1, 4) for a in (Action(B, m, 2), Action(B, m, 1))]
+    check_deadlock_free(lower(v_shaped(good)))
+    low = lower(v_shaped(bad))
+    validate(low)  # each list on its own is complete and ordered
+    with pytest.raises(DeadlockError, match=r"(?s)would pair messages wrongly.*match in posting order"):
+        check_deadlock_free(low)

@@ -189,8 +189,9 @@ def _model_target() -> torch.Tensor:
 
 
 def _shard_dim(name: str) -> int | None:
-    """Where the plan puts each parameter: column-parallel rows (dim 0), row-parallel columns (dim 1),
-    vocabulary rows of the embedding (dim 0); norms replicated (None)."""
+    """Where the plan must put each parameter — the independent specification the plan's declared placements are
+    checked against: column-parallel rows (dim 0), row-parallel columns (dim 1), vocabulary rows of the embedding
+    (dim 0); norms replicated (None)."""
     if name.endswith("norm.weight"):
         return None
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
@@ -243,6 +244,7 @@ def _run_model(comm: Comm, sp: bool, tie: bool) -> dict:
                 grads={n: p.grad.clone() for n, p in model.named_parameters()},
                 shapes={n: tuple(p.shape) for n, p in model.named_parameters()},
                 sharded={n: is_tp_sharded(n, p, model) for n, p in model.named_parameters()},
+                tp_dims={n: model.tp_placements[n].tp_dim for n, _ in model.named_parameters()},
                 records=[(rec.seq, rec.op, rec.tag, rec.numel, rec.wire_bytes) for rec in log.records], marks=marks)
 
 
@@ -474,6 +476,7 @@ def test_model_matches_single_process(world2, case):
         dim = _shard_dim(name)
         for r, res in enumerate(ranks):
             assert res["sharded"][name] == (dim is not None), f"is_tp_sharded({name}) on rank {r}"
+            assert res["tp_dims"][name] == dim, f"declared placement of {name} on rank {r}"
             expected_shape = list(want.shape)
             if dim is not None:
                 expected_shape[dim] //= len(ranks)

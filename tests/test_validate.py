@@ -47,6 +47,12 @@ BAD = [
     (["--parallel.dp", "3"], 2, "dp(3) × cp(1) × tp(1) = 3 but the world size is 2"),
     (["--train.global_batch", "30", "--train.micro_batch", "4"], 2,
      "global_batch=30 is not divisible by micro_batch(4)"),
+    (["--train.beta1", "1.5"], 2, "train.beta1=1.5 must lie in [0, 1)"),
+    (["--train.beta2", "-0.1"], 2, "train.beta2=-0.1 must lie in [0, 1)"),
+    (["--data.max_bytes", "200"], 2, "leaves 10 validation tokens"),
+    (["--data.max_bytes", "100", "--data.val_fraction", "0", "--train.eval_every", "0"], 2,
+     "holds 100 training tokens, too few for train.seq_len=128"),
+    (["--data.val_fraction", "0"], 2, "raise data.val_fraction or set train.eval_every 0"),
     (["--data.max_bytes", "0"], 2, "data.max_bytes=0 must be positive"),
     (["--data.max_bytes", "-5"], 2, "data.max_bytes=-5 must be positive"),
 ]
@@ -75,6 +81,8 @@ def test_bad_data_sources_and_run_directories(tmp_path):
     assert "not a whole number of uint16 tokens" in error("--data", str(tmp_path / "odd.bin"))
     assert "contains no non-empty text files" in error("--data", str(tmp_path / "binaries"))
     assert "is a file" in error("--run.out_dir", str(tmp_path / "afile" / "runs"))
+    (tmp_path / "small.txt").write_text("x" * 40)
+    assert "holds 38 training tokens, too few for train.seq_len=128" in error("--data", str(tmp_path / "small.txt"))
 
 
 def test_moved_keys_say_where_they_went():

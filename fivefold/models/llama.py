@@ -195,6 +195,9 @@ class Blocks(nn.ModuleDict):
     def __delitem__(self, key: int | str) -> None:
         super().__delitem__(str(key))
 
+    def __iter__(self):  # noqa: ANN204 - the blocks, as a ModuleList would (keys(): their names)
+        return iter(self.values())
+
 
 class Llama(nn.Module):
     """Llama decoder. Never touches the global RNG: built on meta, allocated on ``device``, filled by

@@ -26,7 +26,7 @@ from fivefold.pipeline.runtime import PipelineRuntime
 from fivefold.pipeline.simulator import Timeline
 from fivefold.pipeline.split import keep_only
 from fivefold.tensor_parallel.loss import VocabParallelLoss
-from fivefold.tensor_parallel.plan import TPPlan, shard_by_plan
+from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
 
 __all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "is_tp_sharded", "parallelize",
            "pipeline_forward_backward", "tp_loss"]
@@ -48,7 +48,8 @@ def apply_tensor_parallel(model: nn.Module, comm: Any, sequence_parallel: bool =
 
 def is_tp_sharded(name: str, param: nn.Parameter, model: nn.Module) -> bool:
     """True if this parameter holds a 1/T slice (False: replicated across the TP group)."""
-    return "tp" in getattr(model, "tp_placements", {}).get(name, ())
+    placement = getattr(model, "tp_placements", {}).get(name)
+    return placement is not None and placement.tp_dim is not None
 
 
 def tp_loss(model: nn.Module) -> VocabParallelLoss:
@@ -95,14 +96,14 @@ def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
 
 def _engine(module: nn.Module, cfg: Config, mesh: ParallelMesh) -> ZeroDataParallel:
     t, z = cfg.train, cfg.zero
-    tp_placements: dict[str, Placement] = getattr(module, "tp_placements", {})
+    tp_placements: dict[str, ParamPlacement] = getattr(module, "tp_placements", {})
     pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
     return ZeroDataParallel(
         module, mesh.comm("dp"), zero_stage=z.stage,
         mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
         bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
         prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
-        placement_of=lambda name, p: tp_placements.get(name, frozenset()) | pp,
+        placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp,
         optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
 
 
@@ -168,20 +169,24 @@ class WholeModel(_Parts):
         return self.global_loss(total / len(batches))
 
 
+def check_pipeline_supported(cfg: Config) -> None:
+    """What a pipeline refuses (also checked by `train.validate` before any process starts)."""
+    if cfg.precision.param == "fp16":
+        raise ValueError("precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
+                         "per engine); use bf16 or fp32")
+
+
 class PipelinedModel(_Parts):
     """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation micro-batches."""
 
     def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
         super().__init__(cfg, mesh, device)
-        if cfg.precision.param == "fp16":
-            raise ValueError("precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
-                             "per engine); use bf16 or fp32")
+        check_pipeline_supported(cfg)
         p, pp = cfg.pipeline, mesh.comm("pp")
         self.pp = pp
         self.schedule = build_schedule(p.schedule, pp.size, cfg.train.grad_accum, p.virtual)
-        layers = [int(v) for v in p.layers_per_stage.split(",")] if p.layers_per_stage else None
         stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
-                              seed=cfg.train.seed, device=device, layers_per_stage=layers)
+                              seed=cfg.train.seed, device=device, layers_per_stage=p.layers())
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
         self.engines = {s: _engine(m, cfg, mesh) for s, m in stages.items()}
         # Between stages flows the hidden state [mb, L, D], a sequence chunk [mb, L/T, D] under SP.

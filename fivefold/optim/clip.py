@@ -1,7 +1,8 @@
 """The global gradient norm of a model spread over a mesh, and the optimizer step it gates. Each group declares its
 `Placement`, the dimensions it is partitioned over; squared norms are summed over exactly those (over a replicated one
-the same elements would count N times), innermost first (`DIM_ORDER`), merging entries that no longer differ: one
-small all-reduce per dimension. Every rank gets the same norm, so a non-finite one (fp16 overflow) skips all engines."""
+the same elements would count N times), innermost first (`DIM_ORDER`). Every rank issues the same collectives — one
+small all-reduce per dimension taken part in, whatever this rank holds (a pipeline stage without parameters adds
+zeros) — and gets the same norm, so a non-finite one (fp16 overflow) skips all engines."""
 
 from __future__ import annotations
 
@@ -24,38 +25,34 @@ def _order(dim: str) -> tuple[int, str]:
 
 def global_grad_sq_norm(parts: Iterable[Mapping[Placement, torch.Tensor]], comms: Mapping[str, Comm],
                         device: torch.device | str = "cpu") -> torch.Tensor:
-    """Σ‖g‖² over every rank's pieces: `parts` are local squared sums keyed by placement."""
-    entries: dict[Placement, torch.Tensor] = {}
+    """Σ‖g‖² over every rank's pieces: `parts` are local squared sums keyed by placement; `comms` the dimensions
+    to sum over (all ranks must pass the same ones). Squares are kept in a vector indexed by the subset of those
+    dimensions they are partitioned over, a fixed layout on every rank: reducing dimension d all-reduces the
+    entries that contain d and folds them into the entries without it."""
+    dims = sorted((d for d, c in comms.items() if c.size > 1), key=_order)
+    vec = torch.zeros(2 ** len(dims), dtype=torch.float32, device=device)
     for part in parts:
         for placement, sq in part.items():
-            entries[placement] = entries[placement] + sq if placement in entries else sq
-    dims = sorted({d for placement in entries for d in placement}, key=_order)
-    missing = [d for d in dims if d not in comms]
-    if missing:
-        raise ValueError(f"gradients are partitioned over {missing} but no Comm was given for them; pass "
-                         f"comms={{{', '.join(repr(d) + ': ...' for d in missing)}}} (e.g. to step_together)")
-    for d in dims:
-        partitioned = [p for p in entries if d in p]
-        comm = comms[d]
-        if comm.size > 1:
-            stacked = torch.stack([entries[p] for p in partitioned])
-            comm.all_reduce(stacked, tag="grad_norm")
-            for p, reduced in zip(partitioned, stacked.unbind()):
-                entries[p] = reduced
-        remaining: dict[Placement, torch.Tensor] = {}
-        for p, sq in entries.items():  # d is done: entries that differed only in it become one
-            key = p - {d}
-            remaining[key] = remaining[key] + sq if key in remaining else sq
-        entries = remaining
-    if not entries:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return sum(entries.values())
+            missing = sorted(placement - set(comms))
+            if missing:
+                raise ValueError(f"gradients are partitioned over {missing} but no Comm was given for them; pass "
+                                 f"comms={{{', '.join(repr(d) + ': ...' for d in missing)}}} (e.g. to step_together)")
+            index = sum(1 << i for i, d in enumerate(dims) if d in placement)
+            vec[index] += sq
+    for i, d in enumerate(dims):
+        bit = 1 << i  # entries with an earlier dimension's bit were folded already
+        idx = torch.tensor([m for m in range(bit, len(vec)) if m & bit and not m & (bit - 1)], device=device)
+        reduced = vec.index_select(0, idx)
+        comms[d].all_reduce(reduced, tag="grad_norm")
+        vec.index_add_(0, idx - bit, reduced)
+    return vec[0]
 
 
 class Engine(Protocol):
     """What `step_together` needs of a data-parallel engine (`ZeroDataParallel`)."""
 
     comm: Comm
+    zero_stage: int
     loss_scaler: Any
     optimizer: Any  # local_sq_norms() -> {placement: tensor}; apply_step(norm, max_norm)
 
@@ -67,11 +64,13 @@ class Engine(Protocol):
 def step_together(engines: Sequence[Engine], max_norm: float | None = None,
                   comms: Mapping[str, Comm] | None = None) -> float | None:
     """One step of the engines forming one model (this rank's stages), clipped by their global norm; `comms` maps
-    partitioned dimensions to groups ("dp" defaults to the engines'). Returns the norm if one was needed."""
+    the other partitioned dimensions to groups (every rank passes the same: "tp", "pp"; "dp" is the engines' own
+    when they shard). Returns the norm if one was needed."""
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()
-        comms.setdefault("dp", e.comm)
+        if e.zero_stage >= 1:  # ZeRO shards are partitioned over dp (DDP's gradients are replicated there)
+            comms.setdefault("dp", e.comm)
     norm = None
     if max_norm is not None or any(e.loss_scaler is not None for e in engines):
         device = engines[0].comm.device if engines else "cpu"

@@ -1,5 +1,6 @@
-"""Checks of schedules: `validate` (complete, ordered, communication matched) and `check_deadlock_free` (the
-per-rank lists cannot block), both reading lowered lists through `actions.steps` like the runtime and simulator.
+"""Checks of schedules: `validate` (each rank's list complete and ordered, communication matched) and
+`check_deadlock_free` (the lists together cannot block and pair their messages in order), the latter reading lowered
+lists through `actions.steps` like the runtime and simulator.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def validate(schedule: Schedule) -> None:
             elif not schedule.is_lowered:
                 errors.append(f"rank {rank} step {idx}: {a} in a schedule that is not lowered")
 
+    forward_only = not any(kind != F for kind, _, _ in where)  # evaluation: every micro-batch forward only
     for s in range(S):
         for m in range(M):
             n = {k: len(where.get((k, m, s), ())) for k in COMPUTE_KINDS}
             label = f"micro-batch {m} stage {s}"
             if n[F] != 1:
                 errors.append(f"{label}: {n[F]} forwards (F), expected exactly 1")
-            if (n[B], n[I], n[W]) not in ((1, 0, 0), (0, 1, 1)):
+            if (n[B], n[I], n[W]) not in ((1, 0, 0), (0, 1, 1)) and not forward_only:
                 errors.append(f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; "
                               "expected one B, or one I and one W")
     if errors:
@@ -84,6 +86,7 @@ def validate(schedule: Schedule) -> None:
         _validate_comm(schedule, errors)
         if errors:
             raise ScheduleError(_report(schedule.name, "has mismatched communication", errors))
+
 
 
 def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
@@ -134,15 +137,35 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
                 errors.append(f"rank {rank}: {c} (step {got[0]}) before the {kind}{m}@s{s} that produces it")
 
 
+def _order_errors(lists: Sequence[Sequence[Action]]) -> list[str]:
+    """Point-to-point messages between two ranks match in posting order (no tags: NCCL, and gloo as the runtime
+    uses them), so the k-th receive of rank d from rank s must expect the k-th message s sends to d."""
+    sends: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    for r, acts in enumerate(lists):
+        for a in acts:
+            if a.is_comm:
+                (sends[(r, a.peer)] if a.kind.startswith("SEND") else recvs[(a.peer, r)]).append((a, channel(r, a)))
+    errors = []
+    for (src, dst), sent in sorted(sends.items()):
+        for k, ((s_act, s_ch), (r_act, r_ch)) in enumerate(zip(sent, recvs[(src, dst)])):
+            if s_ch != r_ch:
+                errors.append(f"rank {dst}'s receive #{k} from rank {src} is {r_act} but rank {src}'s message #{k} "
+                              f"to rank {dst} is {s_act}: messages between two ranks match in posting order")
+                break
+    return errors
+
+
 def _report(name: str, what: str, errors: list[str], limit: int = 12) -> str:
     more = f"\n  ... and {len(errors) - limit} more" if len(errors) > limit else ""
     return f"schedule {name!r} {what}:\n  " + "\n  ".join(errors[:limit]) + more
 
 
 def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezvous: bool = False) -> None:
-    """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever or a SEND is
-    never received. Default: sends are buffered, a batch waits for its receives; ``rendezvous=True`` (NCCL): a
-    batch completes only when every op in it is matched by a posted peer op."""
+    """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever, a SEND is
+    never received, or two ranks post a pair's messages in different orders (they match by order on the wire).
+    Default: sends are buffered, a batch waits for its receives; ``rendezvous=True`` (NCCL): a batch completes
+    only when every op in it is matched by a posted peer op."""
     lists = [list(acts) for acts in (schedule.actions if isinstance(schedule, Schedule) else schedule)]
     name = schedule.name if isinstance(schedule, Schedule) else "schedule"
     if isinstance(schedule, Schedule) and not schedule.is_lowered:
@@ -217,6 +240,9 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
     if leftover:
         msgs = [f"rank {src} SEND_{kind}{m}@s{s}->r{dst}" for (src, dst, kind, m, s) in sorted(leftover)]
         raise DeadlockError(f"{name!r}: sends never received (the peer has no matching RECV): " + ", ".join(msgs[:12]))
+    order = _order_errors(lists)  # matched by identity above; the wire matches by order
+    if order:
+        raise DeadlockError(f"{name!r} would pair messages wrongly:\n  " + "\n  ".join(order[:12]))
 
 
 def _step_starts(plan: list) -> list[int]:

@@ -19,6 +19,7 @@ from torch import nn
 from fivefold.comm import Comm
 from fivefold.ops import WeightGradStore, recording_weight_grads
 from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, steps
+from fivefold.pipeline.checks import check_deadlock_free, validate
 from fivefold.pipeline.lowering import lower
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,6 +37,10 @@ class PipelineRuntime:
             # not needed; without it each SEND_F leaves right after its F instead of after the paired backward.
             schedule = dataclasses.replace(schedule, fuse_forward_backward=False)
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
+        # Any list the runtime is given must be complete, executable and pair its messages in order (p2p between
+        # two ranks matches by order): a wrong list would otherwise train on the wrong tensors or hang.
+        validate(self.schedule)
+        check_deadlock_free(self.schedule, rendezvous=self.device.type != "cpu")
         self.rank = comm.rank
         expected = set(self.schedule.stages_of(self.rank))
         if set(stages) != expected:

@@ -17,10 +17,21 @@ from fivefold.comm import Comm, Placement
 from fivefold.tensor_parallel.comm_ops import all_reduce_grad_hook, copy_to_tp, gather_from_sp
 from fivefold.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["Colwise", "Norm", "RegionEntry", "Rowwise", "TPPlan", "VocabEmbedding", "VocabHead", "shard_by_plan"]
+__all__ = ["Colwise", "Norm", "ParamPlacement", "RegionEntry", "Rowwise", "TPPlan", "VocabEmbedding", "VocabHead",
+           "shard_by_plan"]
 
-TP: Placement = frozenset({"tp"})
-REPLICATED: Placement = frozenset()
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """Where a parameter's elements live under TP: split along tensor dimension `tp_dim` over the tp group (rank r
+    holds the r-th contiguous chunk), or replicated (None). The global norm needs `mesh_dims`; checkpoints that
+    reshard, and tests, need the dimension."""
+
+    tp_dim: int | None = None
+
+    @property
+    def mesh_dims(self) -> Placement:
+        return frozenset({"tp"}) if self.tp_dim is not None else frozenset()
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel:
     names_of: dict[int, list[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(pname)
-    sliced: set[str] = set()
+    sliced: dict[str, int] = {}  # parameter -> the tensor dimension split over tp
     for name, module in list(model.named_modules()):
         style = style_for(name, plan)
         if style is None:
@@ -91,14 +102,14 @@ def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel:
         prefix = f"{name}." if name else ""
         if isinstance(style, VocabEmbedding):
             _set_module(model, name, VocabParallelEmbedding.from_embedding(module, comm, sequence_parallel))
-            sliced.add(prefix + "weight")
+            sliced[prefix + "weight"] = 0  # vocabulary rows
         elif isinstance(style, Colwise | VocabHead):
             mode = entry if isinstance(style, VocabHead) else "none"
             _set_module(model, name, ColumnParallelLinear.from_linear(module, comm, mode, style.divides))
-            sliced.update({prefix + "weight", prefix + "bias"})
+            sliced.update({prefix + "weight": 0, prefix + "bias": 0})  # output features
         elif isinstance(style, Rowwise):
             _set_module(model, name, RowParallelLinear.from_linear(module, comm, sequence_parallel))
-            sliced.add(prefix + "weight")
+            sliced[prefix + "weight"] = 1  # input features; the bias is added once, after the exit
         elif isinstance(style, RegionEntry):
             module.register_forward_pre_hook(_region_entry(comm, entry))
         elif isinstance(style, Norm):
@@ -111,7 +122,7 @@ def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel:
         for other in tied[1:]:
             owner, _, attr = other.rpartition(".")
             setattr(model.get_submodule(owner), attr, shared)
-    return {n: TP if n in sliced else REPLICATED for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {n: ParamPlacement(sliced.get(n)) for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -128,11 +128,7 @@ def _folder_text_files(folder: Path) -> list[Path]:
 
 def _load_bin(path: Path, max_bytes: int | None) -> np.ndarray:
     """Memory-map a nanoGPT ``.bin`` file (raw little-endian uint16 token ids)."""
-    size = path.stat().st_size
-    if size == 0:
-        raise ValueError(f"empty corpus: {str(path)!r} has no tokens")
-    if size % 2:
-        raise ValueError(f"{str(path)!r} has {size} bytes, not a whole number of uint16 tokens")
+    _checked_tokens(path, max_bytes)
     arr = np.memmap(path, dtype=np.uint16, mode="r")
     if max_bytes is not None:
         arr = arr[: max_bytes // 2]
@@ -145,19 +141,13 @@ def _is_nanogpt_folder(path: Path) -> bool:
 
 def _load_one(path: Path, max_bytes: int | None) -> np.ndarray:
     """A single existing source (file or folder) -> tokens (no nanoGPT split handling)."""
-    if path.is_dir():
-        files = _folder_text_files(path)
-        data = _concat_capped((f.read_bytes() for f in files), max_bytes)
-        if not data:
-            raise ValueError(f"empty corpus: folder {str(path)!r} contains no non-empty text files")
-        return _bytes_to_tokens(data)
-    if path.suffix == ".bin":
+    if path.suffix == ".bin" and not path.is_dir():
         return _load_bin(path, max_bytes)
+    _checked_tokens(path, max_bytes)  # empty files and folders are named here
+    if path.is_dir():
+        return _bytes_to_tokens(_concat_capped((f.read_bytes() for f in _folder_text_files(path)), max_bytes))
     with path.open("rb") as fh:
-        data = fh.read() if max_bytes is None else fh.read(max_bytes)
-    if not data:
-        raise ValueError(f"empty corpus: file {str(path)!r} is empty")
-    return _bytes_to_tokens(data)
+        return _bytes_to_tokens(fh.read() if max_bytes is None else fh.read(max_bytes))
 
 
 def _split_sources(path: str) -> list[Path]:
@@ -204,21 +194,33 @@ def load_tokens(path: str | None, max_bytes: int | None = None) -> np.ndarray:
     return tokens
 
 
-def check_source(path: str | None, max_bytes: int | None = None) -> None:
-    """Raise what `load_tokens` would (missing path, empty file or folder, a ``.bin`` that is not whole
-    uint16 tokens, a negative or zero cap) from file sizes and names alone, without reading tokens."""
+def check_source(path: str | None, max_bytes: int | None = None) -> tuple[int, int | None]:
+    """Raise what `load_tokens` would (missing path, empty file or folder, a ``.bin`` that is not whole uint16 tokens,
+    a non-positive cap) from file sizes and names alone, without reading tokens. Returns (tokens, val tokens if the
+    source holds its own split, else None) as `load_splits` would load them (the default corpus: its cap)."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"data.max_bytes={max_bytes} must be positive (or none for no cap)")
     if path is None:
-        return
+        return (DEFAULT_CORPUS_MAX_BYTES if max_bytes is None else max_bytes), None
     sources = _split_sources(path)
     if len(sources) == 1 and _is_nanogpt_folder(sources[0]):
-        sources = [sources[0] / "train.bin", sources[0] / "val.bin"]
-    for p in sources:
-        if p.is_dir():
-            if not _folder_text_files(p):
-                raise ValueError(f"empty corpus: folder {str(p)!r} contains no non-empty text files")
-        elif p.stat().st_size == 0:
-            raise ValueError(f"empty corpus: file {str(p)!r} is empty")
-        elif p.suffix == ".bin" and p.stat().st_size % 2:
-            raise ValueError(f"{str(p)!r} has {p.stat().st_size} bytes, not a whole number of uint16 tokens")
+        train, val = (_checked_tokens(sources[0] / name, max_bytes) for name in ("train.bin", "val.bin"))
+        return train, val
+    return sum(_checked_tokens(p, max_bytes) for p in sources), None
+
+
+def _checked_tokens(p: Path, max_bytes: int | None) -> int:
+    cap = max_bytes if max_bytes is not None else float("inf")
+    if p.is_dir():
+        files = [f for f in _folder_text_files(p) if f.stat().st_size]
+        if not files:
+            raise ValueError(f"empty corpus: folder {str(p)!r} contains no non-empty text files")
+        return int(min(sum(f.stat().st_size for f in files) + len(SEPARATOR) * (len(files) - 1), cap))
+    size = p.stat().st_size
+    if size == 0:
+        raise ValueError(f"empty corpus: file {str(p)!r} is empty")
+    if p.suffix == ".bin":
+        if size % 2:
+            raise ValueError(f"{str(p)!r} has {size} bytes, not a whole number of uint16 tokens")
+        return int(min(size, cap) // 2)
+    return int(min(size, cap))

@@ -62,16 +62,16 @@ class RunRecord:
     def say(self, msg: str) -> None:
         self.progress.write(msg)
 
-    def pipeline(self, timeline: Timeline, formula: float, title: str) -> None:
-        """The last step's measured timeline: PNG + Chrome trace, and its bubble next to the formula."""
+    def pipeline(self, timeline: Timeline, formula: float | None, title: str) -> None:
+        """The last step's measured timeline: PNG + Chrome trace, and its bubble next to the formula (if any)."""
         if self.run_dir is None:
             return
-        plot_timeline(timeline, self.run_dir / "timeline.png",
-                      title=f"{title}, measured (formula bubble {formula:.1%})")
+        versus = f"formula {formula:.1%}" if formula is not None else "no textbook formula"
+        plot_timeline(timeline, self.run_dir / "timeline.png", title=f"{title}, measured ({versus})")
         to_chrome_trace(timeline, self.run_dir / "trace.json", us_per_unit=1e6)
         self.write({"kind": "pipeline", "measured_bubble": timeline.bubble_fraction, "formula_bubble": formula})
-        print(f"fivefold: last step's pipeline timeline: measured bubble {timeline.bubble_fraction:.1%} (formula "
-              f"{formula:.1%}); wrote {self.run_dir / 'timeline.png'} and {self.run_dir / 'trace.json'}")
+        print(f"fivefold: last step's pipeline timeline: measured bubble {timeline.bubble_fraction:.1%} ({versus}); "
+              f"wrote {self.run_dir / 'timeline.png'} and {self.run_dir / 'trace.json'}")
 
     def close(self, summary: dict[str, Any], plot_title: str | None) -> None:
         """Write the summary; draw the loss curve (unless `plot_title` is None)."""

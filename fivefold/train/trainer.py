@@ -109,8 +109,11 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                          str(record.run_dir) if record.run_dir else None, state_mb)
     if parts.timeline is not None:
         s = parts.schedule
-        record.pipeline(parts.timeline, bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual),
-                        f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}")
+        try:
+            formula = bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual)
+        except ValueError:  # a schedule without a textbook formula: the measured bubble alone
+            formula = None
+        record.pipeline(parts.timeline, formula, f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}")
     record.close(dataclasses.asdict(result),
                  f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}" if cfg.run.plot else None)
     return result

@@ -13,6 +13,7 @@ from fivefold.config import Config, ConfigError, resolve_batch
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
+from fivefold.models.parallelize import check_pipeline_supported
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
@@ -58,6 +59,9 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                  "zero.bucket_mb": z.bucket_mb, "zero.inflight_buckets": z.inflight_buckets})
     _non_negative(**{"train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                      "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "zero.prefetch": z.prefetch})
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{key}={beta} must lie in [0, 1) (AdamW's moment decay)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
     if not 0 <= cfg.data.val_fraction < 1:
@@ -87,21 +91,29 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len} is not "
                           f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
     if dims.pp > 1:
-        if cfg.precision.param == "fp16":
-            raise ConfigError("precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
-                              "per engine); use bf16 or fp32")
+        check_pipeline_supported(cfg)
         schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
-        try:
-            layers = [int(v) for v in cfg.pipeline.layers_per_stage.split(",")] if cfg.pipeline.layers_per_stage \
-                else None
-        except ValueError:
-            raise ConfigError(f"pipeline.layers_per_stage={cfg.pipeline.layers_per_stage!r}: give comma-separated "
-                              "block counts, one per (virtual) stage, e.g. '3,3,2'") from None
-        llama_stage_modules(model, schedule.n_stages, layers)  # blocks per stage, tied embeddings
+        llama_stage_modules(model, schedule.n_stages, cfg.pipeline.layers())  # blocks per stage, tied embeddings
 
-    check_source(cfg.data.path, cfg.data.max_bytes)
+    _check_data(cfg)
     _check_out_dir(Path(r.out_dir) / r.name)
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model)
+
+
+def _check_data(cfg: Config) -> None:
+    """The corpus exists and is long enough for the windows training and evaluation draw (as `TokenDataset`)."""
+    tokens, own_val = check_source(cfg.data.path, cfg.data.max_bytes)
+    need, where = cfg.train.seq_len + 1, f"data.path={cfg.data.path!r}" + (
+        f" capped at data.max_bytes={cfg.data.max_bytes}" if cfg.data.max_bytes is not None else "")
+    val = own_val if own_val is not None else int(tokens * cfg.data.val_fraction)
+    train = tokens if own_val is not None else tokens - val
+    if train < need:
+        raise ConfigError(f"{where} holds {train} training tokens, too few for train.seq_len={cfg.train.seq_len} "
+                          f"(need at least {need}); use more data or a shorter sequence")
+    if (own_val is None and cfg.data.val_fraction > 0 or cfg.train.eval_every > 0) and val < need:
+        raise ConfigError(f"{where} leaves {val} validation tokens (data.val_fraction={cfg.data.val_fraction}), "
+                          f"too few for train.seq_len={cfg.train.seq_len} (need {need}); raise data.val_fraction"
+                          + (" or set train.eval_every 0" if cfg.train.eval_every > 0 else ""))
 
 
 def _check_out_dir(run_dir: Path) -> None:
