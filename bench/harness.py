@@ -21,6 +21,7 @@ memory) goes through `fivefold.comm.Comm`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -265,6 +266,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
     described = [(r.comm_source, r.notes, r.info, r.memory is not None, r.records is not None) for r in runners]
     del run
     runners.clear()
+    gc.collect()  # free the contestants (their hooks, reducers, work handles) while the process group exists
     world_comm.barrier()
     if rank != 0:
         return None

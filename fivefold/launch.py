@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -55,6 +56,10 @@ def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         del result
     finally:
+        # Engines sit in reference cycles (parameter -> gradient hook -> reducer -> parameter) that hold process
+        # groups and work handles; collected after destroy_process_group, their teardown can abort the worker
+        # (seen: an intermittent SIGABRT in the test suite without this). Collect them while the group exists.
+        gc.collect()
         dist.destroy_process_group()
 
 
