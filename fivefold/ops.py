@@ -29,11 +29,31 @@ class WeightGradStore:
     def run(self, key: Hashable) -> None:
         """Compute the queued weight (and bias) gradients of `key` through autograd."""
         items = self._pending.pop(key, [])
-        if items:
+        if not items:
+            return
+        with _full_shaped(items):
             torch.autograd.backward([_ApplyWeightGrad.apply(*item) for item in items])
 
     def pending(self) -> int:
         return sum(len(v) for v in self._pending.values())
+
+
+@contextmanager
+def _full_shaped(items: list[tuple]) -> Iterator[None]:
+    """Autograd checks a gradient against its parameter's shape *now*. By W time ZeRO-3 may have freed the gathered
+    unit (the parameter is an empty placeholder until the next gather), so stand in a zero-cost view of the full shape
+    (the reducer only reads the gradient) while the gradients are handed over, then put the placeholder back."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for weight, bias, x, grad_out in items:
+        for p, shape in ((weight, (grad_out.shape[-1], x.shape[-1])), (bias, (grad_out.shape[-1],))):
+            if p is not None and tuple(p.shape) != shape and all(p is not q for q, _ in swapped):
+                swapped.append((p, p.data))
+                p.data = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(shape)
+    try:
+        yield
+    finally:
+        for p, placeholder in swapped:
+            p.data = placeholder
 
 
 _recording: ContextVar[WeightGradStore | None] = ContextVar("fivefold_weight_grad_store", default=None)

@@ -95,7 +95,8 @@ def test_pipeline_p2p_volume(pipeline_results, run):
 # ---------------------------------------------------------------------------------------------
 # pp 2 × dp 2: pipeline stages wrapped in ZeRO over the dp group, trained for several steps.
 PPDP_STEPS, LR, WD, CLIP = 5, 1e-2, 0.1, 0.5
-PPDP_RUNS = [("1f1b", 0), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 0)]  # (schedule, zero stage)
+PPDP_RUNS = [("1f1b", 0), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 0),  # (schedule, zero stage)
+             ("gpipe", 3), ("1f1b", 3), ("interleaved", 3), ("zb-h1", 3)]  # pp x ZeRO-3: every schedule
 PPDP_EPS = 1e-4  # see EPS in test_zero.py: bounds Adam's 1/eps amplification of reduction-order noise
 
 
