@@ -108,6 +108,31 @@ def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
     return {dev: name for dev, name in pairs.items() if dev == "cpu" or name != "gloo"}
 
 
+P2P_SEMANTICS = ("buffered", "rendezvous")
+
+
+class P2PBatch:
+    """The work handles of one `batch_isend_irecv`. gloo returns one per op; a coalescing backend (NCCL) returns ONE
+    for the whole batch, complete only when every op in it is: `work_of(i)` is the handle that covers op i."""
+
+    def __init__(self, works: Sequence, n_ops: int) -> None:
+        works = [w for w in works if w is not None]
+        if n_ops and len(works) not in (1, n_ops):
+            raise RuntimeError(f"batch_isend_irecv returned {len(works)} works for {n_ops} ops (expected 1 or {n_ops})")
+        self.works, self.n_ops = works, n_ops
+
+    @property
+    def coalesced(self) -> bool:
+        return self.n_ops > 1 and len(self.works) == 1
+
+    def work_of(self, i: int):
+        return self.works[0] if self.coalesced else self.works[i]
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
 class Comm:
     """Collectives over one process group, logged under the name of its mesh dimension; async calls return the
     work handle. ``device`` is where this group's tensors live (a tensor elsewhere is refused before anything is
@@ -185,15 +210,26 @@ class Comm:
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                       group=self.group, async_op=async_op)
 
-    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], tag: str = "") -> list:
-        """Issue ("send"|"recv", tensor, peer_group_rank) ops as one batch; returns work handles."""
+    def p2p_semantics(self) -> str:
+        """How this group's point-to-point messages complete (`P2P_SEMANTICS`): "buffered" for gloo on CPU (every
+        op progresses on its own, a batch returns one work per op), "rendezvous" otherwise (NCCL: a send completes
+        only against the peer's matching receive, a pair's messages match by order, a batch is one work)."""
+        return "buffered" if self.device.type == "cpu" else "rendezvous"
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], tag: str = "",
+                  expect: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None) -> P2PBatch:
+        """Issue ("send"|"recv", tensor, peer_group_rank) ops as one `batch_isend_irecv`. ``expect``: the shape and
+        dtype each op must have (the peer allocated the same), checked before anything is sent."""
         p2p = []
-        for kind, tensor, peer in ops:
+        for i, (kind, tensor, peer) in enumerate(ops):
             self._check(kind, tensor)
+            if expect is not None and (tuple(tensor.shape), tensor.dtype) != tuple(expect[i]):
+                raise RuntimeError(f"{kind} to/from '{self.dim}' rank {peer}: tensor {tuple(tensor.shape)} "
+                                   f"{tensor.dtype}, but the peer expects {tuple(expect[i][0])} {expect[i][1]}")
             self._record(kind, tensor, tag)
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, tensor, self.global_rank(peer), group=self.group))
-        return dist.batch_isend_irecv(p2p) if p2p else []
+        return P2PBatch(dist.batch_isend_irecv(p2p) if p2p else [], len(p2p))
 
     def all_gather_object(self, obj: object) -> list:
         """Small picklable objects (e.g. timing records) from every rank of the group; not logged."""

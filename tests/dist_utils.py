@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -12,6 +16,40 @@ from fivefold.launch import launch_local
 def run_workers(fn, world_size: int, *args):
     """Spawn `world_size` gloo ranks (one thread each, free port) running fn(*args); return results."""
     return launch_local(fn, world_size, *args, threads=1, timeout_s=240.0)
+
+
+class _AllOf:
+    """One work standing for a batch: complete when every op in it is (what NCCL's coalesced batch returns)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []  # waiting again returns at once, as on NCCL (a gloo p2p work may be waited only once)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+@contextlib.contextmanager
+def coalescing_p2p() -> Iterator[list[int]]:
+    """In a worker: `batch_isend_irecv` returns ONE work per batch, as torch does for NCCL (gloo returns one per op).
+    Yields a list that receives the size of every batch issued."""
+    original, sizes = dist.batch_isend_irecv, []
+
+    def coalesced(ops):
+        sizes.append(len(ops))
+        works = original(ops)
+        return [_AllOf(works)] if works else works
+
+    dist.batch_isend_irecv = coalesced
+    try:
+        yield sizes
+    finally:
+        dist.batch_isend_irecv = original
 
 
 class ToyNet(nn.Module):

@@ -7,10 +7,12 @@ single-process forward/backward of the same global batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_workers
+from dist_utils import coalescing_p2p, run_workers
 
 from fivefold.comm import Comm, CommLog
 from fivefold.config import Config
@@ -21,6 +23,7 @@ from fivefold.pipeline.runtime import PipelineRuntime
 
 CFG = get_config("tiny", n_layers=8, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=17)
 SEQ = 6
+P2P = ("buffered", "rendezvous")
 RUNS = [(name, M, V) for M in (4, 8) for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))]
 
 
@@ -36,19 +39,36 @@ def _loss(logits, y):
 
 
 def _pipeline_worker() -> dict:
+    """Every schedule under both p2p semantics: "buffered" on plain gloo (a work per message, look-ahead receives)
+    and "rendezvous" with `batch_isend_irecv` returning one work per batch, as NCCL does."""
     comm = Comm(None, "pp", CommLog())
     P, out = comm.size, {}
     for name, M, V in RUNS:
-        schedule = build_schedule(name, P, M, V)
-        stages = build_stages(CFG, schedule.stages_of(comm.rank), schedule.n_stages, seed=0)
-        runtime = PipelineRuntime(schedule, stages, comm, _loss, lambda mb: (mb, SEQ, CFG.dim), torch.float32)
-        x, y = _batch(M)
-        comm.log.reset()
-        loss = runtime.step(list(x.chunk(M)), list(y.chunk(M)))
-        grads = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters()}
-        p2p = [(r.op, r.numel) for r in comm.log.records]
-        out[(name, M, V)] = dict(loss=None if loss is None else loss.item(), grads=grads, p2p=p2p,
-                                 records=runtime.records)
+        for p2p in P2P:
+            schedule = build_schedule(name, P, M, V)
+            stages = build_stages(CFG, schedule.stages_of(comm.rank), schedule.n_stages, seed=0)
+            runtime = PipelineRuntime(schedule, stages, comm, _loss, lambda mb: (mb, SEQ, CFG.dim), torch.float32,
+                                      p2p=p2p)
+            x, y = _batch(M)
+            comm.log.reset()
+            with coalescing_p2p() if p2p == "rendezvous" else contextlib.nullcontext([]) as batch_sizes:
+                loss = runtime.step(list(x.chunk(M)), list(y.chunk(M)))
+            grads = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters()}
+            p2p_log = [(r.op, r.numel) for r in comm.log.records]
+            out[(name, M, V, p2p)] = dict(loss=None if loss is None else loss.item(), grads=grads, p2p=p2p_log,
+                                          records=runtime.records, batch_sizes=batch_sizes)
+    # a coalescing backend cannot serve look-ahead receives: a clear error, not a hang or a KeyError
+    schedule = build_schedule("1f1b", P, 4, 1)
+    stages = build_stages(CFG, schedule.stages_of(comm.rank), schedule.n_stages, seed=0)
+    runtime = PipelineRuntime(schedule, stages, comm, _loss, lambda mb: (mb, SEQ, CFG.dim), torch.float32,
+                              p2p="buffered")
+    x, y = _batch(4)
+    try:
+        with coalescing_p2p():
+            runtime.step(list(x.chunk(4)), list(y.chunk(4)))
+        out["buffered_on_coalescing"] = None
+    except RuntimeError as e:
+        out["buffered_on_coalescing"] = str(e)
     return out
 
 
@@ -65,10 +85,21 @@ def _reference(M: int):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def test_buffered_p2p_on_a_coalescing_backend_is_refused(pipeline_results):
+    _, results = pipeline_results
+    for r in results:
+        msg = r["buffered_on_coalescing"]
+        assert msg is not None and "rendezvous" in msg and "one work per message" in msg
+
+
+@pytest.mark.parametrize("p2p", P2P)
 @pytest.mark.parametrize("run", RUNS, ids=[f"{n}-M{m}-V{v}" for n, m, v in RUNS])
-def test_pipeline_matches_single_process(pipeline_results, run):
+def test_pipeline_matches_single_process(pipeline_results, run, p2p):
     P, results = pipeline_results
     ref_loss, ref_grads = _reference(run[1])
+    run = (*run, p2p)
+    if p2p == "rendezvous":  # the wrapper was in place: batches of several messages came back as one work
+        assert any(n > 1 for n in results[0][run]["batch_sizes"])
     losses = [r[run]["loss"] for r in results]
     assert losses[-1] == pytest.approx(ref_loss, rel=1e-6)  # the last stage owns the loss
     assert all(loss is None for loss in losses[:-1])
@@ -85,6 +116,7 @@ def test_pipeline_p2p_volume(pipeline_results, run):
     """Each stage boundary moves one activation forward and one gradient back per micro-batch."""
     P, results = pipeline_results
     name, M, V = run
+    run = (*run, "rendezvous")
     mb_elems = 2 * SEQ * CFG.dim
     boundaries = P * V - 1
     sends = sum(sum(n for op, n in r[run]["p2p"] if op == "send") for r in results)

@@ -251,6 +251,14 @@ def _device_checks(comm: Comm) -> dict:
             errors[op] = None
         except RuntimeError as e:
             errors[op] = str(e)
+    # a p2p message must have the shape and dtype the peer allocated (else NCCL reads garbage or hangs)
+    peer = (comm.rank + 1) % comm.size
+    for name, tensor in (("shape", torch.zeros(3)), ("dtype", torch.zeros(4, dtype=torch.float64))):
+        try:
+            comm.batch_p2p([("send", tensor, peer)], expect=[((4,), torch.float32)])
+            errors[f"p2p {name}"] = None
+        except RuntimeError as e:
+            errors[f"p2p {name}"] = str(e)
     scalar = comm.scalar(1.5)
     from_tensor = comm.scalar(torch.tensor(2.0, dtype=torch.float64))
     return dict(errors=errors, logged=len(declared.log.records), inferred=str(comm.device),
@@ -386,6 +394,9 @@ def test_comm_refuses_a_tensor_on_another_device(results):
     _, res = results
     for per_rank in res:
         d = per_rank["devices"]
+        for op in ("p2p shape", "p2p dtype"):
+            error = d["errors"].pop(op)
+            assert error is not None and "but the peer expects (4,) torch.float32" in error, error
         for op, error in d["errors"].items():
             assert error is not None, f"{op} accepted a CPU tensor on a group declared for cuda"
             assert error.startswith(f"{op} over 'dp'") and "is on cpu" in error and "cuda" in error, error

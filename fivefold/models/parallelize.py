@@ -194,7 +194,9 @@ class PipelinedModel(_Parts):
         self.dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
         self.shape = lambda mb: (mb, seq, model_cfg.dim)
         self.loss_fn = loss_fns.get(self.schedule.n_stages - 1, lm_cross_entropy)
-        self.runtime = PipelineRuntime(self.schedule, self.engines, pp, self.loss_fn, self.shape, self.dtype, device)
+        self.p2p = None if p.p2p == "auto" else p.p2p
+        self.runtime = PipelineRuntime(self.schedule, self.engines, pp, self.loss_fn, self.shape, self.dtype, device,
+                                       p2p=self.p2p)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         loss = pipeline_forward_backward(self.runtime, self.engines, [x for x, _ in micro_batches],
@@ -213,7 +215,8 @@ class PipelinedModel(_Parts):
 
     def evaluate(self, batches: list[Batch]) -> float:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
-        runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device)
+        runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device,
+                                  p2p=self.p2p)
         loss = runtime.step([x for x, _ in batches], [y for _, y in batches])
         return self.global_loss(loss if loss is not None else self.pp.scalar(0.0))
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm
+from fivefold.comm import P2P_SEMANTICS, Comm
 from fivefold.ops import WeightGradStore, recording_weight_grads
 from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, steps
 from fivefold.pipeline.checks import check_deadlock_free, validate
@@ -30,17 +30,25 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comm: Comm, loss_fn: LossFn,
                  activation_shape: Callable[[int], Sequence[int]], dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", p2p: str | None = None) -> None:
         self.device = torch.device(device)
-        if not schedule.is_lowered and self.device.type == "cpu":
-            # gloo sends never block, so the F+B pairing that keeps interleaved 1F1B deadlock-free under NCCL is
-            # not needed; without it each SEND_F leaves right after its F instead of after the paired backward.
+        # How messages complete decides how the lists may be ordered (`Comm.p2p_semantics`; settable for tests).
+        self.p2p = p2p or comm.p2p_semantics()
+        if self.p2p not in P2P_SEMANTICS:
+            raise ValueError(f"p2p={self.p2p!r}: choose one of {', '.join(P2P_SEMANTICS)}")
+        if self.p2p == "buffered" and comm.p2p_semantics() == "rendezvous":
+            raise ValueError(f"p2p='buffered' relies on gloo's per-message completion; this '{comm.dim}' group on "
+                             f"{comm.device} completes a batch as a whole: use p2p='rendezvous' (or the default)")
+        rendezvous = self.p2p == "rendezvous"
+        if not schedule.is_lowered and not rendezvous:
+            # buffered sends never block, so the F+B pairing that keeps interleaved 1F1B deadlock-free under a
+            # rendezvous is not needed; without it each SEND_F leaves right after its F instead of after the backward.
             schedule = dataclasses.replace(schedule, fuse_forward_backward=False)
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         # Any list the runtime is given must be complete, executable and pair its messages in order (p2p between
         # two ranks matches by order): a wrong list would otherwise train on the wrong tensors or hang.
         validate(self.schedule)
-        check_deadlock_free(self.schedule, rendezvous=self.device.type != "cpu")
+        check_deadlock_free(self.schedule, rendezvous=rendezvous)
         self.rank = comm.rank
         expected = set(self.schedule.stages_of(self.rank))
         if set(stages) != expected:
@@ -56,9 +64,10 @@ class PipelineRuntime:
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
         self.records: list[tuple[str, int, int, float, float]] = []
-        # Post the next batch's receives one batch early. Safe with gloo (every p2p op progresses on its own); NCCL
-        # serialises a peer pair's ops on one stream, so an early receive could block a send the peer waits for.
-        self.lookahead_recv = self.device.type == "cpu"
+        # Buffered: post the next batch's receives one batch early, so a transfer progresses while this rank
+        # computes. Under a rendezvous a batch completes as a whole: an early receive would hold back the sends
+        # posted with it until the peer's next send, which may wait for them.
+        self.lookahead_recv = not rendezvous
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Run every micro-batch forward and backward; the summed loss/M on the last stage (no_grad if forward-only)."""
@@ -144,10 +153,11 @@ class PipelineRuntime:
 
     def _communicate(self, batch: list[Action], upcoming: list[Action], mb_size: int, stage_in, stage_out,
                      grad_out, grad_in, send_works: list, posted: dict) -> None:
-        """One batch_isend_irecv of this batch's sends and receives plus (look-ahead) the next batch's receives, so
-        a transfer progresses while this rank computes. Waits for this batch's receives; sends wait at step end."""
+        """One batch_isend_irecv of this batch's sends and receives (plus, buffered, the next batch's receives).
+        A receive is complete when the work covering it is: its own (gloo) or the whole batch's (NCCL coalesces);
+        sends are waited at the end of the step."""
         ops: list[tuple[str, torch.Tensor, int]] = []
-        new_recvs: list[tuple[Action, torch.Tensor]] = []
+        new_recvs: list[tuple[int, Action, torch.Tensor]] = []
         shape = tuple(self.activation_shape(mb_size))
         for a in batch:
             key = (a.stage, a.microbatch)
@@ -158,15 +168,21 @@ class PipelineRuntime:
         for a in [*batch, *(upcoming if self.lookahead_recv else [])]:
             if a.kind in (RECV_F, RECV_B) and a not in posted:
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+                new_recvs.append((len(ops), a, buf))
                 ops.append(("recv", buf, a.peer))
-                new_recvs.append((a, buf))
-        works = self.comm.batch_p2p(ops, tag="pp")
-        send_works.extend(w for (kind, _, _), w in zip(ops, works) if kind == "send")
-        recv_works = [w for (kind, _, _), w in zip(ops, works) if kind == "recv"]
-        for (a, buf), w in zip(new_recvs, recv_works):
-            posted[a] = (buf, w)
+        # every message between stages is one activation (or its gradient): the peer allocated exactly this
+        issued = self.comm.batch_p2p(ops, tag="pp", expect=[(shape, self.dtype)] * len(ops))
+        if issued.coalesced and self.lookahead_recv:
+            raise RuntimeError("p2p='buffered' needs one work per message, but this backend returned one for the "
+                               f"whole batch of {issued.n_ops} (it coalesces, as NCCL does): use p2p='rendezvous'")
+        send_works.extend({id(w): w for i, (kind, _, _) in enumerate(ops) if kind == "send"
+                           for w in [issued.work_of(i)]}.values())
+        for i, a, buf in new_recvs:
+            posted[a] = (buf, issued.work_of(i))
         for a in batch:
             if a.kind in (RECV_F, RECV_B):
                 buf, w = posted.pop(a)
                 w.wait()
+                # a batch's one work also covers its sends; waited, it is done (gloo's p2p works wait only once)
+                send_works[:] = [s for s in send_works if s is not w]
                 (stage_in if a.kind == RECV_F else grad_out)[(a.stage, a.microbatch)] = buf

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fivefold.comm import P2P_SEMANTICS
 from fivefold.config import Config, ConfigError, resolve_batch
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
@@ -92,6 +93,11 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                           f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
     if dims.pp > 1:
         check_pipeline_supported(cfg)
+        if cfg.pipeline.p2p not in ("auto", *P2P_SEMANTICS):
+            raise ConfigError(f"pipeline.p2p={cfg.pipeline.p2p!r}: choose auto, {' or '.join(P2P_SEMANTICS)}")
+        if cfg.pipeline.p2p == "buffered" and r.device not in ("auto", "cpu"):
+            raise ConfigError(f"pipeline.p2p=buffered relies on gloo's per-message completion; run.device="
+                              f"{r.device} uses a backend that completes a batch as a whole: use auto or rendezvous")
         schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
         llama_stage_modules(model, schedule.n_stages, cfg.pipeline.layers())  # blocks per stage, tied embeddings
 
