@@ -101,6 +101,7 @@ class PipelineSection:
 class PrecisionSection:
     param: str = "fp32"  # parameter / compute dtype: fp32 | bf16 | fp16 (fp32 master weights in the optimizer)
     reduce: str = "fp32"  # gradient buckets and collectives: fp32 | bf16 | fp16
+    tf32: bool = True  # on an accelerator, fp32 matmuls may use TF32 (set_float32_matmul_precision "high"); CPU: none
 
 
 @dataclass

@@ -3,40 +3,98 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["backend_for", "default_device", "init_distributed", "is_torchrun_env", "launch_local"]
+__all__ = ["backend_for", "distributed", "init_distributed", "is_torchrun_env", "launch_local", "resolve_device",
+           "teardown", "to_device"]
 
 
-def default_device() -> torch.device:
-    """The local accelerator if torch sees one (chosen by LOCAL_RANK), else the CPU."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None:
+def resolve_device(requested: str = "auto") -> torch.device:
+    """The one rule for where this process computes. ``cpu``: the CPU. ``auto``: the local accelerator if torch sees
+    one, else the CPU. ``cuda`` (any accelerator type): that accelerator, which must exist. The device index is
+    ``LOCAL_RANK`` (one process per device) unless given (``cuda:1``); a local rank without its own device is an
+    error, never a silently shared one. Sets the current device."""
+    requested = (requested or "auto").strip().lower()
+    if requested == "cpu":
         return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.accelerator.device_count(), 1)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if requested == "auto":
+        if accelerator is None:
+            return torch.device("cpu")
+        wanted = torch.device(accelerator.type)
+    else:
+        try:
+            wanted = torch.device(requested)
+        except RuntimeError:
+            raise ValueError(f"run.device={requested!r} is not a device; use auto, cpu or an accelerator such as "
+                             "cuda") from None
+        if accelerator is None or accelerator.type != wanted.type:
+            have = accelerator.type if accelerator is not None else "no accelerator"
+            raise ValueError(f"run.device={requested!r} but torch sees {have} here; use run.device=auto or cpu")
+    count = torch.accelerator.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = wanted.index if wanted.index is not None else local_rank
+    if index >= count:
+        raise ValueError(f"local rank {local_rank} needs {wanted.type} device {index}, but this node has {count}: "
+                         f"start at most {count} processes per node (torchrun --nproc-per-node {count}), one per "
+                         "device, or set run.device=cpu")
     torch.accelerator.set_device_index(index)
-    return torch.device(acc.type, index)
+    return torch.device(wanted.type, index)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch onto `device` without making the host wait: pinned, then copied asynchronously (an accelerator
+    runs the copy in order before the kernels that read it). On the CPU it is returned as is."""
+    if t.device == device:
+        return t
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if t.device.type == "cpu" and accelerator is not None and device.type == accelerator.type:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def backend_for(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
-    """Initialise the default process group from a torchrun-style environment; return the device."""
-    device = default_device()
+def init_distributed(device: torch.device | str | None = None, backend: str | None = None,
+                     timeout_s: float = 600.0) -> torch.device:
+    """Initialise the default process group from a torchrun-style environment for `device` (default: `resolve_device`)
+    with its backend (gloo for the CPU, NCCL for CUDA). An accelerator is bound as ``device_id``: communicators
+    are created at once (errors surface here, not at the first collective) and sub-groups split from them."""
+    device = resolve_device() if device is None else torch.device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or backend_for(device), timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend or backend_for(device), timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type != "cpu" else None)
     return device
+
+
+@contextlib.contextmanager
+def distributed(device: torch.device | str | None = None, timeout_s: float = 600.0) -> Iterator[torch.device]:
+    """`init_distributed` for the body, then the group torn down (the engines' reference cycles collected first)."""
+    device = init_distributed(device, timeout_s=timeout_s)
+    try:
+        yield device
+    finally:
+        teardown()
+
+
+def teardown() -> None:
+    """Destroy the default process group. Engines sit in reference cycles (parameter -> gradient hook -> reducer ->
+    parameter) that hold process groups and work handles; collected after the group is gone, their teardown can abort
+    the process (seen: an intermittent SIGABRT in the test suite). Collect them while the group exists."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def is_torchrun_env() -> bool:
@@ -44,35 +102,35 @@ def is_torchrun_env() -> bool:
 
 
 def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int,
-                  timeout_s: float, out_dir: str, args: tuple) -> None:
+                  timeout_s: float, out_dir: str, args: tuple, device: str = "cpu") -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
+    where = resolve_device(device)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend_for(where), store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=where if where.type != "cpu" else None)
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         del result
     finally:
-        # Engines sit in reference cycles (parameter -> gradient hook -> reducer -> parameter) that hold process
-        # groups and work handles; collected after destroy_process_group, their teardown can abort the worker
-        # (seen: an intermittent SIGABRT in the test suite without this). Collect them while the group exists.
-        gc.collect()
-        dist.destroy_process_group()
+        teardown()
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
-                 timeout_s: float = 300.0, start_method: str = "spawn") -> list[Any]:
-    """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` gloo CPU processes; return the results.
-    The store listens on a port the OS chose, never a fixed one; a worker's exception re-raises with its traceback."""
+                 timeout_s: float = 300.0, start_method: str = "spawn", device: str = "cpu") -> list[Any]:
+    """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes; return the results.
+    ``device="cpu"``: gloo CPU workers; an accelerator type (``"cuda"``): one device per worker, its backend (the GPU
+    smoke test). The store listens on a port the OS chose, never a fixed one; a worker's exception re-raises with its
+    traceback."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: need at least one process")
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory(prefix="fivefold-") as out_dir:
-        mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args),
+        mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args, device),
                            nprocs=nproc, join=True, start_method=start_method)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
     del store

@@ -127,7 +127,7 @@ class FlatParam:
     def accumulate_grad(self, shard_grad: torch.Tensor) -> None:
         if self.grad_shard is None:
             self.grad_shard = shard_grad
-        elif self.grad_shard.untyped_storage().data_ptr() == shard_grad.untyped_storage().data_ptr():
+        elif 0 != self.grad_shard.untyped_storage().data_ptr() == shard_grad.untyped_storage().data_ptr():
             raise RuntimeError(f"flat buffer {self.index}: the new gradient shard aliases the accumulated one")
         else:
             self.grad_shard += shard_grad

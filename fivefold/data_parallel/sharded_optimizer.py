@@ -9,6 +9,7 @@ skip every rank agrees on) -> clip -> inner step -> write back -> all-gather (Ze
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -87,6 +88,10 @@ class ShardedOptimizer:
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
             inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
+        if comm.device.type != "cpu" and "foreach" in inspect.signature(optimizer_class).parameters:
+            # one multi-tensor kernel per group over all shard segments, not one launch per segment (torch picks it
+            # only for CUDA tensors it recognises); the CPU keeps the per-tensor loop the reference runs
+            defaults.setdefault("foreach", True)
         self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
         self.last_step_skipped = False
 
@@ -127,14 +132,16 @@ class ShardedOptimizer:
         return grads
 
     @torch.no_grad()
-    def step(self, max_norm: float | None = None) -> float | None:
-        """Step the shards; returns the global gradient norm when computed (clipping or fp16). Standalone, the norm
-        is over this optimizer's groups and dp shards; a non-finite norm makes every rank skip the step."""
-        norm = None
+    def step(self, max_norm: float | None = None) -> torch.Tensor | None:
+        """Step the shards; returns the global gradient norm (0-d, on the group's device) when computed (clipping or
+        fp16). Standalone, the norm is over this optimizer's groups and dp shards; with a loss scaler a non-finite
+        norm makes every rank skip the step."""
+        norm, found_inf = None, False
         if max_norm is not None or self.loss_scaler is not None:
-            sq = global_grad_sq_norm([self.local_sq_norms()], {"dp": self.comm}, self.comm.device).item()
-            norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
-        self.apply_step(norm, max_norm)
+            norm = global_grad_sq_norm([self.local_sq_norms()], {"dp": self.comm}, self.comm.device).sqrt()
+            if self.loss_scaler is not None:
+                found_inf = not math.isfinite(norm.item())
+        self.apply_step(norm, max_norm, found_inf)
         return norm
 
     @torch.no_grad()
@@ -154,21 +161,19 @@ class ShardedOptimizer:
             self._grads = self._master_grads()
 
     @torch.no_grad()
-    def apply_step(self, norm: float | None, max_norm: float | None = None) -> None:
-        """Skip (non-finite `norm`, agreed by every rank) or clip to `max_norm` and step; write back, all-gather."""
+    def apply_step(self, norm: torch.Tensor | None, max_norm: float | None = None, found_inf: bool = False) -> None:
+        """Skip (`found_inf`, agreed by every rank: a loss scaler saw a non-finite norm) or clip to `max_norm` by the
+        global `norm` (on the device, as torch's clip_grad_norm_) and step; write back, all-gather."""
         self._prepare_grads()
-        found_inf = norm is not None and not math.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         if found_inf:
             self.last_step_skipped = True
             self.zero_grad()
             return
-        if max_norm is not None and norm is not None:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for g, _ in self._grads:
-                    g.mul_(coef)
+        if max_norm is not None and norm is not None and self._grads:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_([g for g, _ in self._grads], coef)
         self.last_step_skipped = False
         if not self._grads:  # nothing to do (a step without a backward): no update, no all-gather
             self.zero_grad()

@@ -99,6 +99,7 @@ class ZeroDataParallel(nn.Module):
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
                                    keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3)
                         for f in self.flats]
+        self._reduced_in_buffer: set[int] = set()  # ZeRO-1 buckets whose kept buffer was reduced and counted
         self.reducer = BucketedGradReducer(
             self.buckets, launch=self._launch_bucket, finish=self._finish_bucket, find_unused=find_unused,
             on_backward_end=self._on_backward_end,
@@ -170,6 +171,8 @@ class ZeroDataParallel(nn.Module):
             flat.grad_shard = bucket.out  # the all-reduced buffer itself: no copy
         else:
             flat.accumulate_grad(bucket.out)
+            if self.zero_stage == 1:  # the kept buffer's contents are now counted in the shard
+                self._reduced_in_buffer.add(bucket.index)
         bucket.out = None
 
     def _on_backward_end(self) -> None:
@@ -177,12 +180,16 @@ class ZeroDataParallel(nn.Module):
             self.fsdp.backward_done()
 
     def _move_reduced_shard_out(self, bucket: GradBucket) -> None:
-        """ZeRO-1, first new gradient into a bucket still holding its reduced shard: move it out, clear the buffer."""
+        """ZeRO-1, first new gradient of a micro-step into a bucket whose last contents are already counted in the
+        gradient shard: move the shard out if it still lives in the buffer, and clear the buffer (every micro-step,
+        not only the second: else the third adds onto the second's gradients and counts them twice)."""
         flat = self.flats[bucket.index]
-        if flat.grad_shard is not None and bucket.grad is not None and \
-                flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
+        if bucket.index not in self._reduced_in_buffer or flat.grad_shard is None or bucket.grad is None:
+            return  # (after a no_sync backward the buffer holds unreduced gradients still to be counted: keep them)
+        self._reduced_in_buffer.discard(bucket.index)
+        if flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
             flat.grad_shard = flat.grad_shard.clone()
-            bucket.grad.zero_()
+        bucket.grad.zero_()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -219,6 +226,7 @@ class ZeroDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
+        self._reduced_in_buffer.clear()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -201,7 +201,7 @@ class Blocks(nn.ModuleDict):
 
 class Llama(nn.Module):
     """Llama decoder. Never touches the global RNG: built on meta, allocated on ``device``, filled by
-    ``init_weights(seed)``; with ``device="meta"`` or ``seed=None`` call ``to_empty`` and ``init_weights`` later."""
+    ``init_weights(seed)``; with ``device="meta"`` or ``seed=None`` call `materialize` and ``init_weights`` later."""
 
     def __init__(self, config: LlamaConfig, seed: int | None = 0, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -221,7 +221,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", torch.empty(table_shape, device=meta), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table_shape, device=meta), persistent=False)
         if device.type != "meta":
-            self.to_empty(device=device)
+            materialize(self, device)
         # Tie after allocation so both names share one Parameter (yielded once by parameters()).
         if c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -276,6 +276,24 @@ class Llama(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give every meta parameter and buffer of `module` uninitialised storage on `device` (shared ones stay shared).
+    Like ``to_empty``, but by replacing the tensors, so it also works under `FakeTensorMode` (the CPU dry run of
+    the CUDA path) where swapping a parameter's payload in place is refused."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                m._parameters[name] = made[id(p)]
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                m._buffers[name] = made.setdefault(id(b), torch.empty_like(b, device=device))
+    return module
 
 
 def build_model(config: LlamaConfig, seed: int = 0, device: str | torch.device = "cpu",

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm import Placement
@@ -18,7 +17,8 @@ from fivefold.config import Config
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelMesh
-from fivefold.models.llama import Llama, LlamaConfig
+from fivefold.models.llama import Llama, LlamaConfig, materialize
+from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
 from fivefold.pipeline.builders import build_schedule, forward_only
@@ -32,10 +32,6 @@ __all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stage
            "pipeline_forward_backward", "tp_loss"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def lm_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 def apply_tensor_parallel(model: nn.Module, comm: Any, sequence_parallel: bool = False,
@@ -67,7 +63,7 @@ def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *
     stages = {}
     for s in stage_ids:
         stage = keep_only(copy.deepcopy(meta), names[s])
-        stage.to_empty(device=device)
+        materialize(stage, device)
         stage.init_weights(seed)  # draws the whole model's stream, keeps this stage's values
         stages[s] = stage
     return stages
@@ -123,6 +119,9 @@ class _Parts:
         comms = {d: self.mesh.comm(d) for d in ("tp", "pp")}
         return step_together(list(self.engines.values()), max_norm, comms)
 
+    def gather_timeline(self) -> None:
+        """Only a pipeline has a timeline to gather."""
+
     def model_state_bytes(self) -> int:
         return sum(model_state_bytes(e).total for e in self.engines.values())
 
@@ -155,18 +154,19 @@ class WholeModel(_Parts):
             loss_sum += loss.detach()
         return loss_sum
 
-    def global_loss(self, local: torch.Tensor) -> float:
+    def global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The step's mean loss over dp, a 0-d tensor on the device (no host sync)."""
         dp = self.mesh.comm("dp")
         local = dp.scalar(local)
         dp.all_reduce(local, tag="metrics")
-        return local.item() / dp.size
+        return local / dp.size
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
         total = self.mesh.comm("dp").scalar(0.0, torch.float64)
         for x, y in batches:
             total += self.loss_fn(self.engine(x.to(self.device)), y.to(self.device))
-        return self.global_loss(total / len(batches))
+        return self.global_loss(total / len(batches)).item()
 
 
 def check_pipeline_supported(cfg: Config) -> None:
@@ -201,24 +201,27 @@ class PipelinedModel(_Parts):
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         loss = pipeline_forward_backward(self.runtime, self.engines, [x for x, _ in micro_batches],
                                          [y for _, y in micro_batches])
-        records = self.pp.all_gather_object(self.runtime.records)
-        self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
         return loss if loss is not None else self.pp.scalar(0.0)
 
-    def global_loss(self, local: torch.Tensor) -> float:
-        """Only the last stage has the loss: sum over pp (others add 0), mean over dp."""
+    def gather_timeline(self) -> None:
+        """The last step's measured action times from every pp rank (one gather, at the end of training)."""
+        records = self.pp.all_gather_object(self.runtime.records)
+        self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
+
+    def global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Only the last stage has the loss: sum over pp (others add 0), mean over dp; on the device."""
         local = self.pp.scalar(local, torch.float32)
         self.pp.all_reduce(local, tag="metrics")
         dp = self.mesh.comm("dp")
         dp.all_reduce(local, tag="metrics")
-        return local.item() / dp.size
+        return local / dp.size
 
     def evaluate(self, batches: list[Batch]) -> float:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
         runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device,
                                   p2p=self.p2p)
         loss = runtime.step([x for x, _ in batches], [y for _, y in batches])
-        return self.global_loss(loss if loss is not None else self.pp.scalar(0.0))
+        return self.global_loss(loss if loss is not None else self.pp.scalar(0.0)).item()
 
 
 def parallelize(cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device | str,

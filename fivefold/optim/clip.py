@@ -62,21 +62,25 @@ class Engine(Protocol):
 
 
 def step_together(engines: Sequence[Engine], max_norm: float | None = None,
-                  comms: Mapping[str, Comm] | None = None) -> float | None:
+                  comms: Mapping[str, Comm] | None = None) -> torch.Tensor | None:
     """One step of the engines forming one model (this rank's stages), clipped by their global norm; `comms` maps
     the other partitioned dimensions to groups (every rank passes the same: "tp", "pp"; "dp" is the engines' own
-    when they shard). Returns the norm if one was needed."""
+    when they shard). Returns the norm (a 0-d tensor on the group's device) if one was needed.
+
+    The norm and the clipping stay on the device: no host sync, so the next step's work can be queued while this
+    one runs. Only a loss scaler (fp16) reads the norm on the host, to skip an overflowed step on every rank alike."""
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()
         if e.zero_stage >= 1:  # ZeRO shards are partitioned over dp (DDP's gradients are replicated there)
             comms.setdefault("dp", e.comm)
-    norm = None
+    norm, found_inf = None, False
     if max_norm is not None or any(e.loss_scaler is not None for e in engines):
         device = engines[0].comm.device if engines else "cpu"
-        sq = global_grad_sq_norm([e.optimizer.local_sq_norms() for e in engines], comms, device).item()
-        norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
+        norm = global_grad_sq_norm([e.optimizer.local_sq_norms() for e in engines], comms, device).sqrt()
+        if any(e.loss_scaler is not None for e in engines):
+            found_inf = not math.isfinite(norm.item())  # the one host sync, fp16 only
     for e in engines:
-        e.optimizer.apply_step(norm, max_norm)
+        e.optimizer.apply_step(norm, max_norm, found_inf)
         e.zero_grad()
     return norm

@@ -25,6 +25,43 @@ from fivefold.pipeline.lowering import lower
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class ActionClock:
+    """When each compute action ran. On the CPU the wall clock; on an accelerator kernels run after the host queued
+    them, so host time says nothing: an event is recorded on the device's stream around each action and the times
+    are read once, when asked (one wait, not one per action)."""
+
+    def __init__(self, device: torch.device) -> None:
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        self.device_events = accelerator is not None and device.type == accelerator.type
+        self.reset()
+
+    def reset(self) -> None:
+        self._marks: list[Any] = []
+        self._actions: list[tuple[str, int, int, int, int]] = []  # kind, mb, stage, start mark, end mark
+        self.mark()  # the origin
+
+    def mark(self) -> int:
+        if self.device_events:
+            event = torch.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+        return len(self._marks) - 1
+
+    def record(self, a: Action, start: int) -> None:
+        self._actions.append((a.kind, a.microbatch, a.stage, start, self.mark()))
+
+    def times(self) -> list[tuple[str, int, int, float, float]]:
+        if self.device_events:
+            self._marks[-1].synchronize()
+            origin = self._marks[0]
+            at = [origin.elapsed_time(e) / 1e3 for e in self._marks]
+        else:
+            at = [t - self._marks[0] for t in self._marks]
+        return [(kind, mb, stage, at[i], at[j]) for kind, mb, stage, i, j in self._actions]
+
+
 class PipelineRuntime:
     """Runs `schedule` for this pp rank over `stages` (virtual stage id -> module)."""
 
@@ -63,7 +100,7 @@ class PipelineRuntime:
         self.dtype = dtype
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
-        self.records: list[tuple[str, int, int, float, float]] = []
+        self.clock = ActionClock(self.device)
         # Buffered: post the next batch's receives one batch early, so a transfer progresses while this rank
         # computes. Under a rendezvous a batch completes as a whole: an early receive would hold back the sends
         # posted with it until the peer's next send, which may wait for them.
@@ -80,8 +117,7 @@ class PipelineRuntime:
         M = self.schedule.n_microbatches
         if len(inputs) != M or len(targets) != M:
             raise ValueError(f"schedule expects {M} micro-batches, got {len(inputs)} inputs / {len(targets)} targets")
-        self.records = []
-        t0 = time.perf_counter()
+        self.clock.reset()
         stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> input (requires grad)
         stage_out: dict[tuple[int, int], torch.Tensor] = {}  # forward output (or loss on the last stage)
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received gradient of a stage's output
@@ -100,7 +136,7 @@ class PipelineRuntime:
                 continue
             a: Action = item
             key = (a.stage, a.microbatch)
-            start = time.perf_counter() - t0
+            start = self.clock.mark()
             if a.kind == "F":
                 loss = self._forward(a, key, inputs, targets, stage_in, stage_out)
                 if loss is not None:
@@ -109,10 +145,15 @@ class PipelineRuntime:
                 self._backward(a, key, stage_in, stage_out, grad_out, grad_in)
             elif a.kind == "W":
                 self.wgrad.run(key)
-            self.records.append((a.kind, a.microbatch, a.stage, start, time.perf_counter() - t0))
+            self.clock.record(a, start)
         for w in send_works:
             w.wait()
         return loss_total
+
+    @property
+    def records(self) -> list[tuple[str, int, int, float, float]]:
+        """(kind, micro-batch, stage, start s, end s) of every compute action of the last step (waits for it)."""
+        return self.clock.times()
 
     def _forward(self, a: Action, key: tuple[int, int], inputs, targets, stage_in, stage_out) -> torch.Tensor | None:
         stage = self.stages[a.stage]

@@ -23,12 +23,14 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool, desc: str = "train") -> None:
         self.bar = None
+        self.done = 0
         if enabled:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
 
     def update(self, n: int = 1, **postfix: Any) -> None:
+        self.done += n
         if self.bar is not None:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)

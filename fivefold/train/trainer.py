@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fivefold.comm import CommLog
 from fivefold.config import Config
 from fivefold.formulas import bubble_formula
-from fivefold.launch import default_device, init_distributed, is_torchrun_env, launch_local
+from fivefold.launch import distributed, is_torchrun_env, launch_local, resolve_device, to_device
 from fivefold.mesh import ParallelMesh
 from fivefold.models import Llama, count_params
 from fivefold.models.parallelize import parallelize
@@ -43,11 +43,8 @@ class TrainResult:
 def run(cfg: Config) -> TrainResult:
     """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo)."""
     if is_torchrun_env():
-        init_distributed()
-        try:
+        with distributed(resolve_device(cfg.run.device)):
             return train(cfg, validate(cfg, dist.get_world_size()))
-        finally:
-            dist.destroy_process_group()
     if cfg.run.device not in ("auto", "cpu"):
         raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
@@ -58,7 +55,9 @@ def run(cfg: Config) -> TrainResult:
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
     """Train on this rank (torch.distributed initialised, `plan` from `validate`); returns a summary."""
-    device = default_device() if cfg.run.device == "auto" else torch.device(cfg.run.device)
+    device = resolve_device(cfg.run.device)
+    if device.type != "cpu" and cfg.precision.tf32:
+        torch.set_float32_matmul_precision("high")
     log = CommLog(enabled=True)
     mesh = ParallelMesh(plan.dims, device, log)
     t = cfg.train = dataclasses.replace(cfg.train, global_batch=plan.global_batch, micro_batch=plan.micro_batch,
@@ -79,34 +78,44 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     eval_batches = data.val_batches(max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch, dp_rank=dp_rank,
                                     dp_size=dp)
     tokens_per_step = t.global_batch * t.seq_len
-    losses, step_times, val_loss, state_mb = [], [], None, 0.0
+    # No host sync on a step that is not logged: loss and norm stay on the device until a log step fetches them
+    # (the one wait per log interval), so the host queues the next step while the device runs this one.
+    losses, intervals, val_loss, state_mb = [], [], None, 0.0
+    since, since_step = time.perf_counter(), 0
     for step in range(t.steps):
-        t0 = time.perf_counter()
         log.reset()
         for group in parts.param_groups():
             group["lr"] = lr_at(step, cfg)
-        loss_sum = parts.forward_backward([data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
-                                           for micro in range(t.grad_accum)])
+        batches = [data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
+                   for micro in range(t.grad_accum)]
+        loss_sum = parts.forward_backward([(to_device(x, device), to_device(y, device)) for x, y in batches])
         if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
             state_mb = parts.model_state_bytes() / 2**20
         grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
         traffic = log.totals(dim="dp")  # read before the metrics all-reduce
-        losses.append(parts.global_loss(loss_sum))
-        step_times.append(dt := time.perf_counter() - t0)
+        loss = parts.global_loss(loss_sum)
         if step % cfg.run.log_every == 0 or step == t.steps - 1:
+            losses.append(loss.item())  # waits for this step
+            now = time.perf_counter()
+            intervals.append(dt := (now - since) / (step + 1 - since_step))  # seconds per step since the last log
+            since, since_step = now, step + 1
             record.write({"kind": "train", "step": step, "loss": losses[-1], "lr": lr_at(step, cfg),
-                          "grad_norm": grad_norm, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                          "model_state_mb": state_mb, "comm_calls": traffic.calls,
-                          "comm_payload_bytes": traffic.payload_bytes, "comm_wire_bytes": traffic.wire_bytes})
+                          "grad_norm": None if grad_norm is None else grad_norm.item(), "step_time_s": dt,
+                          "tokens_per_s": tokens_per_step / dt, "model_state_mb": state_mb,
+                          "comm_calls": traffic.calls, "comm_payload_bytes": traffic.payload_bytes,
+                          "comm_wire_bytes": traffic.wire_bytes})
+            record.progress.update(step + 1 - record.progress.done, loss=f"{losses[-1]:.3f}",
+                                   tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.0f}",
+                                   state_MB=f"{state_mb:.1f}")
         if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
             val_loss = parts.evaluate(eval_batches)
             record.write({"kind": "val", "step": step, "val_loss": val_loss})
             record.say(f"step {step + 1}: val loss {val_loss:.3f}")
-        record.progress.update(1, loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
-                               step_ms=f"{dt * 1e3:.0f}", state_MB=f"{state_mb:.1f}")
-    steady = sorted(step_times[1:] or step_times)
+            since, since_step = time.perf_counter(), step + 1  # evaluation is not training time
+    steady = sorted(intervals[1:] or intervals)
     result = TrainResult(t.steps, losses[0], losses[-1], val_loss, n_params, tokens_per_step / steady[len(steady) // 2],
                          str(record.run_dir) if record.run_dir else None, state_mb)
+    parts.gather_timeline()  # the pipeline's measured timings, gathered once
     if parts.timeline is not None:
         s = parts.schedule
         try:

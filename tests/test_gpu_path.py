@@ -1,0 +1,214 @@
+"""The GPU path, checked on a machine without one (issue 10).
+
+1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at once, nothing is
+   sent) and the `meta` device standing in for CUDA — tensors with shapes and dtypes but no storage, on a device that
+   is not the CPU. Each layout (DDP, ZeRO-3, tp 2 + SP, pp 2, pp × ZeRO-3 zero-bubble, a pipeline stage without
+   blocks under tp) runs two training steps as the trainer does. What fails here fails on CUDA + NCCL too: a CPU
+   tensor handed to a collective (`Comm` refuses it) or mixed into a device op (torch refuses it). Every host sync
+   (`.item()`, `bool(t)`, a device-to-host copy, a data-dependent shape) is counted by a dispatch mode, and a
+   training step may make none: loss and norm stay on the device until a log step fetches them.
+   (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch build it cannot copy into a
+   fake CUDA tensor — "PyTorch is not linked with support for cuda devices" — so `meta` stands in.)
+2. Device rules (`launch.resolve_device`) with the accelerator API faked: one device per local rank, a clear error
+   when local ranks exceed devices or the requested accelerator is absent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import traceback
+
+import pytest
+import torch
+
+from fivefold import launch
+
+LAYOUTS = {  # name: (world, dims, config overrides)
+    "ddp": (2, dict(dp=2), dict(zero=0)),
+    "zero3": (2, dict(dp=2), dict(zero=3)),
+    "tp2-sp": (2, dict(dp=1, tp=2), dict(zero=1, tp=2, sp=True)),
+    "pp2-1f1b": (2, dict(pp=2, dp=1), dict(zero=1, pp=2, schedule="1f1b")),
+    "pp2-dp2-zero3-zb": (4, dict(pp=2, dp=2), dict(zero=3, pp=2, schedule="zb-h1")),
+    "pp3-tp2-empty-stage": (6, dict(pp=3, dp=1, tp=2), dict(zero=1, pp=3, tp=2, layers="1,0,1")),
+}
+STEPS = 2
+
+
+def _dry_run(name: str, rank: int) -> dict:
+    """In a fresh process: one rank of `name` on the fake group and the meta device; host syncs per step."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.comm import CommLog
+    from fivefold.config import Config
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models import get_config
+    from fivefold.models.parallelize import parallelize
+
+    aten = torch.ops.aten
+
+    class HostSyncs(TorchDispatchMode):
+        """Counts what makes the host wait for the device; answers with a placeholder so the run goes on."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.where: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            on_device = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu"]
+            to_host = (func is aten._to_copy.default and on_device and kwargs.get("device") == torch.device("cpu")) \
+                or (func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu")
+            if (func in (aten._local_scalar_dense.default, aten.nonzero.default) and on_device) or to_host:
+                self.where.append(f"{func}: " + "".join(traceback.format_stack(limit=6)[:-1]))
+                if func is aten._local_scalar_dense.default:
+                    return 1.0 if args[0].dtype.is_floating_point else 1
+            return func(*args, **kwargs)
+
+    world, dims, o = LAYOUTS[name]
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        cfg = Config()
+        cfg.zero.stage, cfg.zero.bucket_mb = o["zero"], 0.01
+        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp = o.get("tp", 1), o.get("pp", 1), o.get("sp", False)
+        cfg.pipeline.schedule, cfg.pipeline.layers_per_stage = o.get("schedule", "1f1b"), o.get("layers", "")
+        cfg.train.grad_accum, cfg.train.seq_len = 4, 8
+        model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8,
+                           vocab_size=16)
+        mesh = ParallelMesh(ParallelDims(**dims), "meta", CommLog())
+        parts = parallelize(cfg, model, mesh, "meta")
+        on_meta = all(p.device.type == "meta" for e in parts.engines.values() for p in e.parameters())
+        refused = None
+        try:  # the stand-in really is strict: a CPU tensor handed to a collective is refused
+            mesh.comm("dp").all_reduce(torch.zeros(1))
+        except RuntimeError as e:
+            refused = str(e)
+        syncs = []
+        for step in range(STEPS):
+            x = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(step))
+            batches = [(launch.to_device(x, mesh.device), launch.to_device(x, mesh.device))] * 4
+            with HostSyncs() as counter:
+                loss = parts.forward_backward(batches)
+                norm = parts.step(1.0)
+                loss = parts.global_loss(loss)
+            syncs.append(counter.where)
+        return dict(syncs=syncs, on_meta=on_meta, refused=refused, loss_device=str(loss.device),
+                    norm_device=str(norm.device))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    """Every layout's first and last rank, one fresh process each (the fake group is process-global)."""
+    ctx = multiprocessing.get_context("spawn")
+    jobs = {(name, rank): (name, rank) for name, (world, _, _) in LAYOUTS.items() for rank in sorted({0, world - 1})}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=ctx, max_tasks_per_child=1) as pool:
+        futures = {key: pool.submit(_dry_run, *args) for key, args in jobs.items()}
+        return {key: f.result(timeout=300) for key, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_training_step_runs_on_an_accelerator_without_host_syncs(dry_runs, name):
+    for (layout, rank), r in dry_runs.items():
+        if layout != name:
+            continue
+        assert r["on_meta"], f"rank {rank}: parameters left the device"
+        assert r["refused"] is not None and "is on cpu" in r["refused"], r["refused"]
+        assert r["loss_device"] == r["norm_device"] == "meta"
+        for step, where in enumerate(r["syncs"]):
+            assert not where, f"{name} rank {rank} step {step}: {len(where)} host syncs (declared: 0)\n" + \
+                "\n".join(where[:3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Device rules, with torch.accelerator faked: this machine has none.
+class _FakeAccelerator:
+    def __init__(self, kind: str | None, count: int) -> None:
+        self.kind, self.count, self.current = kind, count, None
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: self.kind is not None)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                            lambda *a, **k: torch.device(self.kind) if self.kind else None)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: self.count)
+        monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: setattr(self, "current", i))
+
+
+@pytest.mark.parametrize("local_rank, requested, want", [
+    (0, "auto", "cuda:0"), (3, "auto", "cuda:3"), (3, "cuda", "cuda:3"), (1, "cuda:0", "cuda:0"), (5, "cpu", "cpu")])
+def test_each_local_rank_gets_its_own_device(monkeypatch, local_rank, requested, want):
+    fake = _FakeAccelerator("cuda", 4)
+    fake.install(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert launch.resolve_device(requested) == torch.device(want)
+    assert fake.current == (None if want == "cpu" else torch.device(want).index)
+
+
+def test_more_local_ranks_than_devices_is_an_error(monkeypatch):
+    _FakeAccelerator("cuda", 4).install(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ValueError, match=r"local rank 4 needs cuda device 4, but this node has 4: start at most 4 "
+                                         r"processes per node \(torchrun --nproc-per-node 4\)"):
+        launch.resolve_device("auto")
+
+
+def test_a_missing_accelerator_is_named(monkeypatch):
+    _FakeAccelerator(None, 0).install(monkeypatch)
+    assert launch.resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="run.device='cuda' but torch sees no accelerator here"):
+        launch.resolve_device("cuda")
+    with pytest.raises(ValueError, match="is not a device"):
+        launch.resolve_device("gpu")
+
+
+def test_init_binds_the_device_and_picks_its_backend(monkeypatch):
+    """Under torchrun: the backend follows the resolved device (CPU -> gloo even on a GPU node) and an accelerator
+    is passed as device_id (eager communicators, sub-groups split from them)."""
+    calls = []
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    launch.init_distributed(torch.device("cpu"))
+    launch.init_distributed(torch.device("cuda", 2))
+    assert calls[0][0] == "gloo" and calls[0][1]["device_id"] is None
+    assert calls[1][0] == "nccl" and calls[1][1]["device_id"] == torch.device("cuda", 2)
+
+
+def test_host_batches_stay_put_on_the_cpu():
+    x = torch.arange(6)
+    assert launch.to_device(x, torch.device("cpu")) is x
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss on low-precision logits: fp32 math, no full-vocabulary fp32 copy.
+def test_cross_entropy_on_bf16_logits_is_fp32_math_in_chunks():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.models.loss import lm_cross_entropy
+
+    class LargestFP32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    N, V, chunk = 37, 50, 8
+    logits = (torch.randn(N, V, generator=g) * 3).bfloat16().requires_grad_()
+    target = torch.randint(0, V, (N,), generator=g)
+    ref_logits = logits.detach().float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits, target)
+    ref.backward()
+    with LargestFP32() as seen:
+        loss = lm_cross_entropy(logits.view(1, N, V), target.view(1, N), chunk_rows=chunk)
+        loss.backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=1e-2, atol=1e-4)  # bf16 rounding only
+    assert seen.largest <= chunk * V, f"an fp32 tensor of {seen.largest} elements (a chunk is {chunk * V})"
