@@ -51,6 +51,7 @@ LAYER_CASES = {
     "embedding": dict(kind="embedding", bias=False, sp=False),
     "embedding_sp": dict(kind="embedding", bias=False, sp=True),
     "ce": dict(kind="ce", bias=False, sp=False),
+    "ce_chunked": dict(kind="ce", bias=False, sp=False, chunk_rows=3),  # rows in chunks of 3 (the last one short)
 }
 CE_GRAD_SCALE = 2.5  # d(total)/d(loss) != 1: the CE backward must scale by the incoming gradient
 
@@ -103,7 +104,7 @@ def _run_layer(case: str, comm: Comm) -> dict:
         (y * (dy_full.chunk(t, SEQ)[r] if spec["sp"] else dy_full)).sum().backward()
     else:
         x = x_full.chunk(t, -1)[r].clone().requires_grad_()
-        y = vocab_parallel_cross_entropy(x, target, r * VOCAB // t, comm)
+        y = vocab_parallel_cross_entropy(x, target, r * VOCAB // t, comm, chunk_rows=spec.get("chunk_rows"))
         (y * CE_GRAD_SCALE).backward()
     bias = getattr(layer, "bias", None)
     return dict(y=y.detach(), x_grad=x.grad if x.requires_grad else None,

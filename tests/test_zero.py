@@ -359,11 +359,14 @@ def test_zero_matches_single_process(zero_results, i):
     world, results = zero_results
     _skip_uneven(world, cfg)
     ref_losses, ref_hist = _reference(cfg)
-    # fp32: only the reduction order differs. bf16 compute vs the fp32 reference: every op rounds to an
+    # fp32: only the reduction order differs; a gradient summed in another order differs by ~1e-8 absolute where
+    # its terms cancel, and AdamW (eps 1e-4, lr 1e-2) turns that into lr·δg/(|g|+eps) ≈ 1e-6 per step in the worst
+    # element (1.4e-6 seen after 5 steps at world 3), so fp32 parameters are held to 3e-6 absolute.
+    # bf16 compute vs the fp32 reference: every op rounds to an
     # 8-bit mantissa (rel. 2^-8 ≈ 0.4%), which perturbs gradients by ~1%; AdamW's normalised update
     # turns that into up to ~lr/2 per step in the worst element. Five steps of lr 1e-2 move weights by
     # ~5e-2 and the worst deviation seen is 6e-3, so parameters are held to 1e-2 and losses to 2%.
-    rtol, atol, ltol = (1e-5, 1e-6, 1e-5) if cfg["dtype"] == "fp32" else (0, 1e-2, 2e-2)
+    rtol, atol, ltol = (1e-5, 3e-6, 1e-5) if cfg["dtype"] == "fp32" else (0, 1e-2, 2e-2)
     runs = [res["runs"][i] for res in results]
     for rank, res in enumerate(runs):
         assert len(res["losses"]) == STEPS

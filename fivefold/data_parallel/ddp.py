@@ -6,6 +6,7 @@ Seed 000 (naive DP -> bucketed overlap), DESIGN.md's DDP row: 16Ψ bytes per ran
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,17 +17,32 @@ from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, make_grad_buckets
 
 
-def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to the source rank's (one call per dtype)."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 0, skip: Collection[str] = (),
+                           message_bytes: int = 32 * 2**20) -> None:
+    """Make every rank's parameters and buffers equal to the source rank's, in place. Small tensors of one dtype and
+    device travel together in messages of at most `message_bytes`, a larger one alone: never a second copy of the
+    model. Meta tensors and the parameters named in `skip` (materialised later, the same on every rank) are left."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    tensors = [t.detach() for n, t in named if n not in skip and t.device.type != "meta"]
+    messages: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        last = messages[-1][0] if messages else None
+        if last is None or (last.dtype, last.device) != (t.dtype, t.device) or size + nbytes > message_bytes:
+            messages.append([])
+            size = 0
+        messages[-1].append(t)
+        size += nbytes
     with torch.no_grad():
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
+        for message in messages:
+            if len(message) == 1 and message[0].is_contiguous():
+                comm.broadcast(message[0], src_group_rank, tag="init")
+                continue
+            flat = torch.cat([t.reshape(-1) for t in message])
             comm.broadcast(flat, src_group_rank, tag="init")
             offset = 0
-            for t in tensors:
+            for t in message:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 

@@ -18,6 +18,8 @@ from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import FlatLayout
 
 GroupOf = Callable[[str, nn.Parameter], int]
+# A parameter's value to start from (default: its own data); ZeRO's meta-device path draws it from the model's init.
+ValueOf = Callable[[str, nn.Parameter], torch.Tensor]
 
 # Optimizer pieces of at most 1 MiB of fp32: an elementwise optimizer makes ~10 passes over (param, grad, m, v),
 # which stay in cache for 1 MiB but stream from memory for a 25 MiB bucket (measured: AdamW 3-4x slower on CPU).
@@ -26,7 +28,8 @@ OPTIMIZER_CHUNK = 2**18
 
 class FlatParam:
     def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]], comm: Comm, *,
-                 group_of: GroupOf, param_dtype: torch.dtype, sharded: bool, reshard: bool = False) -> None:
+                 group_of: GroupOf, param_dtype: torch.dtype, sharded: bool, reshard: bool = False,
+                 value_of: ValueOf | None = None) -> None:
         ordered = sorted(named_params, key=lambda item: group_of(*item))  # stable: groups contiguous
         self.index = index
         self.comm = comm
@@ -41,38 +44,54 @@ class FlatParam:
         self.param_dtype = param_dtype
         self.reshard_enabled = reshard and self.sharded
         device = self.params[0].device
-        originals = [p.detach() for p in self.params]  # the values as given (fp32 for a fp32 model)
-        self.full = torch.zeros(self.layout.padded_numel, dtype=param_dtype, device=device)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.layout.view(self.full, i)
-                view.copy_(p.detach())
-                p.data = view
+        make = torch.empty if self.reshard_enabled else torch.zeros  # (ZeRO-3's is freed at once, below)
+        self.full = make(self.layout.padded_numel, dtype=param_dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self._gather_work = None
-        if self.reshard_enabled:
-            self.local = self.full[self.start:self.end].clone()
-            self.is_unsharded = True
-            self.reshard()
+        if self.reshard_enabled:  # ZeRO-3 holds only its shard: the full buffer grows when gathered
+            self.full.untyped_storage().resize_(0)
+            self.local = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
         else:
             self.local = self.full[self.start:self.end]
-            self.is_unsharded = True
-        # The fp32 master comes from the original values, not the 16-bit copy: wrapping must not round the weights.
-        self.master = self.local if param_dtype == torch.float32 else self.shard_of(originals, torch.float32)
-        del originals
+        self.is_unsharded = not self.reshard_enabled
+        # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the 16-bit copy:
+        # wrapping must not round the weights.
+        self.master = (self.local if param_dtype == torch.float32 else
+                       torch.zeros(self.shard_numel, dtype=torch.float32, device=device))
+        value_of = value_of or (lambda name, p: p.detach())
+        with torch.no_grad():
+            for i, (name, p) in enumerate(zip(self.names, self.params)):
+                slot = self.layout.slots[i]
+                needed = not self.reshard_enabled or (slot.offset < self.end and slot.offset + slot.numel > self.start)
+                if needed:  # (ZeRO-3 does not even draw a value that falls outside its shard)
+                    value = value_of(name, p)  # one parameter at a time: the peak is the shard plus one value
+                    if self.reshard_enabled:
+                        self._fill_shard(self.local, i, value)
+                    else:
+                        self.layout.view(self.full, i).copy_(value)
+                    if self.master is not self.local:
+                        self._fill_shard(self.master, i, value)
+                    del value
+                p.data = self._empty if self.reshard_enabled else self.layout.view(self.full, i)
         self.segments = self._group_segments()
         self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
         self.grad_shard: torch.Tensor | None = None
+
+    def _fill_shard(self, shard: torch.Tensor, i: int, value: torch.Tensor) -> None:
+        """Copy the part of parameter `i`'s `value` that falls in this rank's [start, end) into `shard`."""
+        slot = self.layout.slots[i]
+        a, b = max(slot.offset, self.start), min(slot.offset + slot.numel, self.end)
+        if a < b:
+            shard[a - self.start:b - self.start].copy_(value.reshape(-1)[a - slot.offset:b - slot.offset])
 
     def shard_of(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
         """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter, None = zeros)."""
         shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.full.device)
         with torch.no_grad():
-            for slot, t in zip(self.layout.slots, tensors):
-                a, b = max(slot.offset, self.start), min(slot.offset + slot.numel, self.end)
-                if a < b and t is not None:
-                    shard[a - self.start:b - self.start] = t.reshape(-1)[a - slot.offset:b - slot.offset]
+            for i, t in enumerate(tensors):
+                if t is not None:
+                    self._fill_shard(shard, i, t)
         return shard
 
     def _group_segments(self) -> list[tuple[int, int, int]]:

@@ -30,6 +30,7 @@ from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
+from fivefold.materialize import materialize
 from fivefold.optim.clip import step_together
 
 
@@ -44,7 +45,9 @@ class ZeroDataParallel(nn.Module):
     """Data parallelism with ZeRO stage 0-3 on flat padded buffers, owning its sharded optimizer. Per step:
     ``model.backward(loss)`` per micro-batch, then ``norm = model.step(max_norm)``. ``inflight_buckets`` (ZeRO-2/3)
     bounds the outstanding reduce-scatters: the backward peak is the stage's formula plus about ``inflight_buckets
-    + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root)."""
+    + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root). A module built
+    on the meta device is materialised on ``device`` from ``init_value(name)`` (the unsharded value, drawn one
+    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
@@ -53,6 +56,7 @@ class ZeroDataParallel(nn.Module):
                  reshard_after_forward: bool = True, prefetch: int = 1, inflight_buckets: int = 1,
                  loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
                  elementwise: bool | None = None, placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
+                 init_value: Callable[[str], torch.Tensor] | None = None, device: torch.device | str | None = None,
                  **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
@@ -64,12 +68,21 @@ class ZeroDataParallel(nn.Module):
         self.comm = comm
         self.zero_stage = zero_stage
         self.mp = mixed_precision or MixedPrecision()
-        if broadcast_init and comm.size > 1:
-            broadcast_module_state(module, comm)
+        # Parameters on the meta device are materialised here, each rank only its share, from `init_value`.
+        deferred = {name for name, p in module.named_parameters() if p.device.type == "meta"}
+        if deferred and (init_value is None or device is None):
+            raise ValueError(f"{len(deferred)} parameters are on the meta device (e.g. '{min(deferred)}'): pass "
+                             "init_value=(name -> initial value) and device= so that each rank materialises its "
+                             "share, or materialise the module before wrapping it")
+        if deferred:  # storage-less stand-ins on the device, repointed into the flat buffers below
+            materialize(module, device, storage=False)
+        self._value_of = lambda name, p: init_value(name) if name in deferred else p.detach()
+        if broadcast_init and comm.size > 1:  # (deferred values are the same on every rank by construction)
+            broadcast_module_state(module, comm, skip=deferred)
         # Frozen parameters are not sharded: they stay replicated, cast to the compute dtype.
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             if not p.requires_grad:
-                p.data = p.data.to(self.mp.param_dtype)
+                p.data = self._value_of(name, p).to(p.device, self.mp.param_dtype)
 
         # Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is partitioned over,
         # from `placement_of`); placement matters only for the global gradient norm, the engine knows no other dim.
@@ -88,7 +101,7 @@ class ZeroDataParallel(nn.Module):
         if zero_stage < 3:
             groups = assign_buckets(named, bucket_mb * 2**20)
             self.flats = [FlatParam(i, g, comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                                    sharded=zero_stage >= 1) for i, g in enumerate(groups)]
+                                    sharded=zero_stage >= 1, value_of=self._value_of) for i, g in enumerate(groups)]
         else:
             self.flats, unit_modules = self._build_units(module, named, units, group_of)
             # With find_unused, a finished unit completes its bucket instead of holding later buckets back.
@@ -140,7 +153,7 @@ class ZeroDataParallel(nn.Module):
                        for u, ps in by_unit.items()}
         order = sorted(by_unit, key=lambda u: -first_index[u])
         flats = [FlatParam(i, by_unit[u], self.comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                           sharded=True, reshard=True) for i, u in enumerate(order)]
+                           sharded=True, reshard=True, value_of=self._value_of) for i, u in enumerate(order)]
         return flats, [unit_mods[u] for u in order]
 
     def _unit_backward_done(self, unit: int) -> None:

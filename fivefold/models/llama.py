@@ -5,6 +5,7 @@ deterministic init, parameter count. No parallel code: the parallel wrappers add
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.materialize import materialize
 from fivefold.ops import Linear
 
 __all__ = ["Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm", "TransformerBlock", "apply_rotary",
@@ -235,30 +237,40 @@ class Llama(nn.Module):
             return []
         return [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
 
-    def parameters_in_init_order(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(name, shape) of the *whole* model's parameters in draw order: a pipeline stage draws and discards the
-        others' values, so each of its own gets its single-process value."""
-        return [(n, tuple(p.shape)) for n, p in Llama(self.config, device="meta").named_parameters()]
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the *whole* model with its full shape (this copy may be a stage or a TP slice)."""
+        if not hasattr(self, "_full_shapes"):
+            whole = Llama(self.config, device="meta")
+            self._full_shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
+        return self._full_shapes
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """The seeded initial value of parameter `name`, full shape, fp32, on the CPU: normal(0, 0.02), residual
+        outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1. Each parameter draws from its own generator, seeded
+        by (seed, name): bitwise identical on any process and device, and a rank draws only what it holds (its
+        stages), in any order, which is what lets it materialise only its share (`ZeroDataParallel(init_value=)`)."""
+        shape = self.full_shapes()[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.float32, device="cpu")
+        scale = 0.02
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            scale /= math.sqrt(2 * self.config.n_layers)
+        digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+        gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, scale, generator=gen)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """normal(0, 0.02), residual outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1; drawn in fp32 on CPU from
-        a private generator, so bitwise identical on any process, device and (before rounding) dtype."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        std = 0.02
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
-        present = dict(self.named_parameters())
-        for name, shape in self.parameters_in_init_order():
-            param = present.get(name)
-            if name.endswith("norm.weight"):
-                if param is not None and param.device.type != "meta":
-                    param.fill_(1.0)
-                continue
-            scale = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
-            values = torch.empty(shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
-            # Absent (another stage's) or meta parameters still draw, keeping the stream aligned.
-            if param is not None and param.device.type != "meta":
-                param.copy_(values)
+        """Every materialised parameter gets its `initial_value` (rounded to the parameter's dtype), then the
+        buffers theirs (`init_buffers`)."""
+        for name, param in self.named_parameters():
+            if param.device.type != "meta":
+                param.copy_(self.initial_value(name, seed))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The RoPE tables (derived from the config, not checkpointed), computed in fp32 on the CPU."""
         if self.rope_cos.device.type != "meta":
             cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
             self.rope_cos.copy_(cos)
@@ -276,24 +288,6 @@ class Llama(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
-
-
-@torch.no_grad()
-def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """Give every meta parameter and buffer of `module` uninitialised storage on `device` (shared ones stay shared).
-    Like ``to_empty``, but by replacing the tensors, so it also works under `FakeTensorMode` (the CPU dry run of
-    the CUDA path) where swapping a parameter's payload in place is refused."""
-    made: dict[int, torch.Tensor] = {}
-    for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if p is not None and p.device.type == "meta":
-                if id(p) not in made:
-                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                m._parameters[name] = made[id(p)]
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.device.type == "meta":
-                m._buffers[name] = made.setdefault(id(b), torch.empty_like(b, device=device))
-    return module
 
 
 def build_model(config: LlamaConfig, seed: int = 0, device: str | torch.device = "cpu",

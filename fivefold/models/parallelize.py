@@ -15,9 +15,10 @@ from torch import nn
 from fivefold.comm import Placement
 from fivefold.config import Config
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
+from fivefold.materialize import materialize
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelMesh
-from fivefold.models.llama import Llama, LlamaConfig, materialize
+from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
@@ -57,14 +58,16 @@ def tp_loss(model: nn.Module) -> VocabParallelLoss:
 def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  layers_per_stage: list[int] | None = None) -> dict[int, Llama]:
-    """The stages `stage_ids` of the model cut into `n_stages`, each with its single-process weights."""
+    """The stages `stage_ids` of the model cut into `n_stages`, each with its single-process weights (on
+    ``device="meta"``: nothing allocated, for `parallelize` to materialise each rank's share)."""
     names = llama_stage_modules(config, n_stages, layers_per_stage)
     meta = Llama(config, device="meta", dtype=dtype)
     stages = {}
     for s in stage_ids:
         stage = keep_only(copy.deepcopy(meta), names[s])
-        materialize(stage, device)
-        stage.init_weights(seed)  # draws the whole model's stream, keeps this stage's values
+        if torch.device(device).type != "meta":
+            materialize(stage, device)
+            stage.init_weights(seed)  # each parameter from its own seeded generator: the single-process values
         stages[s] = stage
     return stages
 
@@ -90,17 +93,27 @@ def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
     return tp_loss(module)
 
 
-def _engine(module: nn.Module, cfg: Config, mesh: ParallelMesh) -> ZeroDataParallel:
+def _engine(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device) -> ZeroDataParallel:
+    """`module` (on meta, TP-sharded if tp > 1) in its engine, which materialises this rank's share of it: the TP
+    slice of each seeded single-process value, and under ZeRO-3 only the dp shard of that."""
     t, z = cfg.train, cfg.zero
     tp_placements: dict[str, ParamPlacement] = getattr(module, "tp_placements", {})
     pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
-    return ZeroDataParallel(
-        module, mesh.comm("dp"), zero_stage=z.stage,
+    tp = mesh.comm("tp")
+
+    def init_value(name: str) -> torch.Tensor:
+        return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
+
+    engine = ZeroDataParallel(
+        module, mesh.comm("dp"), zero_stage=z.stage, init_value=init_value, device=device,
         mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
         bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
         prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
         placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp,
         optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    materialize(module, device, parameters=False)  # the engine owns the parameters; left: RoPE tables
+    module.init_buffers()
+    return engine
 
 
 class _Parts:
@@ -138,9 +151,9 @@ class WholeModel(_Parts):
 
     def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
         super().__init__(cfg, mesh, device)
-        model = Llama(model_cfg, seed=cfg.train.seed, device=device)
-        self.loss_fn = _shard(model, cfg, mesh)  # every rank built the full model: keep its slices
-        self.engine = _engine(model, cfg, mesh)
+        model = Llama(model_cfg, device="meta")  # nothing allocated: the engine materialises this rank's share
+        self.loss_fn = _shard(model, cfg, mesh)
+        self.engine = _engine(model, cfg, mesh, device)
         self.engines = {0: self.engine}
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -186,9 +199,9 @@ class PipelinedModel(_Parts):
         self.pp = pp
         self.schedule = build_schedule(p.schedule, pp.size, cfg.train.grad_accum, p.virtual)
         stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
-                              seed=cfg.train.seed, device=device, layers_per_stage=p.layers())
+                              device="meta", layers_per_stage=p.layers())
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
-        self.engines = {s: _engine(m, cfg, mesh) for s, m in stages.items()}
+        self.engines = {s: _engine(m, cfg, mesh, device) for s, m in stages.items()}
         # Between stages flows the hidden state [mb, L, D], a sequence chunk [mb, L/T, D] under SP.
         seq = cfg.train.seq_len // mesh.size("tp") if cfg.parallel.sp else cfg.train.seq_len
         self.dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from fivefold.comm import Comm, Placement
@@ -32,6 +33,10 @@ class ParamPlacement:
     @property
     def mesh_dims(self) -> Placement:
         return frozenset({"tp"}) if self.tp_dim is not None else frozenset()
+
+    def local_part(self, full: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """What tp rank ``comm.rank`` holds of the unsharded value `full` (a view)."""
+        return full if self.tp_dim is None else full.chunk(comm.size, self.tp_dim)[comm.rank]
 
 
 @dataclass(frozen=True)
