@@ -47,6 +47,7 @@ __all__ = [
     "Runner",
     "Spec",
     "blocks",
+    "contest_config",
     "log_bytes",
     "lm_loss",
     "markdown_table",
@@ -151,6 +152,12 @@ class Contestant:
     baseline_note: str = ""
 
 
+def contest_config(spec: Spec):
+    """The preset's model, its RoPE tables long enough for ``spec.seq_len`` (long-context contests)."""
+    config = get_config(spec.preset)
+    return get_config(spec.preset, max_seq_len=spec.seq_len) if spec.seq_len > config.max_seq_len else config
+
+
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``logits`` [B, L, V] against ``y`` [B, L] (every contestant's loss)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -183,7 +190,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
 
     world_comm = Comm(None, "world")
     rank, world = world_comm.rank, world_comm.size
-    config = get_config(spec.preset)
+    config = contest_config(spec)
     total = spec.warmup + spec.steps
     data = TokenDataset(load_tokens(None), spec.seq_len, seed=spec.seed)
     runners = [c.build(config, spec, world_comm) for c in contestants]
@@ -331,9 +338,7 @@ def run_contest(kind: str, spec: Spec, contestants: Sequence[Contestant], min_wa
     missing = [c.baseline for c in contestants if c.baseline is not None and c.baseline not in names]
     if len(set(names)) != len(names) or missing:
         raise ValueError(f"contestant names must be unique and baselines among them: {names}, missing {missing}")
-    config = get_config(spec.preset)
-    if spec.seq_len > config.max_seq_len:
-        raise ValueError(f"seq_len={spec.seq_len} exceeds preset {spec.preset!r} max_seq_len={config.max_seq_len}")
+    config = contest_config(spec)
     result = launch_local(_contest_worker, spec.world, spec, tuple(contestants), threads=spec.threads,
                           timeout_s=timeout_s)[0]
     params = sum(p.numel() for p in build_model(config, device="meta").parameters() if p.requires_grad)

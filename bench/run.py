@@ -6,6 +6,7 @@
     python bench/run.py zero --stages 0,3         # a subset (each fivefold stage brings its counterpart)
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
+    python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -28,6 +29,7 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
@@ -35,8 +37,8 @@ from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E40
 __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
-    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",),
-    "parallel": ("tp", "pp"), "all": ("ddp", "zero", "tp", "pp"),
+    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
+    "parallel": ("tp", "pp", "cp"), "all": ("ddp", "zero", "tp", "pp", "cp"),
 }
 
 
@@ -73,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     pp_opts.add_argument("--pp", type=int, default=None, help="pipeline ranks (2)")
     pp_opts.add_argument("--microbatches", default=None, help="comma-separated M values (4,8)")
     pp_opts.add_argument("--schedules", default=None, help="comma-separated: gpipe,1f1b,interleaved,zb-h1")
+    cp_opts = argparse.ArgumentParser(add_help=False)
+    cp_opts.add_argument("--cp", type=int, default=None, help="context-parallel degree = gloo ranks (2)")
+    cp_opts.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (2048,4096,8192)")
 
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("ddp", parents=[common, micro, dp_opts], help="fivefold DDP vs torch DistributedDataParallel")
@@ -80,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="fivefold ZeRO 0/1/2/3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2")
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
-    sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts], help="tp, then pp")
-    sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts],
-                   help="ddp, zero, tp, then pp (--preset and the other common options apply to every one)")
+    sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
+    sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts], help="tp, pp, then cp")
+    sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts],
+                   help="ddp, zero, tp, pp, then cp (--preset and the other common options apply to every one)")
     return parser
 
 
@@ -104,17 +110,21 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
     pp = _given(pp=opt.get("pp"), micro_batch=opt.get("micro_batch"),
                 microbatches=tuple(int(m) for m in microbatches.split(",")) if microbatches else None,
                 schedules=tuple(s.strip() for s in schedules.split(",")) if schedules else None)
+    seq_lens = opt.get("seq_lens")
+    cp = _given(cp=opt.get("cp"), seq_lens=tuple(int(n) for n in seq_lens.split(",")) if seq_lens else None)
+    cp_common = {k: v for k, v in common.items() if k != "seq_len"}  # cp runs each of --seq-lens
     every: dict[str, tuple[Callable[[], dict], Callable[[dict], str]]] = {
         "ddp": (lambda: bench_ddp(**common, **dp), format_table),
         "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero), format_table),
         "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
+        "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),
     }
     return {name: every[name] for name in WHAT[args.what]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fivefold bench {ddp,zero,tp,pp,parallel,all} [options]`` / ``python bench/run.py ...``: print the tables."""
+    """``fivefold bench {ddp,zero,tp,pp,cp,parallel,all} [options]`` / ``python bench/run.py ...``: print the tables."""
     args = _parser().parse_args(argv)
     runs = _runs(args)
     results = {}

@@ -37,6 +37,7 @@ class ParallelSection:
     cp: int = 1
     ep: int = 1  # expert parallel, carved from dp × cp
     sp: bool = False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
+    cp_layout: str = "zigzag"  # how cp splits a sequence: zigzag (balanced causal work) or contiguous
 
 
 @dataclass

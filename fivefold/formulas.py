@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "bubble_formula", "expected_for", "ring_wire_bytes",
-           "tp_comm_formula", "tp_comm_formula_text"]
+__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "bubble_formula", "expected_for", "ring_attention_p2p_elements",
+           "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text"]
 
 # -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
@@ -109,3 +109,13 @@ def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
     if name == "zb-h1":
         return (P - 1) / (3 * M + P - 1)
     raise ValueError(f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1")
+
+
+# -- context parallel (seed 003 §10.1) ------------------------------------------------------------------
+def ring_attention_p2p_elements(batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp: int) -> dict[str, int]:
+    """Elements one rank sends per attention layer with ring attention over `cp` ranks: its K and V shard
+    (2·B·(L/C)·H_kv·d, the seed's 2·L·D/C scaled by H_kv/H for GQA) C-1 times in forward; in backward the shards
+    go around again (C-1) and each shard's dK/dV accumulator travels with them and then home (C)."""
+    shard = 2 * batch * (seq_len // cp) * n_kv_heads * head_dim
+    return {"forward_kv": shard * (cp - 1), "backward_kv": shard * (cp - 1),
+            "backward_dkv": shard * cp if cp > 1 else 0}

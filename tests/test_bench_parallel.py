@@ -1,8 +1,9 @@
-"""Smoke tests of the TP / PP benchmarks against torch (world 2, a few tiny steps; no timing assertions).
+"""Smoke tests of the TP / PP / CP benchmarks (world 2, a few tiny steps; no timing assertions).
 
 One launch per benchmark: every contestant produces results, fivefold's TP bytes equal the
-formula (and torch's collectives move the same volume), losses agree with torch's, and the
-measured pipeline bubble is a fraction in [0, 1).
+formula (and torch's collectives move the same volume), losses agree with torch's, the
+measured pipeline bubble is a fraction in [0, 1), and ring attention agrees with the
+all-gather-K/V baseline and sends the formula's volume.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import math
 import pytest
 
 from bench import run as bench_run
+from bench.context_parallel import CPSpec, bench_cp
 from bench.pipeline import PP_PAIRS, PPSpec, bench_pp
 from bench.tensor_parallel import TPSpec, bench_tp
-from fivefold.formulas import tp_comm_formula
+from fivefold.formulas import ring_attention_p2p_elements, tp_comm_formula
 from fivefold.models import get_config
 
 LOSS_TOL = 1e-4
 TP_SPEC = TPSpec(preset="tiny", steps=2, warmup=1, repeats=2, batch=2, seq_len=32)
 PP_SPEC = PPSpec(preset="tiny", microbatches=(4,), steps=2, warmup=1, repeats=2, micro_batch=1, seq_len=32)
+CP_SPEC = CPSpec(preset="tiny", seq_lens=(64,), steps=2, warmup=1, repeats=2)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +104,19 @@ def test_pp_fivefold_p2p_volume(pp_results):
             assert total == 2 * boundaries * r["info"]["M"] * act, r["name"]
 
 
+def test_cp_ring_equals_allgather_and_sends_the_formula():
+    run = bench_cp(CP_SPEC)["runs"][0]
+    impls = _by_name(run)
+    _check_common(impls, ["fivefold-ring", "allgather-kv"], CP_SPEC.steps)
+    assert run["pairs"][0]["max_abs_loss_diff"] < LOSS_TOL
+    c = get_config("tiny")
+    per_layer = ring_attention_p2p_elements(CP_SPEC.batch, 64, c.n_kv_heads, c.head_dim, CP_SPEC.cp)
+    sends = impls["fivefold-ring"]["comm_by_op"]["send"]
+    assert sends[1] == c.n_layers * sum(per_layer.values()) * 4  # fp32 K/V and dK/dV
+    ring, gathered = (impls[n]["info"]["saved_activation_bytes"] for n in ("fivefold-ring", "allgather-kv"))
+    assert 0 < ring < gathered
+
+
 def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     """The command line, on the results above (no further launch)."""
     seen = {}
@@ -113,6 +129,8 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
 
     monkeypatch.setattr(bench_run, "bench_tp", fake("tp", tp_results))
     monkeypatch.setattr(bench_run, "bench_pp", fake("pp", pp_results))
+    monkeypatch.setattr(bench_run, "bench_cp", fake("cp", {"kind": "cp"}))
+    monkeypatch.setattr(bench_run, "format_cp_table", lambda results: "table of cp")
     assert bench_run.main(["parallel", "--preset", "tiny", "--steps", "3", "--sp", "on", "--microbatches", "4,8"]) == 0
     out = capsys.readouterr().out
     assert seen["tp"].sequence_parallel == (True,) and seen["tp"].preset == "tiny" and seen["tp"].steps == 3
@@ -123,7 +141,7 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
 
 
 def test_all_runs_every_dimension(monkeypatch, capsys):
-    """``all`` runs ddp, zero, tp and pp, in that order, with the common options given to each (no launch)."""
+    """``all`` runs ddp, zero, tp, pp and cp, in that order, with the common options given to each (no launch)."""
     seen = []
 
     def fake(kind):
@@ -132,14 +150,15 @@ def test_all_runs_every_dimension(monkeypatch, capsys):
             return {"kind": kind}
         return run
 
-    for name, kind in (("bench_ddp", "ddp"), ("bench_zero", "zero"), ("bench_tp", "tp"), ("bench_pp", "pp")):
+    for name, kind in (("bench_ddp", "ddp"), ("bench_zero", "zero"), ("bench_tp", "tp"), ("bench_pp", "pp"),
+                       ("bench_cp", "cp")):
         monkeypatch.setattr(bench_run, name, fake(kind))
-    for name in ("format_table", "format_tp_table", "format_pp_table"):
+    for name in ("format_table", "format_tp_table", "format_pp_table", "format_cp_table"):
         monkeypatch.setattr(bench_run, name, lambda results: f"table of {results['kind']}")
     assert bench_run.main(["all", "--preset", "tiny", "--steps", "2", "--stages", "0,3"]) == 0
-    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp"]
-    ddp, zero, tp, pp = (given for _, given in seen)
+    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp"]
+    ddp, zero, tp, pp, cp = (given for _, given in seen)
     assert ddp == {"preset": "tiny", "steps": 2} and zero["stages"] == (0, 3) and zero["preset"] == "tiny"
-    assert tp.preset == pp.preset == "tiny" and tp.steps == pp.steps == 2
+    assert tp.preset == pp.preset == cp.preset == "tiny" and tp.steps == pp.steps == cp.steps == 2
     out = capsys.readouterr().out
-    assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp"))
+    assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp", "cp"))

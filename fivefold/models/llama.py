@@ -17,7 +17,7 @@ from fivefold.materialize import materialize
 from fivefold.ops import Linear
 
 __all__ = ["Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm", "TransformerBlock", "apply_rotary",
-           "build_model", "count_params", "get_config", "precompute_rope"]
+           "build_model", "causal_attention", "count_params", "get_config", "precompute_rope"]
 
 
 @dataclass
@@ -114,9 +114,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotated * sin).type_as(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d], causal."""
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    if n_kv_heads != n_heads:
+        # Explicit, not SDPA's enable_gqa: the same grouping on every backend and torch version.
+        k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
+        v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal GQA. Head counts come from the projections at forward time, so a TP rank holding some heads runs this
-    code; q head h uses kv head h // (n_heads / n_kv_heads), so contiguous shards of wq and wk/wv line up."""
+    code; q head h uses kv head h // (n_heads / n_kv_heads), so contiguous shards of wq and wk/wv line up. ``core``
+    (q, k, v -> out, k and v with their own heads) is `causal_attention`; context parallelism swaps in ring
+    attention."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
@@ -127,6 +139,7 @@ class Attention(nn.Module):
         self.wk = Linear(dim, n_kv_heads * self.head_dim, **kw)
         self.wv = Linear(dim, n_kv_heads * self.head_dim, **kw)
         self.wo = Linear(n_heads * self.head_dim, dim, **kw)
+        self.core = causal_attention
 
     @property
     def n_heads(self) -> int:  # local heads when sharded
@@ -146,15 +159,12 @@ class Attention(nn.Module):
             raise ValueError(f"local n_heads={n_heads} is not divisible by local n_kv_heads={n_kv_heads}")
         if seq > cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
-        # The tables cover max_seq_len; positions 0..seq-1 apply because under SP x was gathered already.
+        # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered already; under CP the
+        # tables hold this rank's positions).
         cos, sin = cos[:seq], sin[:seq]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        if n_kv_heads != n_heads:
-            # Explicit, not SDPA's enable_gqa: the same grouping on every backend and torch version.
-            k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
-            v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 

@@ -14,13 +14,14 @@ from torch import nn
 
 from fivefold.comm import Placement
 from fivefold.config import Config
+from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.materialize import materialize
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelMesh
 from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
-from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
 from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
@@ -93,9 +94,16 @@ def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
     return tp_loss(module)
 
 
+def _grad_comm(mesh: ParallelMesh):
+    """Gradients and the loss are averaged over dp × cp: a cp rank holds the same parameters for another part of
+    the same sequences (its loss is the mean over its tokens, the same count on every cp rank)."""
+    return mesh.comm("dp_cp") if mesh.size("cp") > 1 else mesh.comm("dp")
+
+
 def _engine(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device) -> ZeroDataParallel:
     """`module` (on meta, TP-sharded if tp > 1) in its engine, which materialises this rank's share of it: the TP
-    slice of each seeded single-process value, and under ZeRO-3 only the dp shard of that."""
+    slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
+    attention if cp > 1."""
     t, z = cfg.train, cfg.zero
     tp_placements: dict[str, ParamPlacement] = getattr(module, "tp_placements", {})
     pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
@@ -105,7 +113,7 @@ def _engine(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device
         return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
 
     engine = ZeroDataParallel(
-        module, mesh.comm("dp"), zero_stage=z.stage, init_value=init_value, device=device,
+        module, _grad_comm(mesh), zero_stage=z.stage, init_value=init_value, device=device,
         mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
         bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
         prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
@@ -113,7 +121,13 @@ def _engine(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device
         optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
     materialize(module, device, parameters=False)  # the engine owns the parameters; left: RoPE tables
     module.init_buffers()
+    if mesh.size("cp") > 1:
+        apply_context_parallel(module, mesh.comm("cp"), _layout(cfg, mesh), cfg.train.seq_len, LLAMA_CP_PLAN)
     return engine
+
+
+def _layout(cfg: Config, mesh: ParallelMesh) -> SequenceLayout:
+    return SequenceLayout(cfg.parallel.cp_layout, mesh.size("cp"))
 
 
 class _Parts:
@@ -124,6 +138,14 @@ class _Parts:
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.loss_comm = _grad_comm(mesh)
+        self.layout = _layout(cfg, mesh)
+
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of whole sequences [B, L] on the device: its layout's positions under cp."""
+        if self.layout.cp > 1:
+            tokens = self.layout.shard(tokens, self.mesh.rank("cp"))
+        return tokens.to(self.device)
 
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for e in self.engines.values() for g in e.param_groups]
@@ -158,27 +180,26 @@ class WholeModel(_Parts):
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         n = len(micro_batches)
-        loss_sum = self.mesh.comm("dp").scalar(0.0)  # all-reduced for the metrics
+        loss_sum = self.loss_comm.scalar(0.0)  # all-reduced for the metrics
         for i, (x, y) in enumerate(micro_batches):
             defer = self.cfg.zero.defer_reduce and i < n - 1
             with self.engine.no_sync() if defer else contextlib.nullcontext():
-                loss = self.loss_fn(self.engine(x.to(self.device)), y.to(self.device)) / n
+                loss = self.loss_fn(self.engine(self.local(x)), self.local(y)) / n
                 self.engine.backward(loss)
             loss_sum += loss.detach()
         return loss_sum
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """The step's mean loss over dp, a 0-d tensor on the device (no host sync)."""
-        dp = self.mesh.comm("dp")
-        local = dp.scalar(local)
-        dp.all_reduce(local, tag="metrics")
-        return local / dp.size
+        """The step's mean loss over dp (× cp), a 0-d tensor on the device (no host sync)."""
+        local = self.loss_comm.scalar(local)
+        self.loss_comm.all_reduce(local, tag="metrics")
+        return local / self.loss_comm.size
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:
-        total = self.mesh.comm("dp").scalar(0.0, torch.float64)
+        total = self.loss_comm.scalar(0.0, torch.float64)
         for x, y in batches:
-            total += self.loss_fn(self.engine(x.to(self.device)), y.to(self.device))
+            total += self.loss_fn(self.engine(self.local(x)), self.local(y))
         return self.global_loss(total / len(batches)).item()
 
 
@@ -202,8 +223,9 @@ class PipelinedModel(_Parts):
                               device="meta", layers_per_stage=p.layers())
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
         self.engines = {s: _engine(m, cfg, mesh, device) for s, m in stages.items()}
-        # Between stages flows the hidden state [mb, L, D], a sequence chunk [mb, L/T, D] under SP.
-        seq = cfg.train.seq_len // mesh.size("tp") if cfg.parallel.sp else cfg.train.seq_len
+        # Between stages flows the hidden state [mb, L/C, D] (this cp rank's tokens), [mb, L/C/T, D] under SP.
+        seq = cfg.train.seq_len // mesh.size("cp")
+        seq = seq // mesh.size("tp") if cfg.parallel.sp else seq
         self.dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
         self.shape = lambda mb: (mb, seq, model_cfg.dim)
         self.loss_fn = loss_fns.get(self.schedule.n_stages - 1, lm_cross_entropy)
@@ -212,8 +234,8 @@ class PipelinedModel(_Parts):
                                        p2p=self.p2p)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
-        loss = pipeline_forward_backward(self.runtime, self.engines, [x for x, _ in micro_batches],
-                                         [y for _, y in micro_batches])
+        loss = pipeline_forward_backward(self.runtime, self.engines, [self.local(x) for x, _ in micro_batches],
+                                         [self.local(y) for _, y in micro_batches])
         return loss if loss is not None else self.pp.scalar(0.0)
 
     def gather_timeline(self) -> None:
@@ -222,18 +244,17 @@ class PipelinedModel(_Parts):
         self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """Only the last stage has the loss: sum over pp (others add 0), mean over dp; on the device."""
+        """Only the last stage has the loss: sum over pp (others add 0), mean over dp (× cp); on the device."""
         local = self.pp.scalar(local, torch.float32)
         self.pp.all_reduce(local, tag="metrics")
-        dp = self.mesh.comm("dp")
-        dp.all_reduce(local, tag="metrics")
-        return local / dp.size
+        self.loss_comm.all_reduce(local, tag="metrics")
+        return local / self.loss_comm.size
 
     def evaluate(self, batches: list[Batch]) -> float:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
         runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device,
                                   p2p=self.p2p)
-        loss = runtime.step([x for x, _ in batches], [y for _, y in batches])
+        loss = runtime.step([self.local(x) for x, _ in batches], [self.local(y) for _, y in batches])
         return self.global_loss(loss if loss is not None else self.pp.scalar(0.0)).item()
 
 

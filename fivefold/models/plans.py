@@ -1,14 +1,18 @@
 """Where each part of fivefold's Llama goes under each dimension, as data applied by `models.parallelize`:
 `LLAMA_TP_PLAN` (seed 003 §7-8: heads split, wo and w2 row-parallel, embedding and head vocab-parallel, norms
-replicated) and `llama_stage_modules` (§9: contiguous blocks, the embedding first, the norm and head last)."""
+replicated), `LLAMA_CP_PLAN` (§10: ring attention in every block, RoPE tables by position) and
+`llama_stage_modules` (§9: contiguous blocks, the embedding first, the norm and head last)."""
 
 from __future__ import annotations
 
+from fivefold.context_parallel.plan import CPPlan
 from fivefold.models.llama import LlamaConfig
 from fivefold.pipeline.split import split_layers
 from fivefold.tensor_parallel.plan import Colwise, Norm, RegionEntry, Rowwise, TPPlan, VocabEmbedding, VocabHead
 
-__all__ = ["LLAMA_TP_PLAN", "llama_stage_modules"]
+__all__ = ["LLAMA_CP_PLAN", "LLAMA_TP_PLAN", "llama_stage_modules"]
+
+LLAMA_CP_PLAN = CPPlan(attention="layers.*.attention", position_tables=("rope_cos", "rope_sin"))
 
 LLAMA_TP_PLAN: TPPlan = {
     "tok_embeddings": VocabEmbedding(),

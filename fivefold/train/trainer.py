@@ -92,7 +92,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
             state_mb = parts.model_state_bytes() / 2**20
         grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
-        traffic = log.totals(dim="dp")  # read before the metrics all-reduce
+        traffic = log.totals(dim=parts.loss_comm.dim)  # gradient traffic (dp, or dp_cp), before the metrics
         loss = parts.global_loss(loss_sum)
         if step % cfg.run.log_every == 0 or step == t.steps - 1:
             losses.append(loss.item())  # waits for this step

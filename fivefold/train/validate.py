@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fivefold.comm import P2P_SEMANTICS
 from fivefold.config import Config, ConfigError, resolve_batch
+from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
@@ -76,10 +77,8 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             raise ConfigError(f"{key}: {e}") from None
 
     dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep).resolve(world_size)
-    for dim, what in (("cp", "context"), ("ep", "expert")):
-        if getattr(dims, dim) != 1:
-            raise ConfigError(f"parallel.{dim}={getattr(dims, dim)}: {what} parallelism is not implemented yet; set "
-                              f"parallel.{dim}=1")
+    if dims.ep != 1:
+        raise ConfigError(f"parallel.ep={dims.ep}: expert parallelism is not implemented yet; set parallel.ep=1")
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
@@ -88,9 +87,18 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         model = dataclasses.replace(model, max_seq_len=t.seq_len).validate()
     if dims.tp > 1:
         check_divisible(model, LLAMA_TP_PLAN, dims.tp)
-    if p.sp and t.seq_len % dims.tp:
-        raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len} is not "
-                          f"divisible by tp={dims.tp}; use a multiple of {dims.tp}")
+    if p.cp_layout not in LAYOUTS:
+        raise ConfigError(f"parallel.cp_layout={p.cp_layout!r}: choose {' or '.join(LAYOUTS)}")
+    if dims.cp > 1:
+        try:
+            SequenceLayout(p.cp_layout, dims.cp).check(t.seq_len)
+        except ValueError as e:
+            raise ConfigError(f"train.seq_len: {e}") from None
+    local_seq = t.seq_len // dims.cp
+    if p.sp and local_seq % dims.tp:
+        raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len}"
+                          + (f" / cp={dims.cp} = {local_seq}" if dims.cp > 1 else "")
+                          + f" is not divisible by tp={dims.tp}; use a multiple of {dims.tp * dims.cp}")
     if dims.pp > 1:
         check_pipeline_supported(cfg)
         if cfg.pipeline.p2p not in ("auto", *P2P_SEMANTICS):

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest -s tests/gpu
 
-Two processes, one GPU each, NCCL: DDP, ZeRO-3, tp 2 (+SP) and pp 2 (1F1B and zero-bubble, rendezvous p2p) each
+Two processes, one GPU each, NCCL: DDP, ZeRO-3, tp 2 (+SP), pp 2 (1F1B and zero-bubble, rendezvous p2p) and cp 2 each
 train a few steps of a small Llama in fp32 and must equal single-process training on one GPU (TF32 off, so they
 differ by reduction order only); the time per step of each layout is printed.
 """
@@ -27,6 +27,7 @@ LAYOUTS = {  # name: (dims, config overrides)
     "tp2-sp": (dict(dp=1, tp=2), dict(zero=1, tp=2, sp=True)),
     "pp2-1f1b": (dict(pp=2, dp=1), dict(zero=1, pp=2, schedule="1f1b")),
     "pp2-zb-h1": (dict(pp=2, dp=1), dict(zero=1, pp=2, schedule="zb-h1")),
+    "cp2": (dict(cp=2, dp=1), dict(zero=1, cp=2)),
 }
 
 
@@ -48,6 +49,7 @@ def _config(o: dict):
     cfg = Config()
     cfg.zero.stage = o["zero"]
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp = o.get("tp", 1), o.get("pp", 1), o.get("sp", False)
+    cfg.parallel.cp = o.get("cp", 1)
     cfg.pipeline.schedule = o.get("schedule", "1f1b")
     cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, EPS
     cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed = M, SEQ, 0

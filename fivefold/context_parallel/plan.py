@@ -1,0 +1,43 @@
+"""A context-parallel plan is data (which modules attend, which buffers are indexed by position), applied by
+`apply_context_parallel`: every attention core becomes ring attention over the cp group, and each position table
+keeps the rows of this rank's tokens, so the model's own forward runs unchanged on its part of the sequence."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from torch import nn
+
+from fivefold.comm import Comm
+from fivefold.context_parallel.layout import SequenceLayout
+from fivefold.context_parallel.ring_attention import RingAttention
+
+__all__ = ["CPPlan", "apply_context_parallel"]
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    attention: str  # module-name pattern of the attention modules; each has a ``core(q, k, v)`` to replace
+    position_tables: tuple[str, ...]  # root buffers whose row i belongs to sequence position i (RoPE)
+
+
+def apply_context_parallel(model: nn.Module, comm: Comm, layout: SequenceLayout, seq_len: int, plan: CPPlan,
+                           ) -> nn.Module:
+    """Make `model` (whole or a pipeline stage, tables already filled) run on `comm.rank`'s part of sequences of
+    `seq_len` tokens laid out by `layout`."""
+    layout.check(seq_len)
+    attention = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, plan.attention)]
+    for module in attention:
+        if not hasattr(module, "core"):
+            raise TypeError(f"context parallel: {type(module).__name__} has no attention core to replace")
+        module.core = RingAttention(comm, layout)
+    for name in plan.position_tables:
+        table = getattr(model, name)
+        if table.shape[0] < seq_len:
+            raise ValueError(f"context parallel: {name} covers {table.shape[0]} positions, fewer than "
+                             f"seq_len={seq_len}")
+        model.register_buffer(name, table.index_select(0, layout.positions(comm.rank, seq_len, table.device)),
+                              persistent=False)
+    model.cp_layout = layout
+    return model

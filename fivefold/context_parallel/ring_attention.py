@@ -1,0 +1,214 @@
+"""Ring attention (seed 003 §10.1; Liu et al. 2024): attention over a sequence split across the cp group.
+
+Each rank keeps its queries; the keys and values travel around the ring (rank r sends to r+1, receives from r-1),
+the next transfer in flight while the current block is computed, C-1 transfers in all. Blocks of (query chunk, key
+chunk) are merged with the online-softmax rule — running output and log-sum-exp — so no L×L score matrix exists,
+only one chunk×chunk block at a time. Causal: a key chunk after the query chunk is skipped, the diagonal block
+masked. GQA: keys and values travel with their own (fewer) heads, never the expanded copies. Each block is computed
+by a kernel: torch's fused flash-attention on CPU (a block's kv heads expanded for it), portable fp32 math elsewhere
+(each query-head group broadcast against its kv head) — the same merge and the same ring either way.
+
+Backward is blockwise from the saved output and log-sum-exp (FlashAttention's rule, no forward recomputation
+beyond each block's scores): keys and values go around the ring again, and each kv shard's gradient accumulator
+travels with it, every rank adding its part; after C steps it arrives back at the owner (C transfers).
+Per rank and step a transfer is 2·B·(L/C)·H_kv·d elements: ≈ 2·L·D/C·(C-1) per direction over a forward, the seed's
+volume scaled by H_kv/H for GQA (`formulas.ring_attention_p2p_elements`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fivefold.comm import Comm
+from fivefold.context_parallel.layout import SequenceLayout
+
+__all__ = ["KERNELS", "RingAttention", "default_kernel", "ring_attention"]
+
+
+def _mode(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
+    """How query chunk `q_chunk` attends to key chunk `k_chunk`: all of it, causally (same chunk), or not at all."""
+    if not causal or k_chunk < q_chunk:
+        return "full"
+    return "diag" if k_chunk == q_chunk else None
+
+
+def _blocks(rank: int, src: int, layout: SequenceLayout, chunk: int, causal: bool):
+    """(query slice, key slice, diagonal?) of every block rank `rank` computes against the kv shard of `src`."""
+    for i, qc in enumerate(layout.chunks_of(rank)):
+        for j, kc in enumerate(layout.chunks_of(src)):
+            mode = _mode(qc, kc, causal)
+            if mode is not None:
+                yield slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk), mode == "diag"
+
+
+# -- one block: q [B, H, Lq, d] against k, v [B, H_kv, Lk, d] (a diagonal block is square and causal) ----------
+# forward -> (out [B, H, Lq, d] fp32, lse [B, H, Lq] fp32); backward(dO, q, k, v, O, lse) with the *final* O and
+# lse -> this block's dq [B, H, Lq, d], dk, dv [B, H_kv, Lk, d] (fp32). Two implementations of the same math.
+
+class MathBlocks:
+    """Portable: plain matmuls in fp32, the query heads of one kv head grouped so k and v broadcast."""
+
+    @staticmethod
+    def _scores(q: torch.Tensor, k: torch.Tensor, diag: bool, scale: float) -> torch.Tensor:
+        b, hq, lq, d = q.shape
+        hkv = k.shape[1]
+        s = torch.matmul(q.float().reshape(b, hkv, hq // hkv, lq, d), k.float().unsqueeze(2).transpose(-1, -2))
+        s.mul_(scale)
+        if diag:
+            above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+            s.masked_fill_(above, float("-inf"))
+        return s  # [B, H_kv, G, Lq, Lk]
+
+    def forward(self, q, k, v, diag: bool, scale: float):
+        s = self._scores(q, k, diag, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.float().unsqueeze(2))
+        return out.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+    def backward(self, dout, q, k, v, out, lse, diag: bool, scale: float):
+        b, hq, lq, d = q.shape
+        hkv = k.shape[1]
+        grouped = (b, hkv, hq // hkv, lq)
+        do = dout.float().reshape(*grouped, d)
+        delta = (do * out.float().reshape(*grouped, d)).sum(dim=-1)  # rowsum(dO ∘ O): softmax's Jacobian term
+        p = self._scores(q, k, diag, scale).sub_(lse.reshape(grouped).unsqueeze(-1)).exp_()
+        dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+        ds = p.mul_(torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
+        dq = torch.matmul(ds, k.float().unsqueeze(2)).mul_(scale)
+        dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().reshape(*grouped, d)).mul_(scale)
+        return dq.reshape(q.shape), dk, dv
+
+
+class CPUFlashBlocks:
+    """CPU: torch's fused flash-attention kernels (about 9x the math path's speed on a 2k block, and a masked
+    half skipped); GQA by expanding the block's kv heads, whose gradients are summed back."""
+
+    def forward(self, q, k, v, diag: bool, scale: float):
+        k, v = self._expand(k, q), self._expand(v, q)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k, v, 0.0, diag, attn_mask=None, scale=scale)
+        return out.float(), lse
+
+    def backward(self, dout, q, k, v, out, lse, diag: bool, scale: float):
+        hkv = k.shape[1]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), self._expand(k, q), self._expand(v, q), out.contiguous(),
+            lse.contiguous(), 0.0, diag, attn_mask=None, scale=scale)
+        if dk.shape[1] != hkv:
+            b, hq, lk, d = dk.shape
+            dk, dv = (t.reshape(b, hkv, hq // hkv, lk, d).sum(dim=2) for t in (dk, dv))
+        return dq.float(), dk.float(), dv.float()
+
+    @staticmethod
+    def _expand(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // kv.shape[1]
+        return (kv.repeat_interleave(group, dim=1) if group > 1 else kv).contiguous()
+
+
+KERNELS = {"math": MathBlocks(), "cpu_flash": CPUFlashBlocks()}
+
+
+def default_kernel(device: torch.device) -> str:
+    """The fused kernel where fivefold has one (CPU), the portable math elsewhere (CUDA: correct, not fused)."""
+    return "cpu_flash" if device.type == "cpu" else "math"
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,  # type: ignore[override]
+                layout: SequenceLayout, causal: bool, kernel: str) -> torch.Tensor:
+        blocks = KERNELS[kernel]
+        rank, world = comm.rank, comm.size
+        chunk = q.shape[2] // len(layout.chunks_of(rank))
+        scale = q.shape[-1] ** -0.5
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # one message per step, in the inputs' dtype
+        for step in range(world):
+            batch, incoming = None, None
+            if step < world - 1:  # the next shard travels while this one is used
+                incoming = torch.empty_like(kv)
+                batch = comm.batch_p2p([("send", kv, (rank + 1) % world), ("recv", incoming, (rank - 1) % world)],
+                                       tag="cp_kv")
+            for qs, ks, diag in _blocks(rank, (rank - step) % world, layout, chunk, causal):
+                block_out, block_lse = blocks.forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], diag, scale)
+                merged = torch.logaddexp(lse[:, :, qs], block_lse)  # online softmax: rescale both to the new total
+                out[:, :, qs].mul_((lse[:, :, qs] - merged).exp_().unsqueeze(-1))
+                out[:, :, qs].add_(block_out.mul_((block_lse - merged).exp_().unsqueeze(-1)))
+                lse[:, :, qs] = merged
+            if batch is not None:
+                batch.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.layout, ctx.causal, ctx.kernel = comm, layout, causal, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, layout, causal, blocks = ctx.comm, ctx.layout, ctx.causal, KERNELS[ctx.kernel]
+        rank, world = comm.rank, comm.size
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        chunk = q.shape[2] // len(layout.chunks_of(rank))
+        scale = q.shape[-1] ** -0.5
+        grad_out = grad_out.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_batch, dkv_incoming = None, None
+        for step in range(world):
+            kv_batch, kv_next = None, None
+            if step < world - 1:
+                kv_next = torch.empty_like(kv)
+                kv_batch = comm.batch_p2p([("send", kv, nxt), ("recv", kv_next, prv)], tag="cp_kv")
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's part for the shard
+            for qs, ks, diag in _blocks(rank, (rank - step) % world, layout, chunk, causal):
+                dq_b, dk_b, dv_b = blocks.backward(grad_out[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                                   out[:, :, qs], lse[:, :, qs], diag, scale)
+                dq[:, :, qs] += dq_b
+                dkv[0][:, :, ks] += dk_b
+                dkv[1][:, :, ks] += dv_b
+            if world > 1:  # the shard's accumulator travels with it: add what earlier ranks gave, pass it on
+                if dkv_batch is not None:
+                    dkv_batch.wait()
+                    dkv += dkv_incoming
+                dkv_incoming = torch.empty_like(dkv)
+                dkv_batch = comm.batch_p2p([("send", dkv, nxt), ("recv", dkv_incoming, prv)], tag="cp_dkv")
+            if kv_batch is not None:
+                kv_batch.wait()
+                kv = kv_next
+        if dkv_batch is not None:  # after C steps this rank's own shard's gradient has come home
+            dkv_batch.wait()
+            dkv = dkv_incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: SequenceLayout,
+                   causal: bool = True, kernel: str | None = None) -> torch.Tensor:
+    """Attention of this rank's queries q [B, H, L/C, d] over the whole sequence, whose keys and values k, v
+    [B, H_kv, L/C, d] are spread over `comm` as `layout` says (rank order = ring order). `kernel` computes each
+    block: "math" or "cpu_flash" (default: `default_kernel` of q's device)."""
+    kernel = kernel or default_kernel(q.device)
+    if kernel not in KERNELS:
+        raise ValueError(f"ring attention kernel {kernel!r}: choose {' or '.join(KERNELS)}")
+    chunks = len(layout.chunks_of(comm.rank))
+    if layout.cp != comm.size:
+        raise ValueError(f"the layout is for cp={layout.cp}, but the group has {comm.size} ranks")
+    if q.shape[2] % chunks or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring attention needs q [B, H, L, d] and k, v [B, H_kv, L, d] with H divisible by H_kv "
+                         f"and L by {chunks} (chunks per rank); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return _RingAttention.apply(q, k, v, comm, layout, causal, kernel)
+
+
+@dataclass
+class RingAttention:
+    """An attention core (q, k, v -> out) for `Attention.core`: ring attention over `comm` with `layout`."""
+
+    comm: Comm
+    layout: SequenceLayout
+    causal: bool = True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.comm, self.layout, self.causal)
