@@ -14,11 +14,11 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_workers
+from dist_utils import coalescing_p2p, run_workers
 
 from fivefold.comm import Comm, CommLog
 from fivefold.context_parallel.layout import SequenceLayout
-from fivefold.context_parallel.ring_attention import ring_attention
+from fivefold.context_parallel.ring_attention import RingAttention, ring_attention
 from fivefold.formulas import ring_attention_p2p_elements
 
 B, L, D_HEAD = 2, 32, 8
@@ -71,6 +71,25 @@ def _worker() -> dict:
         out.backward(grad)
         results[_case_id(case)] = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, forward=forward,
                                        total=_sent(comm.log))
+    # Under NCCL's semantics (one work per batch) and in bf16, GQA, zig-zag, both kernels.
+    case = dict(layout="zigzag", causal=True, heads=(4, 2))
+    layout = SequenceLayout("zigzag", comm.size)
+    for kernel in ("cpu_flash", "math"):
+        q, k, v, grad = (layout.shard(t, comm.rank, dim=2).bfloat16() for t in _inputs(case))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        with coalescing_p2p() as batches:
+            out = ring_attention(q, k, v, comm, layout, kernel=kernel)
+            out.backward(grad)
+        assert batches and all(n == 2 for n in batches)  # one send + one receive per batch
+        results[f"bf16-coalesced-{kernel}"] = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    # A sequence of another length than the core was set up for is refused, not given wrong positions.
+    core = RingAttention(comm, layout, seq_len=L)
+    q = torch.zeros(1, 2, L // (2 * comm.size), D_HEAD)
+    try:
+        core(q, q, q)
+        results["wrong_length"] = None
+    except ValueError as e:
+        results["wrong_length"] = str(e)
     return results
 
 
@@ -98,8 +117,32 @@ def test_each_rank_sends_the_formula_volume(ring_results, case):
         got = r[_case_id(case)]
         assert got["forward"] == {"cp_kv": want["forward_kv"]}, rank
         assert got["total"] == {"cp_kv": want["forward_kv"] + want["backward_kv"], "cp_dkv": want["backward_dkv"]}, rank
-    # GQA: the kv heads travel, not the query-head expansion
-    assert want["forward_kv"] == 2 * B * (L // cp) * hkv * D_HEAD * (cp - 1)
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
+def test_ring_attention_in_bf16_under_nccl_semantics(ring_results, kernel):
+    """bf16 inputs, batches completing as one work (NCCL): as close to fp32 attention as bf16 SDPA is."""
+    cp, results = ring_results
+    case = dict(layout="zigzag", causal=True, heads=(4, 2))
+    layout = SequenceLayout("zigzag", cp)
+    want = _reference(case)
+    q, k, v, grad = (t.bfloat16().clone().requires_grad_(i < 3) for i, t in enumerate(_inputs(case)))
+    group = q.shape[1] // k.shape[1]
+    bf16 = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          is_causal=True)
+    bf16.backward(grad)
+    bf16_grads = dict(out=bf16.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    for name in ("out", "dq", "dk", "dv"):
+        got = layout.unshard([r[f"bf16-coalesced-{kernel}"][name] for r in results], dim=2)
+        assert got.dtype == torch.bfloat16
+        err = (got.float() - want[name]).abs().max().item()
+        sdpa_err = (bf16_grads[name].float() - want[name]).abs().max().item()
+        assert err <= 2 * sdpa_err + 1e-3, f"{name}: ring bf16 error {err:.2e}, SDPA bf16 error {sdpa_err:.2e}"
+
+
+def test_a_sequence_of_another_length_is_refused(ring_results):
+    _, results = ring_results
+    assert all("context parallel was set up for sequences of 32 tokens" in r["wrong_length"] for r in results)
 
 
 def test_layout_shard_and_unshard_are_inverse():

@@ -31,7 +31,7 @@ def apply_context_parallel(model: nn.Module, comm: Comm, layout: SequenceLayout,
     for module in attention:
         if not hasattr(module, "core"):
             raise TypeError(f"context parallel: {type(module).__name__} has no attention core to replace")
-        module.core = RingAttention(comm, layout)
+        module.core = RingAttention(comm, layout, seq_len)
     for name in plan.position_tables:
         table = getattr(model, name)
         if table.shape[0] < seq_len:

@@ -98,7 +98,7 @@ class CPUFlashBlocks:
             lse.contiguous(), 0.0, diag, attn_mask=None, scale=scale)
         if dk.shape[1] != hkv:
             b, hq, lk, d = dk.shape
-            dk, dv = (t.reshape(b, hkv, hq // hkv, lk, d).sum(dim=2) for t in (dk, dv))
+            dk, dv = (t.float().reshape(b, hkv, hq // hkv, lk, d).sum(dim=2) for t in (dk, dv))
         return dq.float(), dk.float(), dv.float()
 
     @staticmethod
@@ -204,11 +204,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
 
 @dataclass
 class RingAttention:
-    """An attention core (q, k, v -> out) for `Attention.core`: ring attention over `comm` with `layout`."""
+    """An attention core (q, k, v -> out) for `Attention.core`: ring attention over `comm` with `layout`, for
+    sequences of `seq_len` tokens (the positions the model's RoPE tables were cut to)."""
 
     comm: Comm
     layout: SequenceLayout
+    seq_len: int
     causal: bool = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] * self.comm.size != self.seq_len:
+            raise ValueError(f"context parallel was set up for sequences of {self.seq_len} tokens (each rank's RoPE "
+                             f"positions); this rank got {q.shape[2]} of a {q.shape[2] * self.comm.size}-token "
+                             "sequence: use the configured train.seq_len")
         return ring_attention(q, k, v, self.comm, self.layout, self.causal)

@@ -144,6 +144,9 @@ class _Parts:
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole sequences [B, L] on the device: its layout's positions under cp."""
         if self.layout.cp > 1:
+            if tokens.shape[1] != self.cfg.train.seq_len:  # the RoPE tables hold the positions of train.seq_len
+                raise ValueError(f"context parallel: a batch of {tokens.shape[1]}-token sequences, but the model was "
+                                 f"laid out for train.seq_len={self.cfg.train.seq_len}")
             tokens = self.layout.shard(tokens, self.mesh.rank("cp"))
         return tokens.to(self.device)
 

@@ -130,6 +130,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
 
 def _layout(cfg: Config, mesh: ParallelMesh) -> str:
     pp = mesh.size("pp")
+    cp = mesh.size("cp")
     return (f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage} tp={mesh.size('tp')}"
-            + (" +SP" if cfg.parallel.sp else "") + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
+            + (" +SP" if cfg.parallel.sp else "") + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
+            + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
             + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)")

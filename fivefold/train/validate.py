@@ -5,6 +5,7 @@ so nothing is resolved twice; only the data's largest token id is left to them (
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     if p.sp and local_seq % dims.tp:
         raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len}"
                           + (f" / cp={dims.cp} = {local_seq}" if dims.cp > 1 else "")
-                          + f" is not divisible by tp={dims.tp}; use a multiple of {dims.tp * dims.cp}")
+                          + f" is not divisible by tp={dims.tp}; use a multiple of {_sp_multiple(p.cp_layout, dims)}")
     if dims.pp > 1:
         check_pipeline_supported(cfg)
         if cfg.pipeline.p2p not in ("auto", *P2P_SEMANTICS):
@@ -112,6 +113,11 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     _check_data(cfg)
     _check_out_dir(Path(r.out_dir) / r.name)
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model)
+
+
+def _sp_multiple(layout: str, dims: ParallelDims) -> int:
+    """The sequence lengths SP (over tp) and the cp layout can both split: cp·tp, and zig-zag's 2·cp chunks."""
+    return dims.cp * (math.lcm(2, dims.tp) if layout == "zigzag" and dims.cp > 1 else dims.tp)
 
 
 def _check_data(cfg: Config) -> None:
