@@ -30,6 +30,22 @@ class ModelSection:
 
 
 @dataclass
+class MoESection:
+    """Mixture of experts (`fivefold.models.moe.MoEConfig`); experts = 0: a dense model. Also ``--model.moe.*``."""
+
+    experts: int = 0
+    top_k: int = 2
+    score: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool = True
+    shared_experts: int = 0
+    hidden: int | None = None  # an expert's hidden size (default: model ffn_hidden)
+    every: int = 1  # MoE in every `every`-th block
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    capacity_factor: float | None = None  # None: dropless
+
+
+@dataclass
 class ParallelSection:
     dp: int = -1  # -1: the rest of the world after pp × cp × tp
     tp: int = 1
@@ -126,6 +142,7 @@ class Config:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     run: RunSection = field(default_factory=RunSection)
+    moe: MoESection = field(default_factory=MoESection)  # written [model.moe] / --model.moe.* too
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,6 +200,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     sections = _sections()
+    if dotted.startswith("model.moe."):  # [model.moe] in TOML, --model.moe.experts on the command line
+        dotted = dotted[len("model."):]
     if dotted in MOVED:
         raise ConfigError(f"'{dotted}' is now '{MOVED[dotted]}' (ZeRO's stage and knobs live in [zero])")
     if "." not in dotted:
@@ -228,7 +247,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _set(cfg, ALIASES.get(section, section), values)
                 continue
             for key, value in values.items():
-                _set(cfg, f"{section}.{key}", value)
+                if isinstance(value, dict):  # a nested table such as [model.moe]
+                    for sub, v in value.items():
+                        _set(cfg, f"{section}.{key}.{sub}", v)
+                else:
+                    _set(cfg, f"{section}.{key}", value)
     return apply_overrides(cfg, overrides or [])
 
 

@@ -8,6 +8,8 @@ gradient hooks (sequence parallel's norm-weight all-reduce, registered when TP s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -16,13 +18,15 @@ __all__ = ["materialize"]
 
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device | str, *, parameters: bool = True,
-                storage: bool = True) -> nn.Module:
-    """Give `module`'s meta buffers, and its meta parameters unless not `parameters`, uninitialised storage on
-    `device` (``storage=False``: parameters get stand-ins without storage). Shared tensors stay shared."""
+                storage: bool = True, select: Callable[[str], bool] | None = None) -> nn.Module:
+    """Give `module`'s meta buffers, and its meta parameters unless not `parameters` (only those whose name
+    `select` accepts, if given), uninitialised storage on `device` (``storage=False``: parameters get stand-ins
+    without storage). Shared tensors stay shared."""
     made: dict[int, torch.Tensor] = {}
+    chosen = None if select is None else {id(p) for n, p in module.named_parameters() if select(n)}
     for m in module.modules():
         for name, p in list(m._parameters.items()) if parameters else ():
-            if p is not None and p.device.type == "meta":
+            if p is not None and p.device.type == "meta" and (chosen is None or id(p) in chosen):
                 if id(p) not in made:
                     data = (torch.empty_like(p, device=device) if storage else
                             torch.empty((), dtype=p.dtype, device=device).expand(p.shape))

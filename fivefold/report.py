@@ -13,7 +13,7 @@ from pathlib import Path
 from fivefold.pipeline.actions import COMPUTE_KINDS, B, F, I, W
 from fivefold.pipeline.simulator import Timeline
 
-__all__ = ["plot_loss", "plot_timeline", "to_chrome_trace"]
+__all__ = ["plot_loss", "plot_moe_load", "plot_timeline", "to_chrome_trace"]
 
 KIND_COLORS = {F: "#4C72B0", B: "#55A868", I: "#DD8452", W: "#8172B3"}
 OTHER_COLOR = "#B0B0B0"
@@ -99,6 +99,40 @@ def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: fl
             json.dump(data, fh)
 
     _atomic_write(path, write, ".json")
+
+
+def plot_moe_load(records: list[dict], out_png: str | Path) -> Path:
+    """MoE expert load from metrics records: the last logged step's tokens per expert in each layer (bars), and
+    over steps each layer's imbalance, the busiest expert's load over the mean (1 = balanced), with drops noted."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    moe = [r for r in records if r.get("kind") == "moe"]
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    bars, lines = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    last = moe[-1]["layers"]
+    width = 0.8 / max(len(last), 1)
+    for i, (name, layer) in enumerate(last.items()):
+        counts = layer["tokens_per_expert"]
+        bars.bar([e + i * width for e in range(len(counts))], counts, width=width, label=name)
+    bars.set_xlabel("expert")
+    bars.set_ylabel("assignments kept (last micro-batch, all ranks)")
+    bars.set_title(f"step {moe[-1]['step']}: tokens per expert")
+    bars.legend(fontsize=7)
+    for name in last:
+        steps = [r["step"] for r in moe if name in r["layers"]]
+        loads = [r["layers"][name]["tokens_per_expert"] for r in moe if name in r["layers"]]
+        lines.plot(steps, [max(c) / max(sum(c) / len(c), 1e-9) for c in loads], label=name, lw=1.2)
+    dropped = sum(layer["dropped"] for r in moe for layer in r["layers"].values())
+    lines.axhline(1.0, color="grey", lw=0.8, ls="--")
+    lines.set_xlabel("step")
+    lines.set_ylabel("max / mean tokens per expert")
+    lines.set_title(f"load imbalance ({dropped:,} dropped in logged steps)", fontsize=10)
+    lines.grid(alpha=0.3)
+    fig.tight_layout()
+    _atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"), ".png")
+    return Path(out_png)
 
 
 def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path:

@@ -75,3 +75,12 @@ def test_comm_log_disabled_records_nothing():
     assert log.summary()[("all_gather", "tp")].payload_bytes == 12
     log.reset()
     assert log.totals().calls == 0
+
+
+def test_moe_keys_from_the_command_line_and_a_toml_table(tmp_path):
+    cfg = load_config(None, ["--model.moe.experts", "8", "--model.moe.top_k", "1", "--parallel.ep", "2"])
+    assert (cfg.moe.experts, cfg.moe.top_k, cfg.parallel.ep) == (8, 1, 2)
+    toml = tmp_path / "moe.toml"
+    toml.write_text("[model]\npreset = \"tiny\"\n[model.moe]\nexperts = 4\ncapacity_factor = 1.25\n")
+    cfg = load_config(toml)
+    assert (cfg.model.preset, cfg.moe.experts, cfg.moe.capacity_factor) == ("tiny", 4, 1.25)

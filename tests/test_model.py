@@ -17,10 +17,15 @@ def expected_params(c: LlamaConfig) -> int:
     """Parameter count from the shapes alone (independent of the module code)."""
     hd = c.dim // c.n_heads
     attention = c.dim * hd * (2 * c.n_heads + 2 * c.n_kv_heads)  # wq, wo + wk, wv
-    ffn = 3 * c.dim * c.ffn_hidden
-    per_layer = attention + ffn + 2 * c.dim  # + two RMSNorm weights
+    dense_ffn = 3 * c.dim * c.ffn_hidden
+    ffn = [dense_ffn] * c.n_layers
+    if c.moe is not None:  # MoE blocks: router + experts (+ shared experts), each a SwiGLU of the expert hidden size
+        hidden = c.moe.hidden or c.ffn_hidden
+        moe_ffn = c.dim * c.moe.experts + (c.moe.experts + c.moe.shared_experts) * 3 * c.dim * hidden
+        ffn = [moe_ffn if i % c.moe.every == c.moe.every - 1 else dense_ffn for i in range(c.n_layers)]
+    per_layer = attention + 2 * c.dim  # + two RMSNorm weights
     embeddings = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
-    return c.n_layers * per_layer + embeddings + c.dim  # + final norm
+    return c.n_layers * per_layer + sum(ffn) + embeddings + c.dim  # + final norm
 
 
 def tiny(**overrides: object) -> LlamaConfig:

@@ -83,7 +83,7 @@ class ShardedOptimizer:
             if members:
                 inner_groups.append({"params": members, **kwargs})
         # What the global norm sums over: the group's own placement, plus dp where this optimizer shards.
-        dp: Placement = frozenset({"dp"}) if self.sharded else frozenset()
+        dp: Placement = frozenset({self.comm.dim}) if self.sharded else frozenset()  # "dp" (or dp_cp, ep_dp)
         self._placement = {id(p): frozenset(g.get("placement", ())) | dp for g in inner_groups for p in g["params"]}
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
@@ -138,7 +138,7 @@ class ShardedOptimizer:
         norm makes every rank skip the step."""
         norm, found_inf = None, False
         if max_norm is not None or self.loss_scaler is not None:
-            norm = global_grad_sq_norm([self.local_sq_norms()], {"dp": self.comm}, self.comm.device).sqrt()
+            norm = global_grad_sq_norm([self.local_sq_norms()], {self.comm.dim: self.comm}, self.comm.device).sqrt()
             if self.loss_scaler is not None:
                 found_inf = not math.isfinite(norm.item())
         self.apply_step(norm, max_norm, found_inf)

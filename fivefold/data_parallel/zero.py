@@ -57,6 +57,7 @@ class ZeroDataParallel(nn.Module):
                  loss_scaler: DynamicLossScaler | None = None, broadcast_init: bool = True,
                  elementwise: bool | None = None, placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
                  init_value: Callable[[str], torch.Tensor] | None = None, device: torch.device | str | None = None,
+                 params: Callable[[str, nn.Parameter], bool] | None = None, grad_divisor: int | None = None,
                  **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
@@ -68,20 +69,27 @@ class ZeroDataParallel(nn.Module):
         self.comm = comm
         self.zero_stage = zero_stage
         self.mp = mixed_precision or MixedPrecision()
+        # `params`: the parameters this engine owns (default all; MoE experts get an engine of their own).
+        self.owns = params or (lambda name, p: True)
+        # Gradients are averaged over `comm` (each bucket pre-divided by its size); `grad_divisor` asks for another
+        # divisor (expert gradients, already summed over ep by the all-to-all, divide by dp × cp): each backward's
+        # contribution is scaled by size / divisor as it arrives — not the buffer, which accumulates micro-steps.
+        self.grad_divisor = grad_divisor or comm.size
         # Parameters on the meta device are materialised here, each rank only its share, from `init_value`.
-        deferred = {name for name, p in module.named_parameters() if p.device.type == "meta"}
+        deferred = {name for name, p in module.named_parameters() if p.device.type == "meta" and self.owns(name, p)}
         if deferred and (init_value is None or device is None):
             raise ValueError(f"{len(deferred)} parameters are on the meta device (e.g. '{min(deferred)}'): pass "
                              "init_value=(name -> initial value) and device= so that each rank materialises its "
                              "share, or materialise the module before wrapping it")
         if deferred:  # storage-less stand-ins on the device, repointed into the flat buffers below
-            materialize(module, device, storage=False)
+            materialize(module, device, storage=False, select=lambda name: name in deferred)
         self._value_of = lambda name, p: init_value(name) if name in deferred else p.detach()
         if broadcast_init and comm.size > 1:  # (deferred values are the same on every rank by construction)
-            broadcast_module_state(module, comm, skip=deferred)
+            broadcast_module_state(module, comm, skip={n for n, p in module.named_parameters()
+                                                       if n in deferred or not self.owns(n, p)})
         # Frozen parameters are not sharded: they stay replicated, cast to the compute dtype.
         for name, p in module.named_parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and self.owns(name, p):
                 p.data = self._value_of(name, p).to(p.device, self.mp.param_dtype)
 
         # Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is partitioned over,
@@ -90,7 +98,11 @@ class ZeroDataParallel(nn.Module):
             skip_decay = no_decay is not None and no_decay(name, p, module)
             return skip_decay, frozenset(placement_of(name, p)) if placement_of is not None else frozenset()
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and self.owns(n, p)]
+        if self.grad_divisor != comm.size:
+            factor = comm.size / self.grad_divisor
+            for _, p in named:
+                p.register_hook(lambda g, factor=factor: g * factor)
         # decay first, then partitioned before replicated: a fixed order of the groups in every flat buffer
         keys = sorted({key_of(n, p) for n, p in named}, key=lambda k: (k[0], -len(k[1]), sorted(k[1])))
 
@@ -137,7 +149,7 @@ class ZeroDataParallel(nn.Module):
         # Every name of every parameter (a tied one has several). A parameter used by two units belongs to the root,
         # which stays gathered around all its children; two sibling units are never gathered together.
         for name, p in module.named_parameters(remove_duplicate=False):
-            if not p.requires_grad:
+            if not p.requires_grad or not self.owns(name, p):
                 continue
             unit = max((u for u in unit_mods if u == "" or name.startswith(u + ".")), key=len)
             if id(p) in owner and owner[id(p)] != unit:
@@ -253,14 +265,16 @@ class ZeroDataParallel(nn.Module):
             gathered = flat.full_master()
             for name, p in zip(flat.names, flat.params):
                 master_by_param[id(p)] = gathered[name]
-        # keep_vars: parameters come back as the Parameter objects, tied ones under every name.
+        # keep_vars: parameters come back as the Parameter objects, tied ones under every name. Another engine's
+        # parameters (MoE experts / the rest) are that engine's to report.
+        theirs = {id(p) for n, p in self.module.named_parameters(remove_duplicate=False) if not self.owns(n, p)}
         return {name: master_by_param[id(t)] if id(t) in master_by_param else t.detach().clone()
-                for name, t in self.module.state_dict(keep_vars=True).items()}
+                for name, t in self.module.state_dict(keep_vars=True).items() if id(t) not in theirs}
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, for `fivefold.memory.model_state_bytes`."""
         params = [f.full for f in self.flats] + [f.local for f in self.flats]
-        params += [p for p in self.module.parameters() if not p.requires_grad]
+        params += [p for n, p in self.module.named_parameters() if not p.requires_grad and self.owns(n, p)]
         grads = [b.grad for b in self.buckets if b.grad is not None]
         grads += [p.grad for b in self.buckets for p in b.params if p.grad is not None]  # waiting for copy-in
         grads += [f.grad_shard for f in self.flats if f.grad_shard is not None]

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.materialize import materialize
+from fivefold.models.layers import FeedForward
+from fivefold.models.moe import MoEConfig, MoEFeedForward
 from fivefold.ops import Linear
 
 __all__ = ["Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm", "TransformerBlock", "apply_rotary",
@@ -34,6 +36,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks (None: dense)
 
     @property
     def head_dim(self) -> int:
@@ -55,7 +58,13 @@ class LlamaConfig:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps} must be positive")
+        if self.moe is not None:
+            self.moe.validate()
         return self
+
+    def is_moe_block(self, index: int) -> bool:
+        """Block `index` has an MoE feed-forward (every `moe.every`-th block, the first at every - 1)."""
+        return self.moe is not None and index % self.moe.every == self.moe.every - 1
 
 
 # Published Llama-3 shapes (8K pre-training context, no rope scaling), for planning on the meta device.
@@ -64,6 +73,11 @@ PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=256),  # ~0.85M
     "small": LlamaConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024, max_seq_len=512),  # ~9.6M
     "medium": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=1024),  # ~76M
+    # Llama-MoE: 8 experts of hidden 256, top-2, in every block (~3.4M parameters)
+    "tiny-moe": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=256,
+                            moe=MoEConfig(experts=8, top_k=2)),
+    "small-moe": LlamaConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=512, max_seq_len=512,
+                             moe=MoEConfig(experts=8, top_k=2, every=2)),
     "llama3.2-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, tie_embeddings=True, **_L3),  # 1.2B
     "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_L3),  # 8.03B
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_L3),  # 70.55B
@@ -168,30 +182,16 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1(x)) * w3(x))`` with w1 the gate, w3 the up, w2 the down projection."""
-
-    def __init__(self, dim: int, hidden: int, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        kw = {"bias": False, "device": device, "dtype": dtype}
-        self.w1 = Linear(dim, hidden, **kw)
-        self.w3 = Linear(dim, hidden, **kw)
-        self.w2 = Linear(hidden, dim, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, config: LlamaConfig, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, index: int = 0) -> None:
         super().__init__()
         c = config
         self.attention_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
         self.attention = Attention(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, device=device, dtype=dtype)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
-        self.feed_forward = FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype)
+        self.feed_forward = (MoEFeedForward(c.dim, c.ffn_hidden, c.moe, device=device, dtype=dtype)
+                             if c.is_moe_block(index) else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -225,7 +225,8 @@ class Llama(nn.Module):
         meta = torch.device("meta")
         c = config
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim, device=meta, dtype=dtype)
-        self.layers = Blocks({str(i): TransformerBlock(c, device=meta, dtype=dtype) for i in range(c.n_layers)})
+        self.layers = Blocks({str(i): TransformerBlock(c, device=meta, dtype=dtype, index=i)
+                              for i in range(c.n_layers)})
         self.norm = RMSNorm(c.dim, c.norm_eps, device=meta, dtype=dtype)
         self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
         # One fp32 table for all layers whatever the dtype (far positions need it); derived, so not persistent.
@@ -263,7 +264,7 @@ class Llama(nn.Module):
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device="cpu")
         scale = 0.02
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "w2.weight")):  # residual outputs (dense, expert, shared)
             scale /= math.sqrt(2 * self.config.n_layers)
         digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
         gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)

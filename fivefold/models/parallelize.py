@@ -12,15 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Placement
+from fivefold.comm import Comm, Placement
 from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
+from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
 from fivefold.materialize import materialize
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelMesh
 from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
+from fivefold.models.moe import MoEFeedForward
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
 from fivefold.pipeline.builders import build_schedule, forward_only
@@ -30,8 +32,8 @@ from fivefold.pipeline.split import keep_only
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
 
-__all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "is_tp_sharded", "parallelize",
-           "pipeline_forward_backward", "tp_loss"]
+__all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "is_expert", "is_tp_sharded",
+           "parallelize", "pipeline_forward_backward", "set_aux_grad_scale", "tp_loss"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -73,7 +75,7 @@ def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *
     return stages
 
 
-def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[int, ZeroDataParallel],
+def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[Any, ZeroDataParallel],
                               inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor | None:
     """One pipeline step; each stage's M backwards run unreduced (`no_sync`), then every engine reduces over dp once."""
     with contextlib.ExitStack() as unreduced:
@@ -100,30 +102,72 @@ def _grad_comm(mesh: ParallelMesh):
     return mesh.comm("dp_cp") if mesh.size("cp") > 1 else mesh.comm("dp")
 
 
-def _engine(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device) -> ZeroDataParallel:
-    """`module` (on meta, TP-sharded if tp > 1) in its engine, which materialises this rank's share of it: the TP
+def is_expert(name: str, param: nn.Parameter | None = None) -> bool:
+    """An MoE expert's parameter (``...feed_forward.experts.3.w1.weight``): sharded over ep, its own engine."""
+    return ".experts." in f".{name}"
+
+
+def _moe_layers(module: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+
+
+def _expert_parallel(module: Llama, mesh: ParallelMesh) -> None:
+    """Keep this ep rank's experts of every MoE layer (on meta: nothing allocated), exchange tokens by all-to-all
+    over ep, and balance the load over the global micro-batch (dp × cp)."""
+    ep, loss_comm = mesh.comm("ep"), _grad_comm(mesh)
+    for layer in _moe_layers(module):
+        per_rank = layer.config.experts // ep.size
+        for e in range(layer.config.experts):
+            if e // per_rank != ep.rank:
+                del layer.experts[str(e)]
+        if ep.size > 1:
+            layer.exchange = AllToAllExperts(ep, layer.config.experts)
+        if loss_comm.size > 1:
+            layer.balance = GlobalBalance(loss_comm)
+
+
+def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device) -> list[ZeroDataParallel]:
+    """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share of it: the TP
     slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
-    attention if cp > 1."""
+    attention if cp > 1. An MoE model's experts get a second engine: kept over ep, averaged over the rest of dp × cp
+    (`ep_dp`), their gradients (already summed over ep by the all-to-all) divided by dp × cp like the others."""
     t, z = cfg.train, cfg.zero
     tp_placements: dict[str, ParamPlacement] = getattr(module, "tp_placements", {})
     pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
-    tp = mesh.comm("tp")
+    tp, grad_comm = mesh.comm("tp"), _grad_comm(mesh)
+    moe = bool(_moe_layers(module))
+    if moe:
+        _expert_parallel(module, mesh)
 
     def init_value(name: str) -> torch.Tensor:
         return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
 
-    engine = ZeroDataParallel(
-        module, _grad_comm(mesh), zero_stage=z.stage, init_value=init_value, device=device,
-        mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
-        bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
-        prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
-        placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp,
-        optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
-    materialize(module, device, parameters=False)  # the engine owns the parameters; left: RoPE tables
+    def engine(comm: Comm, owns: Any, extra: Placement, divisor: int | None = None) -> ZeroDataParallel:
+        return ZeroDataParallel(
+            module, comm, zero_stage=z.stage, init_value=init_value, device=device, params=owns, grad_divisor=divisor,
+            mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
+            bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
+            prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
+            placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra,
+            optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+            weight_decay=t.weight_decay)
+
+    engines = [engine(grad_comm, (lambda n, p: not is_expert(n)) if moe else None, frozenset())]
+    if moe:
+        ep_dims: Placement = frozenset({"ep"}) if mesh.size("ep") > 1 else frozenset()
+        engines.append(engine(mesh.comm("ep_dp"), is_expert, ep_dims, divisor=grad_comm.size))
+    materialize(module, device, parameters=False)  # the engines own the parameters; left: RoPE tables
     module.init_buffers()
     if mesh.size("cp") > 1:
         apply_context_parallel(module, mesh.comm("cp"), _layout(cfg, mesh), cfg.train.seq_len, LLAMA_CP_PLAN)
-    return engine
+    return engines
+
+
+def set_aux_grad_scale(modules: Any, scale: float) -> None:
+    """The MoE auxiliary losses' gradient scale = the main loss's (1 / micro-batches)."""
+    for module in modules:
+        for layer in _moe_layers(module):
+            layer.aux_grad_scale = scale
 
 
 def _layout(cfg: Config, mesh: ParallelMesh) -> SequenceLayout:
@@ -133,7 +177,7 @@ def _layout(cfg: Config, mesh: ParallelMesh) -> SequenceLayout:
 class _Parts:
     """What both layouts share: engines, the step over every placement, metrics."""
 
-    engines: dict[int, ZeroDataParallel]
+    engines: dict[Any, ZeroDataParallel]  # WholeModel: 0 (and 1: experts); PipelinedModel: (stage, 0 / 1)
     timeline: Timeline | None = None
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
@@ -154,11 +198,38 @@ class _Parts:
         return [g for e in self.engines.values() for g in e.param_groups]
 
     def step(self, max_norm: float | None) -> float | None:
-        comms = {d: self.mesh.comm(d) for d in ("tp", "pp")}
+        comms = {d: self.mesh.comm(d) for d in ("tp", "pp", "ep")}
         return step_together(list(self.engines.values()), max_norm, comms)
 
     def gather_timeline(self) -> None:
         """Only a pipeline has a timeline to gather."""
+
+    def modules(self) -> list[nn.Module]:
+        return [self.module] if hasattr(self, "module") else list(self.stages.values())
+
+    def moe_load(self) -> dict[str, dict[str, Any]] | None:
+        """Per MoE layer, the last micro-batch's kept assignments per expert and dropped ones summed over dp × cp,
+        and its load-balancing loss; None for a dense model. Collective over dp × cp (and pp); syncs the host, so
+        for log steps only."""
+        layers = {name: m for module in self.modules() for name, m in module.named_modules()
+                  if isinstance(m, MoEFeedForward) and m.stats is not None}
+        out: dict[str, dict[str, Any]] = {}
+        if layers:
+            st = [m.stats for m in layers.values()]
+            packed = torch.cat([torch.stack([s.tokens_per_expert.float() for s in st]).flatten(),
+                                torch.stack([s.dropped.float() for s in st]), torch.stack([s.aux_loss for s in st])])
+            self.loss_comm.all_reduce(packed, tag="metrics")
+            n, e = len(st), st[0].tokens_per_expert.numel()
+            counts, dropped, aux = packed[:n * e].view(n, e), packed[n * e:n * e + n], packed[n * e + n:]
+            for i, name in enumerate(layers):
+                out[name] = {"tokens_per_expert": counts[i].tolist(), "dropped": int(dropped[i]),
+                             "aux_loss": aux[i].item() / self.loss_comm.size}
+        if self.mesh.size("pp") > 1:  # every stage's layers
+            merged: dict[str, dict[str, Any]] = {}
+            for part in self.mesh.comm("pp").all_gather_object(out):
+                merged.update(part)
+            out = merged
+        return dict(sorted(out.items(), key=lambda kv: int(kv[0].split(".")[1]))) or None
 
     def model_state_bytes(self) -> int:
         return sum(model_state_bytes(e).total for e in self.engines.values())
@@ -172,23 +243,27 @@ class _Parts:
 
 
 class WholeModel(_Parts):
-    """pp = 1: the whole model (TP-sharded if tp > 1) in one engine."""
+    """pp = 1: the whole model (TP-sharded if tp > 1) in one engine (two with MoE experts)."""
 
     def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
         super().__init__(cfg, mesh, device)
-        model = Llama(model_cfg, device="meta")  # nothing allocated: the engine materialises this rank's share
+        model = Llama(model_cfg, device="meta")  # nothing allocated: the engines materialise this rank's share
         self.loss_fn = _shard(model, cfg, mesh)
-        self.engine = _engine(model, cfg, mesh, device)
-        self.engines = {0: self.engine}
+        self.module = model
+        self.engines = dict(enumerate(_engines(model, cfg, mesh, device)))
+        self.engine = self.engines[0]
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         n = len(micro_batches)
+        set_aux_grad_scale([self.module], 1.0 / n)
         loss_sum = self.loss_comm.scalar(0.0)  # all-reduced for the metrics
         for i, (x, y) in enumerate(micro_batches):
             defer = self.cfg.zero.defer_reduce and i < n - 1
-            with self.engine.no_sync() if defer else contextlib.nullcontext():
-                loss = self.loss_fn(self.engine(self.local(x)), self.local(y)) / n
-                self.engine.backward(loss)
+            with contextlib.ExitStack() as unreduced:
+                for e in self.engines.values() if defer else ():
+                    unreduced.enter_context(e.no_sync())
+                loss = self.loss_fn(self.module(self.local(x)), self.local(y)) / n
+                self.engine.backward(loss)  # (scales by the loss scaler, fp16 without MoE only)
             loss_sum += loss.detach()
         return loss_sum
 
@@ -202,7 +277,7 @@ class WholeModel(_Parts):
     def evaluate(self, batches: list[Batch]) -> float:
         total = self.loss_comm.scalar(0.0, torch.float64)
         for x, y in batches:
-            total += self.loss_fn(self.engine(self.local(x)), self.local(y))
+            total += self.loss_fn(self.module(self.local(x)), self.local(y))
         return self.global_loss(total / len(batches)).item()
 
 
@@ -225,7 +300,8 @@ class PipelinedModel(_Parts):
         stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
                               device="meta", layers_per_stage=p.layers())
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
-        self.engines = {s: _engine(m, cfg, mesh, device) for s, m in stages.items()}
+        self.stages = stages
+        self.engines = {(s, i): e for s, m in stages.items() for i, e in enumerate(_engines(m, cfg, mesh, device))}
         # Between stages flows the hidden state [mb, L/C, D] (this cp rank's tokens), [mb, L/C/T, D] under SP.
         seq = cfg.train.seq_len // mesh.size("cp")
         seq = seq // mesh.size("tp") if cfg.parallel.sp else seq
@@ -233,10 +309,11 @@ class PipelinedModel(_Parts):
         self.shape = lambda mb: (mb, seq, model_cfg.dim)
         self.loss_fn = loss_fns.get(self.schedule.n_stages - 1, lm_cross_entropy)
         self.p2p = None if p.p2p == "auto" else p.p2p
-        self.runtime = PipelineRuntime(self.schedule, self.engines, pp, self.loss_fn, self.shape, self.dtype, device,
+        self.runtime = PipelineRuntime(self.schedule, self.stages, pp, self.loss_fn, self.shape, self.dtype, device,
                                        p2p=self.p2p)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        set_aux_grad_scale(self.stages.values(), 1.0 / len(micro_batches))
         loss = pipeline_forward_backward(self.runtime, self.engines, [self.local(x) for x, _ in micro_batches],
                                          [self.local(y) for _, y in micro_batches])
         return loss if loss is not None else self.pp.scalar(0.0)
@@ -255,7 +332,7 @@ class PipelinedModel(_Parts):
 
     def evaluate(self, batches: list[Batch]) -> float:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
-        runtime = PipelineRuntime(sched, self.engines, self.pp, self.loss_fn, self.shape, self.dtype, self.device,
+        runtime = PipelineRuntime(sched, self.stages, self.pp, self.loss_fn, self.shape, self.dtype, self.device,
                                   p2p=self.p2p)
         loss = runtime.step([self.local(x) for x, _ in batches], [self.local(y) for _, y in batches])
         return self.global_loss(loss if loss is not None else self.pp.scalar(0.0)).item()

@@ -16,7 +16,7 @@ from fivefold.comm import Comm, Placement
 
 __all__ = ["DIM_ORDER", "global_grad_sq_norm", "step_together"]
 
-DIM_ORDER = ("tp", "cp", "ep", "dp", "pp")  # innermost first
+DIM_ORDER = ("tp", "cp", "ep", "dp", "ep_dp", "dp_cp", "pp")  # innermost first
 
 
 def _order(dim: str) -> tuple[int, str]:
@@ -72,8 +72,8 @@ def step_together(engines: Sequence[Engine], max_norm: float | None = None,
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()
-        if e.zero_stage >= 1:  # ZeRO shards are partitioned over dp (DDP's gradients are replicated there)
-            comms.setdefault("dp", e.comm)
+        if e.zero_stage >= 1:  # ZeRO shards are partitioned over the engine's group (DDP's are replicated there)
+            comms.setdefault(e.comm.dim, e.comm)
     norm, found_inf = None, False
     if max_norm is not None or any(e.loss_scaler is not None for e in engines):
         device = engines[0].comm.device if engines else "cpu"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.pipeline.simulator import Timeline
-from fivefold.report import plot_loss, plot_timeline, to_chrome_trace
+from fivefold.report import plot_loss, plot_moe_load, plot_timeline, to_chrome_trace
 
 __all__ = ["Progress", "RunRecord", "read_metrics"]
 
@@ -84,7 +84,10 @@ class RunRecord:
         self._f.close()
         self._f = None
         if plot_title is not None:
-            png = plot_loss(read_metrics(self.path), self.run_dir / "loss.png", title=plot_title)
+            records = read_metrics(self.path)
+            png = plot_loss(records, self.run_dir / "loss.png", title=plot_title)
+            if any(r.get("kind") == "moe" for r in records):  # the loss plot's companion: how the experts were used
+                print(f"fivefold: expert load in {plot_moe_load(records, self.run_dir / 'moe_load.png')}")
             val = summary.get("final_val_loss")
             print(f"fivefold: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
                   + (f" (val {val:.3f})" if val is not None else "")

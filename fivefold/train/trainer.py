@@ -104,6 +104,9 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                           "tokens_per_s": tokens_per_step / dt, "model_state_mb": state_mb,
                           "comm_calls": traffic.calls, "comm_payload_bytes": traffic.payload_bytes,
                           "comm_wire_bytes": traffic.wire_bytes})
+            moe = parts.moe_load()  # expert load of the step's last micro-batch (MoE models)
+            if moe is not None:
+                record.write({"kind": "moe", "step": step, "layers": moe})
             record.progress.update(step + 1 - record.progress.done, loss=f"{losses[-1]:.3f}",
                                    tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.0f}",
                                    state_MB=f"{state_mb:.1f}")

@@ -16,6 +16,7 @@ from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
+from fivefold.models.moe import MoEConfig
 from fivefold.models.parallelize import check_pipeline_supported
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
@@ -78,12 +79,16 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             raise ConfigError(f"{key}: {e}") from None
 
     dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep).resolve(world_size)
-    if dims.ep != 1:
-        raise ConfigError(f"parallel.ep={dims.ep}: expert parallelism is not implemented yet; set parallel.ep=1")
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
-    model = get_config(cfg.model.preset, **overrides)
+    if cfg.moe.experts > 0:  # [moe] / --model.moe.*: an MoE model (else the preset decides)
+        overrides["moe"] = MoEConfig(**dataclasses.asdict(cfg.moe))
+    try:
+        model = get_config(cfg.model.preset, **overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_moe(model, dims, cfg)
     if t.seq_len > model.max_seq_len:
         model = dataclasses.replace(model, max_seq_len=t.seq_len).validate()
     if dims.tp > 1:
@@ -113,6 +118,23 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     _check_data(cfg)
     _check_out_dir(Path(r.out_dir) / r.name)
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model)
+
+
+def _check_moe(model: LlamaConfig, dims: ParallelDims, cfg: Config) -> None:
+    if model.moe is None:
+        if dims.ep > 1:
+            raise ConfigError(f"parallel.ep={dims.ep} splits the experts of an MoE model, but the model is dense: set "
+                              "--model.moe.experts N (or an MoE preset such as tiny-moe), or parallel.ep=1")
+        return
+    if model.moe.experts % dims.ep:
+        raise ConfigError(f"moe.experts={model.moe.experts} is not divisible by parallel.ep={dims.ep}: every ep rank "
+                          "holds the same number of experts")
+    if dims.tp > 1:
+        raise ConfigError(f"an MoE model with parallel.tp={dims.tp} is not supported (experts are not "
+                          "tensor-parallel); use ep over dp × cp instead (DeepSeek-V3 trains without TP)")
+    if cfg.precision.param == "fp16":
+        raise ConfigError("precision.param=fp16 with an MoE model is not supported (the auxiliary loss's gradient is "
+                          "not loss-scaled); use bf16")
 
 
 def _sp_multiple(layout: str, dims: ParallelDims) -> int:

@@ -1,0 +1,82 @@
+"""Expert parallelism's token exchange (seed 003 §11): the experts of an MoE layer are split over the ep group
+(rank r holds experts [r·E/ep, (r+1)·E/ep)); each rank routes its own tokens, sends every (token, expert) row to
+the rank holding the expert, and gets the outputs back in the order it sent them.
+
+Per layer and forward: one all-to-all of the E per-expert row counts (so every rank knows what it will receive),
+the dispatch all-to-all of the rows (uneven splits), the experts on what arrived (grouped by expert across the
+sources), and the combine all-to-all back. Backward is the mirror: each all-to-all's gradient travels the
+reverse way (`_AllToAll`). Payload per rank: dispatch = its k·T rows (including the ones for its own experts:
+the whole input buffer is counted), combine = the rows it received; summed over the group both equal k·T·D.
+Split sizes are read on the host: one sync per layer, as in every dropless implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fivefold.comm import Comm
+
+__all__ = ["AllToAllExperts", "GlobalBalance", "all_to_all"]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
+                tag: str) -> torch.Tensor:
+        ctx.comm, ctx.out_splits, ctx.in_splits, ctx.tag = comm, out_splits, in_splits, tag
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, tag=ctx.tag + "_bwd")
+        return back, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int], tag: str) -> torch.Tensor:
+    """Rows of `x` split as `in_splits` go to each rank; `out_splits` rows arrive from each. Differentiable."""
+    return _AllToAll.apply(x, comm, out_splits, in_splits, tag)
+
+
+class AllToAllExperts:
+    """The `MoEFeedForward.exchange` under expert parallelism over `comm` (the layer keeps only its experts)."""
+
+    def __init__(self, comm: Comm, n_experts: int) -> None:
+        if n_experts % comm.size:
+            raise ValueError(f"moe.experts={n_experts} is not divisible by ep={comm.size}")
+        self.comm = comm
+        self.per_rank = n_experts // comm.size
+
+    def __call__(self, run: Callable[[torch.Tensor, list[int], int], torch.Tensor], tokens: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        """`tokens` sorted by global expert id, `counts` [E] rows per expert -> the experts' outputs, same order.
+        ``run(grouped tokens, group sizes, first expert id)`` applies this rank's experts (the layer's)."""
+        ep, per_rank = self.comm.size, self.per_rank
+        received_counts = torch.empty_like(counts)
+        self.comm.all_to_all(received_counts, counts.contiguous(), tag="ep_counts")
+        received_counts = received_counts.view(ep, per_rank)  # [source rank, local expert]
+        send_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
+        recv_splits = received_counts.sum(dim=1).tolist()
+        arrived = all_to_all(tokens, self.comm, recv_splits, send_splits, "ep_dispatch")
+        # Arrived rows are source-major (each source's rows sorted by local expert): regroup expert-major.
+        segment = torch.arange(ep * per_rank, device=tokens.device).repeat_interleave(received_counts.reshape(-1))
+        order = ((segment % per_rank) * ep + segment // per_rank).argsort(stable=True)
+        out = run(arrived[order], received_counts.sum(dim=0).tolist(), self.comm.rank * per_rank)
+        return all_to_all(out[order.argsort()], self.comm, send_splits, recv_splits, "ep_combine")
+
+
+class GlobalBalance:
+    """The `MoEFeedForward.balance` under data parallelism: routing counts and token totals summed over `comm`
+    (dp × cp), so the load-balancing loss is the one of the global micro-batch, as in single-process training."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __call__(self, counts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        both = torch.cat([counts, tokens.reshape(1)])
+        self.comm.all_reduce(both, tag="moe_balance")
+        return both[:-1], both[-1], self.comm.size

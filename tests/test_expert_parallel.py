@@ -1,0 +1,255 @@
+"""Expert parallelism (issue 12), the MoE layer: ep = 2 and 4 against the single-process layer.
+
+Every rank builds the same layer (same seed) and keeps only its experts; each routes its own tokens. The
+single-process reference runs the whole layer on each rank's tokens in turn. Outputs, input gradients, the
+auxiliary losses, the routing counts (and with a capacity factor the dropped assignments) must equal the
+reference for that rank's tokens; a replicated parameter's gradient (router, shared expert) that rank's
+reference gradient; an expert's gradient the sum over every rank's tokens (they all reach it by all-to-all).
+The CommLog shows the formula's all-to-all payload. One spawn per ep degree runs every case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_workers
+
+from fivefold.comm import Comm, CommLog
+from fivefold.expert_parallel import AllToAllExperts
+from fivefold.models.moe import MoEConfig, MoEFeedForward
+
+D, HIDDEN, E = 16, 24, 8
+CASES = {
+    "softmax-top2": MoEConfig(experts=E, top_k=2),
+    "sigmoid-top2-shared-zloss": MoEConfig(experts=E, top_k=2, score="sigmoid", shared_experts=1, z_loss_coef=1e-3),
+    "top1-unnormalised": MoEConfig(experts=E, top_k=1, norm_topk=False),
+    "capacity-1.0": MoEConfig(experts=E, top_k=2, capacity_factor=1.0),
+}
+
+
+def _layer(cfg: MoEConfig) -> MoEFeedForward:
+    torch.manual_seed(0)
+    layer = MoEFeedForward(D, HIDDEN, cfg)
+    with torch.no_grad():  # sharper routing than nn.Linear's default init, so the experts' loads differ
+        layer.router.weight.mul_(4.0)
+    return layer
+
+
+def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(2, 6, D, generator=g), torch.randn(2, 6, D, generator=g)
+
+
+def _run(layer: MoEFeedForward, rank: int) -> dict:
+    x, upstream = _tokens(rank)
+    x.requires_grad_()
+    out = layer(x)
+    out.backward(upstream)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    s = layer.stats
+    return dict(out=out.detach(), dx=x.grad, grads=grads, counts=s.tokens_per_expert, dropped=int(s.dropped),
+                aux=s.aux_loss, z=s.z_loss)
+
+
+def _worker() -> dict:
+    comm = Comm(None, "ep", CommLog())
+    results = {}
+    for name, cfg in CASES.items():
+        layer = _layer(cfg)
+        per_rank = E // comm.size
+        for e in range(E):
+            if e // per_rank != comm.rank:
+                del layer.experts[str(e)]
+        layer.exchange = AllToAllExperts(comm, E)
+        comm.log.reset()
+        res = _run(layer, comm.rank)
+        res["payload"] = {}
+        for r in comm.log.records:
+            res["payload"][r.tag] = res["payload"].get(r.tag, 0) + r.numel
+        results[name] = res
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ep{n}")
+def ep_results(request):
+    return request.param, run_workers(_worker, request.param)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_with_ep_equals_single_process(ep_results, case):
+    world, results = ep_results
+    layer = _layer(CASES[case])
+    want = [_run(layer, r) for r in range(world)]
+    expert_sum = {n: sum(w["grads"][n] for w in want) for n in want[0]["grads"] if ".experts." in f".{n}"}
+    for rank, res in enumerate(results):
+        got, ref = res[case], want[rank]
+        for key in ("out", "dx", "aux", "z"):
+            torch.testing.assert_close(got[key], ref[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}")
+        assert torch.equal(got["counts"], ref["counts"]) and got["dropped"] == ref["dropped"], rank
+        assert set(got["grads"]) == {n for n in ref["grads"] if not n.startswith("experts.")
+                                     or int(n.split(".")[1]) // (E // world) == rank}
+        for n, g in got["grads"].items():
+            expected = expert_sum[n] if n.startswith("experts.") else ref["grads"][n]
+            torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank} grad {n}")
+    if CASES[case].capacity_factor is not None:
+        assert sum(w["dropped"] for w in want) > 0, "the capacity case must drop something"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_all_to_all_payload_equals_the_formula(ep_results, case):
+    world, results = ep_results
+    cfg = CASES[case]
+    tokens = _tokens(0)[0].shape[0] * _tokens(0)[0].shape[1]
+    dispatched = [r[case]["payload"]["ep_dispatch"] for r in results]
+    combined = [r[case]["payload"]["ep_combine"] for r in results]
+    for rank, res in enumerate(results):
+        kept = cfg.top_k * tokens - res[case]["dropped"]
+        assert dispatched[rank] == kept * D, rank  # its whole send buffer, the rows for its own experts included
+        assert res[case]["payload"]["ep_counts"] == E
+        # backward mirrors forward: the combine's gradient goes out like a dispatch, and vice versa
+        assert res[case]["payload"]["ep_combine_bwd"] == dispatched[rank]
+        assert res[case]["payload"]["ep_dispatch_bwd"] == combined[rank]
+    assert sum(combined) == sum(dispatched)  # over the group: dispatch + combine = 2·k·T·D (dropless)
+    if cfg.capacity_factor is None:
+        assert sum(dispatched) + sum(combined) == 2 * cfg.top_k * tokens * world * D
+
+
+# ---------------------------------------------------------------------------------------------
+# The single-process layer: routing rules, the auxiliary losses' value and gradient.
+def test_aux_losses_join_the_gradient_as_if_added_to_the_loss():
+    cfg = MoEConfig(experts=E, top_k=2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    x, upstream = _tokens(0)
+    with_aux = _layer(cfg)
+    (with_aux(x) * upstream).sum().backward()
+    plain = _layer(cfg.replace(aux_loss_coef=0.0, z_loss_coef=0.0))
+    out = plain(x)
+    logits = plain.router(x.reshape(-1, D)).float()
+    probs = logits.softmax(-1)
+    f = torch.bincount(probs.topk(2, dim=-1).indices.reshape(-1), minlength=E).float() / (2 * logits.shape[0])
+    aux = E * (f * probs.mean(0)).sum()
+    z = logits.logsumexp(-1).pow(2).mean()
+    ((out * upstream).sum() + 0.1 * aux + 0.01 * z).backward()
+    torch.testing.assert_close(with_aux.stats.aux_loss, aux.detach())
+    torch.testing.assert_close(with_aux.stats.z_loss, z.detach())
+    for (n, p), q in zip(with_aux.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_capacity_keeps_first_choices_before_second_choices():
+    layer = MoEFeedForward(D, HIDDEN, MoEConfig(experts=2, top_k=2, capacity_factor=0.5))
+    # 4 tokens × 2 slots = 8 assignments over 2 experts, capacity ceil(0.5·8/2) = 2 per expert
+    experts = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0]])
+    kept = layer.capacity_mask(experts)
+    # expert 0: first choices of tokens 0 and 1 fill it; expert 1: token 3's first choice, then token 0's second
+    assert kept.tolist() == [[True, True], [True, False], [False, False], [True, False]]
+
+
+def test_bad_moe_configs_are_named():
+    with pytest.raises(ValueError, match="moe.top_k=3 exceeds moe.experts=2"):
+        MoEConfig(experts=2, top_k=3).validate()
+    with pytest.raises(ValueError, match="moe.score='relu'"):
+        MoEConfig(score="relu").validate()
+
+    class _ThreeRanks:
+        size = 3
+
+    with pytest.raises(ValueError, match="moe.experts=8 is not divisible by ep=3"):
+        AllToAllExperts(_ThreeRanks(), 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-model training of a Llama-MoE with ep composed with dp, ZeRO and pp, against single-process training.
+MOE_MODEL = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16, vocab_size=32)
+MOE = MoEConfig(experts=4, top_k=2, aux_loss_coef=0.05, z_loss_coef=1e-3)
+SEQ, ROWS, STEPS, LR, WD, EPS, CLIP, M = 8, 8, 5, 1e-2, 0.1, 1e-4, 0.5, 2
+TRAIN_RUNS = {  # world: [(name, mesh dims, config overrides)]
+    2: [("dp2-ep2", dict(dp=2, ep=2), dict(zero=0))],
+    4: [("dp4-ep2-zero1", dict(dp=4, ep=2), dict(zero=1)),
+        ("dp4-ep4-zero3", dict(dp=4, ep=4), dict(zero=3)),
+        ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2), dict(zero=1, pp=2))],
+}
+
+
+def _moe_model_config():
+    from fivefold.models import get_config
+    return get_config("tiny", moe=MOE, **MOE_MODEL)
+
+
+def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    x = torch.randint(0, MOE_MODEL["vocab_size"], (ROWS, SEQ), generator=g)
+    return x, torch.randint(0, MOE_MODEL["vocab_size"], (ROWS, SEQ), generator=g)
+
+
+def _moe_train_worker(world: int) -> dict:
+    from fivefold.config import Config
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models.parallelize import parallelize
+
+    out = {}
+    for name, dims, o in TRAIN_RUNS[world]:
+        cfg = Config()
+        cfg.parallel.ep, cfg.parallel.pp, cfg.zero.stage = dims["ep"], o.get("pp", 1), o["zero"]
+        cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, EPS
+        cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed, cfg.train.warmup_steps = M, SEQ, 0, 0
+        mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
+        parts = parallelize(cfg, _moe_model_config(), mesh, "cpu")
+        dp = mesh.comm("dp")
+        history, losses = [], []
+        for step in range(STEPS):
+            x, y = (t.chunk(dp.size)[dp.rank] for t in _moe_batch(step))
+            loss = parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+            parts.step(CLIP)
+            losses.append(parts.global_loss(loss).item())
+            history.append(parts.full_state_dict())
+        out[name] = dict(history=history, losses=losses)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_training():
+    return {world: run_workers(_moe_train_worker, world, world) for world in TRAIN_RUNS}
+
+
+def _moe_reference(dp: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    from fivefold.models.llama import Llama
+    from fivefold.models.parallelize import set_aux_grad_scale
+
+    model = Llama(_moe_model_config(), seed=0)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
+    no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.999), eps=EPS)
+    set_aux_grad_scale([model], 1.0 / M)
+    losses, history = [], []
+    for step in range(STEPS):
+        x, y = _moe_batch(step)
+        opt.zero_grad()
+        total = 0.0
+        for i in range(M):  # the global micro-batch i: every dp rank's i-th micro-batch
+            xi = torch.cat([xr.chunk(M)[i] for xr in x.chunk(dp)])
+            yi = torch.cat([yr.chunk(M)[i] for yr in y.chunk(dp)])
+            loss = torch.nn.functional.cross_entropy(model(xi).flatten(0, 1), yi.flatten()) / M
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(total)
+        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, history
+
+
+@pytest.mark.parametrize("name", [n for runs in TRAIN_RUNS.values() for n, _, _ in runs])
+def test_moe_training_with_ep_equals_single_process(moe_training, name):
+    world, dims = next((w, d) for w, runs in TRAIN_RUNS.items() for n, d, _ in runs if n == name)
+    want_losses, want_history = _moe_reference(dims["dp"])
+    for rank, res in enumerate(moe_training[world]):
+        run = res[name]
+        assert run["losses"] == pytest.approx(want_losses, rel=1e-5), f"rank {rank}"
+        for step, (got, want) in enumerate(zip(run["history"], want_history)):
+            experts = {n for n in got if ".experts." in n}
+            assert experts and len(experts) < len([n for n in want if ".experts." in n]), "experts are split"
+            for pname, value in got.items():
+                torch.testing.assert_close(value, want[pname], rtol=1e-5, atol=3e-6,
+                                           msg=f"rank {rank} step {step} {pname}")
