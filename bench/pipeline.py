@@ -55,7 +55,7 @@ class PPSpec:
     preset: str = "tiny"
     pp: int = 2
     microbatches: tuple[int, ...] = (4, 8)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
     virtual: int = 2  # stages per rank of the interleaved schedules
     steps: int = 16
     warmup: int = 2
@@ -83,11 +83,12 @@ PP_PAIRS: dict[str, str] = {
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",  # one stage per rank: torch's ZB1P
+    "dualpipev": "ScheduleDualPipeV",  # V-shaped: rank r holds stages r and 2P-1-r
 }
 
 
 def _virtual(name: str, spec: PPSpec) -> int:
-    return spec.virtual if name == "interleaved" else 1
+    return spec.virtual if name == "interleaved" else 2 if name == "dualpipev" else 1
 
 
 def _adamw_after(params: list[torch.nn.Parameter], spec: PPSpec) -> Callable[[], None]:
@@ -139,7 +140,8 @@ def build_torch_pp(config: Any, spec: PPSpec, world: Comm, name: str, M: int) ->
     rank, P = world.rank, world.size
     V = _virtual(name, spec)
     n_stages = P * V
-    stage_ids = [v * P + rank for v in range(V)]  # torch's "loop" placement = our interleaved placement
+    # torch's "loop" placement = our interleaved placement; DualPipeV's V: stages r and 2P-1-r
+    stage_ids = [rank, n_stages - 1 - rank] if name == "dualpipev" else [v * P + rank for v in range(V)]
     modules = stage_modules(config, stage_ids, n_stages, spec.seed)
     mb, L, D = spec.micro_batch, spec.seq_len, config.dim
     records: list[tuple[str, int, int, float, float]] = []
@@ -229,9 +231,19 @@ def bench_pp(spec: PPSpec | None = None, **overrides: Any) -> dict:
         info, records = impl["info"], impl.pop("records")
         bubbles = [Timeline(per_rank).bubble_fraction for per_rank in records[spec.warmup:]]
         impl.update(bubble_measured=statistics.median(bubbles), bubble_min=min(bubbles),
-                    bubble_formula=bubble_formula(info["schedule"], info["P"], info["M"], info["V"]),
-                    records_last_step=records[-1])
+                    bubble_formula=_formula_or_simulated(info), records_last_step=records[-1])
     return results
+
+
+def _formula_or_simulated(info: dict[str, Any]) -> float:
+    """The textbook bubble; for a schedule without one (dualpipev), the simulator's with F = I = W = 1, B = 2."""
+    from fivefold.pipeline import build_schedule, simulate
+
+    try:
+        return bubble_formula(info["schedule"], info["P"], info["M"], info["V"])
+    except ValueError:
+        schedule = build_schedule(info["schedule"], info["P"], info["M"], info["V"])
+        return simulate(schedule, costs={"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}).bubble_fraction
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -246,7 +258,8 @@ def format_pp_table(results: dict) -> str:
     out = markdown_table(rows)
     out += [f"{RATIO_LEGEND}; {CPU_LEGEND}; bubble measured = median over "
             "timed steps of 1 - Σ compute time / (P · makespan) from every rank's F/B/I/W intervals; formula: "
-            "gpipe, 1f1b (P-1)/(M+P-1), interleaved (P-1)/(V·M+P-1), zb-h1 (P-1)/(3M+P-1)"]
+            "gpipe, 1f1b (P-1)/(M+P-1), interleaved (P-1)/(V·M+P-1), zb-h1 (P-1)/(3M+P-1); dualpipev (no textbook "
+            "formula): fivefold's simulator with F = I = W = 1, B = 2"]
     out.append("")
     out += [ratio_line(p, what="", cpu=True) for p in results["pairs"]]
     c = get_config(spec["preset"])

@@ -7,6 +7,7 @@
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
+    python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -31,14 +32,15 @@ from typing import Any  # noqa: E402
 
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
+from bench.expert_parallel import EPSpec, bench_ep, format_ep_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
 
 __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
-    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
-    "parallel": ("tp", "pp", "cp"), "all": ("ddp", "zero", "tp", "pp", "cp"),
+    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",),
+    "parallel": ("tp", "pp", "cp", "ep"), "all": ("ddp", "zero", "tp", "pp", "cp", "ep"),
 }
 
 
@@ -78,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     cp_opts = argparse.ArgumentParser(add_help=False)
     cp_opts.add_argument("--cp", type=int, default=None, help="context-parallel degree = gloo ranks (2)")
     cp_opts.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (2048,4096,8192)")
+    ep_opts = argparse.ArgumentParser(add_help=False)
+    ep_opts.add_argument("--ep", type=int, default=None, help="expert-parallel degree = dp = gloo ranks (2)")
 
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("ddp", parents=[common, micro, dp_opts], help="fivefold DDP vs torch DistributedDataParallel")
@@ -86,9 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
-    sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts], help="tp, pp, then cp")
-    sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts],
-                   help="ddp, zero, tp, pp, then cp (--preset and the other common options apply to every one)")
+    sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
+    sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
+    sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
+                   help="ddp, zero, tp, pp, cp, then ep (--preset and the other common options apply to every one)")
     return parser
 
 
@@ -119,12 +124,15 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),
+        "ep": (lambda: bench_ep(EPSpec(**common, **_given(ep=opt.get("ep"), micro_batch=opt.get("micro_batch")))),
+               format_ep_table),
     }
     return {name: every[name] for name in WHAT[args.what]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fivefold bench {ddp,zero,tp,pp,cp,parallel,all} [options]`` / ``python bench/run.py ...``: print the tables."""
+    """``fivefold bench {ddp,zero,tp,pp,cp,ep,parallel,all} [options]`` / ``python bench/run.py ...``: print the
+    tables."""
     args = _parser().parse_args(argv)
     runs = _runs(args)
     results = {}

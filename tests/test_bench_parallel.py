@@ -117,6 +117,18 @@ def test_cp_ring_equals_allgather_and_sends_the_formula():
     assert 0 < ring < gathered
 
 
+def test_ep_bench_halves_expert_memory_and_matches_the_replicated_losses():
+    from bench.expert_parallel import EPSpec, bench_ep
+
+    results = bench_ep(EPSpec(steps=2, warmup=1, repeats=2, micro_batch=2, seq_len=32))
+    impls = _by_name(results)
+    _check_common(impls, ["fivefold-ep", "replicated"], 2)
+    assert results["pairs"][0]["max_abs_loss_diff"] < LOSS_TOL
+    assert impls["fivefold-ep"]["info"]["experts_per_rank"] * 2 == impls["replicated"]["info"]["experts_per_rank"]
+    assert impls["fivefold-ep"]["memory"]["total"] < impls["replicated"]["memory"]["total"]
+    assert "all_to_all" in impls["fivefold-ep"]["comm_by_op"] and "all_to_all" not in impls["replicated"]["comm_by_op"]
+
+
 def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     """The command line, on the results above (no further launch)."""
     seen = {}
@@ -131,6 +143,8 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     monkeypatch.setattr(bench_run, "bench_pp", fake("pp", pp_results))
     monkeypatch.setattr(bench_run, "bench_cp", fake("cp", {"kind": "cp"}))
     monkeypatch.setattr(bench_run, "format_cp_table", lambda results: "table of cp")
+    monkeypatch.setattr(bench_run, "bench_ep", fake("ep", {"kind": "ep"}))
+    monkeypatch.setattr(bench_run, "format_ep_table", lambda results: "table of ep")
     assert bench_run.main(["parallel", "--preset", "tiny", "--steps", "3", "--sp", "on", "--microbatches", "4,8"]) == 0
     out = capsys.readouterr().out
     assert seen["tp"].sequence_parallel == (True,) and seen["tp"].preset == "tiny" and seen["tp"].steps == 3
@@ -141,7 +155,8 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
 
 
 def test_all_runs_every_dimension(monkeypatch, capsys):
-    """``all`` runs ddp, zero, tp, pp and cp, in that order, with the common options given to each (no launch)."""
+    """``all`` runs ddp, zero, tp, pp, cp and ep, in that order, with the common options given to each (no
+    launch)."""
     seen = []
 
     def fake(kind):
@@ -151,14 +166,14 @@ def test_all_runs_every_dimension(monkeypatch, capsys):
         return run
 
     for name, kind in (("bench_ddp", "ddp"), ("bench_zero", "zero"), ("bench_tp", "tp"), ("bench_pp", "pp"),
-                       ("bench_cp", "cp")):
+                       ("bench_cp", "cp"), ("bench_ep", "ep")):
         monkeypatch.setattr(bench_run, name, fake(kind))
-    for name in ("format_table", "format_tp_table", "format_pp_table", "format_cp_table"):
+    for name in ("format_table", "format_tp_table", "format_pp_table", "format_cp_table", "format_ep_table"):
         monkeypatch.setattr(bench_run, name, lambda results: f"table of {results['kind']}")
     assert bench_run.main(["all", "--preset", "tiny", "--steps", "2", "--stages", "0,3"]) == 0
-    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp"]
-    ddp, zero, tp, pp, cp = (given for _, given in seen)
+    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp", "ep"]
+    ddp, zero, tp, pp, cp, _ = (given for _, given in seen)
     assert ddp == {"preset": "tiny", "steps": 2} and zero["stages"] == (0, 3) and zero["preset"] == "tiny"
     assert tp.preset == pp.preset == cp.preset == "tiny" and tp.steps == pp.steps == cp.steps == 2
     out = capsys.readouterr().out
-    assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp", "cp"))
+    assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp", "cp", "ep"))

@@ -143,7 +143,7 @@ def test_every_schedule_validates_lowers_and_is_deadlock_free():
 
 
 def test_registry():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"}
     assert build_schedule("interleaved", 2, 4, V=2).stage_to_rank == [0, 1, 0, 1]
     assert interleaved_1f1b(2, 4, 2).stages_of(1) == [1, 3]
     assert zero_bubble_h1(2, 2).split_backward and not one_f_one_b(2, 2).split_backward
@@ -380,3 +380,46 @@ def test_messages_between_two_ranks_must_be_posted_in_the_same_order():
     validate(low)  # each list on its own is complete and ordered
     with pytest.raises(DeadlockError, match=r"(?s)would pair messages wrongly.*match in posting order"):
         check_deadlock_free(low)
+
+
+# ---------------------------------------------------------------------------------------------
+# DualPipeV: two stages per rank in a V (rank r: stages r and 2P-1-r), DeepSeek's message order.
+DUALPIPEV_SIZES = [(P, M) for P in (2, 3, 4) for M in range(2 * P, 4 * P + 1)]
+
+
+@pytest.mark.parametrize("P,M", DUALPIPEV_SIZES)
+def test_dualpipev_is_valid_and_deadlock_free_under_both_semantics(P, M):
+    s = build_schedule("dualpipev", P, M)
+    assert s.is_lowered and s.stage_to_rank == list(range(P)) + list(reversed(range(P)))
+    validate(s)  # every (F, backward, W) of every micro-batch on every stage, in dependency order
+    check_deadlock_free(s)
+    check_deadlock_free(s, rendezvous=True)  # each pair's messages posted in the same order on both sides
+    for r in range(P):
+        computes = s.compute_actions(r)
+        assert sum(a.kind == "F" for a in computes) == 2 * M  # two stages per rank
+        assert sum(a.kind == "W" for a in computes) == sum(a.kind == "I" for a in computes) > 0  # zero bubble
+    # stages P-1 and P meet on the last rank: no message between them (forward or backward)
+    last = s.actions[P - 1]
+    assert not any((a.kind, a.stage) in {("SEND_F", P - 1), ("RECV_F", P), ("SEND_B", P), ("RECV_B", P - 1)}
+                   for a in last)
+    assert any(a.kind == "RECV_F" and a.stage == P - 1 for a in last) or P == 1
+
+
+@pytest.mark.parametrize("P,M", DUALPIPEV_SIZES)
+def test_dualpipev_bubble_against_zb_h1_and_1f1b(P, M):
+    """With sequential F and B (this simulator, and fivefold's single-stream runtime) DualPipeV's bubble fraction is
+    ZB-H1's — at or below it, and far below 1F1B's; what DualPipe gains beyond, by running one micro-batch's
+    forward beside another's backward, is not modelled. Its peak: 2P+1 activations of half-size stages per rank."""
+    costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    dual = simulate(build_schedule("dualpipev", P, M), costs=costs)
+    zb = simulate(build_schedule("zb-h1", P, M), costs=costs)
+    one = simulate(build_schedule("1f1b", P, M), costs=costs)
+    assert dual.bubble_fraction <= zb.bubble_fraction + 1e-12 < one.bubble_fraction
+    assert dual.peak_in_flight == [2 * P + 1] * P
+
+
+def test_dualpipev_needs_twice_as_many_microbatches_as_ranks():
+    with pytest.raises(ValueError, match=r"dualpipev needs at least twice as many micro-batches .*M=5 < 2P=6"):
+        build_schedule("dualpipev", 3, 5)
+    with pytest.raises(ValueError, match="exactly two stages"):
+        build_schedule("dualpipev", 2, 4, V=3)

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
-from fivefold.pipeline.actions import Action, B, F, I, Schedule, W
+from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, Schedule, ScheduleError, W
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "forward_only", "SCHEDULES",
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "dualpipe_v", "forward_only", "SCHEDULES",
            "build_schedule"]
 
 
@@ -133,8 +134,158 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
     return Schedule(name, P, M, 1, _plain_placement(P), actions)
 
 
+def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
+    """DualPipeV (DeepSeek's single-copy, V-shaped DualPipe; seed 003 §14; torch's ``ScheduleDualPipeV``): 2P
+    stages, rank r holds stage r (chunk 0, going down) and stage 2P-1-r (chunk 1, coming back up), so the first and
+    the last stage share rank 0 and stages P-1, P meet on the last rank without communication. Per rank, in DeepSeek's
+    eight phases: 2(P-1-r) chunk-0 forwards; r+1 pairs (F0, F1); P-1-r (I1, W1, F1), zero-bubble; the main
+    phase of (F0, B1), (F1, B0) pairs — one micro-batch's forward beside another's backward, DualPipe's overlap
+    unit; P-1-r (B1, F1, B0); r+1 (B1, B0), the later half split into I + W; P-1-r (W, I0); the r+1 W left. Deferred
+    weight passes run in the order their I ran. Needs M >= 2P."""
+    name = "dualpipev"
+    _check_sizes(name, P, M, V)
+    if V not in (1, 2):
+        raise ValueError(f"{name}: every rank holds exactly two stages (V=2), got V={V}")
+    if M < 2 * P:
+        raise ValueError(f"{name} needs at least twice as many micro-batches as pipeline ranks (M={M} < 2P={2 * P}): "
+                         f"the main phase pairs one micro-batch's forward with another's backward; use M >= {2 * P}")
+    actions = [_dualpipe_v_rank(P, M, r) for r in range(P)]
+    return Schedule(name, P, M, 2, list(range(P)) + list(reversed(range(P))), actions, is_lowered=True)
+
+
+class _DualPipeVRank:
+    """One rank's lowered DualPipeV list, written the way DeepSeek's reference posts its messages: receives and
+    sends gather in a pending batch that is issued (`commit`) right before the next compute, some receives posted
+    one unit early and some sends held back a unit. Messages between two ranks must pair in posting order (NCCL),
+    and this order is what makes them pair; the generic `lower` would not."""
+
+    def __init__(self, P: int, r: int) -> None:
+        self.P, self.r = P, r
+        self.stage = (r, 2 * P - 1 - r)
+        self.acts: list[Action] = []
+        self.pending: list[Action] = []
+        keys = ("F0", "F1", "B0", "B1", "rf0", "rf1", "sf0", "sf1", "rb0", "rb1", "sb0", "sb1")
+        self.count = dict.fromkeys(keys, 0)  # computes and messages so far, by chunk: the next micro-batch
+        self.deferred: deque[tuple[int, int]] = deque()  # (micro-batch, stage) of I's whose W is still to run
+        first, last = r == 0, r == P - 1
+        # which transfers exist: the first stage has no input, the loss stage no output; on the last rank the two
+        # chunks meet locally (stage P-1 feeds stage P)
+        self.has = {"rf0": not first, "rf1": not last, "sf0": not last, "sf1": not first,
+                    "rb0": not last, "rb1": not first, "sb0": not first, "sb1": not last}
+
+    def _next(self, key: str) -> int:
+        self.count[key] += 1
+        return self.count[key] - 1
+
+    def _comm(self, key: str, kind: str, phase: int, peer_step: int) -> None:
+        if self.has[key]:
+            self.pending.append(Action(kind, self._next(key), self.stage[phase], peer=self.r + peer_step))
+
+    # phase 0 flows down (r-1 -> r -> r+1), phase 1 back up
+    def recv_forward(self, phase: int) -> None:
+        self._comm(f"rf{phase}", RECV_F, phase, -1 if phase == 0 else 1)
+
+    def send_forward(self, phase: int) -> None:
+        self._comm(f"sf{phase}", SEND_F, phase, 1 if phase == 0 else -1)
+
+    def recv_backward(self, phase: int) -> None:
+        self._comm(f"rb{phase}", RECV_B, phase, 1 if phase == 0 else -1)
+
+    def send_backward(self, phase: int) -> None:
+        self._comm(f"sb{phase}", SEND_B, phase, -1 if phase == 0 else 1)
+
+    def commit(self) -> None:
+        self.acts += self.pending
+        self.pending = []
+
+    def forward(self, phase: int, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            self.recv_forward(phase)
+        self.commit()
+        self.acts.append(Action(F, self._next(f"F{phase}"), self.stage[phase]))
+        if send:
+            self.send_forward(phase)
+
+    def backward(self, phase: int, zero_bubble: bool = False, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            self.recv_backward(phase)
+        self.commit()
+        m = self._next(f"B{phase}")
+        self.acts.append(Action(I if zero_bubble else B, m, self.stage[phase]))
+        if zero_bubble:
+            self.deferred.append((m, self.stage[phase]))
+        if send:
+            self.send_backward(phase)
+
+    def forward_backward(self, phase0: int, phase1: int, recv0: bool = True) -> None:
+        """DualPipe's overlap unit: one micro-batch's forward beside another's backward (run one after the other
+        here; their messages travel together)."""
+        if recv0:
+            self.recv_forward(phase0)
+        self.recv_backward(phase1)
+        self.commit()
+        self.acts.append(Action(F, self._next(f"F{phase0}"), self.stage[phase0]))
+        self.acts.append(Action(B, self._next(f"B{phase1}"), self.stage[phase1]))
+        self.send_forward(phase0)
+        self.send_backward(phase1)
+
+    def weight(self) -> None:
+        self.commit()
+        m, s = self.deferred.popleft()
+        self.acts.append(Action(W, m, s))
+
+
+def _dualpipe_v_rank(P: int, M: int, r: int) -> list[Action]:
+    """DeepSeek's eight phases for rank r (dualpipev.py), step for step."""
+    k = _DualPipeVRank(P, r)
+    last = r == P - 1
+    for _ in range(2 * (P - 1 - r)):  # 1: F0
+        k.forward(0)
+    k.recv_forward(0)  # 2: (F0, F1), F0's input received one unit early, its output sent after F1's
+    for i in range(r + 1):
+        k.forward(0, recv=False, send=False)
+        k.recv_forward(0)
+        k.forward(1, send=not last or i < r)
+        k.send_forward(0)
+    for _ in range(P - 1 - r):  # 3: (I1, W, F1), zero bubble
+        k.backward(1, zero_bubble=True)
+        k.recv_forward(1)
+        k.weight()
+        k.forward(1, recv=False)
+    for i in range(M - 2 * P + r + 1):  # 4: the main phase, (F0, B1) and (F1, B0) units
+        if i == 0 and last:  # the last rank does not overlap these two, to shrink the bubble
+            k.forward(0, recv=False, send=False)
+            k.send_forward(1)
+            k.backward(1, send=False)
+            k.send_forward(0)
+            k.send_backward(1)
+        else:
+            k.forward_backward(0, 1, recv0=i > 0)
+        k.forward_backward(1, 0)
+    for _ in range(P - 1 - r):  # 5: B1, (F1, B0)
+        k.backward(1)
+        k.forward_backward(1, 0)
+    zero_bubble = False
+    for i in range(r + 1):  # 6: (B1, B0), the later half split into I + W
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zero_bubble = True
+        k.backward(1, zero_bubble)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zero_bubble = True
+        k.backward(0, zero_bubble)
+    for _ in range(P - 1 - r):  # 7: (W, I0)
+        k.weight()
+        k.backward(0, zero_bubble=True)
+    for _ in range(r + 1):  # 8: the W left
+        k.weight()
+    k.commit()
+    if k.deferred:
+        raise ScheduleError(f"dualpipev rank {r}: {len(k.deferred)} weight passes left over")
+    return k.acts
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
-                                                 "zb-h1": zero_bubble_h1}
+                                                 "zb-h1": zero_bubble_h1, "dualpipev": dualpipe_v}
 
 
 def forward_only(P: int, M: int, stage_to_rank: list[int], name: str = "forward-only") -> Schedule:
