@@ -43,6 +43,8 @@ class MoESection:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None  # None: dropless
+    groups: int = 1  # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
+    group_limit: int | None = None  # ... and how many of them one token's experts may come from
 
 
 @dataclass

@@ -24,6 +24,7 @@ CASES = {
     "sigmoid-top2-shared-zloss": MoEConfig(experts=E, top_k=2, score="sigmoid", shared_experts=1, z_loss_coef=1e-3),
     "top1-unnormalised": MoEConfig(experts=E, top_k=1, norm_topk=False),
     "capacity-1.0": MoEConfig(experts=E, top_k=2, capacity_factor=1.0),
+    "device-limited": MoEConfig(experts=E, top_k=2, groups=4, group_limit=1),  # each token to one group (rank)
 }
 
 
@@ -253,3 +254,16 @@ def test_moe_training_with_ep_equals_single_process(moe_training, name):
             for pname, value in got.items():
                 torch.testing.assert_close(value, want[pname], rtol=1e-5, atol=3e-6,
                                            msg=f"rank {rank} step {step} {pname}")
+
+
+def test_device_limited_routing_keeps_each_token_within_its_best_groups():
+    layer = MoEFeedForward(D, HIDDEN, MoEConfig(experts=8, top_k=3, groups=4, group_limit=2))
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+    weights, experts, _ = layer.route(logits)
+    scores = logits.softmax(-1)
+    best_groups = scores.view(64, 4, 2).sum(-1).topk(2, dim=-1).indices  # groups of 2: the top-2 sum is the sum
+    for t in range(64):
+        assert set((experts[t] // 2).tolist()) <= set(best_groups[t].tolist())
+        allowed = torch.cat([torch.arange(2 * g, 2 * g + 2) for g in best_groups[t].tolist()])
+        assert set(experts[t].tolist()) == set(allowed[scores[t, allowed].topk(3).indices].tolist())
+    torch.testing.assert_close(weights.sum(-1), torch.ones(64))  # renormalised over the chosen ones

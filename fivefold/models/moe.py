@@ -47,6 +47,11 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None  # None: dropless
+    # Device-limited routing (DeepSeek-V3): experts form `groups` contiguous groups (set it to ep, or a multiple, and
+    # a group lives on one ep rank); a token's top k come from at most `group_limit` groups, the groups ranked by the
+    # sum of their two best scores.
+    groups: int = 1
+    group_limit: int | None = None
 
     def validate(self) -> MoEConfig:
         if self.experts < 1 or self.top_k < 1 or self.every < 1 or self.shared_experts < 0:
@@ -61,6 +66,13 @@ class MoEConfig:
             raise ValueError(f"moe.capacity_factor={self.capacity_factor} must be positive (or unset: dropless)")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError("moe.aux_loss_coef and moe.z_loss_coef must not be negative")
+        if self.groups < 1 or self.experts % self.groups:
+            raise ValueError(f"moe.groups={self.groups} must divide moe.experts={self.experts}")
+        if self.group_limit is not None:
+            per_group = self.experts // self.groups
+            if not 1 <= self.group_limit <= self.groups or self.top_k > self.group_limit * per_group:
+                raise ValueError(f"moe.group_limit={self.group_limit} must lie in [1, groups={self.groups}] and leave "
+                                 f"top_k={self.top_k} experts to choose from ({per_group} per group)")
         return self
 
     def replace(self, **changes: object) -> MoEConfig:
@@ -146,7 +158,15 @@ class MoEFeedForward(nn.Module):
         """fp32 logits [T, E] -> (weights [T, k], experts [T, k], probabilities [T, E] for load balancing)."""
         c = self.config
         scores = logits.softmax(dim=-1) if c.score == "softmax" else logits.sigmoid()
-        weights, experts = scores.topk(c.top_k, dim=-1)
+        choosable = scores
+        if c.group_limit is not None and c.group_limit < c.groups:  # device-limited: the best groups only
+            grouped = scores.view(scores.shape[0], c.groups, -1)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(c.group_limit, dim=-1).indices, True)
+            choosable = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+        experts = choosable.topk(c.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
         if c.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         probs = scores if c.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)

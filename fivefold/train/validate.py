@@ -129,6 +129,9 @@ def _check_moe(model: LlamaConfig, dims: ParallelDims, cfg: Config) -> None:
     if model.moe.experts % dims.ep:
         raise ConfigError(f"moe.experts={model.moe.experts} is not divisible by parallel.ep={dims.ep}: every ep rank "
                           "holds the same number of experts")
+    if model.moe.group_limit is not None and model.moe.groups % dims.ep:
+        raise ConfigError(f"moe.groups={model.moe.groups} is not a multiple of parallel.ep={dims.ep}: device-limited "
+                          "routing bounds the ranks a token reaches only when every expert group lives on one rank")
     if dims.tp > 1:
         raise ConfigError(f"an MoE model with parallel.tp={dims.tp} is not supported (experts are not "
                           "tensor-parallel); use ep over dp × cp instead (DeepSeek-V3 trains without TP)")
