@@ -74,10 +74,11 @@ class CommLog:
     def reset(self) -> None:
         self.records.clear()
 
-    def totals(self, op: str | None = None, dim: str | None = None) -> CommTotals:
+    def totals(self, op: str | None = None, dim: str | None = None, dims: Sequence[str] | None = None) -> CommTotals:
+        """Totals of the records of `op` (any if None) over `dim`, or any of `dims` (all if both are None)."""
         t = CommTotals()
         for r in self.records:
-            if (op is None or r.op == op) and (dim is None or r.dim == dim):
+            if (op is None or r.op == op) and (dim is None or r.dim == dim) and (dims is None or r.dim in dims):
                 t.calls += 1
                 t.numel += r.numel
                 t.payload_bytes += r.payload_bytes

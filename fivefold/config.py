@@ -31,20 +31,22 @@ class ModelSection:
 
 @dataclass
 class MoESection:
-    """Mixture of experts (`fivefold.models.moe.MoEConfig`); experts = 0: a dense model. Also ``--model.moe.*``."""
+    """Mixture of experts (`fivefold.models.moe.MoEConfig`), also written ``[model.moe]`` / ``--model.moe.*``. Unset
+    keys (None) keep the preset's value (an MoE preset) or MoEConfig's default; ``experts`` > 0 makes a dense preset
+    MoE, 0 makes an MoE preset dense. ``capacity_factor`` 0 means dropless, ``group_limit`` 0 no limit."""
 
-    experts: int = 0
-    top_k: int = 2
-    score: str = "softmax"  # softmax | sigmoid
-    norm_topk: bool = True
-    shared_experts: int = 0
+    experts: int | None = None
+    top_k: int | None = None
+    score: str | None = None  # softmax | sigmoid
+    norm_topk: bool | None = None
+    shared_experts: int | None = None
     hidden: int | None = None  # an expert's hidden size (default: model ffn_hidden)
-    every: int = 1  # MoE in every `every`-th block
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    capacity_factor: float | None = None  # None: dropless
-    groups: int = 1  # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
-    group_limit: int | None = None  # ... and how many of them one token's experts may come from
+    every: int | None = None  # MoE in every `every`-th block
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
+    capacity_factor: float | None = None  # 0: dropless
+    groups: int | None = None  # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
+    group_limit: int | None = None  # ... and how many of them one token's experts may come from (0: no limit)
 
 
 @dataclass

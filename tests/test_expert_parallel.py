@@ -111,8 +111,14 @@ def test_all_to_all_payload_equals_the_formula(ep_results, case):
         # backward mirrors forward: the combine's gradient goes out like a dispatch, and vice versa
         assert res[case]["payload"]["ep_combine_bwd"] == dispatched[rank]
         assert res[case]["payload"]["ep_dispatch_bwd"] == combined[rank]
-    assert sum(combined) == sum(dispatched)  # over the group: dispatch + combine = 2·k·T·D (dropless)
-    if cfg.capacity_factor is None:
+    # combine sends back what arrived: every rank's kept rows routed to this rank's experts (from the reference)
+    layer = _layer(cfg)
+    counts = [_run(layer, r)["counts"] for r in range(world)]
+    per_rank = E // world
+    for rank in range(world):
+        arrived = sum(int(c[rank * per_rank:(rank + 1) * per_rank].sum()) for c in counts)
+        assert combined[rank] == arrived * D, rank
+    if cfg.capacity_factor is None:  # over the group: dispatch + combine = 2·k·T·D
         assert sum(dispatched) + sum(combined) == 2 * cfg.top_k * tokens * world * D
 
 
@@ -257,13 +263,18 @@ def test_moe_training_with_ep_equals_single_process(moe_training, name):
 
 
 def test_device_limited_routing_keeps_each_token_within_its_best_groups():
-    layer = MoEFeedForward(D, HIDDEN, MoEConfig(experts=8, top_k=3, groups=4, group_limit=2))
-    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+    """4 experts per group: a group's rank is the sum of its two best scores (not its total, not its best)."""
+    layer = MoEFeedForward(D, HIDDEN, MoEConfig(experts=16, top_k=3, groups=4, group_limit=2))
+    logits = torch.randn(256, 16, generator=torch.Generator().manual_seed(3)) * 3
     weights, experts, _ = layer.route(logits)
     scores = logits.softmax(-1)
-    best_groups = scores.view(64, 4, 2).sum(-1).topk(2, dim=-1).indices  # groups of 2: the top-2 sum is the sum
-    for t in range(64):
-        assert set((experts[t] // 2).tolist()) <= set(best_groups[t].tolist())
-        allowed = torch.cat([torch.arange(2 * g, 2 * g + 2) for g in best_groups[t].tolist()])
+    by_group = scores.view(256, 4, 4)
+    best_groups = by_group.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    differs = 0
+    for t in range(256):
+        allowed = torch.cat([torch.arange(4 * g, 4 * g + 4) for g in best_groups[t].tolist()])
         assert set(experts[t].tolist()) == set(allowed[scores[t, allowed].topk(3).indices].tolist())
-    torch.testing.assert_close(weights.sum(-1), torch.ones(64))  # renormalised over the chosen ones
+        by_total = set(by_group[t].sum(-1).topk(2).indices.tolist())
+        differs += by_total != set(best_groups[t].tolist())
+    assert differs > 0, "the data never tells the top-2 rule from ranking groups by their total"
+    torch.testing.assert_close(weights.sum(-1), torch.ones(256))  # renormalised over the chosen ones

@@ -122,3 +122,24 @@ def test_run_validates_in_the_launching_process():
     """The launcher refuses before spawning: a worker would take seconds to start and fail."""
     with pytest.raises(ValueError, match="train.steps=0 must be positive"):
         run(load_config(None, ["--steps", "0", "--nproc", "2"]))
+
+
+def test_moe_keys_lay_over_the_presets_moe_settings():
+    def moe(*args: str, world: int = 2):
+        return validate(load_config(None, list(args)), world).model.moe
+
+    small = moe("--preset", "small-moe")
+    assert (small.experts, small.top_k, small.every, small.capacity_factor) == (8, 2, 2, None)
+    # a key the run sets replaces the preset's; the others stay (every=2 survives)
+    got = moe("--preset", "small-moe", "--model.moe.capacity_factor", "1.0", "--model.moe.top_k", "1")
+    assert (got.experts, got.top_k, got.every, got.capacity_factor) == (8, 1, 2, 1.0)
+    got = moe("--preset", "small-moe", "--model.moe.groups", "2", "--model.moe.group_limit", "1",
+              "--parallel.ep", "2")
+    assert (got.groups, got.group_limit, got.every) == (2, 1, 2)
+    assert moe("--preset", "small-moe", "--model.moe.experts", "0") is None  # made dense
+    assert moe("--preset", "tiny", "--model.moe.experts", "4").experts == 4  # a dense preset made MoE
+    assert moe("--preset", "tiny") is None
+    with pytest.raises(ConfigError, match="moe.top_k is set but the model is dense"):
+        moe("--preset", "tiny", "--model.moe.top_k", "1")
+    with pytest.raises(ConfigError, match="moe.group_limit=3 must lie in"):
+        moe("--preset", "tiny-moe", "--model.moe.groups", "2", "--model.moe.group_limit", "3")

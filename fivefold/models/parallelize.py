@@ -198,7 +198,7 @@ class _Parts:
         return [g for e in self.engines.values() for g in e.param_groups]
 
     def step(self, max_norm: float | None) -> float | None:
-        comms = {d: self.mesh.comm(d) for d in ("tp", "pp", "ep")}
+        comms = {d: self.mesh.comm(d) for d in ("tp", "pp", "ep") if d != "ep" or self.mesh.size("ep") > 1}
         return step_together(list(self.engines.values()), max_norm, comms)
 
     def gather_timeline(self) -> None:

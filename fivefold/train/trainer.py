@@ -92,7 +92,9 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
             state_mb = parts.model_state_bytes() / 2**20
         grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
-        traffic = log.totals(dim=parts.loss_comm.dim)  # gradient traffic (dp, or dp_cp), before the metrics
+        # the step's data-parallel traffic (gradients over dp or dp_cp; MoE: experts over ep_dp, all-to-alls over ep),
+        # read before the metrics' own collectives
+        traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp"))
         loss = parts.global_loss(loss_sum)
         if step % cfg.run.log_every == 0 or step == t.steps - 1:
             losses.append(loss.item())  # waits for this step

@@ -82,10 +82,9 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
-    if cfg.moe.experts > 0:  # [moe] / --model.moe.*: an MoE model (else the preset decides)
-        overrides["moe"] = MoEConfig(**dataclasses.asdict(cfg.moe))
     try:
         model = get_config(cfg.model.preset, **overrides)
+        model = dataclasses.replace(model, moe=_moe_config(model.moe, cfg)).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_moe(model, dims, cfg)
@@ -118,6 +117,25 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     _check_data(cfg)
     _check_out_dir(Path(r.out_dir) / r.name)
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model)
+
+
+def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:
+    """The preset's MoE settings with the keys the run sets ([model.moe] / --model.moe.*) laid over them."""
+    given = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
+    if given.get("capacity_factor") == 0:
+        given["capacity_factor"] = None  # dropless
+    if given.get("group_limit") == 0:
+        given["group_limit"] = None  # no limit
+    if given.get("experts") == 0:
+        return None  # a dense model
+    if preset is not None:
+        return preset.replace(**given)
+    if not given:
+        return None
+    if "experts" not in given:
+        raise ConfigError(f"moe.{min(given)} is set but the model is dense: set --model.moe.experts N (or use an MoE "
+                          "preset such as tiny-moe)")
+    return MoEConfig(**given).validate()
 
 
 def _check_moe(model: LlamaConfig, dims: ParallelDims, cfg: Config) -> None:
