@@ -174,13 +174,16 @@ TRAIN_RUNS = {  # world: [(name, mesh dims, config overrides)]
     2: [("dp2-ep2", dict(dp=2, ep=2), dict(zero=0))],
     4: [("dp4-ep2-zero1", dict(dp=4, ep=2), dict(zero=1)),
         ("dp4-ep4-zero3", dict(dp=4, ep=4), dict(zero=3)),
-        ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2), dict(zero=1, pp=2))],
+        ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2), dict(zero=1, pp=2)),
+        # sigmoid scores, a shared expert, device-limited routing: the routing variants under global balancing
+        ("dp4-ep4-sigmoid-shared-limited", dict(dp=4, ep=4), dict(zero=2, moe=dict(
+            score="sigmoid", shared_experts=1, groups=4, group_limit=2)))],
 }
 
 
-def _moe_model_config():
+def _moe_model_config(**moe: object):
     from fivefold.models import get_config
-    return get_config("tiny", moe=MOE, **MOE_MODEL)
+    return get_config("tiny", moe=MOE.replace(**moe), **MOE_MODEL)
 
 
 def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +204,7 @@ def _moe_train_worker(world: int) -> dict:
         cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, EPS
         cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed, cfg.train.warmup_steps = M, SEQ, 0, 0
         mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
-        parts = parallelize(cfg, _moe_model_config(), mesh, "cpu")
+        parts = parallelize(cfg, _moe_model_config(**o.get("moe", {})), mesh, "cpu")
         dp = mesh.comm("dp")
         history, losses = [], []
         for step in range(STEPS):
@@ -219,11 +222,11 @@ def moe_training():
     return {world: run_workers(_moe_train_worker, world, world) for world in TRAIN_RUNS}
 
 
-def _moe_reference(dp: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def _moe_reference(dp: int, **moe: object) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     from fivefold.models.llama import Llama
     from fivefold.models.parallelize import set_aux_grad_scale
 
-    model = Llama(_moe_model_config(), seed=0)
+    model = Llama(_moe_model_config(**moe), seed=0)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
     no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
@@ -249,8 +252,8 @@ def _moe_reference(dp: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]
 
 @pytest.mark.parametrize("name", [n for runs in TRAIN_RUNS.values() for n, _, _ in runs])
 def test_moe_training_with_ep_equals_single_process(moe_training, name):
-    world, dims = next((w, d) for w, runs in TRAIN_RUNS.items() for n, d, _ in runs if n == name)
-    want_losses, want_history = _moe_reference(dims["dp"])
+    world, dims, o = next((w, d, o) for w, runs in TRAIN_RUNS.items() for n, d, o in runs if n == name)
+    want_losses, want_history = _moe_reference(dims["dp"], **o.get("moe", {}))
     for rank, res in enumerate(moe_training[world]):
         run = res[name]
         assert run["losses"] == pytest.approx(want_losses, rel=1e-5), f"rank {rank}"
