@@ -35,7 +35,7 @@ from bench.harness import (
 from fivefold.comm import Comm, CommLog
 from fivefold.memory import ModelStateBytes
 
-__all__ = ["EPSpec", "bench_ep", "format_ep_table"]
+__all__ = ["EPOverlapSpec", "EPSpec", "bench_ep", "bench_ep_overlap", "format_ep_overlap_table", "format_ep_table"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,99 @@ def format_ep_table(results: dict) -> str:
         out += [f"- {note}" for note in r["notes"]]
     return "\n".join(out)
 
+
+
+# -- DualPipeV with the expert all-to-alls of one micro-batch beside another's compute -------------------------------
+
+@dataclass(frozen=True)
+class EPOverlapSpec:
+    """pp × ep(= dp) ranks train a Llama-MoE with DualPipeV, its (F, B) units side by side or one after the other."""
+
+    preset: str = "tiny-moe"
+    pp: int = 2
+    ep: int = 2  # = dp
+    microbatches: int = 4  # M >= 2P
+    steps: int = 12
+    warmup: int = 2
+    repeats: int = 4
+    micro_batch: int = 4  # sequences per micro-batch and dp rank
+    seq_len: int = 128
+    seed: int = 0
+    threads: int = 1
+
+    shard_batch: ClassVar[bool] = False  # every rank reads the global batch; each dp rank takes its rows
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.ep
+
+    def rows(self, info: dict[str, Any]) -> int:
+        return self.microbatches * self.micro_batch * self.ep
+
+
+def build_dualpipev_moe(config: Any, spec: EPOverlapSpec, world: Comm, overlap: str) -> Runner:
+    from fivefold.config import Config
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models.parallelize import parallelize
+
+    cfg = Config()
+    cfg.parallel.pp, cfg.parallel.ep = spec.pp, spec.ep
+    cfg.pipeline.schedule, cfg.pipeline.overlap = "dualpipev", overlap
+    cfg.train.seq_len, cfg.train.seed, cfg.train.grad_accum = spec.seq_len, spec.seed, spec.microbatches
+    log = CommLog()
+    mesh = ParallelMesh(ParallelDims(pp=spec.pp, dp=spec.ep, ep=spec.ep), "cpu", log)
+    parts = parallelize(cfg, config, mesh, "cpu")
+    dp, M = mesh.comm("dp"), spec.microbatches
+
+    def step(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
+        x, y = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
+        with during_backward:
+            return parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+
+    how = "side by side (the forward in a second thread)" if parts.overlap else "one after the other"
+    return Runner(step, update=lambda: parts.step(1.0), reset_comm=log.reset, comm=log_bytes(log, world.size),
+                  comm_source="measured (CommLog)", records=lambda: list(parts.runtime.records),
+                  notes=[f"fivefold parallelize pp={spec.pp} × dp=ep={spec.ep}, dualpipev M={M}: (F, B) units {how}"],
+                  info=dict(overlap=parts.overlap, units=spec.ep * sum(map(len, parts.schedule.side_by_side))))
+
+
+def bench_ep_overlap(spec: EPOverlapSpec | None = None, **overrides: Any) -> dict:
+    """DualPipeV on pp × ep ranks with its units overlapped vs in sequence; per contestant adds the measured bubble
+    (median over timed steps, busy = union of compute intervals), the units whose passes overlapped, and the mean
+    unit time against the mean F + B of the sequential run (how much of a unit the overlap hides)."""
+    import statistics
+
+    from fivefold.pipeline import Timeline
+
+    spec = replace(spec or EPOverlapSpec(), **overrides)
+    contestants = (Contestant("overlap", functools.partial(build_dualpipev_moe, overlap="on"), baseline="sequential"),
+                   Contestant("sequential", functools.partial(build_dualpipev_moe, overlap="off")))
+    results = run_contest("ep-overlap", spec, contestants)
+    for impl in results["impls"]:
+        steps = [Timeline(per_rank) for per_rank in impl.pop("records")[spec.warmup:]]
+        overlapped = [sum(len(t.overlapped(r)) for r in range(t.n_ranks)) for t in steps]
+        impl.update(bubble_measured=statistics.median(t.bubble_fraction for t in steps),
+                    overlapped_per_step=statistics.median(overlapped), records_last_step=steps[-1].events)
+    return results
+
+
+def format_ep_overlap_table(results: dict) -> str:
+    spec = results["spec"]
+    rows = time_rows(results, cpu=True)
+    rows[0] = (*rows[0], "bubble measured", "units overlapped per step (all ranks)")
+    units = results["impls"][0]["info"]["units"]
+    for k, r in enumerate(results["impls"], start=1):
+        rows[k] = (*rows[k], f"{r['bubble_measured']:.3f}", f"{r['overlapped_per_step']:g} of {units}")
+    out = markdown_table(rows)
+    out += [f"{RATIO_LEGEND}; {CPU_LEGEND}; bubble = 1 - Σ busy / (P · makespan), busy = the union of a rank's "
+            "compute intervals (a unit's overlapped F and B count once); units: those of every rank",
+            ""]
+    out += [ratio_line(p, cpu=True) for p in results["pairs"]]
+    out.append(f"preset {spec['preset']} (Ψ={results['params']:,}), pp={spec['pp']} × dp=ep={spec['ep']} gloo ranks "
+               f"({spec['threads']} thread(s)/rank), M={spec['microbatches']} micro-batches of {spec['micro_batch']}"
+               f" × {spec['seq_len']} tokens per dp rank, {spec['steps']} timed steps (+{spec['warmup']} warmup) in "
+               f"{len(blocks(spec['steps'], spec['repeats']))} alternating blocks; step = the pipeline step + "
+               "AdamW, slowest rank")
+    for r in results["impls"]:
+        out += [f"- {note}" for note in r["notes"]]
+    return "\n".join(out)

@@ -7,7 +7,8 @@
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
-    python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts
+    python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
+                                                  # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -32,15 +33,22 @@ from typing import Any  # noqa: E402
 
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
-from bench.expert_parallel import EPSpec, bench_ep, format_ep_table  # noqa: E402
+from bench.expert_parallel import (  # noqa: E402
+    EPOverlapSpec,
+    EPSpec,
+    bench_ep,
+    bench_ep_overlap,
+    format_ep_overlap_table,
+    format_ep_table,
+)
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
 
 __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
-    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep",),
-    "parallel": ("tp", "pp", "cp", "ep"), "all": ("ddp", "zero", "tp", "pp", "cp", "ep"),
+    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep", "ep-overlap"),
+    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap"),
 }
 
 
@@ -126,6 +134,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),
         "ep": (lambda: bench_ep(EPSpec(**common, **_given(ep=opt.get("ep"), micro_batch=opt.get("micro_batch")))),
                format_ep_table),
+        "ep-overlap": (lambda: bench_ep_overlap(EPOverlapSpec(**common, **_given(ep=opt.get("ep")))),
+                       format_ep_overlap_table),
     }
     return {name: every[name] for name in WHAT[args.what]}
 

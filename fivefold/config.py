@@ -103,11 +103,14 @@ class ZeroSection:
 
 @dataclass
 class PipelineSection:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 (micro-batches = train.grad_accum)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | dualpipev (micro-batches = train.grad_accum)
     virtual: int = 1  # virtual stages per rank (interleaved)
     layers_per_stage: str = ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
     # how p2p messages complete: auto (from the backend: gloo buffered, NCCL rendezvous) | buffered | rendezvous
     p2p: str = "auto"
+    # DualPipeV's (F, B) units side by side, the forward in a second thread (hides expert all-to-alls; CPU/gloo, no
+    # tp / cp / ZeRO-3): off | on
+    overlap: str = "off"
 
     def layers(self) -> list[int] | None:
         """``layers_per_stage`` as block counts (None: as even as possible)."""

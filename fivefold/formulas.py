@@ -111,6 +111,22 @@ def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
     raise ValueError(f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1")
 
 
+def pipeline_idle(name: str, P: int, F: float, B: float, W: float, FB: float | None = None) -> float:
+    """Idle time of one rank over one step in DeepSeek-V3's accounting (its Table 2), F, B (= I + W) and W being one
+    stage's (DualPipeV: one half-size chunk's) pass costs: 1F1B (P-1)(F+B); ZB-H1 (P-1)(F+B-2W); DualPipeV
+    (P-1)(F&B+B-3W) — DualPipe's (PP/2-1)(F&B+B-3W) at PP = 2P, DualPipeV being DualPipe cut in half — with F&B an
+    overlapped unit's cost (``FB``; F+B when its passes run one after the other). With chunks half a stage, DualPipeV
+    idles less than ZB-H1 by (P-1)(F-W)/2 + (P-1)(F+B-F&B)/2 in stage units: nothing when F = W and the unit is not
+    overlapped. The simulator gives these exactly (DualPipeV with F&B < F+B: on its most idle rank)."""
+    if name in ("gpipe", "1f1b"):
+        return (P - 1) * (F + B)
+    if name == "zb-h1":
+        return (P - 1) * (F + B - 2 * W)
+    if name == "dualpipev":
+        return (P - 1) * ((F + B if FB is None else FB) + B - 3 * W)
+    raise ValueError(f"no idle formula for schedule {name!r}; known: gpipe, 1f1b, zb-h1, dualpipev")
+
+
 # -- context parallel (seed 003 §10.1) ------------------------------------------------------------------
 def ring_attention_p2p_elements(batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp: int) -> dict[str, int]:
     """Elements one rank sends per attention layer with ring attention over `cp` ranks: its K and V shard

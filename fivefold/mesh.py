@@ -128,6 +128,17 @@ class ParallelMesh:
             self._comms[dim] = Comm(self.group(dim), dim, self.comm_log, device=self.device)
         return self._comms[dim]
 
+    def backward_comm(self, dim: str) -> Comm:
+        """A second `Comm` over the ranks of `dim`, on its own process group and logged as `dim`: for the collectives
+        of a backward that runs beside a forward (DualPipeV's overlapped units), so the two never share a group's
+        order of calls. Made on first use by the members of the group alone (they all reach it together)."""
+        key = f"{dim}@backward"
+        if key not in self._comms:
+            ranks = dist.get_process_group_ranks(self.group(dim))
+            twin = dist.new_group(ranks, use_local_synchronization=True)
+            self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device)
+        return self._comms[key]
+
     @property
     def global_rank(self) -> int:
         return dist.get_rank()

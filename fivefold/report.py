@@ -48,15 +48,18 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
     V = max(timeline.n_virtual, 1)
     px_per_unit = width * 0.8 * 110 / span
     for r, evs in enumerate(timeline.events):
-        for e in evs:
+        lanes = timeline.lanes(r)  # passes run side by side (DualPipeV's units) share the row, one above the other
+        height = 0.8 / (max(lanes, default=0) + 1)
+        for e, lane in zip(evs, lanes):
             color = KIND_COLORS.get(e.kind, OTHER_COLOR)
             chunk = e.stage // P if V > 1 else 0
             alpha = 1.0 - 0.45 * chunk / max(V - 1, 1)
-            ax.broken_barh([(e.start - t0, e.duration)], (r - 0.4, 0.8), facecolors=color, edgecolors="white",
+            top = r - 0.4 + lane * height
+            ax.broken_barh([(e.start - t0, e.duration)], (top, height), facecolors=color, edgecolors="white",
                            linewidth=0.6, alpha=alpha)
             box_px = e.duration * px_per_unit
             if box_px >= 7:
-                ax.text(e.start - t0 + e.duration / 2, r, str(e.microbatch), ha="center", va="center",
+                ax.text(e.start - t0 + e.duration / 2, top + height / 2, str(e.microbatch), ha="center", va="center",
                         fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold")
     ax.set_ylim(P - 0.5, -0.5)
     ax.set_xlim(0, span)
@@ -74,7 +77,7 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
     heading = title or timeline.name
     stats = (f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
              f"peak in-flight {timeline.peak_in_flight}")
-    ax.set_title(f"{heading} — {stats}" if heading else stats, fontsize=10)
+    ax.set_title(f"{heading}\n{stats}" if heading else stats, fontsize=10)
     ax.grid(axis="x", linestyle=":", alpha=0.5)
     ax.set_axisbelow(True)
     fig.tight_layout()
@@ -82,14 +85,19 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
 
 
 def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: float = 1e6) -> None:
-    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one "X" event per action, tid = rank,
-    times × ``us_per_unit`` as microseconds (the default reads times as seconds)."""
-    t0 = timeline.start
-    events: list[dict] = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-                          for r in range(timeline.n_ranks)]
+    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one "X" event per action, tid = rank
+    (a pass that ran beside another: tid = rank + P·lane, "rank r (side by side)"), times × ``us_per_unit`` as
+    microseconds (the default reads times as seconds)."""
+    t0, P = timeline.start, timeline.n_ranks
+    events: list[dict] = []
     for r, evs in enumerate(timeline.events):
-        for e in evs:
-            events.append({"name": f"{e.kind}{e.microbatch}@s{e.stage}", "cat": e.kind, "ph": "X", "pid": 0, "tid": r,
+        lanes = timeline.lanes(r)
+        for lane in range(max(lanes, default=0) + 1):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r + P * lane,
+                           "args": {"name": f"rank {r}" + (" (side by side)" if lane else "")}})
+        for e, lane in zip(evs, lanes):
+            events.append({"name": f"{e.kind}{e.microbatch}@s{e.stage}", "cat": e.kind, "ph": "X", "pid": 0,
+                           "tid": r + P * lane,
                            "ts": (e.start - t0) * us_per_unit, "dur": e.duration * us_per_unit,
                            "args": {"microbatch": e.microbatch, "stage": e.stage}})
     data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": timeline.name}}

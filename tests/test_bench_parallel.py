@@ -138,6 +138,18 @@ def test_ep_bench_halves_expert_memory_and_matches_the_replicated_losses():
     assert "all_to_all" in impls["fivefold-ep"]["comm_by_op"] and "all_to_all" not in impls["replicated"]["comm_by_op"]
 
 
+def test_ep_overlap_bench_runs_units_side_by_side_with_the_same_losses():
+    from bench.expert_parallel import EPOverlapSpec, bench_ep_overlap, format_ep_overlap_table
+
+    results = bench_ep_overlap(EPOverlapSpec(steps=2, warmup=1, repeats=2, micro_batch=1, seq_len=32))
+    impls = _by_name(results)
+    _check_common(impls, ["overlap", "sequential"], 2)
+    assert results["pairs"][0]["max_abs_loss_diff"] < LOSS_TOL
+    assert impls["overlap"]["info"]["overlap"] and not impls["sequential"]["info"]["overlap"]
+    assert impls["overlap"]["overlapped_per_step"] >= 1 and impls["sequential"]["overlapped_per_step"] == 0
+    assert "units overlapped per step" in format_ep_overlap_table(results)
+
+
 def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     """The command line, on the results above (no further launch)."""
     seen = {}
@@ -154,6 +166,8 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     monkeypatch.setattr(bench_run, "format_cp_table", lambda results: "table of cp")
     monkeypatch.setattr(bench_run, "bench_ep", fake("ep", {"kind": "ep"}))
     monkeypatch.setattr(bench_run, "format_ep_table", lambda results: "table of ep")
+    monkeypatch.setattr(bench_run, "bench_ep_overlap", fake("ep-overlap", {"kind": "ep-overlap"}))
+    monkeypatch.setattr(bench_run, "format_ep_overlap_table", lambda results: "table of ep-overlap")
     assert bench_run.main(["parallel", "--preset", "tiny", "--steps", "3", "--sp", "on", "--microbatches", "4,8"]) == 0
     out = capsys.readouterr().out
     assert seen["tp"].sequence_parallel == (True,) and seen["tp"].preset == "tiny" and seen["tp"].steps == 3
@@ -164,7 +178,7 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
 
 
 def test_all_runs_every_dimension(monkeypatch, capsys):
-    """``all`` runs ddp, zero, tp, pp, cp and ep, in that order, with the common options given to each (no
+    """``all`` runs ddp, zero, tp, pp, cp, ep and ep-overlap, in that order, with the common options given to each (no
     launch)."""
     seen = []
 
@@ -175,13 +189,14 @@ def test_all_runs_every_dimension(monkeypatch, capsys):
         return run
 
     for name, kind in (("bench_ddp", "ddp"), ("bench_zero", "zero"), ("bench_tp", "tp"), ("bench_pp", "pp"),
-                       ("bench_cp", "cp"), ("bench_ep", "ep")):
+                       ("bench_cp", "cp"), ("bench_ep", "ep"), ("bench_ep_overlap", "ep-overlap")):
         monkeypatch.setattr(bench_run, name, fake(kind))
-    for name in ("format_table", "format_tp_table", "format_pp_table", "format_cp_table", "format_ep_table"):
+    for name in ("format_table", "format_tp_table", "format_pp_table", "format_cp_table", "format_ep_table",
+                 "format_ep_overlap_table"):
         monkeypatch.setattr(bench_run, name, lambda results: f"table of {results['kind']}")
     assert bench_run.main(["all", "--preset", "tiny", "--steps", "2", "--stages", "0,3"]) == 0
-    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp", "ep"]
-    ddp, zero, tp, pp, cp, _ = (given for _, given in seen)
+    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap"]
+    ddp, zero, tp, pp, cp, _, _ = (given for _, given in seen)
     assert ddp == {"preset": "tiny", "steps": 2} and zero["stages"] == (0, 3) and zero["preset"] == "tiny"
     assert tp.preset == pp.preset == cp.preset == "tiny" and tp.steps == pp.steps == cp.steps == 2
     out = capsys.readouterr().out

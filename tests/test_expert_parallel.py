@@ -17,6 +17,7 @@ from dist_utils import run_workers
 from fivefold.comm import Comm, CommLog
 from fivefold.expert_parallel import AllToAllExperts
 from fivefold.models.moe import MoEConfig, MoEFeedForward
+from fivefold.pipeline.simulator import Timeline
 
 D, HIDDEN, E = 16, 24, 8
 CASES = {
@@ -175,15 +176,18 @@ TRAIN_RUNS = {  # world: [(name, mesh dims, config overrides)]
     4: [("dp4-ep2-zero1", dict(dp=4, ep=2), dict(zero=1)),
         ("dp4-ep4-zero3", dict(dp=4, ep=4), dict(zero=3)),
         ("pp2-dp2-ep2", dict(pp=2, dp=2, ep=2), dict(zero=1, pp=2)),
+        # DualPipeV with its (F, B) units side by side: each unit's forward all-to-alls beside another's backward
+        ("pp2-dp2-ep2-dualpipev-overlap", dict(pp=2, dp=2, ep=2),
+         dict(zero=1, pp=2, schedule="dualpipev", overlap="on", M=4, model=dict(n_layers=4))),
         # sigmoid scores, a shared expert, device-limited routing: the routing variants under global balancing
         ("dp4-ep4-sigmoid-shared-limited", dict(dp=4, ep=4), dict(zero=2, moe=dict(
             score="sigmoid", shared_experts=1, groups=4, group_limit=2)))],
 }
 
 
-def _moe_model_config(**moe: object):
+def _moe_model_config(model: dict | None = None, **moe: object):
     from fivefold.models import get_config
-    return get_config("tiny", moe=MOE.replace(**moe), **MOE_MODEL)
+    return get_config("tiny", moe=MOE.replace(**moe), **{**MOE_MODEL, **(model or {})})
 
 
 def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,18 +206,24 @@ def _moe_train_worker(world: int) -> dict:
         cfg = Config()
         cfg.parallel.ep, cfg.parallel.pp, cfg.zero.stage = dims["ep"], o.get("pp", 1), o["zero"]
         cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, EPS
-        cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed, cfg.train.warmup_steps = M, SEQ, 0, 0
+        m = o.get("M", M)
+        cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed, cfg.train.warmup_steps = m, SEQ, 0, 0
+        cfg.pipeline.schedule, cfg.pipeline.overlap = o.get("schedule", "1f1b"), o.get("overlap", "off")
         mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
-        parts = parallelize(cfg, _moe_model_config(**o.get("moe", {})), mesh, "cpu")
+        parts = parallelize(cfg, _moe_model_config(o.get("model"), **o.get("moe", {})), mesh, "cpu")
         dp = mesh.comm("dp")
         history, losses = [], []
         for step in range(STEPS):
             x, y = (t.chunk(dp.size)[dp.rank] for t in _moe_batch(step))
-            loss = parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+            loss = parts.forward_backward(list(zip(x.chunk(m), y.chunk(m))))
             parts.step(CLIP)
             losses.append(parts.global_loss(loss).item())
             history.append(parts.full_state_dict())
         out[name] = dict(history=history, losses=losses)
+        if "overlap" in o:  # the last step's measured timeline: which passes ran at the same time
+            out[name]["overlapped"] = [(str(a.kind), str(b.kind)) for a, b in
+                                       Timeline([parts.runtime.records]).overlapped(0)]
+            out[name]["units"] = len(parts.schedule.side_by_side[mesh.rank("pp")])
     return out
 
 
@@ -222,11 +232,12 @@ def moe_training():
     return {world: run_workers(_moe_train_worker, world, world) for world in TRAIN_RUNS}
 
 
-def _moe_reference(dp: int, **moe: object) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def _moe_reference(dp: int, M: int = M, model: dict | None = None, **moe: object,
+                   ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     from fivefold.models.llama import Llama
     from fivefold.models.parallelize import set_aux_grad_scale
 
-    model = Llama(_moe_model_config(**moe), seed=0)
+    model = Llama(_moe_model_config(model, **moe), seed=0)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
     no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
@@ -253,7 +264,7 @@ def _moe_reference(dp: int, **moe: object) -> tuple[list[float], list[dict[str, 
 @pytest.mark.parametrize("name", [n for runs in TRAIN_RUNS.values() for n, _, _ in runs])
 def test_moe_training_with_ep_equals_single_process(moe_training, name):
     world, dims, o = next((w, d, o) for w, runs in TRAIN_RUNS.items() for n, d, o in runs if n == name)
-    want_losses, want_history = _moe_reference(dims["dp"], **o.get("moe", {}))
+    want_losses, want_history = _moe_reference(dims["dp"], o.get("M", M), o.get("model"), **o.get("moe", {}))
     for rank, res in enumerate(moe_training[world]):
         run = res[name]
         assert run["losses"] == pytest.approx(want_losses, rel=1e-5), f"rank {rank}"
@@ -263,6 +274,9 @@ def test_moe_training_with_ep_equals_single_process(moe_training, name):
             for pname, value in got.items():
                 torch.testing.assert_close(value, want[pname], rtol=1e-5, atol=3e-6,
                                            msg=f"rank {rank} step {step} {pname}")
+        if "overlap" in o:  # units ran their forward beside their backward, on the measured clock
+            assert 1 <= len(run["overlapped"]) <= run["units"], (rank, run["overlapped"])
+            assert all(kinds == ("F", "B") or kinds == ("B", "F") for kinds in run["overlapped"]), run["overlapped"]
 
 
 def test_device_limited_routing_keeps_each_token_within_its_best_groups():

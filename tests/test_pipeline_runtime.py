@@ -20,6 +20,7 @@ from fivefold.models import build_model, get_config
 from fivefold.models.parallelize import build_stages
 from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.runtime import PipelineRuntime
+from fivefold.pipeline.simulator import Timeline
 
 CFG = get_config("tiny", n_layers=8, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=17)
 SEQ = 6
@@ -64,6 +65,15 @@ def _pipeline_worker() -> dict:
             p2p_log = [(r.op, r.numel) for r in comm.log.records]
             out[(name, M, V, p2p)] = dict(loss=None if loss is None else loss.item(), grads=grads, p2p=p2p_log,
                                           records=runtime.records, batch_sizes=batch_sizes)
+        if schedule.side_by_side:  # the overlapped units side by side (the forward in a second thread)
+            stages = build_stages(CFG, schedule.stages_of(comm.rank), schedule.n_stages, seed=0)
+            runtime = PipelineRuntime(schedule, stages, comm, _loss, lambda mb: (mb, SEQ, CFG.dim), torch.float32,
+                                      overlap=True)
+            loss = runtime.step(list(x.chunk(M)), list(y.chunk(M)))
+            grads = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters()}
+            out[(name, M, V, "overlap")] = dict(loss=None if loss is None else loss.item(), grads=grads,
+                                                records=runtime.records,
+                                                units=len(schedule.side_by_side[comm.rank]))
     # a coalescing backend cannot serve look-ahead receives: a clear error, not a hang or a KeyError
     schedule = build_schedule("1f1b", P, 4, 1)
     stages = build_stages(CFG, schedule.stages_of(comm.rank), schedule.n_stages, seed=0)
@@ -119,6 +129,28 @@ def test_pipeline_matches_single_process(pipeline_results, run, p2p):
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"{name}")
             seen.add(name)
     assert seen == set(ref_grads)  # every parameter lives on exactly one rank
+
+
+@pytest.mark.parametrize("M", [4, 8])
+def test_dualpipev_units_side_by_side_match_single_process(pipeline_results, M):
+    """With ``overlap`` each (F, B) unit's forward runs in a second thread beside the backward: the same loss and
+    gradients; on the measured clock the passes that overlap are units' (F, B) pairs, on every rank, and none do
+    without ``overlap``. (Whether a given unit's passes overlap is the machine's timing: a short forward may finish
+    before the backward is scheduled, so the count is not asserted equal to the number of units.)"""
+    P, results = pipeline_results
+    if _unsupported("dualpipev", P, M):
+        pytest.skip("dualpipev needs M >= 2P")
+    ref_loss, ref_grads = _reference(M)
+    run = ("dualpipev", M, 2, "overlap")
+    assert results[0][run]["loss"] == pytest.approx(ref_loss, rel=1e-6)  # the loss stage is on rank 0
+    for rank, r in enumerate(results):
+        for name, g in r[run]["grads"].items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"{name}")
+        pairs = Timeline([r[run]["records"]]).overlapped(0)
+        assert 1 <= len(pairs) <= r[run]["units"], (rank, [f"{a} | {b}" for a, b in pairs])
+        assert all({a.kind, b.kind} == {"F", "B"} and a.microbatch != b.microbatch for a, b in pairs)
+        sequential = Timeline([r[("dualpipev", M, 2, "buffered")]["records"]])
+        assert not sequential.overlapped(0)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[f"{n}-M{m}-V{v}" for n, m, v in RUNS])

@@ -10,12 +10,14 @@ Pure Python, no processes. Cost models under which the textbook formulas are exa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 
 import pytest
 
+from fivefold.formulas import pipeline_idle
 from fivefold.pipeline import (
     RECV_B,
     RECV_F,
@@ -40,7 +42,7 @@ from fivefold.pipeline import (
     validate,
     zero_bubble_h1,
 )
-from fivefold.pipeline.simulator import Timeline, bubble_formula, simulate
+from fivefold.pipeline.simulator import OVERLAPPED, Timeline, bubble_formula, simulate
 from fivefold.report import plot_timeline, to_chrome_trace
 
 SIZES = [(1, 3), (2, 2), (2, 4), (2, 8), (3, 3), (3, 5), (4, 4), (4, 8), (4, 13), (5, 7), (8, 8), (8, 16)]
@@ -359,6 +361,24 @@ def test_chrome_trace(tmp_path):
     assert max(e["ts"] + e["dur"] for e in events) == t.makespan * 1e6
 
 
+def test_side_by_side_passes_get_their_own_lane(tmp_path):
+    t = simulate(build_schedule("dualpipev", 2, 4), costs={"F": 1, "B": 2, "I": 1, "W": 1, OVERLAPPED: 2.5})
+    for r in range(2):
+        lanes = t.lanes(r)
+        assert max(lanes) == 1 and sum(lanes) == len(t.overlapped(r))  # one pass of each unit moves down a lane
+        for lane in (0, 1):
+            evs = sorted((e for e, k in zip(t.events[r], lanes) if k == lane), key=lambda e: e.start)
+            assert all(a.end <= b.start for a, b in zip(evs, evs[1:]))
+    # busy time counts a unit once
+    assert t.busy(0) == pytest.approx(sum(e.duration for e in t.events[0]) - 2.5 * len(t.overlapped(0)))
+    to_chrome_trace(t, tmp_path / "trace.json")
+    names = {e["tid"]: e["args"]["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "M"}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 0 (side by side)", 3: "rank 1 (side by side)"}
+    plot_timeline(t, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
 def test_messages_between_two_ranks_must_be_posted_in_the_same_order():
     """p2p between a pair of ranks matches by posting order (no tags), not by identity: a V-shaped placement
     (rank 0: stages 0 and 3, rank 1: stages 1 and 2) where rank 1 sends a gradient before an activation that
@@ -405,17 +425,54 @@ def test_dualpipev_is_valid_and_deadlock_free_under_both_semantics(P, M):
     assert any(a.kind == "RECV_F" and a.stage == P - 1 for a in last) or P == 1
 
 
+# stage pass costs (F, I, W); B = I + W. F&B: an overlapped unit's cost in DualPipeV, None: its passes in sequence
+PASS_COSTS = [(1.0, 1.0, 1.0, None), (1.0, 1.0, 0.5, None), (1.0, 1.0, 1.0, 2.5), (1.0, 1.0, 0.5, 2.0)]
+
+
+@pytest.mark.parametrize("F_,I_,W_,FB", PASS_COSTS)
 @pytest.mark.parametrize("P,M", DUALPIPEV_SIZES)
-def test_dualpipev_bubble_against_zb_h1_and_1f1b(P, M):
-    """With sequential F and B (this simulator, and fivefold's single-stream runtime) DualPipeV's bubble fraction is
-    ZB-H1's — at or below it, and far below 1F1B's; what DualPipe gains beyond, by running one micro-batch's
-    forward beside another's backward, is not modelled. Its peak: 2P+1 activations of half-size stages per rank."""
-    costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-    dual = simulate(build_schedule("dualpipev", P, M), costs=costs)
-    zb = simulate(build_schedule("zb-h1", P, M), costs=costs)
-    one = simulate(build_schedule("1f1b", P, M), costs=costs)
-    assert dual.bubble_fraction <= zb.bubble_fraction + 1e-12 < one.bubble_fraction
+def test_dualpipev_bubble_against_zb_h1_and_1f1b(P, M, F_, I_, W_, FB):
+    """Per-rank idle time equals DeepSeek-V3's formulas (`formulas.pipeline_idle`): 1F1B and ZB-H1 on every rank,
+    DualPipeV on every rank with its units in sequence and on the most idle rank with them overlapped. With the same
+    stage costs (DualPipeV's chunks cost half a stage) DualPipeV's bubble is below ZB-H1's when F > W or its
+    units overlap (F&B < F+B), and equal to it otherwise (F = W, units in sequence). Peak: 2P+1 half-size
+    activations per rank (ZB-H1: P full ones)."""
+    stage = {"F": F_, "I": I_, "W": W_, "B": I_ + W_}
+    chunk = {k: v / 2 for k, v in stage.items()} | ({OVERLAPPED: FB / 2} if FB is not None else {})
+    dual = simulate(build_schedule("dualpipev", P, M), costs=chunk)
+    zb = simulate(build_schedule("zb-h1", P, M), costs=stage)
+    one = simulate(build_schedule("1f1b", P, M), costs=stage)
+
+    def idle(t):
+        return [t.makespan - t.busy(r) for r in range(P)]
+
+    B_ = stage["B"]
+    assert idle(one) == pytest.approx([pipeline_idle("1f1b", P, F_, B_, W_)] * P)
+    assert idle(zb) == pytest.approx([pipeline_idle("zb-h1", P, F_, B_, W_)] * P)
+    want = pipeline_idle("dualpipev", P, F_ / 2, B_ / 2, W_ / 2, None if FB is None else FB / 2)
+    if FB is None:
+        assert idle(dual) == pytest.approx([want] * P)
+    else:
+        assert max(idle(dual)) == pytest.approx(want)
+        assert dual.overlapped(0) and all({a.kind, b.kind} == {"F", "B"} for a, b in dual.overlapped(0))
+    if F_ > W_ or FB is not None:
+        assert dual.bubble_fraction < zb.bubble_fraction < one.bubble_fraction
+    else:
+        assert dual.bubble_fraction == pytest.approx(zb.bubble_fraction)
     assert dual.peak_in_flight == [2 * P + 1] * P
+
+
+def test_dualpipev_marks_its_overlapped_units_and_validate_checks_them():
+    s = build_schedule("dualpipev", 2, 4)
+    for r in range(2):
+        acts = s.actions[r]
+        units = [(acts[i - 1], a) for i, a in enumerate(acts) if s.runs_beside_forward(r, a)]
+        assert len(units) == len(s.side_by_side[r]) > 0
+        assert all(f.kind == "F" and b.kind == "B" and f.microbatch != b.microbatch for f, b in units)
+    assert "&B" in s.format()
+    w = next(a for a in s.actions[0] if a.kind == "W")  # a pass that does not follow a forward
+    with pytest.raises(ScheduleError, match="is marked to run beside a forward"):
+        validate(dataclasses.replace(s, side_by_side=[s.side_by_side[0] | {w}, s.side_by_side[1]]))
 
 
 def test_dualpipev_needs_twice_as_many_microbatches_as_ranks():

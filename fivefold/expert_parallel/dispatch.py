@@ -24,8 +24,8 @@ __all__ = ["AllToAllExperts", "GlobalBalance", "all_to_all"]
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
-                tag: str) -> torch.Tensor:
-        ctx.comm, ctx.out_splits, ctx.in_splits, ctx.tag = comm, out_splits, in_splits, tag
+                tag: str, backward_comm: Comm) -> torch.Tensor:
+        ctx.comm, ctx.out_splits, ctx.in_splits, ctx.tag = backward_comm, out_splits, in_splits, tag
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         comm.all_to_all(out, x.contiguous(), out_splits, in_splits, tag=tag)
         return out
@@ -34,21 +34,26 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
         ctx.comm.all_to_all(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, tag=ctx.tag + "_bwd")
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int], tag: str) -> torch.Tensor:
-    """Rows of `x` split as `in_splits` go to each rank; `out_splits` rows arrive from each. Differentiable."""
-    return _AllToAll.apply(x, comm, out_splits, in_splits, tag)
+def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int], tag: str,
+               backward_comm: Comm | None = None) -> torch.Tensor:
+    """Rows of `x` split as `in_splits` go to each rank; `out_splits` rows arrive from each. Differentiable: the
+    gradient goes back over ``backward_comm`` (default `comm`; the same ranks on another process group)."""
+    return _AllToAll.apply(x, comm, out_splits, in_splits, tag, backward_comm or comm)
 
 
 class AllToAllExperts:
-    """The `MoEFeedForward.exchange` under expert parallelism over `comm` (the layer keeps only its experts)."""
+    """The `MoEFeedForward.exchange` under expert parallelism over `comm` (the layer keeps only its experts).
+    ``backward_comm``: the same ep ranks on a second process group, for the backward's all-to-alls, so a forward and
+    a backward running side by side (DualPipeV's units) never interleave their calls on one group."""
 
-    def __init__(self, comm: Comm, n_experts: int) -> None:
+    def __init__(self, comm: Comm, n_experts: int, backward_comm: Comm | None = None) -> None:
         if n_experts % comm.size:
             raise ValueError(f"moe.experts={n_experts} is not divisible by ep={comm.size}")
         self.comm = comm
+        self.backward_comm = backward_comm or comm
         self.per_rank = n_experts // comm.size
 
     def __call__(self, run: Callable[[torch.Tensor, list[int], int], torch.Tensor], tokens: torch.Tensor,
@@ -61,12 +66,12 @@ class AllToAllExperts:
         received_counts = received_counts.view(ep, per_rank)  # [source rank, local expert]
         send_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
         recv_splits = received_counts.sum(dim=1).tolist()
-        arrived = all_to_all(tokens, self.comm, recv_splits, send_splits, "ep_dispatch")
+        arrived = all_to_all(tokens, self.comm, recv_splits, send_splits, "ep_dispatch", self.backward_comm)
         # Arrived rows are source-major (each source's rows sorted by local expert): regroup expert-major.
         segment = torch.arange(ep * per_rank, device=tokens.device).repeat_interleave(received_counts.reshape(-1))
         order = ((segment % per_rank) * ep + segment // per_rank).argsort(stable=True)
         out = run(arrived[order], received_counts.sum(dim=0).tolist(), self.comm.rank * per_rank)
-        return all_to_all(out[order.argsort()], self.comm, send_splits, recv_splits, "ep_combine")
+        return all_to_all(out[order.argsort()], self.comm, send_splits, recv_splits, "ep_combine", self.backward_comm)
 
 
 class GlobalBalance:

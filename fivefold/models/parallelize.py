@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
 
 __all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "is_expert", "is_tp_sharded",
-           "parallelize", "pipeline_forward_backward", "set_aux_grad_scale", "tp_loss"]
+           "parallelize", "pipeline_forward_backward", "pipeline_overlap", "set_aux_grad_scale", "tp_loss"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -111,9 +111,10 @@ def _moe_layers(module: nn.Module) -> list[MoEFeedForward]:
     return [m for m in module.modules() if isinstance(m, MoEFeedForward)]
 
 
-def _expert_parallel(module: Llama, mesh: ParallelMesh) -> None:
+def _expert_parallel(module: Llama, mesh: ParallelMesh, overlap: bool = False) -> None:
     """Keep this ep rank's experts of every MoE layer (on meta: nothing allocated), exchange tokens by all-to-all
-    over ep, and balance the load over the global micro-batch (dp × cp)."""
+    over ep, and balance the load over the global micro-batch (dp × cp). ``overlap``: backwards run beside
+    forwards (`pipeline_overlap`), so the backward's all-to-alls get a group of their own."""
     ep, loss_comm = mesh.comm("ep"), _grad_comm(mesh)
     for layer in _moe_layers(module):
         per_rank = layer.config.experts // ep.size
@@ -121,12 +122,14 @@ def _expert_parallel(module: Llama, mesh: ParallelMesh) -> None:
             if e // per_rank != ep.rank:
                 del layer.experts[str(e)]
         if ep.size > 1:
-            layer.exchange = AllToAllExperts(ep, layer.config.experts)
+            layer.exchange = AllToAllExperts(ep, layer.config.experts,
+                                             mesh.backward_comm("ep") if overlap else None)
         if loss_comm.size > 1:
             layer.balance = GlobalBalance(loss_comm)
 
 
-def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device) -> list[ZeroDataParallel]:
+def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device,
+             overlap: bool = False) -> list[ZeroDataParallel]:
     """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share of it: the TP
     slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
     attention if cp > 1. An MoE model's experts get a second engine: kept over ep, averaged over the rest of dp × cp
@@ -137,7 +140,7 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
     tp, grad_comm = mesh.comm("tp"), _grad_comm(mesh)
     moe = bool(_moe_layers(module))
     if moe:
-        _expert_parallel(module, mesh)
+        _expert_parallel(module, mesh, overlap)
 
     def init_value(name: str) -> torch.Tensor:
         return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
@@ -281,6 +284,37 @@ class WholeModel(_Parts):
         return self.global_loss(total / len(batches)).item()
 
 
+OVERLAP_CHOICES = ("off", "on")
+
+
+def pipeline_overlap(cfg: Config, moe: bool, size: Callable[[str], int], device_type: str) -> tuple[bool, str]:
+    """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime` ``overlap``), and
+    why (not). A unit's forward runs in a second thread beside the backward; that is safe only when the two passes
+    never call one process group at once: expert all-to-alls (the backward's get their own group) and the dp × cp
+    load-balancing sum (forward only) are; TP's collectives, ring attention's messages and ZeRO-3's gathers are not.
+    Off by default: the second thread needs a core of its own to gain anything (README: measured slower on 2 cores
+    shared by 4 ranks); ``moe`` says whether there are expert all-to-alls to hide."""
+    choice = cfg.pipeline.overlap
+    if choice not in OVERLAP_CHOICES:
+        raise ValueError(f"pipeline.overlap={choice!r}: choose {' or '.join(OVERLAP_CHOICES)}")
+    if choice == "off":
+        return False, "pipeline.overlap off"
+    schedule = build_schedule(cfg.pipeline.schedule, size("pp"), cfg.train.grad_accum, cfg.pipeline.virtual)
+    blockers = [why for bad, why in (
+        (not any(schedule.side_by_side), f"schedule {schedule.name} has no overlapped units (dualpipev has)"),
+        (size("tp") > 1, f"parallel.tp={size('tp')}: both passes would call the tp group"),
+        (size("cp") > 1, f"parallel.cp={size('cp')}: both passes would exchange ring-attention messages"),
+        (cfg.zero.stage == 3, "zero.stage=3: both passes would gather and free the same units"),
+        (device_type != "cpu", f"the device is {device_type}: the passes would share one stream, and NCCL "
+                               "communicators used from two threads at once may deadlock (CPU/gloo only)"),
+    ) if bad]
+    if blockers:
+        raise ValueError("pipeline.overlap=on cannot run the overlapped units side by side: " + "; ".join(blockers)
+                         + "; use pipeline.overlap off")
+    hides = "expert all-to-alls" if moe and size("ep") > 1 else "nothing but compute (no expert all-to-all)"
+    return True, f"each unit's forward beside its backward, hiding {hides}"
+
+
 def check_pipeline_supported(cfg: Config) -> None:
     """What a pipeline refuses (also checked by `train.validate` before any process starts)."""
     if cfg.precision.param == "fp16":
@@ -301,7 +335,9 @@ class PipelinedModel(_Parts):
                               device="meta", layers_per_stage=p.layers())
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
         self.stages = stages
-        self.engines = {(s, i): e for s, m in stages.items() for i, e in enumerate(_engines(m, cfg, mesh, device))}
+        self.overlap, self.overlap_reason = pipeline_overlap(cfg, model_cfg.moe is not None, mesh.size, device.type)
+        self.engines = {(s, i): e for s, m in stages.items()
+                        for i, e in enumerate(_engines(m, cfg, mesh, device, self.overlap))}
         # Between stages flows the hidden state [mb, L/C, D] (this cp rank's tokens), [mb, L/C/T, D] under SP.
         seq = cfg.train.seq_len // mesh.size("cp")
         seq = seq // mesh.size("tp") if cfg.parallel.sp else seq
@@ -310,7 +346,7 @@ class PipelinedModel(_Parts):
         self.loss_fn = loss_fns.get(self.schedule.n_stages - 1, lm_cross_entropy)
         self.p2p = None if p.p2p == "auto" else p.p2p
         self.runtime = PipelineRuntime(self.schedule, self.stages, pp, self.loss_fn, self.shape, self.dtype, device,
-                                       p2p=self.p2p)
+                                       p2p=self.p2p, overlap=self.overlap)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         set_aux_grad_scale(self.stages.values(), 1.0 / len(micro_batches))

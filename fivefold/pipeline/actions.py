@@ -11,7 +11,7 @@ batch (one ``batch_isend_irecv``, waited on before the next compute); sends buff
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS",
@@ -97,6 +97,9 @@ class Schedule:
     actions: list[list[Action]]
     is_lowered: bool = False
     fuse_forward_backward: bool = False  # see `lower`
+    # Per rank, the backward actions that run *beside* the forward right before them (DualPipe's overlapped F&B
+    # unit: one micro-batch's communication hides behind the other's compute); empty: every compute runs alone.
+    side_by_side: list[frozenset[Action]] = field(default_factory=list)
 
     @property
     def n_stages(self) -> int:
@@ -114,12 +117,18 @@ class Schedule:
         """True when backward is split into I and W (zero-bubble)."""
         return any(a.kind == I for acts in self.actions for a in acts)
 
+    def runs_beside_forward(self, rank: int, a: Action) -> bool:
+        """True if ``a`` (a backward on ``rank``) runs side by side with the forward right before it."""
+        return bool(self.side_by_side) and a in self.side_by_side[rank]
+
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.is_compute]
 
     def format(self) -> str:
         """One line per rank, e.g. ``rank 0: F0@s0 F1@s0 B0@s0 ...`` (handy in error messages)."""
-        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
+        def name(r: int, a: Action) -> str:
+            return f"&{a}" if self.runs_beside_forward(r, a) else str(a)  # "F3@s0 &B1@s3": one overlapped unit
+        return "\n".join(f"rank {r}: " + " ".join(name(r, a) for a in acts) for r, acts in enumerate(self.actions))
 
 
 Step = Action | list[Action]

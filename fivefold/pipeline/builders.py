@@ -149,8 +149,9 @@ def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
     if M < 2 * P:
         raise ValueError(f"{name} needs at least twice as many micro-batches as pipeline ranks (M={M} < 2P={2 * P}): "
                          f"the main phase pairs one micro-batch's forward with another's backward; use M >= {2 * P}")
-    actions = [_dualpipe_v_rank(P, M, r) for r in range(P)]
-    return Schedule(name, P, M, 2, list(range(P)) + list(reversed(range(P))), actions, is_lowered=True)
+    ranks = [_dualpipe_v_rank(P, M, r) for r in range(P)]
+    return Schedule(name, P, M, 2, list(range(P)) + list(reversed(range(P))), [k.acts for k in ranks],
+                    is_lowered=True, side_by_side=[frozenset(k.overlapped) for k in ranks])
 
 
 class _DualPipeVRank:
@@ -166,6 +167,7 @@ class _DualPipeVRank:
         self.pending: list[Action] = []
         keys = ("F0", "F1", "B0", "B1", "rf0", "rf1", "sf0", "sf1", "rb0", "rb1", "sb0", "sb1")
         self.count = dict.fromkeys(keys, 0)  # computes and messages so far, by chunk: the next micro-batch
+        self.overlapped: set[Action] = set()  # backwards of the (F, B) units, run beside their forward
         self.deferred: deque[tuple[int, int]] = deque()  # (micro-batch, stage) of I's whose W is still to run
         first, last = r == 0, r == P - 1
         # which transfers exist: the first stage has no input, the loss stage no output; on the last rank the two
@@ -218,14 +220,15 @@ class _DualPipeVRank:
             self.send_backward(phase)
 
     def forward_backward(self, phase0: int, phase1: int, recv0: bool = True) -> None:
-        """DualPipe's overlap unit: one micro-batch's forward beside another's backward (run one after the other
-        here; their messages travel together)."""
+        """DualPipe's overlap unit: one micro-batch's forward beside another's backward (`Schedule.side_by_side`;
+        their messages travel together, before and after the unit)."""
         if recv0:
             self.recv_forward(phase0)
         self.recv_backward(phase1)
         self.commit()
         self.acts.append(Action(F, self._next(f"F{phase0}"), self.stage[phase0]))
         self.acts.append(Action(B, self._next(f"B{phase1}"), self.stage[phase1]))
+        self.overlapped.add(self.acts[-1])
         self.send_forward(phase0)
         self.send_backward(phase1)
 
@@ -235,7 +238,7 @@ class _DualPipeVRank:
         self.acts.append(Action(W, m, s))
 
 
-def _dualpipe_v_rank(P: int, M: int, r: int) -> list[Action]:
+def _dualpipe_v_rank(P: int, M: int, r: int) -> _DualPipeVRank:
     """DeepSeek's eight phases for rank r (dualpipev.py), step for step."""
     k = _DualPipeVRank(P, r)
     last = r == P - 1
@@ -281,7 +284,7 @@ def _dualpipe_v_rank(P: int, M: int, r: int) -> list[Action]:
     k.commit()
     if k.deferred:
         raise ScheduleError(f"dualpipev rank {r}: {len(k.deferred)} weight passes left over")
-    return k.acts
+    return k
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,

@@ -82,11 +82,38 @@ def validate(schedule: Schedule) -> None:
     if errors:
         raise ScheduleError(_report(schedule.name, "runs a pass before its input exists", errors))
 
+    _validate_side_by_side(schedule, errors)
+    if errors:
+        raise ScheduleError(_report(schedule.name, "marks an overlapped unit that is not one", errors))
+
     if schedule.is_lowered:
         _validate_comm(schedule, errors)
         if errors:
             raise ScheduleError(_report(schedule.name, "has mismatched communication", errors))
 
+
+
+def _validate_side_by_side(schedule: Schedule, errors: list[str]) -> None:
+    """An overlapped unit is a backward (B or I) right after a forward of another micro-batch, no message between:
+    the two run at once, so neither may need the other's result."""
+    if not schedule.side_by_side:
+        return
+    if len(schedule.side_by_side) != schedule.n_ranks:
+        errors.append(f"side_by_side has {len(schedule.side_by_side)} entries for {schedule.n_ranks} ranks")
+        return
+    for rank, acts in enumerate(schedule.actions):
+        marked = set(schedule.side_by_side[rank])
+        for idx, a in enumerate(acts):
+            if a not in marked:
+                continue
+            marked.discard(a)
+            before = acts[idx - 1] if idx else None
+            if a.kind not in BACKWARD_KINDS or before is None or before.kind != F:
+                errors.append(f"rank {rank} step {idx}: {a} is marked to run beside a forward, but "
+                              f"{'nothing' if before is None else before} comes right before it")
+            elif before.microbatch == a.microbatch:
+                errors.append(f"rank {rank} step {idx}: {a} beside {before}: one micro-batch's passes cannot overlap")
+        errors.extend(f"rank {rank}: {a} is marked to run beside a forward but is not in its list" for a in marked)
 
 
 def _validate_comm(schedule: Schedule, errors: list[str]) -> None:

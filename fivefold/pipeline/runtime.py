@@ -1,7 +1,9 @@
 """Executes any lowered pipeline schedule on this rank's stages (seed 003 §9 / §14).
 
 Each comm batch is one `batch_isend_irecv`; each compute runs one stage on one micro-batch, the last stage dividing
-the loss by M (gradients of the mean loss). Zero-bubble: forwards run under `ops.recording_weight_grads`, so ``I``
+the loss by M (gradients of the mean loss). With ``overlap``, a schedule's overlapped units (DualPipeV's (F, B)
+pairs) run side by side: the forward in a second thread, so one micro-batch's expert all-to-all waits while
+another micro-batch computes. Zero-bubble: forwards run under `ops.recording_weight_grads`, so ``I``
 only queues every `ops.linear`'s weight-gradient matmul, which ``W`` runs through autograd (hooks still fire).
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +36,7 @@ class ActionClock:
     def __init__(self, device: torch.device) -> None:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         self.device_events = accelerator is not None and device.type == accelerator.type
+        self._lock = threading.Lock()  # an overlapped unit's forward marks from its own thread
         self.reset()
 
     def reset(self) -> None:
@@ -41,16 +45,19 @@ class ActionClock:
         self.mark()  # the origin
 
     def mark(self) -> int:
-        if self.device_events:
-            event = torch.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
-        return len(self._marks) - 1
+        with self._lock:
+            if self.device_events:
+                event = torch.Event(enable_timing=True)
+                event.record()
+                self._marks.append(event)
+            else:
+                self._marks.append(time.perf_counter())
+            return len(self._marks) - 1
 
     def record(self, a: Action, start: int) -> None:
-        self._actions.append((a.kind, a.microbatch, a.stage, start, self.mark()))
+        end = self.mark()
+        with self._lock:
+            self._actions.append((a.kind, a.microbatch, a.stage, start, end))
 
     def times(self) -> list[tuple[str, int, int, float, float]]:
         if self.device_events:
@@ -67,8 +74,11 @@ class PipelineRuntime:
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comm: Comm, loss_fn: LossFn,
                  activation_shape: Callable[[int], Sequence[int]], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", p2p: str | None = None) -> None:
+                 device: torch.device | str = "cpu", p2p: str | None = None, overlap: bool = False) -> None:
         self.device = torch.device(device)
+        # Run the schedule's overlapped units (`Schedule.side_by_side`) side by side: the forward in a second thread.
+        # Only safe when the two passes share no process group (the caller's `overlap_plan` decides).
+        self.overlap = overlap
         # How messages complete decides how the lists may be ordered (`Comm.p2p_semantics`; settable for tests).
         self.p2p = p2p or comm.p2p_semantics()
         if self.p2p not in P2P_SEMANTICS:
@@ -128,6 +138,7 @@ class PipelineRuntime:
         plan = steps(self.schedule.actions[self.rank])
         batches = [i for i, item in enumerate(plan) if isinstance(item, list)]
         posted: dict[Action, tuple[torch.Tensor, Any]] = {}  # receives already in flight
+        side_by_side = None  # the backward that runs beside the forward just started
         for i, item in enumerate(plan):
             if isinstance(item, list):
                 later = [j for j in batches if j > i]
@@ -135,20 +146,60 @@ class PipelineRuntime:
                 self._communicate(item, upcoming, mb_size, stage_in, stage_out, grad_out, grad_in, send_works, posted)
                 continue
             a: Action = item
-            key = (a.stage, a.microbatch)
-            start = self.clock.mark()
-            if a.kind == "F":
-                loss = self._forward(a, key, inputs, targets, stage_in, stage_out)
-                if loss is not None:
-                    loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
-            elif a.kind in ("B", "I"):
-                self._backward(a, key, stage_in, stage_out, grad_out, grad_in)
-            elif a.kind == "W":
-                self.wgrad.run(key)
-            self.clock.record(a, start)
+            if a is side_by_side:
+                continue  # ran with its unit
+            nxt = plan[i + 1] if i + 1 < len(plan) else None
+            if self.overlap and isinstance(nxt, Action) and self.schedule.runs_beside_forward(self.rank, nxt):
+                side_by_side = nxt
+                loss = self._unit(a, nxt, inputs, targets, stage_in, stage_out, grad_out, grad_in)
+            else:
+                loss = self._compute(a, inputs, targets, stage_in, stage_out, grad_out, grad_in)
+            if loss is not None:
+                loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         for w in send_works:
             w.wait()
         return loss_total
+
+    def _compute(self, a: Action, inputs, targets, stage_in, stage_out, grad_out, grad_in) -> torch.Tensor | None:
+        """Run one compute action, timed; the loss if it is the last stage's forward."""
+        key = (a.stage, a.microbatch)
+        start = self.clock.mark()
+        loss = None
+        if a.kind == "F":
+            loss = self._forward(a, key, inputs, targets, stage_in, stage_out)
+        elif a.kind in ("B", "I"):
+            self._backward(a, key, stage_in, stage_out, grad_out, grad_in)
+        elif a.kind == "W":
+            self.wgrad.run(key)
+        self.clock.record(a, start)
+        return loss
+
+    def _unit(self, forward: Action, backward: Action, *state) -> torch.Tensor | None:
+        """DualPipe's overlap unit: ``forward`` (one micro-batch) in a second thread while this thread runs
+        ``backward`` (another), so one pass's collectives (an MoE layer's all-to-alls) wait while the other
+        computes. Their inputs arrived before the unit and their outputs leave after it; they touch different
+        micro-batches' tensors, and their collectives use different process groups (forward: the layer's groups,
+        backward: their backward twins), so each group sees the same order of calls on every rank."""
+        result: dict[str, Any] = {}
+        grad_mode = torch.is_grad_enabled()
+        started = threading.Event()
+
+        def run_forward() -> None:
+            started.set()
+            try:
+                with torch.set_grad_enabled(grad_mode):
+                    result["loss"] = self._compute(forward, *state)
+            except BaseException as e:  # handed to the main thread
+                result["error"] = e
+
+        thread = threading.Thread(target=run_forward, name=f"fivefold-{forward}", daemon=True)
+        thread.start()
+        started.wait()  # the forward is under way before the backward begins
+        self._compute(backward, *state)  # an error here leaves the forward thread (a daemon) behind
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["loss"]
 
     @property
     def records(self) -> list[tuple[str, int, int, float, float]]:

@@ -25,9 +25,10 @@ from fivefold.pipeline.actions import (
     steps,
 )
 
-__all__ = ["DEFAULT_COSTS", "Event", "Timeline", "simulate", "bubble_formula"]
+__all__ = ["DEFAULT_COSTS", "OVERLAPPED", "Event", "Timeline", "simulate", "bubble_formula"]
 
 DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+OVERLAPPED = "F&B"  # the cost key of an overlapped (forward, backward) unit, as DeepSeek writes it
 
 
 class Event(NamedTuple):
@@ -90,7 +91,32 @@ class Timeline:
         return self.end - self.start
 
     def busy(self, rank: int) -> float:
-        return sum(e.duration for e in self.events[rank] if e.is_compute)
+        """Time ``rank`` spends computing: the union of its compute intervals (an overlapped F and B count once)."""
+        total, reach = 0.0, float("-inf")
+        for e in sorted((e for e in self.events[rank] if e.is_compute), key=lambda e: e.start):
+            if e.end > reach:
+                total += e.end - max(e.start, reach)
+                reach = e.end
+        return total
+
+    def lanes(self, rank: int) -> list[int]:
+        """A lane per event of ``rank`` (aligned with ``events[rank]``) so that events in one lane never overlap: 0
+        for all of a sequential rank, 1 for the second of two passes that ran side by side (for drawing)."""
+        ends: list[float] = []  # per lane, when its last event ends
+        out = [0] * len(self.events[rank])
+        for i in sorted(range(len(out)), key=lambda i: self.events[rank][i].start):
+            e = self.events[rank][i]
+            lane = next((k for k, end in enumerate(ends) if end <= e.start), len(ends))
+            if lane == len(ends):
+                ends.append(e.end)
+            ends[lane] = e.end
+            out[i] = lane
+        return out
+
+    def overlapped(self, rank: int) -> list[tuple[Event, Event]]:
+        """Pairs of ``rank``'s compute events that ran at the same time (DualPipe's F&B units), in time order."""
+        evs = sorted((e for e in self.events[rank] if e.is_compute), key=lambda e: e.start)
+        return [(a, b) for i, a in enumerate(evs) for b in evs[i + 1:] if b.start < a.end and a.start < b.end]
 
     @property
     def bubble_fraction(self) -> float:
@@ -124,10 +150,15 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
              comm_cost: float = 0.0) -> Timeline:
     """Event-driven play of ``schedule`` with ``costs`` per action kind (or a function of the `Action`): an action
     starts when its rank is free and its input exists (+ ``comm_cost`` across ranks); lowered batches wait for their
-    receives as in the runtime. Raises `DeadlockError` if the lists can never finish."""
+    receives as in the runtime. Raises `DeadlockError` if the lists can never finish.
+
+    An overlapped unit (`Schedule.side_by_side`: a forward and the backward after it) takes ``costs["F&B"]``, DeepSeek's
+    notation, with both events spanning it; without that key (or with callable costs) the two run one after the
+    other, F then B, as they do in a runtime that does not overlap them."""
     if costs is None:
         costs = DEFAULT_COSTS
     cost_of = costs if callable(costs) else (lambda a: costs[a.kind])
+    unit_cost = None if callable(costs) else costs.get(OVERLAPPED)
     S = schedule.n_stages
     rank_of = schedule.stage_to_rank
     plans = [steps(acts) for acts in schedule.actions]  # computes, and batches of communication
@@ -165,15 +196,25 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
             free[r] = max([free[r]] + [t + comm_cost for t in arrivals])
             pc[r] += 1
             return True
-        t = ready_time(step)
-        if t is None:
+        nxt = plans[r][pc[r] + 1] if pc[r] + 1 < len(plans[r]) else None
+        unit = [step, nxt] if isinstance(nxt, Action) and schedule.runs_beside_forward(r, nxt) else [step]
+        ready = [ready_time(a) for a in unit]
+        if any(t is None for t in ready):
             return False
-        start = max(free[r], t)
-        end_time = start + float(cost_of(step))
-        done[("BW" if step.kind in BACKWARD_KINDS else step.kind, step.microbatch, step.stage)] = end_time
-        records[r].append(Event(step.kind, step.microbatch, step.stage, start, end_time))
-        free[r] = end_time
-        pc[r] += 1
+        if len(unit) == 2 and unit_cost is not None:  # side by side: both span the unit
+            start = max(free[r], *ready)
+            spans = [(start, start + float(unit_cost))] * 2
+        else:  # one after the other
+            spans, at = [], free[r]
+            for a, t in zip(unit, ready):
+                begin = max(at, t)
+                at = begin + float(cost_of(a))
+                spans.append((begin, at))
+        for a, (start, end_time) in zip(unit, spans):
+            done[("BW" if a.kind in BACKWARD_KINDS else a.kind, a.microbatch, a.stage)] = end_time
+            records[r].append(Event(a.kind, a.microbatch, a.stage, start, end_time))
+        free[r] = spans[-1][1]
+        pc[r] += len(unit)
         return True
 
     progress = True

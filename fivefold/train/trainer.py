@@ -73,10 +73,11 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                        cfg.run.name)
     record.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
                   "params": n_params, "world": dist.get_world_size(), "dp": dp})
-    record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh)}, global batch "
-               f"{t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), {data}")
-    eval_batches = data.val_batches(max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch, dp_rank=dp_rank,
-                                    dp_size=dp)
+    record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh, parts)}, "
+               f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), "
+               f"{data}")
+    eval_batches = data.val_batches(max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch,
+                                    dp_rank=dp_rank, dp_size=dp)
     tokens_per_step = t.global_batch * t.seq_len
     # No host sync on a step that is not logged: loss and norm stay on the device until a log step fetches them
     # (the one wait per log interval), so the host queues the next step while the device runs this one.
@@ -133,10 +134,14 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     return result
 
 
-def _layout(cfg: Config, mesh: ParallelMesh) -> str:
+def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
     pp = mesh.size("pp")
     cp = mesh.size("cp")
+    units = getattr(parts, "schedule", None) is not None and any(parts.schedule.side_by_side)
     return (f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage} tp={mesh.size('tp')}"
             + (" +SP" if cfg.parallel.sp else "") + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
+            + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
             + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
+            + ((f" ({parts.overlap_reason})" if parts.overlap
+                else f" (F&B one after the other: {parts.overlap_reason})") if units else "")
             + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)")

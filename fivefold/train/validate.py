@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from fivefold.comm import P2P_SEMANTICS
 from fivefold.config import Config, ConfigError, resolve_batch
 from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
@@ -17,7 +19,7 @@ from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
 from fivefold.models.moe import MoEConfig
-from fivefold.models.parallelize import check_pipeline_supported
+from fivefold.models.parallelize import check_pipeline_supported, pipeline_overlap
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
@@ -113,6 +115,12 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                               f"{r.device} uses a backend that completes a batch as a whole: use auto or rendezvous")
         schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
         llama_stage_modules(model, schedule.n_stages, cfg.pipeline.layers())  # blocks per stage, tied embeddings
+        try:
+            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            device_type = (accelerator.type if accelerator else "cpu") if r.device == "auto" else r.device.split(":")[0]
+            pipeline_overlap(cfg, model.moe is not None, dims.size, device_type)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     _check_data(cfg)
     _check_out_dir(Path(r.out_dir) / r.name)
