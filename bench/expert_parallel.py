@@ -179,8 +179,7 @@ def build_dualpipev_moe(config: Any, spec: EPOverlapSpec, world: Comm, overlap: 
 
 def bench_ep_overlap(spec: EPOverlapSpec | None = None, **overrides: Any) -> dict:
     """DualPipeV on pp × ep ranks with its units overlapped vs in sequence; per contestant adds the measured bubble
-    (median over timed steps, busy = union of compute intervals), the units whose passes overlapped, and the mean
-    unit time against the mean F + B of the sequential run (how much of a unit the overlap hides)."""
+    (median over timed steps, busy = union of compute intervals) and the units whose passes overlapped."""
     import statistics
 
     from fivefold.pipeline import Timeline

@@ -135,6 +135,9 @@ class ParallelMesh:
         key = f"{dim}@backward"
         if key not in self._comms:
             ranks = dist.get_process_group_ranks(self.group(dim))
+            # torch names a locally synchronised group from its ranks and the count of groups this process has
+            # registered: equal on every member as long as they all made the same groups before (the only group made
+            # on some ranks alone, ep's singleton, exists only at ep = 1, where there is no twin)
             twin = dist.new_group(ranks, use_local_synchronization=True)
             self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device)
         return self._comms[key]

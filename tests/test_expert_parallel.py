@@ -274,9 +274,11 @@ def test_moe_training_with_ep_equals_single_process(moe_training, name):
             for pname, value in got.items():
                 torch.testing.assert_close(value, want[pname], rtol=1e-5, atol=3e-6,
                                            msg=f"rank {rank} step {step} {pname}")
-        if "overlap" in o:  # units ran their forward beside their backward, on the measured clock
-            assert 1 <= len(run["overlapped"]) <= run["units"], (rank, run["overlapped"])
+        if "overlap" in o:  # only units' passes overlap on the measured clock
+            assert len(run["overlapped"]) <= run["units"], (rank, run["overlapped"])
             assert all(kinds == ("F", "B") or kinds == ("B", "F") for kinds in run["overlapped"]), run["overlapped"]
+    if "overlap" in o:  # and some did: the all-to-alls keep a unit's passes waiting long enough to meet
+        assert sum(len(res[name]["overlapped"]) for res in moe_training[world]) >= 1
 
 
 def test_device_limited_routing_keeps_each_token_within_its_best_groups():

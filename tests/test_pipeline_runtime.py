@@ -72,7 +72,7 @@ def _pipeline_worker() -> dict:
             loss = runtime.step(list(x.chunk(M)), list(y.chunk(M)))
             grads = {n: p.grad.clone() for s in stages.values() for n, p in s.named_parameters()}
             out[(name, M, V, "overlap")] = dict(loss=None if loss is None else loss.item(), grads=grads,
-                                                records=runtime.records,
+                                                records=runtime.records, side_jobs=runtime._side.jobs_run,
                                                 units=len(schedule.side_by_side[comm.rank]))
     # a coalescing backend cannot serve look-ahead receives: a clear error, not a hang or a KeyError
     schedule = build_schedule("1f1b", P, 4, 1)
@@ -133,10 +133,11 @@ def test_pipeline_matches_single_process(pipeline_results, run, p2p):
 
 @pytest.mark.parametrize("M", [4, 8])
 def test_dualpipev_units_side_by_side_match_single_process(pipeline_results, M):
-    """With ``overlap`` each (F, B) unit's forward runs in a second thread beside the backward: the same loss and
-    gradients; on the measured clock the passes that overlap are units' (F, B) pairs, on every rank, and none do
-    without ``overlap``. (Whether a given unit's passes overlap is the machine's timing: a short forward may finish
-    before the backward is scheduled, so the count is not asserted equal to the number of units.)"""
+    """With ``overlap`` each (F, B) unit's forward runs on the side thread beside the backward: the same loss and
+    gradients, every unit's forward was a side-thread job, and the passes that overlap on the measured clock are
+    units' (F, B) pairs; none overlap without ``overlap``. (Whether a unit's passes do overlap in time is the
+    machine's timing — on 2 cores shared by 4 ranks a tiny forward may finish before the backward is scheduled — so
+    it is not asserted here; the MoE test and `fivefold bench ep` show it where the all-to-alls make passes wait.)"""
     P, results = pipeline_results
     if _unsupported("dualpipev", P, M):
         pytest.skip("dualpipev needs M >= 2P")
@@ -146,8 +147,9 @@ def test_dualpipev_units_side_by_side_match_single_process(pipeline_results, M):
     for rank, r in enumerate(results):
         for name, g in r[run]["grads"].items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=f"{name}")
+        assert r[run]["side_jobs"] == r[run]["units"] > 0
         pairs = Timeline([r[run]["records"]]).overlapped(0)
-        assert 1 <= len(pairs) <= r[run]["units"], (rank, [f"{a} | {b}" for a, b in pairs])
+        assert len(pairs) <= r[run]["units"], (rank, [f"{a} | {b}" for a, b in pairs])
         assert all({a.kind, b.kind} == {"F", "B"} and a.microbatch != b.microbatch for a, b in pairs)
         sequential = Timeline([r[("dualpipev", M, 2, "buffered")]["records"]])
         assert not sequential.overlapped(0)

@@ -473,6 +473,15 @@ def test_dualpipev_marks_its_overlapped_units_and_validate_checks_them():
     w = next(a for a in s.actions[0] if a.kind == "W")  # a pass that does not follow a forward
     with pytest.raises(ScheduleError, match="is marked to run beside a forward"):
         validate(dataclasses.replace(s, side_by_side=[s.side_by_side[0] | {w}, s.side_by_side[1]]))
+    with pytest.raises(ScheduleError, match="is not in its list"):
+        validate(dataclasses.replace(s, side_by_side=[s.side_by_side[0] | {Action(B, 0, 1)}, s.side_by_side[1]]))
+    with pytest.raises(ScheduleError, match="1 entries for 2 ranks"):
+        validate(dataclasses.replace(s, side_by_side=[s.side_by_side[0]]))
+    # one micro-batch's forward and backward cannot overlap: its backward needs the forward's output
+    same = Schedule("same", 1, 1, 1, [0], [[Action(F, 0, 0), Action(B, 0, 0)]],
+                    side_by_side=[frozenset({Action(B, 0, 0)})])
+    with pytest.raises(ScheduleError, match="one micro-batch's passes cannot overlap"):
+        validate(same)
 
 
 def test_dualpipev_needs_twice_as_many_microbatches_as_ranks():

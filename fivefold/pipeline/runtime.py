@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,52 @@ class ActionClock:
         return [(kind, mb, stage, at[i], at[j]) for kind, mb, stage, i, j in self._actions]
 
 
+class _Done:
+    """The outcome of one `_SideThread` job: its value or its error, once finished."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def result(self) -> Any:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _SideThread:
+    """One persistent daemon thread running overlapped forwards, one at a time (a thread per unit would also give
+    every unit a fresh intra-op thread pool)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = threading.Event()
+        self.jobs_run = 0
+        threading.Thread(target=self._loop, name="fivefold-overlap", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            self.jobs_run += 1
+            self._started.set()
+            try:
+                done._value = fn()
+            except BaseException as e:  # handed to the caller by `_Done.result`
+                done._error = e
+            finally:
+                done._event.set()
+
+    def submit(self, fn: Callable[[], Any]) -> _Done:
+        """Run ``fn`` on the side thread; returns once it has started."""
+        done = _Done()
+        self._started.clear()
+        self._jobs.put((fn, done))
+        self._started.wait()
+        return done
+
+
 class PipelineRuntime:
     """Runs `schedule` for this pp rank over `stages` (virtual stage id -> module)."""
 
@@ -77,8 +124,11 @@ class PipelineRuntime:
                  device: torch.device | str = "cpu", p2p: str | None = None, overlap: bool = False) -> None:
         self.device = torch.device(device)
         # Run the schedule's overlapped units (`Schedule.side_by_side`) side by side: the forward in a second thread.
-        # Only safe when the two passes share no process group (the caller's `overlap_plan` decides).
+        # Only safe when the two passes never call one process group at once: the caller decides
+        # (`parallelize.pipeline_overlap`), which relies on the engines' backward hooks issuing no collective during
+        # the pipeline step (`no_sync`) and on the backward's all-to-alls having a group of their own.
         self.overlap = overlap
+        self._side: _SideThread | None = None
         # How messages complete decides how the lists may be ordered (`Comm.p2p_semantics`; settable for tests).
         self.p2p = p2p or comm.p2p_semantics()
         if self.p2p not in P2P_SEMANTICS:
@@ -175,31 +225,27 @@ class PipelineRuntime:
         return loss
 
     def _unit(self, forward: Action, backward: Action, *state) -> torch.Tensor | None:
-        """DualPipe's overlap unit: ``forward`` (one micro-batch) in a second thread while this thread runs
+        """DualPipe's overlap unit: ``forward`` (one micro-batch) on the side thread while this thread runs
         ``backward`` (another), so one pass's collectives (an MoE layer's all-to-alls) wait while the other
         computes. Their inputs arrived before the unit and their outputs leave after it; they touch different
         micro-batches' tensors, and their collectives use different process groups (forward: the layer's groups,
-        backward: their backward twins), so each group sees the same order of calls on every rank."""
-        result: dict[str, Any] = {}
+        backward: their backward twins), so each group sees the same order of calls on every rank. The forward
+        always finishes before the unit returns, also when the backward fails (its peers are other ranks'
+        forwards, which do not wait for this backward): no call of this unit is left to collide with a later one."""
+        if self._side is None:
+            self._side = _SideThread()
         grad_mode = torch.is_grad_enabled()
-        started = threading.Event()
 
-        def run_forward() -> None:
-            started.set()
-            try:
-                with torch.set_grad_enabled(grad_mode):
-                    result["loss"] = self._compute(forward, *state)
-            except BaseException as e:  # handed to the main thread
-                result["error"] = e
+        def run_forward() -> torch.Tensor | None:
+            with torch.set_grad_enabled(grad_mode):
+                return self._compute(forward, *state)
 
-        thread = threading.Thread(target=run_forward, name=f"fivefold-{forward}", daemon=True)
-        thread.start()
-        started.wait()  # the forward is under way before the backward begins
-        self._compute(backward, *state)  # an error here leaves the forward thread (a daemon) behind
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        return result["loss"]
+        done = self._side.submit(run_forward)  # returns once the forward is under way
+        try:
+            self._compute(backward, *state)
+        finally:
+            loss = done.result()  # waits; raises the forward's error (after the backward's, if both failed)
+        return loss
 
     @property
     def records(self) -> list[tuple[str, int, int, float, float]]:

@@ -127,17 +127,18 @@ class Timeline:
 
     @property
     def peak_in_flight(self) -> list[int]:
-        """Per rank, the most (stage, micro-batch) activations alive at once: F stores one, B or W frees it (not I:
-        the weight gradient still needs the inputs). With V > 1 a unit is one chunk's activations."""
+        """Per rank, the most (stage, micro-batch) activations alive at once: an F stores one from its start, a B
+        or W frees it at its end (not I: the weight gradient still needs the inputs), a free first on a tie. So a
+        forward run beside a backward counts with the activation that backward is still using. With V > 1 a unit
+        is one chunk's activations."""
         peaks = []
         for evs in self.events:
+            changes = sorted([(e.start, 1, +1) for e in evs if e.kind == F]
+                             + [(e.end, 0, -1) for e in evs if e.kind in (B, W)])
             alive = peak = 0
-            for e in sorted((e for e in evs if e.is_compute), key=lambda e: (e.start, e.end)):
-                if e.kind == F:
-                    alive += 1
-                    peak = max(peak, alive)
-                elif e.kind in (B, W):
-                    alive -= 1
+            for _, _, delta in changes:
+                alive += delta
+                peak = max(peak, alive)
             peaks.append(peak)
         return peaks
 

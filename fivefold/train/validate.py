@@ -19,7 +19,7 @@ from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
 from fivefold.models.moe import MoEConfig
-from fivefold.models.parallelize import check_pipeline_supported, pipeline_overlap
+from fivefold.models.parallelize import OVERLAP_CHOICES, check_pipeline_supported, pipeline_overlap
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
@@ -106,6 +106,11 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len}"
                           + (f" / cp={dims.cp} = {local_seq}" if dims.cp > 1 else "")
                           + f" is not divisible by tp={dims.tp}; use a multiple of {_sp_multiple(p.cp_layout, dims)}")
+    if cfg.pipeline.overlap not in OVERLAP_CHOICES:
+        raise ConfigError(f"pipeline.overlap={cfg.pipeline.overlap!r}: choose {' or '.join(OVERLAP_CHOICES)}")
+    if cfg.pipeline.overlap == "on" and dims.pp == 1:
+        raise ConfigError("pipeline.overlap=on runs a pipeline's overlapped units side by side: it needs "
+                          "parallel.pp > 1 and pipeline.schedule dualpipev")
     if dims.pp > 1:
         check_pipeline_supported(cfg)
         if cfg.pipeline.p2p not in ("auto", *P2P_SEMANTICS):
