@@ -137,6 +137,18 @@ class RunSection:
     progress: bool = True
     plot: bool = True
     log_every: int = 1
+    resume: str = ""  # "latest" (--resume) or a checkpoint directory: continue that run; "" starts a new one
+    overwrite: bool = False  # start a new run in a run directory that already holds one (it is deleted first)
+    exit_after: int = 0  # stop cleanly, with a checkpoint, after this many steps of this invocation (0: never)
+    max_restarts: int = 0  # local launcher: restart all workers from the latest checkpoint when one dies
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 0  # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
+    keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
+    async_save: bool = False  # copy the state to host memory and write it in the background
+    dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
 
 
 @dataclass
@@ -149,6 +161,7 @@ class Config:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     run: RunSection = field(default_factory=RunSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     moe: MoESection = field(default_factory=MoESection)  # written [model.moe] / --model.moe.* too
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import gc
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,6 +120,26 @@ def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         teardown()
 
 
+@contextlib.contextmanager
+def _forwarding_sigterm(processes: list) -> Iterator[None]:
+    """A SIGTERM to the launcher (a job's time limit) goes on to its workers, which save a checkpoint and stop
+    (`fivefold.train.checkpointing`); the launcher then waits for them as usual."""
+    def forward(signum: int, frame: Any) -> None:
+        for p in processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, forward)
+    except ValueError:  # not the main thread: nothing to forward from here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
                  timeout_s: float = 300.0, start_method: str = "spawn", device: str = "cpu") -> list[Any]:
     """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes; return the results.
@@ -130,8 +151,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory(prefix="fivefold-") as out_dir:
-        mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args, device),
-                           nprocs=nproc, join=True, start_method=start_method)
+        context = mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args,
+                                                          device), nprocs=nproc, join=False, start_method=start_method)
+        with _forwarding_sigterm(context.processes):
+            while not context.join():
+                pass
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
     del store
     return results

@@ -53,6 +53,13 @@ class DynamicLossScaler:
         self._good_steps = 0
         self.skipped_steps = 0
 
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
     def update(self, found_inf: bool) -> None:
         """Called with the decision agreed by every rank."""
         if found_inf:

@@ -18,6 +18,17 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _read_lenient(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file a killed run may have cut mid-line (that line is dropped)."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 class Progress:
     """tqdm bar on rank 0 (disabled elsewhere or when asked)."""
 
@@ -48,14 +59,25 @@ class Progress:
 class RunRecord:
     """Rank 0 writes; other ranks hold a silent record (every method is a no-op for them)."""
 
-    def __init__(self, run_dir: Path | None, steps: int, progress: bool, name: str) -> None:
+    def __init__(self, run_dir: Path | None, steps: int, progress: bool, name: str,
+                 resume_at: int | None = None) -> None:
+        """``resume_at``: the run continues after that many steps: the records of later steps (written after the
+        checkpoint, by the attempt that stopped) and its summary are dropped, the rest kept, new ones appended."""
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self._f = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "w", buffering=1)
+            if resume_at is not None and self.path.exists():
+                kept = [r for r in _read_lenient(self.path)
+                        if r.get("kind") != "summary" and r.get("step", -1) < resume_at]
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                tmp.replace(self.path)
+            self._f = open(self.path, "a" if resume_at is not None else "w", buffering=1)
         self.progress = Progress(steps, enabled=run_dir is not None and progress, desc=name)
+        if resume_at:
+            self.progress.update(resume_at)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from fivefold.checkpoint.manager import complete_checkpoints
 from fivefold.comm import CommLog
 from fivefold.config import Config
 from fivefold.formulas import bubble_formula
@@ -21,6 +23,7 @@ from fivefold.mesh import ParallelMesh
 from fivefold.models import Llama, count_params
 from fivefold.models.parallelize import parallelize
 from fivefold.optim.lr import lr_at
+from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import RunRecord
 from fivefold.train.validate import RunPlan, validate
@@ -50,7 +53,19 @@ def run(cfg: Config) -> TrainResult:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     plan = validate(cfg, cfg.run.nproc)  # every error here, before any process starts
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
-    return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads, timeout_s=1800.0)[0]
+    for attempt in range(cfg.run.max_restarts + 1):
+        try:
+            return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads, timeout_s=1800.0)[0]
+        except mp.ProcessExitedException as e:  # a worker was lost (killed, crashed): not a Python error
+            if attempt == cfg.run.max_restarts:
+                raise
+            latest = complete_checkpoints(checkpoint_root(cfg))
+            print(f"fivefold: {e}; restart {attempt + 1} of {cfg.run.max_restarts} from "
+                  f"{latest[-1] if latest else 'the start (no checkpoint yet)'}", flush=True)
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(
+                cfg.run, resume="latest" if latest else "", overwrite=not latest))
+            plan = validate(cfg, cfg.run.nproc)
+    raise AssertionError("unreachable")
 
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
@@ -69,10 +84,20 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     n_params = count_params(Llama(model_cfg, device="meta"))
     parts = parallelize(cfg, model_cfg, mesh, device)
     is_main = dist.get_rank() == 0
+    checkpoints = TrainCheckpoints(cfg, mesh, parts, model_cfg)
+    start = 0
+    if plan.resume_from is not None:
+        start = checkpoints.restore(plan.resume_from)
+    elif cfg.run.overwrite and is_main:
+        clear_run_dir(cfg)
+    dist.barrier()
     record = RunRecord(Path(cfg.run.out_dir) / cfg.run.name if is_main else None, t.steps, cfg.run.progress,
-                       cfg.run.name)
+                       cfg.run.name, resume_at=start if plan.resume_from is not None else None)
     record.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
-                  "params": n_params, "world": dist.get_world_size(), "dp": dp})
+                  "params": n_params, "world": dist.get_world_size(), "dp": dp,
+                  "resumed_from": str(plan.resume_from) if plan.resume_from else None, "start_step": start})
+    if plan.resume_from is not None:
+        record.say(f"fivefold: resumed from {plan.resume_from} after {start} steps")
     record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh, parts)}, "
                f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), "
                f"{data}")
@@ -82,22 +107,23 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     # No host sync on a step that is not logged: loss and norm stay on the device until a log step fetches them
     # (the one wait per log interval), so the host queues the next step while the device runs this one.
     losses, intervals, val_loss, state_mb = [], [], None, 0.0
-    since, since_step = time.perf_counter(), 0
-    for step in range(t.steps):
+    since, since_step = time.perf_counter(), start
+    stopped = None
+    for step in range(start, t.steps):
         log.reset()
         for group in parts.param_groups():
             group["lr"] = lr_at(step, cfg)
         batches = [data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
                    for micro in range(t.grad_accum)]
         loss_sum = parts.forward_backward([(to_device(x, device), to_device(y, device)) for x, y in batches])
-        if step == min(1, t.steps - 1):  # gradients present, optimizer state allocated (after step 0)
+        if step == min(start + 1, t.steps - 1):  # gradients present, optimizer state allocated (after a step)
             state_mb = parts.model_state_bytes() / 2**20
         grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
         # the step's data-parallel traffic (gradients over dp or dp_cp; MoE: experts over ep_dp, all-to-alls over ep),
         # read before the metrics' own collectives
         traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp"))
         loss = parts.global_loss(loss_sum)
-        if step % cfg.run.log_every == 0 or step == t.steps - 1:
+        if step % cfg.run.log_every == 0 or step == t.steps - 1 or step == start:
             losses.append(loss.item())  # waits for this step
             now = time.perf_counter()
             intervals.append(dt := (now - since) / (step + 1 - since_step))  # seconds per step since the last log
@@ -118,8 +144,21 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.write({"kind": "val", "step": step, "val_loss": val_loss})
             record.say(f"step {step + 1}: val loss {val_loss:.3f}")
             since, since_step = time.perf_counter(), step + 1  # evaluation is not training time
+        reason = checkpoints.due(step + 1, step + 1 - start)
+        if reason is not None:
+            waited = checkpoints.save(step + 1, reason)
+            record.write({"kind": "checkpoint", "step": step, "steps_done": step + 1, "reason": reason,
+                          "seconds": waited, "async": cfg.checkpoint.async_save})
+            since += waited  # saving is not training time
+            if reason in ("SIGTERM", "exit_after"):
+                stopped = reason
+                record.say(f"fivefold: {reason}: stopped after {step + 1} of {t.steps} steps with a checkpoint in "
+                           f"{checkpoint_root(cfg)}; continue with --resume")
+                break
+    checkpoints.close()  # a background save finishes
     steady = sorted(intervals[1:] or intervals)
-    result = TrainResult(t.steps, losses[0], losses[-1], val_loss, n_params, tokens_per_step / steady[len(steady) // 2],
+    result = TrainResult(step + 1 if stopped else t.steps, losses[0], losses[-1], val_loss, n_params,
+                         tokens_per_step / steady[len(steady) // 2],
                          str(record.run_dir) if record.run_dir else None, state_mb)
     parts.gather_timeline()  # the pipeline's measured timings, gathered once
     if parts.timeline is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.checkpoint.manager import read_checkpoint_meta
 from fivefold.comm import P2P_SEMANTICS
 from fivefold.config import Config, ConfigError, resolve_batch
 from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
@@ -23,6 +24,7 @@ from fivefold.models.parallelize import OVERLAP_CHOICES, check_pipeline_supporte
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
+from fivefold.train.checkpointing import check_run_dir
 from fivefold.train.corpus import check_source
 
 __all__ = ["RunPlan", "validate"]
@@ -37,6 +39,7 @@ class RunPlan:
     micro_batch: int
     grad_accum: int
     model: LlamaConfig  # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
+    resume_from: Path | None = None  # the checkpoint this run continues (None: a new run)
 
     def model_for(self, max_token: int) -> LlamaConfig:
         """The model for data whose largest token id is `max_token` (a larger vocabulary is rounded up to 64·k)."""
@@ -129,7 +132,18 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
 
     _check_data(cfg)
     _check_out_dir(Path(r.out_dir) / r.name)
-    return RunPlan(dims, global_batch, micro_batch, grad_accum, model)
+    c = cfg.checkpoint
+    _non_negative(**{"checkpoint.interval": c.interval, "checkpoint.keep": c.keep, "run.exit_after": r.exit_after,
+                     "run.max_restarts": r.max_restarts})
+    try:
+        resume_from = check_run_dir(cfg)
+        done = read_checkpoint_meta(resume_from).get("steps_done", 0) if resume_from is not None else 0
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if done >= t.steps:
+        raise ConfigError(f"checkpoint {resume_from} has done {done} steps and train.steps={t.steps}: nothing left to "
+                          "train; raise train.steps to continue it")
+    return RunPlan(dims, global_batch, micro_batch, grad_accum, model, resume_from)
 
 
 def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:

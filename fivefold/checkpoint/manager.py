@@ -1,0 +1,200 @@
+"""`Checkpointer`: where checkpoints live, how one is written atomically and which one a resume reads.
+
+A checkpoint is a directory ``<root>/step-<NNNNNNNN>`` holding DCP's files (one or more ``.distcp`` per rank and
+``.metadata``) and ``fivefold.json`` (step, layout, model config: what `fivefold export` and error messages need).
+Every rank writes into ``<root>/.partial-step-<N>``; once DCP's last collective has returned (all data and the
+metadata are on disk) rank 0 renames it to its final name and then points ``<root>/latest`` at it (written to a
+temporary file and renamed), so a directory without ``.partial`` in its name is complete and ``latest`` never names
+a half-written one. Keep-last-k rotation removes older complete checkpoints after that. With ``async_save`` the state
+is copied to host memory (`Pieces.snapshot`) and DCP's `async_save` writes it in a background thread over a process
+group of its own (so its collectives never interleave with training's); at most one save is in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fivefold.checkpoint.pieces import Pieces
+from fivefold.checkpoint.planner import PiecesLoadPlanner, PiecesSavePlanner
+
+__all__ = ["CHECKPOINT_META", "Checkpointer", "CheckpointError", "find_checkpoint", "read_checkpoint_meta"]
+
+CHECKPOINT_META = "fivefold.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, incomplete or damaged (the message says which and where)."""
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / ".metadata").is_file() and (p / CHECKPOINT_META).is_file()]
+
+
+def read_checkpoint_meta(path: Path) -> dict[str, Any]:
+    meta = path / CHECKPOINT_META
+    try:
+        return json.loads(meta.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete fivefold checkpoint (no {CHECKPOINT_META}); a checkpoint "
+                              "directory whose name ends in .partial was never finished") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta} is damaged ({e})") from None
+
+
+def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
+    """``where``: "latest" (the newest complete checkpoint under ``root``), a checkpoint directory, or a run's
+    checkpoint root (its newest)."""
+    if str(where) == "latest":
+        if root is None:
+            raise CheckpointError("--resume latest needs a run directory")
+        pointer = root / "latest"
+        if pointer.is_file():
+            path = root / pointer.read_text().strip()
+            if (path / CHECKPOINT_META).is_file():
+                return path
+        done = complete_checkpoints(root)
+        if not done:
+            raise CheckpointError(f"no complete checkpoint under {root} to resume from")
+        return done[-1]
+    path = Path(where)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if (path / CHECKPOINT_META).is_file():
+        return path
+    done = complete_checkpoints(path) or complete_checkpoints(path / "checkpoints")
+    if not done:
+        raise CheckpointError(f"{path} holds no complete fivefold checkpoint (a step-N directory with "
+                              f"{CHECKPOINT_META} and DCP's .metadata)")
+    return done[-1]
+
+
+class _SnapshotStager:
+    """DCP's `AsyncStager` for `async_save`: the state is copied to host memory now; the copy is what is written."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.snapshot() if isinstance(v, Pieces) else
+                v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Checkpointer:
+    """Saves and finds this run's checkpoints under ``root`` (every rank constructs one, in the same order: with
+    ``async_save`` it creates the background process group, a collective)."""
+
+    def __init__(self, root: Path, keep: int = 3, async_save: bool = False) -> None:
+        self.root = root
+        self.keep = keep
+        self.async_save = async_save
+        self.rank = dist.get_rank()
+        self._group = dist.new_group(backend="gloo") if async_save else None
+        self._pending: tuple[Future, threading.Event] | None = None
+        self.last_save_s = 0.0
+
+    def save(self, step: int, state_dict: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Write the checkpoint of ``step`` (``state_dict``: `training_state`'s plus plain objects); ``meta`` goes
+        to ``fivefold.json``. Collective. Async: returns once the state is copied to host memory."""
+        self.wait()  # one save in flight at a time
+        t0 = time.perf_counter()
+        final = _step_dir(self.root, step)
+        partial = self.root / f".partial-{final.name}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # a save that died before finishing
+            partial.mkdir()
+        dist.barrier()
+
+        def finish() -> None:  # rank 0, after every rank's data and DCP's metadata are on disk
+            if self.rank != 0:
+                return
+            (partial / CHECKPOINT_META).write_text(json.dumps({"step": step, **meta}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            tmp = self.root / ".latest.tmp"
+            tmp.write_text(final.name + "\n")
+            os.replace(tmp, self.root / "latest")
+            self._rotate(keep_also=final)
+
+        if self.async_save:
+            future = dcp.async_save(state_dict, checkpoint_id=partial, planner=PiecesSavePlanner(),
+                                    process_group=self._group, async_stager=_SnapshotStager())
+            finished = threading.Event()
+
+            def on_done(f: Future) -> None:  # in the writer thread: complete the checkpoint as soon as it is
+                try:
+                    if f.exception() is None:
+                        finish()
+                finally:
+                    finished.set()
+
+            future.add_done_callback(on_done)
+            self._pending = (future, finished)
+        else:
+            dcp.save(state_dict, checkpoint_id=partial, planner=PiecesSavePlanner())
+            finish()
+        self.last_save_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Finish a background save (raises its error)."""
+        if self._pending is not None:
+            future, finished = self._pending
+            self._pending = None
+            future.result()
+            finished.wait()
+
+    def _rotate(self, keep_also: Path) -> None:
+        if self.keep <= 0:
+            return
+        done = complete_checkpoints(self.root)
+        for old in done[:-self.keep]:
+            if old != keep_also:
+                shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def load(path: Path, state_dict: dict[str, Any]) -> None:
+        """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at ``path``; each rank
+        reads only the rectangles its layout holds. Collective."""
+        read_checkpoint_meta(path)
+        dcp.load(state_dict, checkpoint_id=path, planner=PiecesLoadPlanner())
+
+    @staticmethod
+    def saved_optimizer_keys(path: Path) -> tuple[list[str], dict[str, torch.dtype]]:
+        """(elementwise keys, scalar keys -> dtype) of the optimizer state in the checkpoint at ``path``."""
+        md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        elementwise, scalars = [], {}
+        for fqn, m in md.items():
+            if fqn.startswith("optim."):
+                key = fqn.split(".")[1]
+                if len(m.size) > 0:
+                    elementwise.append(key) if key not in elementwise else None
+                else:
+                    scalars[key] = m.properties.dtype
+        return elementwise, scalars

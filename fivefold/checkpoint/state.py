@@ -1,0 +1,145 @@
+"""The training state of one rank as a DCP state dict keyed by global names (`training_state`), and its inverse
+(`after_load`).
+
+Per parameter ``name`` (the single-process name, whatever the layout): ``model.<name>`` — the fp32 master values —
+and ``optim.<key>.<name>`` for every elementwise optimizer state (AdamW: exp_avg, exp_avg_sq), each a `Pieces` of
+what this rank's ZeRO shard holds of the TP-local tensor, in global coordinates: a flat shard is saved as the pieces
+of the parameters it covers. Per-parameter optimizer scalars (AdamW's step) are plain 0-d tensors
+``optim.<key>.<name>``. Everything else a resume needs (step, loss scaler, RNG states, layout) is the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fivefold.checkpoint.pieces import Pieces
+from fivefold.comm import Comm
+from fivefold.data_parallel import ZeroDataParallel
+from fivefold.data_parallel.flat_param import FlatParam
+
+__all__ = ["ParamShare", "TrainingState", "optimizer_state_keys", "param_shares", "training_state"]
+
+
+@dataclass(frozen=True)
+class ParamShare:
+    """Where parameter ``name`` sits: global ``size``, its TP-local tensor's ``local_shape`` at ``local_offset``."""
+
+    name: str
+    size: torch.Size
+    local_shape: tuple[int, ...]
+    local_offset: tuple[int, ...]
+
+
+def param_shares(engine: ZeroDataParallel, tp: Comm | None) -> dict[str, ParamShare]:
+    """Every parameter of `engine` with its global size and TP offset (`ParamPlacement.tp_dim` of the module)."""
+    placements = getattr(engine.module, "tp_placements", {})
+    out = {}
+    for flat in engine.flats:
+        for slot in flat.layout.slots:
+            local = tuple(slot.shape)
+            dim = getattr(placements.get(slot.name), "tp_dim", None)
+            size, offset = list(local), [0] * len(local)
+            if dim is not None and tp is not None and tp.size > 1:
+                size[dim] = local[dim] * tp.size
+                offset[dim] = local[dim] * tp.rank
+            out[slot.name] = ParamShare(slot.name, torch.Size(size), local, tuple(offset))
+    return out
+
+
+def _segment_ranges(flat: FlatParam) -> Iterator[tuple[int, int, int, Any, int]]:
+    """(slot index, lo, hi, master param, its first index) for every overlap of a parameter slot with an optimizer
+    segment, in flat-buffer coordinates [lo, hi)."""
+    for (_, a, b), mp in zip(flat.segments, flat.master_params):
+        seg_lo, seg_hi = flat.start + a, flat.start + b
+        for i, slot in enumerate(flat.layout.slots):
+            lo, hi = max(slot.offset, seg_lo), min(slot.offset + slot.numel, seg_hi)
+            if lo < hi:
+                yield i, lo, hi, mp, seg_lo
+
+
+def optimizer_state_keys(engine: ZeroDataParallel) -> tuple[list[str], list[str]]:
+    """(elementwise keys, scalar keys) of the optimizer state this engine holds now (empty before the first step)."""
+    elementwise, scalar = [], []
+    for flat in engine.flats:
+        for mp in flat.master_params:
+            for k, v in engine.optimizer.state.get(mp, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == mp.shape and v.dim() > 0:
+                    elementwise.append(k) if k not in elementwise else None
+                elif k not in scalar:
+                    scalar.append(k)
+    return elementwise, scalar
+
+
+def _ensure_optimizer_state(engine: ZeroDataParallel, elementwise: Iterable[str],
+                            scalars: dict[str, torch.dtype]) -> None:
+    """Create the optimizer state a load will fill (a torch optimizer allocates it at its first step)."""
+    for flat in engine.flats:
+        for mp in flat.master_params:
+            state = engine.optimizer.state.setdefault(mp, {})
+            for k in elementwise:
+                state.setdefault(k, torch.zeros_like(mp, memory_format=torch.preserve_format))
+            for k, dtype in scalars.items():  # torch keeps a non-fused optimizer's step count on the CPU
+                state.setdefault(k, torch.zeros((), dtype=dtype, device="cpu"))
+
+
+@dataclass
+class TrainingState:
+    """What `training_state` returns: the DCP state dict, and for a load the optimizer scalars to hand on (one
+    loaded value per parameter, copied into every optimizer segment holding a part of it)."""
+
+    state_dict: dict[str, Any]
+    scalar_targets: list[tuple[str, torch.Tensor]]
+
+    def after_load(self, engines: Iterable[ZeroDataParallel]) -> None:
+        """The fp32 masters and optimizer state were loaded: set the segments' scalars, refresh the compute copies
+        (16-bit shards; ZeRO-1/2's full buffers)."""
+        for fqn, target in self.scalar_targets:
+            target.copy_(self.state_dict[fqn])
+        works = []
+        for engine in engines:
+            for flat in engine.flats:
+                flat.write_back()
+                if flat.sharded and not flat.reshard_enabled:
+                    works.append(flat.gather_params())
+        for w in works:
+            w.wait()
+
+
+def training_state(engines: Iterable[ZeroDataParallel], tp: Comm | None,
+                   optimizer_scalars: dict[str, torch.dtype] | None = None,
+                   optimizer_elementwise: Iterable[str] | None = None) -> TrainingState:
+    """This rank's model and optimizer state keyed by global names, as `Pieces` viewing the live tensors (save:
+    what is written; load: where it lands). For a load give the optimizer keys the checkpoint has: the state is
+    created (zeros) where the optimizer has none yet."""
+    engines = list(engines)
+    state: dict[str, Any] = {}
+    targets: list[tuple[str, torch.Tensor]] = []
+    for engine in engines:
+        if optimizer_elementwise is not None or optimizer_scalars:
+            _ensure_optimizer_state(engine, optimizer_elementwise or (), optimizer_scalars or {})
+        elementwise, scalars = optimizer_state_keys(engine)
+        shares = param_shares(engine, tp)
+        for flat in engine.flats:
+            for slot in flat.layout.slots:
+                share = shares[slot.name]
+                for key in ["model", *(f"optim.{k}" for k in elementwise)]:
+                    state.setdefault(f"{key}.{slot.name}", Pieces(share.size, torch.float32))
+            for i, lo, hi, mp, seg_lo in _segment_ranges(flat):
+                slot = flat.layout.slots[i]
+                share = shares[slot.name]
+                start = lo - slot.offset
+                state[f"model.{slot.name}"].add_flat_range(flat.master[lo - flat.start:hi - flat.start],
+                                                           share.local_shape, start, share.local_offset)
+                opt = engine.optimizer.state.get(mp, {})
+                for k in elementwise:
+                    state[f"optim.{k}.{slot.name}"].add_flat_range(opt[k][lo - seg_lo:hi - seg_lo],
+                                                                   share.local_shape, start, share.local_offset)
+                for k in scalars:  # equal in every segment of a parameter: one value per parameter
+                    fqn = f"optim.{k}.{slot.name}"
+                    state.setdefault(fqn, opt[k].detach().clone())
+                    targets.append((fqn, opt[k]))
+    return TrainingState(state, targets)

@@ -1,0 +1,182 @@
+"""The trainer's side of checkpoints: what a resume needs beyond the model and optimizer (the step — which also fixes
+the data position and the learning rate —, every rank's RNG states, the loss scaler), when to save (every
+``checkpoint.interval`` steps and at the end, after ``run.exit_after`` steps, on SIGTERM), and the run-directory
+rules (`check_run_dir`: a new run refuses a directory that holds one unless told to resume or overwrite)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fivefold.checkpoint import training_state
+from fivefold.checkpoint.manager import (
+    Checkpointer,
+    CheckpointError,
+    complete_checkpoints,
+    find_checkpoint,
+    read_checkpoint_meta,
+)
+from fivefold.config import Config
+from fivefold.mesh import MESH_DIMS, ParallelMesh
+
+__all__ = ["TrainCheckpoints", "check_run_dir", "checkpoint_root", "restart_count", "run_dir"]
+
+RUN_FILES = ("metrics.jsonl", "loss.png", "moe_load.png", "timeline.png", "trace.json")
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir(cfg) / "checkpoints"
+
+
+def restart_count() -> int:
+    """How often torchrun (``--max-restarts``) has restarted this job's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def check_run_dir(cfg: Config) -> Path | None:
+    """The checkpoint a run resumes from (None: a new run). A new run in a directory that already holds one (its
+    metrics or checkpoints) is an error unless ``run.overwrite``; ``run.resume`` must name a complete checkpoint.
+    A worker restarted by torchrun resumes from the latest checkpoint if there is one."""
+    root, where = checkpoint_root(cfg), run_dir(cfg)
+    resume = cfg.run.resume or ("latest" if restart_count() > 0 and complete_checkpoints(root) else "")
+    if resume:
+        try:
+            return find_checkpoint(resume, root)
+        except CheckpointError as e:
+            raise CheckpointError(f"run.resume={resume}: {e}") from None
+    held = [f for f in RUN_FILES[:1] if (where / f).exists()] + (["checkpoints"] if complete_checkpoints(root) else [])
+    if held and not cfg.run.overwrite and restart_count() == 0:
+        raise CheckpointError(f"run directory {str(where)!r} already holds a run ({', '.join(held)}): continue it "
+                              "with --resume, start over with --overwrite, or choose another --run.name")
+    return None
+
+
+def clear_run_dir(cfg: Config) -> None:
+    """``run.overwrite``: remove what an earlier run left (its metrics, pictures and checkpoints)."""
+    where = run_dir(cfg)
+    for name in RUN_FILES:
+        (where / name).unlink(missing_ok=True)
+    root = checkpoint_root(cfg)
+    for path in complete_checkpoints(root) + ([root / "latest"] if (root / "latest").exists() else []):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for partial in root.glob(".partial-*") if root.is_dir() else ():
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
+    return {"world": dist.get_world_size(), **{d: mesh.size(d) for d in (*MESH_DIMS, "ep")},
+            "zero": cfg.zero.stage, "param_dtype": cfg.precision.param}
+
+
+class TrainCheckpoints:
+    """One per rank, built after `parallelize` (collective: the control group)."""
+
+    def __init__(self, cfg: Config, mesh: ParallelMesh, parts: Any, model_config: Any) -> None:
+        self.cfg, self.mesh, self.parts = cfg, mesh, parts
+        self.model_config = dataclasses.asdict(model_config)
+        self.ckpt = Checkpointer(checkpoint_root(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce, no device sync.
+        self.control = dist.new_group(backend="gloo")
+        self._term = False
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:  # not the main thread: no handler (the run stops where the signal's default does)
+            pass
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        self._term = True
+
+    def stop_requested(self) -> bool:
+        """True on every rank once any rank got SIGTERM (checked each step: one tiny CPU all-reduce)."""
+        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(flag.item())
+
+    def due(self, steps_done: int, steps_this_run: int) -> str | None:
+        """Why to save after ``steps_done`` steps (None: not now). Call on every rank after every step."""
+        c, r, t = self.cfg.checkpoint, self.cfg.run, self.cfg.train
+        if self.stop_requested():
+            return "SIGTERM"
+        if r.exit_after and steps_this_run >= r.exit_after and steps_done < t.steps:
+            return "exit_after"
+        if c.interval > 0 and (steps_done % c.interval == 0 or steps_done == t.steps):
+            return "interval"
+        return None
+
+    def save(self, steps_done: int, reason: str) -> float:
+        """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited for it."""
+        t0 = time.perf_counter()
+        state = training_state(self.parts.engines.values(), self.mesh.comm("tp")).state_dict
+        state[f"rng.rank{dist.get_rank()}"] = {"cpu": torch.get_rng_state(), "accelerator": _accelerator_rng()}
+        scalers = [e.loss_scaler.state_dict() for e in self.parts.engines.values() if e.loss_scaler is not None]
+        if scalers:
+            state["loss_scaler"] = scalers[0]
+        meta = {"steps_done": steps_done, "reason": reason, "layout": layout(self.cfg, self.mesh),
+                "model": self.model_config, "preset": self.cfg.model.preset, "config": self.cfg.to_dict(),
+                "saved_at": time.time()}
+        self.ckpt.save(steps_done, state, meta)
+        return time.perf_counter() - t0
+
+    def restore(self, path: Path) -> int:
+        """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had done."""
+        meta = read_checkpoint_meta(path)
+        mismatch = [k for k, v in self.model_config.items() if k in meta.get("model", {}) and meta["model"][k] != v]
+        if mismatch:
+            k = mismatch[0]
+            raise CheckpointError(f"checkpoint {path} is of another model: {k}={meta['model'][k]!r} there, {k}="
+                                  f"{self.model_config[k]!r} here")
+        elementwise, scalars = Checkpointer.saved_optimizer_keys(path)
+        ts = training_state(self.parts.engines.values(), self.mesh.comm("tp"), scalars, elementwise)
+        state = ts.state_dict
+        same_layout = meta.get("layout") == layout(self.cfg, self.mesh)
+        rng_key = f"rng.rank{dist.get_rank()}"
+        if same_layout:  # RNG streams belong to ranks: only the same layout continues them
+            state[rng_key] = None
+        scalers = [e.loss_scaler for e in self.parts.engines.values() if e.loss_scaler is not None]
+        if scalers and "loss_scaler" in _saved_keys(path):
+            state["loss_scaler"] = None
+        Checkpointer.load(path, state)
+        ts.after_load(self.parts.engines.values())
+        if same_layout:
+            torch.set_rng_state(state[rng_key]["cpu"])
+            _set_accelerator_rng(state[rng_key]["accelerator"])
+        if state.get("loss_scaler") is not None:
+            for s in scalers:
+                s.load_state_dict(state["loss_scaler"])
+        return int(meta["steps_done"])
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _saved_keys(path: Path) -> set[str]:
+    import torch.distributed.checkpoint as dcp
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def _accelerator_rng() -> Any:
+    if torch.accelerator.is_available():
+        index = torch.accelerator.current_device_index()
+        return torch.get_device_module(torch.accelerator.current_accelerator()).get_rng_state(index)
+    return None
+
+
+def _set_accelerator_rng(state: Any) -> None:
+    if state is not None and torch.accelerator.is_available():
+        index = torch.accelerator.current_device_index()
+        torch.get_device_module(torch.accelerator.current_accelerator()).set_rng_state(state, index)
