@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/fivefold train $(ARGS)
+	$(VENV)/bin/fivefold train --overwrite $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)

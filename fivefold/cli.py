@@ -19,16 +19,9 @@ def _train(argv: list[str]) -> int:
                     + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()))
     parser.add_argument("--config", help="TOML file with sections [model] [parallel] [zero] [train] [data] "
                                          "[precision] [pipeline] [run] [checkpoint]")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                        help="continue the run from its latest complete checkpoint, or from the checkpoint PATH "
-                             "(= --run.resume)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over in a run directory that already holds a run (= --run.overwrite true)")
+    parser.epilog = ("--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
+                     "PATH; --overwrite: start over in a run directory that already holds a run")
     args, overrides = parser.parse_known_args(argv)
-    if args.resume is not None:
-        overrides += ["--run.resume", args.resume]
-    if args.overwrite:
-        overrides += ["--run.overwrite", "true"]
     from fivefold.train.trainer import run
 
     try:

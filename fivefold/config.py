@@ -169,7 +169,9 @@ class Config:
 
 
 ALIASES = {"zero": "zero.stage", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
-           "steps": "train.steps", "preset": "model.preset", "device": "run.device"}
+           "steps": "train.steps", "preset": "model.preset", "device": "run.device", "resume": "run.resume",
+           "overwrite": "run.overwrite"}
+FLAGS = {"resume": "latest", "overwrite": "true"}  # short flags that may stand without a value: their value then
 
 
 class ConfigError(ValueError):
@@ -246,6 +248,9 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
+            i += 1
+        elif key in FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):  # a flag given alone
+            value = FLAGS[key]
             i += 1
         else:
             if i + 1 >= len(args):

@@ -12,6 +12,12 @@ from fivefold.train.validate import validate
 TINY = ["--preset", "tiny"]
 
 # (overrides, world size, message the error must contain)
+
+@pytest.fixture(autouse=True)
+def _elsewhere(tmp_path, monkeypatch):
+    """Validation looks at the run directory (runs/<name> by default): never the checkout's own runs/."""
+    monkeypatch.chdir(tmp_path)
+
 BAD = [
     (["--steps", "0"], 2, "train.steps=0 must be positive"),
     (["--steps", "-3"], 2, "train.steps=-3 must be positive"),

@@ -5,26 +5,27 @@ A checkpoint is a directory ``<root>/step-<NNNNNNNN>`` holding DCP's files (one 
 Every rank writes into ``<root>/.partial-step-<N>``; once DCP's last collective has returned (all data and the
 metadata are on disk) rank 0 renames it to its final name and then points ``<root>/latest`` at it (written to a
 temporary file and renamed), so a directory without ``.partial`` in its name is complete and ``latest`` never names
-a half-written one. Keep-last-k rotation removes older complete checkpoints after that. With ``async_save`` the state
-is copied to host memory (`Pieces.snapshot`) and DCP's `async_save` writes it in a background thread over a process
-group of its own (so its collectives never interleave with training's); at most one save is in flight.
+a half-written one. Keep-last-k rotation removes older complete checkpoints after that. With ``async_save`` the
+state is copied to host memory (`Pieces.snapshot`) and the same DCP save runs on a background thread over a process
+group of its own (so its collectives never interleave with training's), as DCP's ``async_save`` does; at most one save
+is in flight. ``fivefold.json`` lists every file with its size and SHA-256; a load checks them first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
-import threading
-import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.checkpoint.pieces import Pieces
 from fivefold.checkpoint.planner import PiecesLoadPlanner, PiecesSavePlanner
@@ -89,20 +90,36 @@ def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
     return done[-1]
 
 
-class _SnapshotStager:
-    """DCP's `AsyncStager` for `async_save`: the state is copied to host memory now; the copy is what is written."""
+def _snapshot(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state copied to host memory, so training may change it while a background save writes the copy."""
+    return {k: v.snapshot() if isinstance(v, Pieces) else
+            v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
 
-    should_synchronize_after_execute = False
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.snapshot() if isinstance(v, Pieces) else
-                v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+def _file_digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
-    def synchronize_staging(self) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
+def verify_files(path: Path, meta: dict[str, Any], rank: int = 0, world: int = 1) -> list[str]:
+    """Problems with the checkpoint's files against the manifest in its ``fivefold.json``: every file's size, and
+    the SHA-256 of this rank's share of them (file i is checked by rank i mod world)."""
+    files = meta.get("files")
+    if files is None:
+        return [f"{path / CHECKPOINT_META} lists no files"]
+    problems = []
+    for i, (name, want) in enumerate(sorted(files.items())):
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(f"{f} has {f.stat().st_size} bytes, {want['bytes']} were written (truncated or replaced)")
+        elif i % world == rank and _file_digest(f)["sha256"] != want["sha256"]:
+            problems.append(f"{f} does not match its SHA-256 (damaged)")
+    return problems
 
 
 class Checkpointer:
@@ -115,14 +132,13 @@ class Checkpointer:
         self.async_save = async_save
         self.rank = dist.get_rank()
         self._group = dist.new_group(backend="gloo") if async_save else None
-        self._pending: tuple[Future, threading.Event] | None = None
-        self.last_save_s = 0.0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fivefold-ckpt") if async_save else None
+        self._pending: Future | None = None
 
     def save(self, step: int, state_dict: dict[str, Any], meta: dict[str, Any]) -> None:
         """Write the checkpoint of ``step`` (``state_dict``: `training_state`'s plus plain objects); ``meta`` goes
         to ``fivefold.json``. Collective. Async: returns once the state is copied to host memory."""
         self.wait()  # one save in flight at a time
-        t0 = time.perf_counter()
         final = _step_dir(self.root, step)
         partial = self.root / f".partial-{final.name}"
         if self.rank == 0:
@@ -130,11 +146,24 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # a save that died before finishing
             partial.mkdir()
         dist.barrier()
+        if self._writer is not None:
+            snapshot = _snapshot(state_dict)
+            self._pending = self._writer.submit(self._write, snapshot, partial, final, step, meta, self._group)
+        else:
+            self._write(state_dict, partial, final, step, meta, None)
 
-        def finish() -> None:  # rank 0, after every rank's data and DCP's metadata are on disk
-            if self.rank != 0:
-                return
-            (partial / CHECKPOINT_META).write_text(json.dumps({"step": step, **meta}, indent=1))
+    def _write(self, state_dict: dict[str, Any], partial: Path, final: Path, step: int, meta: dict[str, Any],
+               group: dist.ProcessGroup | None) -> None:
+        dcp.save(state_dict, checkpoint_id=partial, planner=PiecesSavePlanner(), process_group=group)
+        # every rank fingerprints its own files; rank 0 also DCP's metadata
+        mine = {f.name: _file_digest(f) for f in sorted(partial.glob(f"__{self.rank}_*"))}
+        if self.rank == 0:
+            mine[".metadata"] = _file_digest(partial / ".metadata")
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        if self.rank == 0:  # all data and DCP's metadata are on disk: complete the checkpoint, then point at it
+            files = {name: digest for part in every for name, digest in part.items()}
+            (partial / CHECKPOINT_META).write_text(json.dumps({"step": step, **meta, "files": files}, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
@@ -142,33 +171,13 @@ class Checkpointer:
             tmp.write_text(final.name + "\n")
             os.replace(tmp, self.root / "latest")
             self._rotate(keep_also=final)
-
-        if self.async_save:
-            future = dcp.async_save(state_dict, checkpoint_id=partial, planner=PiecesSavePlanner(),
-                                    process_group=self._group, async_stager=_SnapshotStager())
-            finished = threading.Event()
-
-            def on_done(f: Future) -> None:  # in the writer thread: complete the checkpoint as soon as it is
-                try:
-                    if f.exception() is None:
-                        finish()
-                finally:
-                    finished.set()
-
-            future.add_done_callback(on_done)
-            self._pending = (future, finished)
-        else:
-            dcp.save(state_dict, checkpoint_id=partial, planner=PiecesSavePlanner())
-            finish()
-        self.last_save_s = time.perf_counter() - t0
+        dist.barrier(group=group)  # nobody reads or rotates before it is complete
 
     def wait(self) -> None:
         """Finish a background save (raises its error)."""
         if self._pending is not None:
-            future, finished = self._pending
-            self._pending = None
-            future.result()
-            finished.wait()
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def _rotate(self, keep_also: Path) -> None:
         if self.keep <= 0:
@@ -181,9 +190,22 @@ class Checkpointer:
     @staticmethod
     def load(path: Path, state_dict: dict[str, Any]) -> None:
         """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at ``path``; each rank
-        reads only the rectangles its layout holds. Collective."""
-        read_checkpoint_meta(path)
-        dcp.load(state_dict, checkpoint_id=path, planner=PiecesLoadPlanner())
+        reads only the rectangles its layout holds. Collective: the files are checked first (sizes everywhere, the
+        SHA-256 of each file on one rank), and every rank raises the same error if one is wrong."""
+        meta = read_checkpoint_meta(path)
+        mine = verify_files(path, meta, dist.get_rank(), dist.get_world_size())
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        problems = sorted({p for part in every for p in part})
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:5]))
+        try:
+            dcp.load(state_dict, checkpoint_id=path, planner=PiecesLoadPlanner())
+        except CheckpointException as e:  # DCP gathers every rank's error: raise the first one, plainly
+            rank, (error, _) = min(e.failures.items())
+            if isinstance(error, ValueError):
+                raise type(error)(f"checkpoint {path}: {error}") from None
+            raise CheckpointError(f"checkpoint {path} could not be read (rank {rank}): {error!r}") from None
 
     @staticmethod
     def saved_optimizer_keys(path: Path) -> tuple[list[str], dict[str, torch.dtype]]:

@@ -1,0 +1,408 @@
+"""Checkpoints (DCP, keyed by global parameter names): boxes of a flat range, resharding across layouts, exact
+resume, async saves, rotation, restart after a lost worker, and the errors a bad checkpoint gets.
+
+Resharding: a run saves after K steps under ZeRO-3 dp 2 × tp 2 (4 processes) and trains on; the checkpoint is loaded
+under DDP dp 2, tp 2, pp 2 and ZeRO-1 dp 3, and under the same layout; each continues, and its losses and final
+parameters are compared with the run that never stopped (fp32 tolerance; bitwise in the same layout). An MoE model
+saved with its experts split over ep 2 loads with every expert on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_workers
+
+from fivefold.checkpoint import Pieces, row_major_boxes
+from fivefold.checkpoint.manager import (
+    CheckpointError,
+    complete_checkpoints,
+    find_checkpoint,
+    read_checkpoint_meta,
+    verify_files,
+)
+
+MODEL = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16, vocab_size=32)
+MOE_MODEL = dict(MODEL, moe=dict(experts=4, top_k=2))
+ROWS, SEQ, STEPS, K, M = 12, 8, 6, 3, 2  # 12 rows: every dp degree here (1, 2, 3) splits them evenly
+
+
+def test_row_major_boxes_cover_any_flat_range_with_rectangles():
+    rng = random.Random(0)
+    for _ in range(2000):
+        shape = [rng.randint(1, 5) for _ in range(rng.randint(1, 4))]
+        n = math.prod(shape)
+        a = rng.randint(0, n)
+        b = rng.randint(a, n)
+        values = torch.arange(n).view(shape)
+        boxes = row_major_boxes(shape, a, b)
+        assert len(boxes) <= 2 * len(shape) - 1
+        at = a
+        for box in boxes:  # contiguous in flat order, and exactly that run of the tensor
+            assert box.flat_start == at
+            rect = values[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+            assert torch.equal(rect.reshape(-1), torch.arange(at, at + box.numel))
+            at += box.numel
+        assert at == b
+
+
+def test_pieces_place_a_flat_range_of_a_tp_slice_in_global_coordinates():
+    # global [4, 6]; this tp rank holds columns 3..5 (local [4, 3]); its ZeRO shard is local flat [2, 8)
+    p = Pieces(torch.Size([4, 6]), torch.float32)
+    p.add_flat_range(torch.arange(2.0, 8.0), (4, 3), 2, (0, 3))
+    got = torch.full((4, 6), -1.0)
+    for offsets, values in p.boxes.items():
+        got[tuple(slice(o, o + s) for o, s in zip(offsets, values.shape))] = values
+    want = torch.full((4, 6), -1.0)
+    want[:, 3:] = torch.where((torch.arange(12) >= 2) & (torch.arange(12) < 8), torch.arange(12.0), -1.0).view(4, 3)
+    assert torch.equal(got, want) and p.numel == 6
+    with pytest.raises(ValueError, match="outside a tensor"):
+        p.add((3, 5), torch.zeros(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding and exact resume on the parallel model (`parallelize`), several layouts per spawn.
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return (torch.randint(0, MODEL["vocab_size"], (ROWS, SEQ), generator=g),
+            torch.randint(0, MODEL["vocab_size"], (ROWS, SEQ), generator=g))
+
+
+def _parts(dims: dict, zero: int, model: dict):
+    from fivefold.comm import CommLog
+    from fivefold.config import Config
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models import get_config
+    from fivefold.models.moe import MoEConfig
+    from fivefold.models.parallelize import parallelize
+
+    cfg = Config()
+    cfg.zero.stage, cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.ep = zero, dims.get("pp", 1), dims.get("tp", 1), \
+        dims.get("ep", 1)
+    cfg.train.lr, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps = 1e-2, M, SEQ, 0
+    mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
+    shape = {k: v for k, v in model.items() if k != "moe"}
+    moe = MoEConfig(**model["moe"]) if "moe" in model else None
+    return parallelize(cfg, get_config("tiny", moe=moe, **shape), mesh, "cpu"), mesh
+
+
+def _train(parts, mesh, first: int, last: int, save_at: int | None = None, path: Path | None = None) -> list[float]:
+    from fivefold.checkpoint import training_state
+    from fivefold.checkpoint.manager import Checkpointer
+
+    dp = mesh.comm("dp")
+    losses = []
+    for step in range(first, last):
+        x, y = (t.chunk(dp.size)[dp.rank] for t in _batch(step))
+        loss = parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+        parts.step(1.0)
+        losses.append(parts.global_loss(loss).item())
+        if step + 1 == save_at:
+            state = training_state(parts.engines.values(), mesh.comm("tp")).state_dict
+            Checkpointer(path, keep=0).save(step + 1, state, {"steps_done": step + 1})
+    return losses
+
+
+def _global_params(parts, mesh) -> dict[str, torch.Tensor]:
+    """This rank's parameters (fp32 master), TP slices gathered into whole tensors (a pp rank: its stages only)."""
+    placements = {}
+    for e in parts.engines.values():
+        placements.update(getattr(e.module, "tp_placements", {}))
+    tp = mesh.comm("tp")
+    out = {}
+    for name, value in parts.full_state_dict().items():
+        dim = getattr(placements.get(name), "tp_dim", None)
+        if dim is not None and tp.size > 1:
+            pieces = [torch.empty_like(value) for _ in range(tp.size)]
+            torch.distributed.all_gather(pieces, value.contiguous(), group=tp.group)
+            value = torch.cat(pieces, dim=dim)
+        out[name] = value
+    return out
+
+
+def _load(parts, mesh, path: Path) -> None:
+    from fivefold.checkpoint import training_state
+    from fivefold.checkpoint.manager import Checkpointer
+
+    elementwise, scalars = Checkpointer.saved_optimizer_keys(path)
+    ts = training_state(parts.engines.values(), mesh.comm("tp"), scalars, elementwise)
+    Checkpointer.load(path, ts.state_dict)
+    ts.after_load(parts.engines.values())
+
+
+def _save_worker(root: str) -> dict:
+    """World 4: ZeRO-3 dp 2 × tp 2 saves after K steps and trains on; then the same layout resumes from it."""
+    root = Path(root)
+    parts, mesh = _parts(dict(dp=2, tp=2), 3, MODEL)
+    losses = _train(parts, mesh, 0, STEPS, save_at=K, path=root / "dense")
+    final = _global_params(parts, mesh)
+    parts, mesh = _parts(dict(dp=2, tp=2), 3, MODEL)
+    _load(parts, mesh, root / "dense" / f"step-{K:08d}")
+    resumed = _train(parts, mesh, K, STEPS)
+    return dict(losses=losses, final=final, resumed=resumed, resumed_final=_global_params(parts, mesh))
+
+
+LOADS_2 = [("ddp-dp2", dict(dp=2), 0), ("tp2", dict(tp=2), 0), ("pp2", dict(pp=2), 1)]
+
+
+def _load_worker(root: str, layouts: list) -> dict:
+    root = Path(root)
+    out = {}
+    for name, dims, zero in layouts:
+        parts, mesh = _parts(dims, zero, MODEL)
+        _load(parts, mesh, root / "dense" / f"step-{K:08d}")
+        out[name] = dict(losses=_train(parts, mesh, K, STEPS), final=_global_params(parts, mesh))
+    return out
+
+
+def _moe_and_errors_worker(root: str) -> dict:
+    """World 2: an MoE model saved with experts over ep 2 loads with every expert on every rank; then the errors."""
+    from fivefold.checkpoint.planner import CheckpointMismatch
+
+    root = Path(root)
+    parts, mesh = _parts(dict(dp=2, ep=2), 2, MOE_MODEL)
+    losses = _train(parts, mesh, 0, STEPS, save_at=K, path=root / "moe")
+    parts, mesh = _parts(dict(dp=2), 0, MOE_MODEL)
+    _load(parts, mesh, root / "moe" / f"step-{K:08d}")
+    moe = dict(losses=losses, resumed=_train(parts, mesh, K, STEPS))
+    errors = {}
+    other, mesh = _parts(dict(dp=2), 0, dict(MODEL, dim=48))  # another model shape
+    try:
+        _load(other, mesh, root / "dense" / f"step-{K:08d}")
+    except CheckpointMismatch as e:
+        errors["shape"] = str(e)
+    damaged = root / "damaged"
+    if mesh.rank("dp") == 0:
+        shutil.copytree(root / "dense" / f"step-{K:08d}", damaged)
+        victim = sorted(damaged.glob("__1_*.distcp"))[0]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+        victim.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    parts, mesh = _parts(dict(dp=2), 0, MODEL)
+    try:
+        _load(parts, mesh, damaged)
+    except CheckpointError as e:
+        errors["damaged"] = str(e)
+    return dict(moe=moe, errors=errors)
+
+
+def _merge_ranks(results: list[dict]) -> dict:
+    """Per layout: the last stage's losses, and every rank's parameters together (pp ranks hold different ones)."""
+    out = {}
+    for name in results[0]:
+        final = {}
+        for r in results:
+            final.update(r[name]["final"])
+        out[name] = dict(losses=next(r[name]["losses"] for r in results[::-1]), final=final)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharding(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    saved = run_workers(_save_worker, 4, str(root))
+    loads = _merge_ranks(run_workers(_load_worker, 2, str(root), LOADS_2))
+    loads.update(_merge_ranks(run_workers(_load_worker, 3, str(root), [("zero1-dp3", dict(dp=3), 1)])))
+    other = run_workers(_moe_and_errors_worker, 2, str(root))
+    return saved, loads, other, root
+
+
+def test_same_layout_resume_is_bitwise_exact(resharding):
+    saved, _, _, _ = resharding
+    for rank in saved:
+        assert rank["resumed"] == rank["losses"][K:]  # exact float equality, step by step
+        for name, value in rank["final"].items():
+            assert torch.equal(value, rank["resumed_final"][name]), name
+
+
+@pytest.mark.parametrize("layout", [n for n, _, _ in LOADS_2] + ["zero1-dp3"])
+def test_checkpoint_of_zero3_dp2_tp2_continues_under_another_layout(resharding, layout):
+    saved, loads, _, _ = resharding
+    got, want = loads[layout], saved[0]
+    assert got["losses"] == pytest.approx(want["losses"][K:], rel=1e-5)
+    assert got["final"].keys() == want["final"].keys()
+    for name, value in want["final"].items():
+        torch.testing.assert_close(got["final"][name], value, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_every_parameter_is_stored_once_under_its_global_name_and_shape(resharding):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, _, _, root = resharding
+    md = FileSystemReader(root / "dense" / f"step-{K:08d}").read_metadata().state_dict_metadata
+    from fivefold.models import Llama, get_config
+    reference = dict(Llama(get_config("tiny", **MODEL), device="meta").named_parameters())
+    assert {k[len("model."):] for k in md if k.startswith("model.")} == set(reference)
+    for name, p in reference.items():
+        chunks = md[f"model.{name}"].chunks
+        assert tuple(md[f"model.{name}"].size) == tuple(p.shape)
+        assert sum(math.prod(c.sizes) for c in chunks) == p.numel()  # DCP checked: no overlap, so no duplicates
+        assert tuple(md[f"optim.exp_avg.{name}"].size) == tuple(p.shape)
+
+
+def test_moe_checkpoint_with_experts_over_ep_loads_with_experts_replicated(resharding):
+    _, _, other, _ = resharding
+    for rank in other:
+        assert rank["moe"]["resumed"] == pytest.approx(rank["moe"]["losses"][K:], rel=1e-5)
+
+
+def test_another_model_shape_and_a_damaged_file_are_named(resharding):
+    _, _, other, _ = resharding
+    for rank in other:
+        assert "in the checkpoint but" in rank["errors"]["shape"] and "another model shape" in rank["errors"]["shape"]
+        assert "does not match its SHA-256" in rank["errors"]["damaged"] and "__1_" in rank["errors"]["damaged"]
+
+
+def test_truncated_files_and_half_written_checkpoints(resharding, tmp_path):
+    _, _, _, root = resharding
+    ckpt = tmp_path / "step-00000003"
+    shutil.copytree(root / "dense" / f"step-{K:08d}", ckpt)
+    meta = read_checkpoint_meta(ckpt)
+    assert verify_files(ckpt, meta) == []
+    victim = sorted(ckpt.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    assert any("bytes" in p and "truncated" in p for p in verify_files(ckpt, meta))
+    # a save that died: its .partial directory is never a checkpoint, and "latest" skips it
+    (tmp_path / ".partial-step-00000009").mkdir()
+    shutil.copytree(root / "dense" / f"step-{K:08d}", tmp_path / ".partial-step-00000009" / "x")
+    assert complete_checkpoints(tmp_path) == [ckpt]
+    assert find_checkpoint("latest", tmp_path) == ckpt
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_checkpoint(tmp_path / "nowhere")
+    (ckpt / "fivefold.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="damaged"):
+        read_checkpoint_meta(ckpt)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer: exact resume after --run.exit_after, async saves, rotation, run-directory rules, restarts.
+
+def _cfg(tmp_path: Path, name: str, *args: str):
+    from fivefold.config import load_config
+    return load_config(None, ["--preset", "tiny", "--steps", "6", "--nproc", "2", "--run.out_dir", str(tmp_path),
+                              "--run.name", name, "--run.progress", "false", "--run.plot", "false",
+                              "--train.eval_every", "0", "--train.global_batch", "8", "--train.seq_len", "64",
+                              *args])
+
+
+def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(ckpt, out)
+    return {k: v for k, v in torch.load(out).items() if k.startswith(("model.", "optim."))}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    from fivefold.train.trainer import run
+
+    tmp = tmp_path_factory.mktemp("runs")
+    run(_cfg(tmp, "full", "--checkpoint.interval", "2", "--checkpoint.keep", "2", "--zero", "1"))
+    run(_cfg(tmp, "stopped", "--run.exit_after", "4", "--checkpoint.async_save", "true", "--zero", "1"))
+    run(_cfg(tmp, "stopped", "--resume", "--checkpoint.interval", "2", "--zero", "1"))
+    return tmp
+
+
+def test_exit_after_then_resume_equals_the_uninterrupted_run_bitwise(trainer_runs):
+    full, stopped = trainer_runs / "full", trainer_runs / "stopped"
+    assert _train_losses(stopped) == _train_losses(full)  # every step once: the resumed run appended
+    a = _final_params(full / "checkpoints" / "step-00000006")
+    b = _final_params(stopped / "checkpoints" / "step-00000006")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    records = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    stops = [r for r in records if r["kind"] == "checkpoint"]
+    assert [(r["steps_done"], r["reason"], r["async"]) for r in stops] == [(4, "exit_after", True),
+                                                                             (6, "interval", False)]
+    assert [r["start_step"] for r in records if r["kind"] == "config"] == [0, 4]
+
+
+def test_keep_last_k_and_the_latest_pointer(trainer_runs):
+    root = trainer_runs / "full" / "checkpoints"
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000004", "step-00000006"]  # keep 2 of 3
+    assert (root / "latest").read_text().strip() == "step-00000006"
+    assert not list(root.glob(".partial-*"))
+    meta = read_checkpoint_meta(root / "step-00000006")
+    assert meta["steps_done"] == 6 and meta["layout"]["dp"] == 2 and verify_files(root / "step-00000006", meta) == []
+
+
+def test_run_directory_rules(trainer_runs):
+    from fivefold.train.validate import validate
+
+    with pytest.raises(ValueError, match="already holds a run .*--resume.*--overwrite"):
+        validate(_cfg(trainer_runs, "full"), 2)
+    with pytest.raises(ValueError, match="has done 6 steps and train.steps=6: nothing left"):
+        validate(_cfg(trainer_runs, "full", "--resume"), 2)
+    with pytest.raises(ValueError, match="does not exist"):
+        validate(_cfg(trainer_runs, "fresh", "--resume", str(trainer_runs / "nowhere")), 2)
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        validate(_cfg(trainer_runs, "fresh", "--resume"), 2)
+    assert validate(_cfg(trainer_runs, "full", "--overwrite"), 2).resume_from is None
+    assert validate(_cfg(trainer_runs, "full", "--resume", "--steps", "8"), 2).resume_from.name == "step-00000006"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(c) for c in (task / "children").read_text().split()]
+    return kids
+
+
+def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_same(tmp_path):
+    """SIGKILL one worker mid-run under ``--run.max_restarts 1``: the launcher restarts both from the latest
+    checkpoint and the run ends with the parameters of a run that was never interrupted."""
+    args = ["--preset", "tiny", "--steps", "30", "--nproc", "2", "--run.out_dir", str(tmp_path), "--run.progress",
+            "false", "--run.plot", "false", "--train.eval_every", "0", "--train.global_batch", "8",
+            "--train.seq_len", "64", "--checkpoint.interval", "5"]
+    cli = [sys.executable, "-c", "from fivefold.cli import main; raise SystemExit(main())", "train", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    subprocess.run([*cli, "--run.name", "calm"], check=True, env=env, capture_output=True, timeout=300)
+    proc = subprocess.Popen([*cli, "--run.name", "killed", "--run.max_restarts", "1"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 240
+    killed = None
+    while proc.poll() is None and time.time() < deadline and killed is None:
+        time.sleep(0.05)
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        done = complete_checkpoints(tmp_path / "killed" / "checkpoints")
+        steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines()[:-1]] \
+            if metrics.exists() else []
+        workers = _children(proc.pid)
+        if done and steps and max(steps) >= 7 and len(workers) >= 2:
+            killed = workers[-1]
+            os.kill(killed, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert killed is not None, "the run ended before a worker could be killed:\n" + out
+    assert proc.returncode == 0, out
+    assert "restart 1 of 1 from" in out and "step-" in out, out
+    a = _final_params(tmp_path / "calm" / "checkpoints" / "step-00000030")
+    b = _final_params(tmp_path / "killed" / "checkpoints" / "step-00000030")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list((tmp_path / "killed" / "checkpoints").glob(".partial-*"))
+    steps = [s for s, _ in _train_losses(tmp_path / "killed")]
+    assert steps == list(range(30))  # the lost attempt's records after its checkpoint were dropped
+
+
+def test_resume_keeps_a_bad_config_out(tmp_path):
+    from fivefold.train.validate import validate
+
+    with pytest.raises(ValueError, match="checkpoint.interval=-1 must not be negative"):
+        validate(dataclasses.replace(_cfg(tmp_path, "x", "--checkpoint.interval", "-1")), 2)
