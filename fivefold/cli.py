@@ -47,7 +47,30 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"train": _train, "bench": _bench}
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fivefold export", description="Write a run's model as Hugging Face Llama safetensors + config.json "
+                                            "(one parameter at a time, never the whole model in memory).")
+    parser.add_argument("run", help="a run directory (its latest checkpoint), its checkpoints folder, or a checkpoint")
+    parser.add_argument("--to", required=True, help="output directory")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights' dtype (fp32)")
+    parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (2048 MiB)")
+    args = parser.parse_args(argv)
+    from fivefold.checkpoint.hf import export_checkpoint
+    from fivefold.data_parallel.mixed_precision import parse_dtype
+
+    try:
+        summary = export_checkpoint(args.run, args.to, parse_dtype(args.dtype), int(args.max_shard_mb * 2**20))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fivefold export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> {args.to}: "
+          f"{', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
+          f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)")
+    return 0
+
+
+COMMANDS = {"train": _train, "bench": _bench, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:

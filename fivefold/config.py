@@ -20,6 +20,8 @@ else:  # pragma: no cover
 @dataclass
 class ModelSection:
     preset: str = "small"
+    # A Hugging Face Llama directory (config.json + safetensors): the model's shape and initial weights come from it
+    init_from: str = ""
     # Any LlamaConfig field overrides the preset; None keeps the preset's value.
     dim: int | None = None
     n_layers: int | None = None

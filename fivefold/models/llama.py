@@ -18,8 +18,32 @@ from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
 from fivefold.ops import Linear
 
-__all__ = ["Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm", "TransformerBlock", "apply_rotary",
+__all__ = ["Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm", "RopeScaling", "TransformerBlock",
+           "apply_rotary",
            "build_model", "causal_attention", "count_params", "get_config", "precompute_rope"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3's RoPE frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type`` "llama3"): wavelengths
+    longer than original_max_position / low_freq_factor are stretched by ``factor``, shorter than
+    original_max_position / high_freq_factor kept, those between interpolated."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        low_wavelen = self.original_max_position / self.low_freq_factor
+        high_wavelen = self.original_max_position / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
 
 
 @dataclass
@@ -37,10 +61,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks (None: dense)
+    attention_head_dim: int | None = None  # a head's width when it is not dim / n_heads (HF ``head_dim``)
+    rope_scaling: RopeScaling | None = None  # Llama-3 long-context RoPE scaling (None: plain RoPE)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
 
     def validate(self) -> LlamaConfig:
         """Raise ValueError naming the offending numbers; return self for chaining."""
@@ -48,8 +74,10 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads != 0:
+        if self.attention_head_dim is None and self.dim % self.n_heads != 0:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.attention_head_dim is not None and self.attention_head_dim <= 0:
+            raise ValueError(f"attention_head_dim={self.attention_head_dim} must be positive")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2 != 0:  # rotary embeddings rotate pairs of channels
@@ -111,9 +139,12 @@ class RMSNorm(nn.Module):
 
 
 def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos, sin [max_seq_len, head_dim]; channels i and i + head_dim/2 rotate at frequency theta^(-2i/head_dim)."""
+                    scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin [max_seq_len, head_dim]; channels i and i + head_dim/2 rotate at frequency theta^(-2i/head_dim)
+    (with ``scaling``: Llama-3's rescaled frequencies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     # Computed in fp64 then rounded once, so the tables are identical on every device.
@@ -283,7 +314,8 @@ class Llama(nn.Module):
     def init_buffers(self) -> None:
         """The RoPE tables (derived from the config, not checkpointed), computed in fp32 on the CPU."""
         if self.rope_cos.device.type != "meta":
-            cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+            cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta,
+                                       scaling=self.config.rope_scaling)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fivefold.checkpoint.hf import load_hf_weights
 from fivefold.checkpoint.manager import complete_checkpoints
 from fivefold.comm import CommLog
 from fivefold.config import Config
@@ -88,8 +89,11 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     start = 0
     if plan.resume_from is not None:
         start = checkpoints.restore(plan.resume_from)
-    elif cfg.run.overwrite and is_main:
-        clear_run_dir(cfg)
+    else:
+        if cfg.model.init_from:  # Hugging Face weights, each rank reading its own rectangles
+            load_hf_weights(cfg.model.init_from, parts.engines.values(), mesh.comm("tp"))
+        if cfg.run.overwrite and is_main:
+            clear_run_dir(cfg)
     dist.barrier()
     record = RunRecord(Path(cfg.run.out_dir) / cfg.run.name if is_main else None, t.steps, cfg.run.progress,
                        cfg.run.name, resume_at=start if plan.resume_from is not None else None)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.checkpoint.hf import read_hf_config
 from fivefold.checkpoint.manager import read_checkpoint_meta
 from fivefold.comm import P2P_SEMANTICS
 from fivefold.config import Config, ConfigError, resolve_batch
@@ -86,9 +87,16 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep).resolve(world_size)
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                 if k not in ("preset", "init_from") and v is not None}
     try:
-        model = get_config(cfg.model.preset, **overrides)
+        if cfg.model.init_from:  # the shape comes with the weights
+            if overrides:
+                raise ConfigError(f"model.init_from takes the model's shape from {cfg.model.init_from}/config.json; "
+                                  f"drop model.{', model.'.join(sorted(overrides))}")
+            model = read_hf_config(cfg.model.init_from)
+        else:
+            model = get_config(cfg.model.preset, **overrides)
         model = dataclasses.replace(model, moe=_moe_config(model.moe, cfg)).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
