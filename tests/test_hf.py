@@ -187,9 +187,9 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
 
 
 def test_train_init_from_a_hf_model_then_export_gives_its_weights_back(tmp_path):
-    """`fivefold train --model.init_from DIR` (the shape from config.json, the weights read per rank), a step at
-    a learning rate of 1e-30 (no fp32 weight moves) with a checkpoint, `fivefold export` of the run: the weights that come out are the ones that
-    went in."""
+    """`fivefold train --model.init_from DIR` (the shape from config.json, the weights read per rank), one step at
+    a learning rate of 1e-30 (no fp32 weight moves) with a checkpoint, `fivefold export` of the run: the weights
+    that come out are the ones that went in."""
     from fivefold.cli import main
 
     torch.manual_seed(0)
