@@ -7,6 +7,7 @@
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
+    python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
     python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
     python bench/run.py parallel                  # tp, then pp
@@ -31,6 +32,7 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
 from bench.expert_parallel import (  # noqa: E402
@@ -48,7 +50,8 @@ __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep", "ep-overlap"),
-    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap"),
+    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",),
+    "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
 
@@ -100,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
     sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
     sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
+    ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
+    ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
                    help="ddp, zero, tp, pp, cp, then ep (--preset and the other common options apply to every one)")
     return parser
@@ -136,6 +141,9 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
                format_ep_table),
         "ep-overlap": (lambda: bench_ep_overlap(EPOverlapSpec(**common, **_given(ep=opt.get("ep")))),
                        format_ep_overlap_table),
+        "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
+            preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
+            max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
     }
     return {name: every[name] for name in WHAT[args.what]}
 

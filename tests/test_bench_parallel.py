@@ -150,6 +150,16 @@ def test_ep_overlap_bench_runs_units_side_by_side_with_the_same_losses():
     assert "units overlapped per step" in format_ep_overlap_table(results)
 
 
+def test_checkpoint_bench_measures_save_load_and_a_bounded_export():
+    from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table
+
+    results = bench_checkpoint(CheckpointSpec(preset="tiny", repeats=1, max_shard_mb=0.5))
+    assert set(results["median_s"]) == {"sync", "async_blocked", "async_complete", "load"}
+    assert all(v > 0 for v in results["median_s"].values())
+    assert len(results["export"]["files"]) > 1 and results["export"]["peak_held_bytes"] <= 2**20
+    assert "save, async: training blocked" in format_checkpoint_table(results)
+
+
 def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     """The command line, on the results above (no further launch)."""
     seen = {}
@@ -178,7 +188,7 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
 
 
 def test_all_runs_every_dimension(monkeypatch, capsys):
-    """``all`` runs ddp, zero, tp, pp, cp, ep and ep-overlap, in that order, with the common options given to each (no
+    """``all`` runs ddp, zero, tp, pp, cp, ep, ep-overlap and ckpt, in that order, with the common options given to each (no
     launch)."""
     seen = []
 
@@ -189,14 +199,16 @@ def test_all_runs_every_dimension(monkeypatch, capsys):
         return run
 
     for name, kind in (("bench_ddp", "ddp"), ("bench_zero", "zero"), ("bench_tp", "tp"), ("bench_pp", "pp"),
-                       ("bench_cp", "cp"), ("bench_ep", "ep"), ("bench_ep_overlap", "ep-overlap")):
+                       ("bench_cp", "cp"), ("bench_ep", "ep"), ("bench_ep_overlap", "ep-overlap"),
+                       ("bench_checkpoint", "ckpt")):
         monkeypatch.setattr(bench_run, name, fake(kind))
     for name in ("format_table", "format_tp_table", "format_pp_table", "format_cp_table", "format_ep_table",
-                 "format_ep_overlap_table"):
+                 "format_ep_overlap_table", "format_checkpoint_table"):
         monkeypatch.setattr(bench_run, name, lambda results: f"table of {results['kind']}")
     assert bench_run.main(["all", "--preset", "tiny", "--steps", "2", "--stages", "0,3"]) == 0
-    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap"]
-    ddp, zero, tp, pp, cp, _, _ = (given for _, given in seen)
+    assert [kind for kind, _ in seen] == ["ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"]
+    ddp, zero, tp, pp, cp, _, _, ckpt = (given for _, given in seen)
+    assert ckpt.preset == "tiny"
     assert ddp == {"preset": "tiny", "steps": 2} and zero["stages"] == (0, 3) and zero["preset"] == "tiny"
     assert tp.preset == pp.preset == cp.preset == "tiny" and tp.steps == pp.steps == cp.steps == 2
     out = capsys.readouterr().out

@@ -168,7 +168,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
         held = 0
 
     for n, shape in names:
-        buf = {f"model.{n}": torch.empty(shape, dtype=torch.float32)}
+        buf = {f"model.{n}": torch.empty(shape, dtype=torch.float32, device="cpu")}  # export is a CPU process
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             load(buf, storage_reader=reader, no_dist=True)  # DCP reads this parameter's chunks alone

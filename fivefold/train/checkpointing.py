@@ -101,7 +101,7 @@ class TrainCheckpoints:
 
     def stop_requested(self) -> bool:
         """True on every rank once any rank got SIGTERM (checked each step: one tiny CPU all-reduce)."""
-        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32, device="cpu")  # the gloo control group
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
