@@ -188,8 +188,8 @@ def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
 
 
 def test_all_runs_every_dimension(monkeypatch, capsys):
-    """``all`` runs ddp, zero, tp, pp, cp, ep, ep-overlap and ckpt, in that order, with the common options given to each (no
-    launch)."""
+    """``all`` runs ddp, zero, tp, pp, cp, ep, ep-overlap and ckpt, in that order, with the common options given
+    to each (no launch)."""
     seen = []
 
     def fake(kind):
