@@ -1,10 +1,10 @@
 """Checkpoints (DCP, keyed by global parameter names): boxes of a flat range, resharding across layouts, exact
 resume, async saves, rotation, restart after a lost worker, and the errors a bad checkpoint gets.
 
-Resharding: a run saves after K steps under ZeRO-3 dp 2 × tp 2 (4 processes) and trains on; the checkpoint is loaded
-under DDP dp 2, tp 2, pp 2 and ZeRO-1 dp 3, and under the same layout; each continues, and its losses and final
-parameters are compared with the run that never stopped (fp32 tolerance; bitwise in the same layout). An MoE model
-saved with its experts split over ep 2 loads with every expert on every rank.
+Resharding: a run saves after K steps under ZeRO-3 dp 2 × tp 2 (4 processes) and trains on; the checkpoint is
+loaded under DDP dp 2, tp 2, pp 2, ZeRO-2 cp 2 and ZeRO-1 dp 3, and under the same layout; each continues, and its
+losses and final parameters are compared with the run that never stopped (fp32 tolerance; bitwise in the same
+layout). An MoE model saved with its experts split over ep 2 loads with every expert on every rank.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def _parts(dims: dict, zero: int, model: dict):
     cfg = Config()
     cfg.zero.stage, cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.ep = zero, dims.get("pp", 1), dims.get("tp", 1), \
         dims.get("ep", 1)
+    cfg.parallel.cp = dims.get("cp", 1)
     cfg.train.lr, cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps = 1e-2, M, SEQ, 0
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
     shape = {k: v for k, v in model.items() if k != "moe"}
@@ -155,7 +156,7 @@ def _save_worker(root: str) -> dict:
     return dict(losses=losses, final=final, resumed=resumed, resumed_final=_global_params(parts, mesh))
 
 
-LOADS_2 = [("ddp-dp2", dict(dp=2), 0), ("tp2", dict(tp=2), 0), ("pp2", dict(pp=2), 1)]
+LOADS_2 = [("ddp-dp2", dict(dp=2), 0), ("tp2", dict(tp=2), 0), ("pp2", dict(pp=2), 1), ("cp2", dict(cp=2), 2)]
 
 
 def _load_worker(root: str, layouts: list) -> dict:
@@ -356,49 +357,105 @@ def test_run_directory_rules(trainer_runs):
     with pytest.raises(ValueError, match="no complete checkpoint"):
         validate(_cfg(trainer_runs, "fresh", "--resume"), 2)
     assert validate(_cfg(trainer_runs, "full", "--overwrite"), 2).resume_from is None
+    newer = trainer_runs / "newer"
+    shutil.copytree(trainer_runs / "full" / "checkpoints" / "step-00000006", newer / "step-00000006")
+    meta = json.loads((newer / "step-00000006" / "fivefold.json").read_text())
+    meta["layout"]["fsdp_mesh"] = 4
+    (newer / "step-00000006" / "fivefold.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="layout field.* fsdp_mesh that this fivefold does not know"):
+        validate(_cfg(trainer_runs, "fresh", "--resume", str(newer / "step-00000006"), "--steps", "8"), 2)
     assert validate(_cfg(trainer_runs, "full", "--resume", "--steps", "8"), 2).resume_from.name == "step-00000006"
 
 
 def _children(pid: int) -> list[int]:
     kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(c) for c in (task / "children").read_text().split()]
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids += [int(c) for c in (task / "children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
     return kids
 
 
-def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_same(tmp_path):
-    """SIGKILL one worker mid-run under ``--run.max_restarts 1``: the launcher restarts both from the latest
-    checkpoint and the run ends with the parameters of a run that was never interrupted."""
-    args = ["--preset", "tiny", "--steps", "30", "--nproc", "2", "--run.out_dir", str(tmp_path), "--run.progress",
-            "false", "--run.plot", "false", "--train.eval_every", "0", "--train.global_batch", "8",
-            "--train.seq_len", "64", "--checkpoint.interval", "5"]
+def _workers(pid: int) -> list[int]:
+    """The training processes under a launcher: its children that run Python with torch distributed set up
+    (the local launcher's spawned workers; torchrun's agent starts them as its children too)."""
+    out = []
+    for kid in _children(pid):
+        try:
+            env = Path(f"/proc/{kid}/environ").read_bytes()
+        except (FileNotFoundError, PermissionError):
+            continue
+        if b"LOCAL_RANK=" in env or b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes():
+            out.append(kid)
+    return out
+
+
+RESTART_ARGS = ["--preset", "tiny", "--steps", "30", "--run.out_dir", "{out}", "--run.progress", "false",
+                "--run.plot", "false", "--train.eval_every", "0", "--train.global_batch", "8", "--train.seq_len", "64",
+                "--checkpoint.interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def calm_run(tmp_path_factory):
+    """The reference: the same run, never interrupted."""
+    out = tmp_path_factory.mktemp("restarts")
+    args = [a.format(out=out) for a in RESTART_ARGS]
     cli = [sys.executable, "-c", "from fivefold.cli import main; raise SystemExit(main())", "train", *args]
+    subprocess.run([*cli, "--nproc", "2", "--run.name", "calm"], check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("launcher", ["local"])
+def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_same(calm_run, launcher):
+    """SIGKILL one worker mid-run under ``--run.max_restarts 1``: every worker restarts from the latest checkpoint
+    and the run ends with the parameters of a run that was never interrupted. (Under ``torchrun --max-restarts``
+    on torch 2.13 with gloo the restarted workers fail to connect to each other — reproduced with a ten-line script
+    that is not fivefold — so the torchrun side is tested below as the decision it makes: resume from latest.)"""
+    tmp_path = calm_run
+    name = f"killed-{launcher}"
+    args = [a.format(out=tmp_path) for a in RESTART_ARGS] + ["--run.name", name]
+    if launcher == "local":
+        cmd = [sys.executable, "-c", "from fivefold.cli import main; raise SystemExit(main())", "train", *args,
+               "--nproc", "2", "--run.max_restarts", "1"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", "-m", "fivefold.train", *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    subprocess.run([*cli, "--run.name", "calm"], check=True, env=env, capture_output=True, timeout=300)
-    proc = subprocess.Popen([*cli, "--run.name", "killed", "--run.max_restarts", "1"], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 240
     killed = None
     while proc.poll() is None and time.time() < deadline and killed is None:
         time.sleep(0.05)
-        metrics = tmp_path / "killed" / "metrics.jsonl"
-        done = complete_checkpoints(tmp_path / "killed" / "checkpoints")
+        metrics = tmp_path / name / "metrics.jsonl"
+        done = complete_checkpoints(tmp_path / name / "checkpoints")
         steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines()[:-1]] \
             if metrics.exists() else []
-        workers = _children(proc.pid)
+        workers = _workers(proc.pid)
         if done and steps and max(steps) >= 7 and len(workers) >= 2:
             killed = workers[-1]
             os.kill(killed, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert killed is not None, "the run ended before a worker could be killed:\n" + out
     assert proc.returncode == 0, out
-    assert "restart 1 of 1 from" in out and "step-" in out, out
+    if launcher == "local":
+        assert "restart 1 of 1 from" in out and "step-" in out, out
+    assert "resumed from" in out, out
     a = _final_params(tmp_path / "calm" / "checkpoints" / "step-00000030")
-    b = _final_params(tmp_path / "killed" / "checkpoints" / "step-00000030")
+    b = _final_params(tmp_path / name / "checkpoints" / "step-00000030")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not list((tmp_path / "killed" / "checkpoints").glob(".partial-*"))
-    steps = [s for s, _ in _train_losses(tmp_path / "killed")]
+    assert not list((tmp_path / name / "checkpoints").glob(".partial-*"))
+    steps = [s for s, _ in _train_losses(tmp_path / name)]
     assert steps == list(range(30))  # the lost attempt's records after its checkpoint were dropped
+
+
+def test_a_worker_restarted_by_torchrun_resumes_from_latest(trainer_runs, monkeypatch):
+    from fivefold.train.validate import validate
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    plan = validate(_cfg(trainer_runs, "full", "--steps", "8"), 2)  # no --resume, no --overwrite: torchrun restarted it
+    assert plan.resume_from is not None and plan.resume_from.name == "step-00000006"
+    assert validate(_cfg(trainer_runs, "nothing-yet"), 2).resume_from is None  # no checkpoint yet: from the start
 
 
 def test_resume_keeps_a_bad_config_out(tmp_path):

@@ -75,6 +75,17 @@ def clear_run_dir(cfg: Config) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+LAYOUT_FIELDS = ("world", *MESH_DIMS, "ep", "zero", "param_dtype")  # what `layout` records
+
+
+def check_layout_fields(path: Path, meta: dict[str, Any]) -> None:
+    """A checkpoint whose layout names a field this version does not know is refused, not half understood."""
+    unknown = sorted(set(meta.get("layout", {})) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise CheckpointError(f"checkpoint {path} records layout field(s) {', '.join(unknown)} that this fivefold "
+                              "does not know (written by a newer version?): it cannot tell how to read them")
+
+
 def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
     return {"world": dist.get_world_size(), **{d: mesh.size(d) for d in (*MESH_DIMS, "ep")},
             "zero": cfg.zero.stage, "param_dtype": cfg.precision.param}
@@ -133,6 +144,8 @@ class TrainCheckpoints:
     def restore(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had done."""
         meta = read_checkpoint_meta(path)
+        check_layout_fields(path, meta)
+        ours = layout(self.cfg, self.mesh)
         mismatch = [k for k, v in self.model_config.items() if k in meta.get("model", {}) and meta["model"][k] != v]
         if mismatch:
             k = mismatch[0]
@@ -141,7 +154,7 @@ class TrainCheckpoints:
         elementwise, scalars = Checkpointer.saved_optimizer_keys(path)
         ts = training_state(self.parts.engines.values(), self.mesh.comm("tp"), scalars, elementwise)
         state = ts.state_dict
-        same_layout = meta.get("layout") == layout(self.cfg, self.mesh)
+        same_layout = meta.get("layout") == ours
         rng_key = f"rng.rank{dist.get_rank()}"
         if same_layout:  # RNG streams belong to ranks: only the same layout continues them
             state[rng_key] = None

@@ -84,7 +84,11 @@ class RunRecord:
             self._f.write(json.dumps(record) + "\n")
 
     def say(self, msg: str) -> None:
-        self.progress.write(msg)
+        """A line for the user on rank 0: above the progress bar, or printed when there is none."""
+        if self.progress.bar is not None:
+            self.progress.write(msg)
+        elif self.run_dir is not None:
+            print(msg, flush=True)
 
     def pipeline(self, timeline: Timeline, formula: float | None, title: str) -> None:
         """The last step's measured timeline: PNG + Chrome trace, and its bubble next to the formula (if any)."""

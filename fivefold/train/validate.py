@@ -25,7 +25,7 @@ from fivefold.models.parallelize import OVERLAP_CHOICES, check_pipeline_supporte
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
-from fivefold.train.checkpointing import check_run_dir
+from fivefold.train.checkpointing import check_layout_fields, check_run_dir
 from fivefold.train.corpus import check_source
 
 __all__ = ["RunPlan", "validate"]
@@ -145,7 +145,10 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                      "run.max_restarts": r.max_restarts})
     try:
         resume_from = check_run_dir(cfg)
-        done = read_checkpoint_meta(resume_from).get("steps_done", 0) if resume_from is not None else 0
+        meta = read_checkpoint_meta(resume_from) if resume_from is not None else {}
+        if resume_from is not None:
+            check_layout_fields(resume_from, meta)
+        done = meta.get("steps_done", 0)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if done >= t.steps:
