@@ -172,7 +172,7 @@ class Config:
 
 ALIASES = {"zero": "zero.stage", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
            "steps": "train.steps", "preset": "model.preset", "device": "run.device", "resume": "run.resume",
-           "overwrite": "run.overwrite"}
+           "overwrite": "run.overwrite", "init-from": "model.init_from"}
 FLAGS = {"resume": "latest", "overwrite": "true"}  # short flags that may stand without a value: their value then
 
 

@@ -195,7 +195,7 @@ def test_train_init_from_a_hf_model_then_export_gives_its_weights_back(tmp_path)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_CONFIG, "vocab_size": 256}))  # bytes
     hf.save_pretrained(tmp_path / "hf")
-    args = ["train", "--model.init_from", str(tmp_path / "hf"), "--steps", "1", "--train.lr", "1e-30", "--nproc", "2",
+    args = ["train", "--init-from", str(tmp_path / "hf"), "--steps", "1", "--train.lr", "1e-30", "--nproc", "2",
             "--parallel.tp", "2", "--zero", "1", "--train.seq_len", "32", "--train.global_batch", "2",
             "--train.eval_every", "0", "--checkpoint.interval", "1", "--run.out_dir", str(tmp_path), "--run.name",
             "ft", "--run.progress", "false", "--run.plot", "false"]
