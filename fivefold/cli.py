@@ -22,11 +22,15 @@ def _train(argv: list[str]) -> int:
     parser.epilog = ("--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
                      "PATH; --overwrite: start over in a run directory that already holds a run")
     args, overrides = parser.parse_known_args(argv)
+    from fivefold.launch import Terminated
     from fivefold.train.trainer import run
 
     try:
         cfg = load_config(args.config, overrides)
         run(cfg)
+    except Terminated as e:
+        print(f"fivefold train: {e}", file=sys.stderr)
+        return 128 + 15  # the shell's code for a process ended by SIGTERM
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fivefold train: error: {e}", file=sys.stderr)
         return 2

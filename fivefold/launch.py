@@ -120,11 +120,16 @@ def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int,
         teardown()
 
 
+class Terminated(RuntimeError):
+    """The launcher was sent SIGTERM and its workers did not all finish cleanly (e.g. stopped during start-up)."""
+
+
 @contextlib.contextmanager
-def _forwarding_sigterm(processes: list) -> Iterator[None]:
+def _forwarding_sigterm(processes: list, received: list[bool]) -> Iterator[None]:
     """A SIGTERM to the launcher (a job's time limit) goes on to its workers, which save a checkpoint and stop
-    (`fivefold.train.checkpointing`); the launcher then waits for them as usual."""
+    (`fivefold.train.checkpointing`); the launcher then waits for them as usual. ``received[0]`` records it."""
     def forward(signum: int, frame: Any) -> None:
+        received[0] = True
         for p in processes:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
@@ -153,9 +158,15 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
     with tempfile.TemporaryDirectory(prefix="fivefold-") as out_dir:
         context = mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args,
                                                           device), nprocs=nproc, join=False, start_method=start_method)
-        with _forwarding_sigterm(context.processes):
-            while not context.join():
-                pass
+        terminated = [False]
+        with _forwarding_sigterm(context.processes, terminated):
+            try:
+                while not context.join():
+                    pass
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+                if terminated[0]:  # the job was stopped: not a failure to restart from
+                    raise Terminated(f"stopped by SIGTERM ({e})") from e
+                raise
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
     del store
     return results

@@ -305,6 +305,13 @@ def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
 
 
+def _saved_objects(ckpt: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    md = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    return {k for k, v in md.items() if isinstance(v, BytesStorageMetadata)}
+
+
 def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     out = ckpt.parent / f"{ckpt.name}.pt"
@@ -320,7 +327,32 @@ def trainer_runs(tmp_path_factory):
     run(_cfg(tmp, "full", "--checkpoint.interval", "2", "--checkpoint.keep", "2", "--zero", "1"))
     run(_cfg(tmp, "stopped", "--run.exit_after", "4", "--checkpoint.async_save", "true", "--zero", "1"))
     run(_cfg(tmp, "stopped", "--resume", "--checkpoint.interval", "2", "--zero", "1"))
+    # async saves while training goes on: the snapshot must not see the later steps' updates
+    run(_cfg(tmp, "async", "--checkpoint.interval", "2", "--checkpoint.keep", "0", "--checkpoint.async_save", "true",
+             "--zero", "1"))
+    # fp16 (a loss scaler to carry over), ZeRO-2: stopped and resumed against a run that was not
+    fp16 = ["--precision.param", "fp16", "--zero", "2", "--checkpoint.interval", "3"]
+    run(_cfg(tmp, "fp16-full", *fp16))
+    run(_cfg(tmp, "fp16-stopped", *fp16, "--run.exit_after", "2"))
+    run(_cfg(tmp, "fp16-stopped", *fp16, "--resume"))
     return tmp
+
+
+def test_async_saves_during_training_equal_sync_saves(trainer_runs):
+    for step in (4, 6):
+        a = _final_params(trainer_runs / "full" / "checkpoints" / f"step-{step:08d}")
+        b = _final_params(trainer_runs / "async" / "checkpoints" / f"step-{step:08d}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    assert [p.name for p in complete_checkpoints(trainer_runs / "async" / "checkpoints")] == [
+        "step-00000002", "step-00000004", "step-00000006"]  # keep 0: all
+
+
+def test_fp16_resume_carries_the_loss_scaler_and_is_exact(trainer_runs):
+    assert _train_losses(trainer_runs / "fp16-stopped") == _train_losses(trainer_runs / "fp16-full")
+    a = _final_params(trainer_runs / "fp16-full" / "checkpoints" / "step-00000006")
+    b = _final_params(trainer_runs / "fp16-stopped" / "checkpoints" / "step-00000006")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "loss_scaler" in _saved_objects(trainer_runs / "fp16-stopped" / "checkpoints" / "step-00000002")
 
 
 def test_exit_after_then_resume_equals_the_uninterrupted_run_bitwise(trainer_runs):
@@ -364,6 +396,10 @@ def test_run_directory_rules(trainer_runs):
     (newer / "step-00000006" / "fivefold.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="layout field.* fsdp_mesh that this fivefold does not know"):
         validate(_cfg(trainer_runs, "fresh", "--resume", str(newer / "step-00000006"), "--steps", "8"), 2)
+    with pytest.raises(ValueError, match="is of another model: dim=128 there, dim=64 here"):
+        validate(_cfg(trainer_runs, "full", "--resume", "--steps", "8", "--model.dim", "64"), 2)
+    # a longer sequence (max_seq_len grows with it) is the same model
+    assert validate(_cfg(trainer_runs, "full", "--resume", "--steps", "8", "--train.seq_len", "512"), 2).resume_from
     assert validate(_cfg(trainer_runs, "full", "--resume", "--steps", "8"), 2).resume_from.name == "step-00000006"
 
 
@@ -490,3 +526,49 @@ def test_resume_keeps_a_bad_config_out(tmp_path):
 
     with pytest.raises(ValueError, match="checkpoint.interval=-1 must not be negative"):
         validate(dataclasses.replace(_cfg(tmp_path, "x", "--checkpoint.interval", "-1")), 2)
+
+
+def test_the_restart_loop_resumes_from_this_runs_latest_else_from_where_it_started(trainer_runs, monkeypatch):
+    """The local launcher's restart decision, with the workers faked: a worker lost before this run wrote a
+    checkpoint restarts from the --resume PATH it began with; a lost one after restarts from the run's own latest;
+    --overwrite clears the old run before any worker starts (so a restart never finds it); a launcher that was
+    sent SIGTERM does not restart."""
+    import torch.multiprocessing as mp
+
+    from fivefold.launch import Terminated
+    from fivefold.train import trainer
+
+    calls = []
+
+    def fake_launch(fn, nproc, cfg, plan, **kw):
+        calls.append((cfg.run.resume, cfg.run.overwrite, plan.resume_from))
+        if len(calls) == 1:
+            raise mp.ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 0, -9, "SIGKILL")
+        return ["ok"]
+
+    monkeypatch.setattr(trainer, "launch_local", fake_launch)
+    start = trainer_runs / "full" / "checkpoints" / "step-00000004"
+    shutil.copytree(trainer_runs / "full", trainer_runs / "branch")
+    assert trainer.run(_cfg(trainer_runs, "elsewhere", "--resume", str(start), "--steps", "8",
+                            "--run.max_restarts", "1")) == "ok"
+    assert [c[2] for c in calls] == [start, start]  # no checkpoint of its own yet: where it began
+
+    calls.clear()
+    assert trainer.run(_cfg(trainer_runs, "branch", "--resume", str(start), "--steps", "8",
+                            "--run.max_restarts", "1")) == "ok"
+    assert calls[1][2] == trainer_runs / "branch" / "checkpoints" / "step-00000006"  # its own latest
+
+    calls.clear()
+    assert trainer.run(_cfg(trainer_runs, "branch", "--overwrite", "--run.max_restarts", "1")) == "ok"
+    assert not complete_checkpoints(trainer_runs / "branch" / "checkpoints")  # cleared before the first spawn
+    assert calls == [("", False, None), ("", True, None)]  # the restart starts over too
+
+    def stopped(fn, nproc, cfg, plan, **kw):
+        calls.append(1)
+        raise Terminated("stopped by SIGTERM")
+
+    calls.clear()
+    monkeypatch.setattr(trainer, "launch_local", stopped)
+    with pytest.raises(Terminated):
+        trainer.run(_cfg(trainer_runs, "fresh-stop", "--run.max_restarts", "3"))
+    assert calls == [1]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.manager import CheckpointError, find_checkpoint, read_checkpoint_meta
+from fivefold.checkpoint.manager import CheckpointError, find_checkpoint, read_checkpoint_meta, verify_files
 from fivefold.checkpoint.state import training_state
 from fivefold.comm import Comm
 from fivefold.data_parallel import ZeroDataParallel
@@ -144,6 +144,9 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
 
     src = find_checkpoint(source)
     meta = read_checkpoint_meta(src)
+    problems = verify_files(src, meta)  # sizes and SHA-256 of every file, before anything is exported
+    if problems:
+        raise CheckpointError(f"checkpoint {src} is damaged: " + "; ".join(problems[:5]))
     cfg = _llama_config(meta["model"])
     hf_config = config_to_hf(cfg, dtype)
     out = Path(out_dir)

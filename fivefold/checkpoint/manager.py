@@ -58,7 +58,7 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
         return json.loads(meta.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a complete fivefold checkpoint (no {CHECKPOINT_META}); a checkpoint "
-                              "directory whose name ends in .partial was never finished") from None
+                              "directory whose name starts with .partial- was never finished") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta} is damaged ({e})") from None
 
@@ -83,6 +83,9 @@ def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if (path / CHECKPOINT_META).is_file():
         return path
+    for root in (path, path / "checkpoints"):  # a checkpoint folder or a run directory: what its latest names
+        if (root / "latest").is_file() and complete_checkpoints(root):
+            return find_checkpoint("latest", root)
     done = complete_checkpoints(path) or complete_checkpoints(path / "checkpoints")
     if not done:
         raise CheckpointError(f"{path} holds no complete fivefold checkpoint (a step-N directory with "
@@ -161,17 +164,26 @@ class Checkpointer:
             mine[".metadata"] = _file_digest(partial / ".metadata")
         every: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
+        outcome: list = [None]
         if self.rank == 0:  # all data and DCP's metadata are on disk: complete the checkpoint, then point at it
-            files = {name: digest for part in every for name, digest in part.items()}
-            (partial / CHECKPOINT_META).write_text(json.dumps({"step": step, **meta, "files": files}, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            tmp = self.root / ".latest.tmp"
-            tmp.write_text(final.name + "\n")
-            os.replace(tmp, self.root / "latest")
-            self._rotate(keep_also=final)
-        dist.barrier(group=group)  # nobody reads or rotates before it is complete
+            try:
+                files = {name: digest for part in every for name, digest in part.items()}
+                (partial / CHECKPOINT_META).write_text(json.dumps({"step": step, **meta, "files": files}, indent=1))
+                stale = self.root / f".replaced-{final.name}"
+                if final.exists():  # the same step again (a resume from an older checkpoint): moved, then removed
+                    shutil.rmtree(stale, ignore_errors=True)
+                    os.replace(final, stale)
+                os.replace(partial, final)
+                tmp = self.root / ".latest.tmp"
+                tmp.write_text(final.name + "\n")
+                os.replace(tmp, self.root / "latest")
+                shutil.rmtree(stale, ignore_errors=True)
+                self._rotate(keep_also=final)
+            except OSError as e:
+                outcome[0] = f"rank 0 could not complete checkpoint {final}: {e}"
+        dist.broadcast_object_list(outcome, src=0, group=group)  # every rank learns the outcome (no one waits on)
+        if outcome[0] is not None:
+            raise CheckpointError(outcome[0])
 
     def wait(self) -> None:
         """Finish a background save (raises its error)."""
@@ -188,10 +200,9 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod
-    def load(path: Path, state_dict: dict[str, Any]) -> None:
-        """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at ``path``; each rank
-        reads only the rectangles its layout holds. Collective: the files are checked first (sizes everywhere, the
-        SHA-256 of each file on one rank), and every rank raises the same error if one is wrong."""
+    def verify(path: Path) -> None:
+        """Check the checkpoint's files against its manifest (sizes everywhere, the SHA-256 of each file on one
+        rank). Collective: every rank raises the same error if one is wrong."""
         meta = read_checkpoint_meta(path)
         mine = verify_files(path, meta, dist.get_rank(), dist.get_world_size())
         every: list = [None] * dist.get_world_size()
@@ -199,6 +210,13 @@ class Checkpointer:
         problems = sorted({p for part in every for p in part})
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:5]))
+
+    @staticmethod
+    def load(path: Path, state_dict: dict[str, Any], verified: bool = False) -> None:
+        """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at ``path``; each rank
+        reads only the rectangles its layout holds. Collective; `verify` first unless ``verified``."""
+        if not verified:
+            Checkpointer.verify(path)
         try:
             dcp.load(state_dict, checkpoint_id=path, planner=PiecesLoadPlanner())
         except CheckpointException as e:  # DCP gathers every rank's error: raise the first one, plainly

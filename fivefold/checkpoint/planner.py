@@ -43,7 +43,8 @@ class PiecesSavePlanner(DefaultSavePlanner):
     """`DefaultSavePlanner` that also writes `Pieces` values as their rectangles. Flat state dicts only."""
 
     def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        # replicas' copies of a tensor are written once, by the rank that has written least so far (not all by rank 0)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:

@@ -50,7 +50,8 @@ def check_run_dir(cfg: Config) -> Path | None:
     metrics or checkpoints) is an error unless ``run.overwrite``; ``run.resume`` must name a complete checkpoint.
     A worker restarted by torchrun resumes from the latest checkpoint if there is one."""
     root, where = checkpoint_root(cfg), run_dir(cfg)
-    resume = cfg.run.resume or ("latest" if restart_count() > 0 and complete_checkpoints(root) else "")
+    # restarted by torchrun: this run's own latest checkpoint wins over where it started (a --resume PATH)
+    resume = "latest" if restart_count() > 0 and complete_checkpoints(root) else cfg.run.resume
     if resume:
         try:
             return find_checkpoint(resume, root)
@@ -69,8 +70,10 @@ def clear_run_dir(cfg: Config) -> None:
     for name in RUN_FILES:
         (where / name).unlink(missing_ok=True)
     root = checkpoint_root(cfg)
-    for path in complete_checkpoints(root) + ([root / "latest"] if (root / "latest").exists() else []):
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in complete_checkpoints(root):
+        shutil.rmtree(path)
+    if (root / "latest").is_file():  # fivefold writes it as a file only
+        (root / "latest").unlink()
     for partial in root.glob(".partial-*") if root.is_dir() else ():
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -91,28 +94,46 @@ def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
             "zero": cfg.zero.stage, "param_dtype": cfg.precision.param}
 
 
+_SIGTERM = {"seen": False, "previous": None, "installed": False}
+
+
+def watch_sigterm() -> None:
+    """From now on a SIGTERM to this worker is remembered (`TrainCheckpoints.stop_requested`), not fatal: the run
+    stops at the end of a step with a checkpoint. Main thread only (elsewhere the signal keeps its default)."""
+    def on_term(signum: int, frame: Any) -> None:
+        _SIGTERM["seen"] = True
+
+    if _SIGTERM["installed"]:
+        return
+    try:
+        _SIGTERM["previous"] = signal.signal(signal.SIGTERM, on_term)
+        _SIGTERM["installed"] = True
+    except ValueError:
+        pass
+
+
+def unwatch_sigterm() -> None:
+    if _SIGTERM["installed"]:
+        signal.signal(signal.SIGTERM, _SIGTERM["previous"])
+        _SIGTERM.update(seen=False, previous=None, installed=False)
+
+
 class TrainCheckpoints:
     """One per rank, built after `parallelize` (collective: the control group)."""
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, parts: Any, model_config: Any) -> None:
+    def __init__(self, cfg: Config, mesh: ParallelMesh, parts: Any, model_config: Any,
+                 device: torch.device | None = None) -> None:
         self.cfg, self.mesh, self.parts = cfg, mesh, parts
+        self.device = device or torch.device("cpu")
         self.model_config = dataclasses.asdict(model_config)
         self.ckpt = Checkpointer(checkpoint_root(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce, no device sync.
         self.control = dist.new_group(backend="gloo")
-        self._term = False
-        self._previous = None
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._on_term)
-        except ValueError:  # not the main thread: no handler (the run stops where the signal's default does)
-            pass
-
-    def _on_term(self, signum: int, frame: Any) -> None:
-        self._term = True
+        watch_sigterm()
 
     def stop_requested(self) -> bool:
         """True on every rank once any rank got SIGTERM (checked each step: one tiny CPU all-reduce)."""
-        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32, device="cpu")  # the gloo control group
+        flag = torch.tensor([1 if _SIGTERM["seen"] else 0], dtype=torch.int32, device="cpu")  # gloo control group
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
@@ -131,7 +152,8 @@ class TrainCheckpoints:
         """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited for it."""
         t0 = time.perf_counter()
         state = training_state(self.parts.engines.values(), self.mesh.comm("tp")).state_dict
-        state[f"rng.rank{dist.get_rank()}"] = {"cpu": torch.get_rng_state(), "accelerator": _accelerator_rng()}
+        state[f"rng.rank{dist.get_rank()}"] = {"cpu": torch.get_rng_state(),
+                                               "accelerator": _accelerator_rng(self.device)}
         scalers = [e.loss_scaler.state_dict() for e in self.parts.engines.values() if e.loss_scaler is not None]
         if scalers:
             state["loss_scaler"] = scalers[0]
@@ -145,12 +167,9 @@ class TrainCheckpoints:
         """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had done."""
         meta = read_checkpoint_meta(path)
         check_layout_fields(path, meta)
+        check_model_matches(path, meta, self.model_config)
+        Checkpointer.verify(path)  # before anything of it is read
         ours = layout(self.cfg, self.mesh)
-        mismatch = [k for k, v in self.model_config.items() if k in meta.get("model", {}) and meta["model"][k] != v]
-        if mismatch:
-            k = mismatch[0]
-            raise CheckpointError(f"checkpoint {path} is of another model: {k}={meta['model'][k]!r} there, {k}="
-                                  f"{self.model_config[k]!r} here")
         elementwise, scalars = Checkpointer.saved_optimizer_keys(path)
         ts = training_state(self.parts.engines.values(), self.mesh.comm("tp"), scalars, elementwise)
         state = ts.state_dict
@@ -161,11 +180,11 @@ class TrainCheckpoints:
         scalers = [e.loss_scaler for e in self.parts.engines.values() if e.loss_scaler is not None]
         if scalers and "loss_scaler" in _saved_keys(path):
             state["loss_scaler"] = None
-        Checkpointer.load(path, state)
+        Checkpointer.load(path, state, verified=True)
         ts.after_load(self.parts.engines.values())
         if same_layout:
             torch.set_rng_state(state[rng_key]["cpu"])
-            _set_accelerator_rng(state[rng_key]["accelerator"])
+            _set_accelerator_rng(self.device, state[rng_key]["accelerator"])
         if state.get("loss_scaler") is not None:
             for s in scalers:
                 s.load_state_dict(state["loss_scaler"])
@@ -173,8 +192,7 @@ class TrainCheckpoints:
 
     def close(self) -> None:
         self.ckpt.wait()
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        unwatch_sigterm()
 
 
 def _saved_keys(path: Path) -> set[str]:
@@ -182,14 +200,35 @@ def _saved_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-def _accelerator_rng() -> Any:
-    if torch.accelerator.is_available():
-        index = torch.accelerator.current_device_index()
-        return torch.get_device_module(torch.accelerator.current_accelerator()).get_rng_state(index)
-    return None
+def _accelerator_rng(device: torch.device) -> Any:
+    """The generator state of the accelerator this rank computes on (None on the CPU path: no device touched)."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device.type).get_rng_state(device.index or 0)
 
 
-def _set_accelerator_rng(state: Any) -> None:
-    if state is not None and torch.accelerator.is_available():
-        index = torch.accelerator.current_device_index()
-        torch.get_device_module(torch.accelerator.current_accelerator()).set_rng_state(state, index)
+def _set_accelerator_rng(device: torch.device, state: Any) -> None:
+    if state is not None and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(state, device.index or 0)
+
+
+# What the weights' shapes depend on: a checkpoint is of this model when these agree (max_seq_len, which grows
+# with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor).
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings",
+                "attention_head_dim")
+MOE_SHAPE_FIELDS = ("experts", "top_k", "shared_experts", "hidden", "every")
+
+
+def check_model_matches(path: Path, meta: dict[str, Any], model: dict[str, Any]) -> None:
+    """The checkpoint's model has this model's tensors (else the first field that differs, both values)."""
+    saved = meta.get("model", {})
+    pairs = [(k, saved.get(k), model.get(k)) for k in SHAPE_FIELDS if k in saved and k in model]
+    saved_moe, moe = saved.get("moe") or {}, model.get("moe") or {}
+    if bool(saved_moe) != bool(moe):
+        pairs.append(("moe", "an MoE model" if saved_moe else "dense", "an MoE model" if moe else "dense"))
+    elif moe:
+        pairs += [(f"moe.{k}", saved_moe.get(k), moe.get(k)) for k in MOE_SHAPE_FIELDS if k in saved_moe]
+    for key, there, here in pairs:
+        if there != here:
+            raise CheckpointError(f"checkpoint {path} is of another model: {key}={there!r} there, {key}={here!r} "
+                                  "here")

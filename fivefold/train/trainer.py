@@ -15,16 +15,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fivefold.checkpoint.hf import load_hf_weights
-from fivefold.checkpoint.manager import complete_checkpoints
+from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta
 from fivefold.comm import CommLog
 from fivefold.config import Config
 from fivefold.formulas import bubble_formula
-from fivefold.launch import distributed, is_torchrun_env, launch_local, resolve_device, to_device
+from fivefold.launch import Terminated, distributed, is_torchrun_env, launch_local, resolve_device, to_device
 from fivefold.mesh import ParallelMesh
 from fivefold.models import Llama, count_params
 from fivefold.models.parallelize import parallelize
 from fivefold.optim.lr import lr_at
-from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir
+from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir, restart_count, watch_sigterm
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import RunRecord
 from fivefold.train.validate import RunPlan, validate
@@ -53,24 +53,36 @@ def run(cfg: Config) -> TrainResult:
         raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     plan = validate(cfg, cfg.run.nproc)  # every error here, before any process starts
+    if cfg.run.overwrite and plan.resume_from is None:  # here, once: a restart must not find the old run's files
+        clear_run_dir(cfg)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False))
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
+    first_resume = cfg.run.resume
     for attempt in range(cfg.run.max_restarts + 1):
         try:
             return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads, timeout_s=1800.0)[0]
+        except Terminated:  # the launcher itself was told to stop
+            raise
         except mp.ProcessExitedException as e:  # a worker was lost (killed, crashed): not a Python error
             if attempt == cfg.run.max_restarts:
                 raise
+            # this run's own latest checkpoint, else where it started from (a --resume PATH), else the start
             latest = complete_checkpoints(checkpoint_root(cfg))
+            resume = "latest" if latest else first_resume
+            if latest and read_checkpoint_meta(latest[-1]).get("steps_done", 0) >= cfg.train.steps:
+                print(f"fivefold: {e} after the last checkpoint ({latest[-1]}, all {cfg.train.steps} steps); "
+                      "nothing left to restart", flush=True)
+                raise
             print(f"fivefold: {e}; restart {attempt + 1} of {cfg.run.max_restarts} from "
-                  f"{latest[-1] if latest else 'the start (no checkpoint yet)'}", flush=True)
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(
-                cfg.run, resume="latest" if latest else "", overwrite=not latest))
+                  f"{latest[-1] if latest else resume or 'the start (no checkpoint yet)'}", flush=True)
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=resume, overwrite=not resume))
             plan = validate(cfg, cfg.run.nproc)
     raise AssertionError("unreachable")
 
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
     """Train on this rank (torch.distributed initialised, `plan` from `validate`); returns a summary."""
+    watch_sigterm()  # from the start: a SIGTERM while the model is built still stops at the first step's end
     device = resolve_device(cfg.run.device)
     if device.type != "cpu" and cfg.precision.tf32:
         torch.set_float32_matmul_precision("high")
@@ -85,14 +97,14 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     n_params = count_params(Llama(model_cfg, device="meta"))
     parts = parallelize(cfg, model_cfg, mesh, device)
     is_main = dist.get_rank() == 0
-    checkpoints = TrainCheckpoints(cfg, mesh, parts, model_cfg)
+    checkpoints = TrainCheckpoints(cfg, mesh, parts, model_cfg, device)
     start = 0
     if plan.resume_from is not None:
         start = checkpoints.restore(plan.resume_from)
     else:
         if cfg.model.init_from:  # Hugging Face weights, each rank reading its own rectangles
             load_hf_weights(cfg.model.init_from, parts.engines.values(), mesh.comm("tp"))
-        if cfg.run.overwrite and is_main:
+        if cfg.run.overwrite and is_main and restart_count() == 0:  # under torchrun (the launcher did it above)
             clear_run_dir(cfg)
     dist.barrier()
     record = RunRecord(Path(cfg.run.out_dir) / cfg.run.name if is_main else None, t.steps, cfg.run.progress,
@@ -120,14 +132,14 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         batches = [data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
                    for micro in range(t.grad_accum)]
         loss_sum = parts.forward_backward([(to_device(x, device), to_device(y, device)) for x, y in batches])
-        if step == min(start + 1, t.steps - 1):  # gradients present, optimizer state allocated (after a step)
+        if step == min(start + 1, t.steps - 1) or (step == start and start > 0):  # optimizer state allocated
             state_mb = parts.model_state_bytes() / 2**20
         grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
         # the step's data-parallel traffic (gradients over dp or dp_cp; MoE: experts over ep_dp, all-to-alls over ep),
         # read before the metrics' own collectives
         traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp"))
         loss = parts.global_loss(loss_sum)
-        if step % cfg.run.log_every == 0 or step == t.steps - 1 or step == start:
+        if step % cfg.run.log_every == 0 or step == t.steps - 1:
             losses.append(loss.item())  # waits for this step
             now = time.perf_counter()
             intervals.append(dt := (now - since) / (step + 1 - since_step))  # seconds per step since the last log
@@ -160,7 +172,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                            f"{checkpoint_root(cfg)}; continue with --resume")
                 break
     checkpoints.close()  # a background save finishes
-    steady = sorted(intervals[1:] or intervals)
+    steady = sorted(intervals[1:] or intervals) or [float("nan")]  # (a run stopped before its first log step)
+    losses = losses or [float("nan")]
     result = TrainResult(step + 1 if stopped else t.steps, losses[0], losses[-1], val_loss, n_params,
                          tokens_per_step / steady[len(steady) // 2],
                          str(record.run_dir) if record.run_dir else None, state_mb)

@@ -25,7 +25,7 @@ from fivefold.models.parallelize import OVERLAP_CHOICES, check_pipeline_supporte
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
-from fivefold.train.checkpointing import check_layout_fields, check_run_dir
+from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
 from fivefold.train.corpus import check_source
 
 __all__ = ["RunPlan", "validate"]
@@ -148,6 +148,9 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         meta = read_checkpoint_meta(resume_from) if resume_from is not None else {}
         if resume_from is not None:
             check_layout_fields(resume_from, meta)
+            # the model's tensors (the vocabulary may still grow with the data: the workers check it)
+            check_model_matches(resume_from, meta, {k: v for k, v in dataclasses.asdict(model).items()
+                                                    if k != "vocab_size"})
         done = meta.get("steps_done", 0)
     except ValueError as e:
         raise ConfigError(str(e)) from None
