@@ -22,6 +22,8 @@ def _train(argv: list[str]) -> int:
     parser.epilog = ("--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
                      "PATH; --overwrite: start over in a run directory that already holds a run")
     args, overrides = parser.parse_known_args(argv)
+    import torch.multiprocessing as mp
+
     from fivefold.launch import Terminated
     from fivefold.train.trainer import run
 
@@ -34,6 +36,13 @@ def _train(argv: list[str]) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fivefold train: error: {e}", file=sys.stderr)
         return 2
+    except mp.ProcessRaisedException as e:  # a worker's error, its traceback printed above: the error itself, once
+        last = [line for line in str(e).splitlines() if line.strip()][-1]
+        print(f"fivefold train: error in a worker: {last}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"fivefold train: error: a worker was lost: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

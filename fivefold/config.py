@@ -78,6 +78,9 @@ class TrainSection:
     beta2: float = 0.95
     eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
+    # stop (every rank, before the step is applied) on a non-finite gradient norm, naming the first parameter with a
+    # non-finite gradient; one host sync per step. fp16 skips such a step instead (loss scaling).
+    check_finite: bool = True
     seed: int = 0
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8

@@ -98,8 +98,19 @@ def teardown() -> None:
     dist.destroy_process_group()
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
 def is_torchrun_env() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    """True under torchrun (or any launcher that sets what it sets); raises if only some of its variables are set,
+    e.g. left over in the shell, which would otherwise make a local run wait for ranks that never come."""
+    present = [k for k in TORCHRUN_VARS if k in os.environ]
+    if present and len(present) < len(TORCHRUN_VARS):
+        missing = [k for k in TORCHRUN_VARS if k not in os.environ]
+        raise ValueError(f"{', '.join(f'{k}={os.environ[k]}' for k in present)} set but not {', '.join(missing)}: "
+                         "these look left over from another launch. To run locally, unset them (env -u "
+                         f"{' -u '.join(present)} fivefold train ...); under torchrun all of them are set")
+    return bool(present)
 
 
 def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int,
@@ -121,28 +132,34 @@ def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int,
 
 
 class Terminated(RuntimeError):
-    """The launcher was sent SIGTERM and its workers did not all finish cleanly (e.g. stopped during start-up)."""
+    """The launcher was sent SIGTERM or SIGINT and its workers did not all finish cleanly (e.g. stopped during
+    start-up)."""
 
 
 @contextlib.contextmanager
-def _forwarding_sigterm(processes: list, received: list[bool]) -> Iterator[None]:
-    """A SIGTERM to the launcher (a job's time limit) goes on to its workers, which save a checkpoint and stop
-    (`fivefold.train.checkpointing`); the launcher then waits for them as usual. ``received[0]`` records it."""
+def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[None]:
+    """A SIGTERM (a job's time limit) or SIGINT (Ctrl-C) to the launcher goes on to its workers: they
+    finish the step, save a checkpoint and stop (`fivefold.train.checkpointing`); the launcher waits for them as
+    usual and cleans up. A second SIGINT kills them at once. ``received[0]`` records that a stop was asked."""
     def forward(signum: int, frame: Any) -> None:
+        again = received[0] and signum == signal.SIGINT
         received[0] = True
         for p in processes:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, signal.SIGKILL if again else signum)
+        if not again and signum == signal.SIGINT:
+            print("fivefold: stopping at the end of this step (Ctrl-C again to kill the workers)", flush=True)
 
     try:
-        previous = signal.signal(signal.SIGTERM, forward)
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread: nothing to forward from here
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
@@ -159,13 +176,13 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
         context = mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args,
                                                           device), nprocs=nproc, join=False, start_method=start_method)
         terminated = [False]
-        with _forwarding_sigterm(context.processes, terminated):
+        with _forwarding_stop_signals(context.processes, terminated):
             try:
                 while not context.join():
                     pass
             except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
                 if terminated[0]:  # the job was stopped: not a failure to restart from
-                    raise Terminated(f"stopped by SIGTERM ({e})") from e
+                    raise Terminated(f"stopped by a signal ({e})") from e
                 raise
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
     del store

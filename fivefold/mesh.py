@@ -128,6 +128,13 @@ class ParallelMesh:
             self._comms[dim] = Comm(self.group(dim), dim, self.comm_log, device=self.device)
         return self._comms[dim]
 
+    @property
+    def world(self) -> Comm:
+        """Every rank (for agreement on rare events: a non-finite gradient's name)."""
+        if "world" not in self._comms:
+            self._comms["world"] = Comm(dist.group.WORLD, "world", self.comm_log, device=self.device)
+        return self._comms["world"]
+
     def backward_comm(self, dim: str) -> Comm:
         """A second `Comm` over the ranks of `dim`, on its own process group and logged as `dim`: for the collectives
         of a backward that runs beside a forward (DualPipeV's overlapped units), so the two never share a group's

@@ -485,30 +485,36 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_sa
     assert steps == list(range(30))  # the lost attempt's records after its checkpoint were dropped
 
 
-def test_sigterm_to_the_launcher_stops_every_worker_with_a_checkpoint(calm_run):
-    """A job's time limit: SIGTERM to `fivefold train` reaches the workers, which finish the step, save and exit
-    0; `--resume` then completes the run with the parameters of the run that was never stopped."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_the_launcher_stops_every_worker_with_a_checkpoint(calm_run, sig):
+    """A job's time limit (SIGTERM) or Ctrl-C (SIGINT) to `fivefold train` reaches the workers, which finish the
+    step, save and exit 0, leaving no temporary directory; `--resume` then completes the run with the parameters
+    of the run that was never stopped."""
     tmp_path = calm_run
-    args = [a.format(out=tmp_path) for a in RESTART_ARGS] + ["--run.name", "termed", "--nproc", "2"]
+    name = f"stopped-{sig.name}"
+    scratch = tmp_path / f"tmp-{sig.name}"  # the launcher's own temporary directories go here
+    scratch.mkdir()
+    args = [a.format(out=tmp_path) for a in RESTART_ARGS] + ["--run.name", name, "--nproc", "2"]
     cli = [sys.executable, "-c", "from fivefold.cli import main; raise SystemExit(main())", "train", *args]
     proc = subprocess.Popen(cli, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    metrics = tmp_path / "termed" / "metrics.jsonl"
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch)))
+    metrics = tmp_path / name / "metrics.jsonl"
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
         if metrics.exists() and sum(1 for line in metrics.read_text().splitlines() if '"train"' in line) >= 3:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert "SIGTERM: stopped after" in out, out
-    ckpt = complete_checkpoints(tmp_path / "termed" / "checkpoints")[-1]  # (an interval one may come before)
+    assert f"{sig.name}: stopped after" in out and "Traceback" not in out, out
+    ckpt = complete_checkpoints(tmp_path / name / "checkpoints")[-1]  # (an interval one may come before)
     meta = read_checkpoint_meta(ckpt)
-    assert meta["reason"] == "SIGTERM" and 3 <= meta["steps_done"] < 30
+    assert meta["reason"] == sig.name and 3 <= meta["steps_done"] < 30
+    assert not list(scratch.glob("fivefold-*"))  # the launcher cleaned up
     subprocess.run([*cli, "--resume"], check=True, capture_output=True, timeout=300)
     a = _final_params(tmp_path / "calm" / "checkpoints" / "step-00000030")
-    b = _final_params(tmp_path / "termed" / "checkpoints" / "step-00000030")
+    b = _final_params(tmp_path / name / "checkpoints" / "step-00000030")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

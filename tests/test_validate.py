@@ -94,6 +94,9 @@ BAD = [
     (["--data.val_fraction", "0"], 2, "raise data.val_fraction or set train.eval_every 0"),
     (["--data.max_bytes", "0"], 2, "data.max_bytes=0 must be positive"),
     (["--data.max_bytes", "-5"], 2, "data.max_bytes=-5 must be positive"),
+    (["--train.lr", "inf"], 2, "train.lr=inf must be a finite number"),
+    (["--train.lr", "nan"], 2, "train.lr=nan must be a finite number"),
+    (["--train.grad_clip", "-inf"], 2, "train.grad_clip=-inf must be a finite number"),
 ]
 
 
@@ -136,7 +139,8 @@ def test_a_good_config_is_resolved_once():
                                               "--train.micro_batch", "2", "--train.seq_len", "512"]), 4)
     assert (plan.dims.dp, plan.dims.tp) == (2, 2)
     assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (16, 2, 4)
-    assert plan.model.max_seq_len == 512 and plan.model.dim == 128  # grown to the sequence length
+    assert plan.model.max_seq_len == 512 and plan.model.dim == 128  # grown to the sequence length, and said so
+    assert any("max_seq_len raised from 256 to train.seq_len=512" in n for n in plan.notes)
     assert plan.model_for(255).vocab_size == 256 and plan.model_for(50000).vocab_size == 50048
 
 
@@ -165,3 +169,27 @@ def test_moe_keys_lay_over_the_presets_moe_settings():
         moe("--preset", "tiny", "--model.moe.top_k", "1")
     with pytest.raises(ConfigError, match="moe.group_limit=3 must lie in"):
         moe("--preset", "tiny-moe", "--model.moe.groups", "2", "--model.moe.group_limit", "3")
+
+
+def test_half_set_torchrun_variables_are_named_instead_of_waiting(monkeypatch, capsys):
+    from fivefold.cli import main
+
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert main(["train", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "RANK=0, WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29500 set but not LOCAL_RANK" in err
+    assert "env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT" in err
+
+
+def test_mostly_binary_data_is_noted(tmp_path):
+    import random
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4000)))
+    plan = validate(load_config(None, ["--data", str(noise), "--train.seq_len", "64", "--train.eval_every", "0"]), 2)
+    assert any("are not text" in n and "noise.txt" in n for n in plan.notes)
+    text = tmp_path / "prose.txt"
+    text.write_text("An ordinary sentence, with punctuation — and some UTF-8: café.\n" * 100)
+    plan = validate(load_config(None, ["--data", str(text), "--train.seq_len", "64", "--train.eval_every", "0"]), 2)
+    assert not any("are not text" in n for n in plan.notes)

@@ -154,6 +154,22 @@ class ShardedOptimizer:
             out[placement] = out[placement] + sq if placement in out else sq
         return out
 
+    @torch.no_grad()
+    def first_non_finite_grad(self) -> str | None:
+        """The name of the first parameter whose gradient in this rank's shard has a NaN or Inf element (None if
+        none); after `local_sq_norms` prepared the gradients."""
+        self._prepare_grads()
+        for f in self.flats:
+            if f.grad_shard is None:
+                continue
+            bad = (~torch.isfinite(f.grad_shard)).nonzero()
+            if bad.numel():
+                at = f.start + int(bad[0, 0])
+                for slot in f.layout.slots:
+                    if slot.offset <= at < slot.offset + slot.numel:
+                        return slot.name
+        return None
+
     def _prepare_grads(self) -> None:
         if getattr(self, "_grads", None) is None:
             if self.grads_from_params:

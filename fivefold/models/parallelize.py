@@ -200,9 +200,12 @@ class _Parts:
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for e in self.engines.values() for g in e.param_groups]
 
-    def step(self, max_norm: float | None) -> float | None:
+    def step(self, max_norm: float | None, check_finite: bool = False) -> float | None:
+        """Clip and step every engine together; ``check_finite``: stop (`NonFiniteGradient`, on every rank) instead
+        of applying a non-finite gradient."""
         comms = {d: self.mesh.comm(d) for d in ("tp", "pp", "ep") if d != "ep" or self.mesh.size("ep") > 1}
-        return step_together(list(self.engines.values()), max_norm, comms)
+        return step_together(list(self.engines.values()), max_norm, comms, check_finite,
+                             self.mesh.world if check_finite else None)
 
     def gather_timeline(self) -> None:
         """Only a pipeline has a timeline to gather."""

@@ -61,26 +61,53 @@ class Engine(Protocol):
     def zero_grad(self) -> None: ...
 
 
+class NonFiniteGradient(FloatingPointError):
+    """The global gradient norm is not finite (and no loss scaler is there to skip the step): the step is not
+    applied, so the weights (and the last checkpoint) stay as they were."""
+
+
 def step_together(engines: Sequence[Engine], max_norm: float | None = None,
-                  comms: Mapping[str, Comm] | None = None) -> torch.Tensor | None:
+                  comms: Mapping[str, Comm] | None = None, check_finite: bool = False,
+                  world: Comm | None = None) -> torch.Tensor | None:
     """One step of the engines forming one model (this rank's stages), clipped by their global norm; `comms` maps
     the other partitioned dimensions to groups (every rank passes the same: "tp", "pp"; "dp" is the engines' own
     when they shard). Returns the norm (a 0-d tensor on the group's device) if one was needed.
 
     The norm and the clipping stay on the device: no host sync, so the next step's work can be queued while this
-    one runs. Only a loss scaler (fp16) reads the norm on the host, to skip an overflowed step on every rank alike."""
+    one runs. A loss scaler (fp16) reads the norm on the host, to skip an overflowed step on every rank alike; so
+    does ``check_finite``, to stop before a non-finite gradient reaches the weights: every rank raises
+    `NonFiniteGradient` naming the first parameter whose gradient is not finite (found over ``world``)."""
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()
         if e.zero_stage >= 1:  # ZeRO shards are partitioned over the engine's group (DDP's are replicated there)
             comms.setdefault(e.comm.dim, e.comm)
     norm, found_inf = None, False
-    if max_norm is not None or any(e.loss_scaler is not None for e in engines):
+    scaled = any(e.loss_scaler is not None for e in engines)
+    if max_norm is not None or scaled or check_finite:
         device = engines[0].comm.device if engines else "cpu"
         norm = global_grad_sq_norm([e.optimizer.local_sq_norms() for e in engines], comms, device).sqrt()
-        if any(e.loss_scaler is not None for e in engines):
-            found_inf = not math.isfinite(norm.item())  # the one host sync, fp16 only
+        if scaled or check_finite:
+            found_inf = not math.isfinite(norm.item())  # the one host sync per step
+        if found_inf and not scaled:
+            raise NonFiniteGradient(_first_non_finite(engines, norm.item(), world))
     for e in engines:
         e.optimizer.apply_step(norm, max_norm, found_inf)
         e.zero_grad()
     return norm
+
+
+def _first_non_finite(engines: Sequence[Engine], norm: float, world: Comm | None) -> str:
+    """The message every rank raises: the norm and the first parameter (by rank, then order) with a non-finite
+    gradient element in this rank's shard."""
+    mine = None
+    for e in engines:
+        mine = mine or e.optimizer.first_non_finite_grad()
+        if mine:
+            break
+    found = world.all_gather_object(mine) if world is not None else [mine]
+    where = next(((rank, name) for rank, name in enumerate(found) if name), None)
+    detail = (f"the first non-finite gradient is {where[1]!r} (rank {where[0]})" if where else
+              "no single parameter's gradient is non-finite (the sum of squares overflowed)")
+    return (f"the global gradient norm is {norm}: {detail}; the step was not applied, the weights and the last "
+            "checkpoint are as they were. Lower train.lr, check the data, or use fp16/bf16 loss scaling")

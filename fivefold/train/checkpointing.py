@@ -94,19 +94,21 @@ def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
             "zero": cfg.zero.stage, "param_dtype": cfg.precision.param}
 
 
-_SIGTERM = {"seen": False, "previous": None, "installed": False}
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SIGTERM: dict[str, Any] = {"seen": None, "previous": {}, "installed": False}
 
 
 def watch_sigterm() -> None:
-    """From now on a SIGTERM to this worker is remembered (`TrainCheckpoints.stop_requested`), not fatal: the run
-    stops at the end of a step with a checkpoint. Main thread only (elsewhere the signal keeps its default)."""
-    def on_term(signum: int, frame: Any) -> None:
-        _SIGTERM["seen"] = True
+    """From now on a SIGTERM or SIGINT to this worker is remembered (`TrainCheckpoints.stop_requested`), not fatal:
+    the run stops at the end of a step with a checkpoint. Main thread only (elsewhere the signals keep their
+    defaults)."""
+    def on_stop(signum: int, frame: Any) -> None:
+        _SIGTERM["seen"] = _SIGTERM["seen"] or signal.Signals(signum).name
 
     if _SIGTERM["installed"]:
         return
     try:
-        _SIGTERM["previous"] = signal.signal(signal.SIGTERM, on_term)
+        _SIGTERM["previous"] = {sig: signal.signal(sig, on_stop) for sig in _STOP_SIGNALS}
         _SIGTERM["installed"] = True
     except ValueError:
         pass
@@ -114,8 +116,9 @@ def watch_sigterm() -> None:
 
 def unwatch_sigterm() -> None:
     if _SIGTERM["installed"]:
-        signal.signal(signal.SIGTERM, _SIGTERM["previous"])
-        _SIGTERM.update(seen=False, previous=None, installed=False)
+        for sig, handler in _SIGTERM["previous"].items():
+            signal.signal(sig, handler)
+        _SIGTERM.update(seen=None, previous={}, installed=False)
 
 
 class TrainCheckpoints:
@@ -131,17 +134,21 @@ class TrainCheckpoints:
         self.control = dist.new_group(backend="gloo")
         watch_sigterm()
 
-    def stop_requested(self) -> bool:
-        """True on every rank once any rank got SIGTERM (checked each step: one tiny CPU all-reduce)."""
-        flag = torch.tensor([1 if _SIGTERM["seen"] else 0], dtype=torch.int32, device="cpu")  # gloo control group
+    def stop_requested(self) -> str | None:
+        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one (checked each step: one tiny CPU
+        all-reduce); None otherwise."""
+        seen = _SIGTERM["seen"]
+        code = 0 if seen is None else _STOP_SIGNALS.index(getattr(signal, seen)) + 1
+        flag = torch.tensor([code], dtype=torch.int32, device="cpu")  # the gloo control group
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        return bool(flag.item())
+        return _STOP_SIGNALS[int(flag.item()) - 1].name if flag.item() else None
 
     def due(self, steps_done: int, steps_this_run: int) -> str | None:
         """Why to save after ``steps_done`` steps (None: not now). Call on every rank after every step."""
         c, r, t = self.cfg.checkpoint, self.cfg.run, self.cfg.train
-        if self.stop_requested():
-            return "SIGTERM"
+        stop = self.stop_requested()
+        if stop is not None:
+            return stop
         if r.exit_after and steps_this_run >= r.exit_after and steps_done < t.steps:
             return "exit_after"
         if c.interval > 0 and (steps_done % c.interval == 0 or steps_done == t.steps):

@@ -209,6 +209,28 @@ def check_source(path: str | None, max_bytes: int | None = None) -> tuple[int, i
     return sum(_checked_tokens(p, max_bytes) for p in sources), None
 
 
+def binary_share(path: str | None, sample_bytes: int = 1 << 16) -> tuple[float, str] | None:
+    """For a text source: the share of bytes in the first ``sample_bytes`` of its first file that are neither
+    printable ASCII, common whitespace nor part of valid UTF-8 — high for random or binary data fed as text — and
+    that file's name. None for the default corpus and ``.bin`` token files."""
+    if path is None:
+        return None
+    for src in _split_sources(path):
+        if _is_nanogpt_folder(src):
+            continue
+        files = [f for f in _folder_text_files(src) if f.stat().st_size] if src.is_dir() else [src]
+        for f in files:
+            if f.suffix == ".bin":
+                continue
+            data = f.read_bytes()[:sample_bytes]
+            if not data:
+                continue
+            text = data.decode("utf-8", errors="replace")
+            bad = text.count("\ufffd") + sum(1 for c in text if ord(c) < 32 and c not in "\n\r\t\f")
+            return bad / max(len(text), 1), str(f)
+    return None
+
+
 def _checked_tokens(p: Path, max_bytes: int | None) -> int:
     cap = max_bytes if max_bytes is not None else float("inf")
     if p.is_dir():

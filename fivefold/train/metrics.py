@@ -4,6 +4,7 @@ rank 0): ``metrics.jsonl``, then the loss curve and, for pipelines, the measured
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,16 @@ __all__ = ["Progress", "RunRecord", "read_metrics"]
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _read_lenient(path: Path) -> list[dict[str, Any]]:
@@ -80,8 +91,15 @@ class RunRecord:
             self.progress.update(resume_at)
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:  # strict JSON: a NaN or infinite value is written as null
+            self._f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+
+    def abort(self) -> None:
+        """The run fails: close the file (what was written stays valid JSON lines) and the progress bar."""
+        self.progress.close()
         if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
+            self._f.close()
+            self._f = None
 
     def say(self, msg: str) -> None:
         """A line for the user on rank 0: above the progress bar, or printed when there is none."""

@@ -23,6 +23,7 @@ from fivefold.launch import Terminated, distributed, is_torchrun_env, launch_loc
 from fivefold.mesh import ParallelMesh
 from fivefold.models import Llama, count_params
 from fivefold.models.parallelize import parallelize
+from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
 from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir, restart_count, watch_sigterm
 from fivefold.train.data import TokenDataset
@@ -112,6 +113,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     record.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
                   "params": n_params, "world": dist.get_world_size(), "dp": dp,
                   "resumed_from": str(plan.resume_from) if plan.resume_from else None, "start_step": start})
+    for note in plan.notes:
+        record.say(f"fivefold: note: {note}")
     if plan.resume_from is not None:
         record.say(f"fivefold: resumed from {plan.resume_from} after {start} steps")
     record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh, parts)}, "
@@ -134,7 +137,13 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         loss_sum = parts.forward_backward([(to_device(x, device), to_device(y, device)) for x, y in batches])
         if step == min(start + 1, t.steps - 1) or (step == start and start > 0):  # optimizer state allocated
             state_mb = parts.model_state_bytes() / 2**20
-        grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None)
+        try:
+            grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None, t.check_finite)
+        except NonFiniteGradient as e:
+            checkpoints.close()  # a background save of a good step still completes
+            record.write({"kind": "error", "step": step, "error": "non-finite gradient", "message": str(e)})
+            record.abort()
+            raise NonFiniteGradient(f"step {step + 1}: {e}") from None
         # the step's data-parallel traffic (gradients over dp or dp_cp; MoE: experts over ep_dp, all-to-alls over ep),
         # read before the metrics' own collectives
         traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp"))
@@ -166,7 +175,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.write({"kind": "checkpoint", "step": step, "steps_done": step + 1, "reason": reason,
                           "seconds": waited, "async": cfg.checkpoint.async_save})
             since += waited  # saving is not training time
-            if reason in ("SIGTERM", "exit_after"):
+            if reason in ("SIGTERM", "SIGINT", "exit_after"):
                 stopped = reason
                 record.say(f"fivefold: {reason}: stopped after {step + 1} of {t.steps} steps with a checkpoint in "
                            f"{checkpoint_root(cfg)}; continue with --resume")

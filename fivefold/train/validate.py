@@ -26,7 +26,7 @@ from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
 from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
-from fivefold.train.corpus import check_source
+from fivefold.train.corpus import binary_share, check_source
 
 __all__ = ["RunPlan", "validate"]
 
@@ -41,6 +41,7 @@ class RunPlan:
     grad_accum: int
     model: LlamaConfig  # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
     resume_from: Path | None = None  # the checkpoint this run continues (None: a new run)
+    notes: tuple[str, ...] = ()  # what the run changed of what it was given, to say at start-up
 
     def model_for(self, max_token: int) -> LlamaConfig:
         """The model for data whose largest token id is `max_token` (a larger vocabulary is rounded up to 64·k)."""
@@ -64,6 +65,10 @@ def _non_negative(**values: float) -> None:
 def validate(cfg: Config, world_size: int) -> RunPlan:
     """Raise a `ValueError` naming the first problem of `cfg` on `world_size` processes; return the resolved plan."""
     t, z, p, r = cfg.train, cfg.zero, cfg.parallel, cfg.run
+    for section, values in cfg.to_dict().items():  # inf or nan reach a float field from TOML or the command line
+        for key, value in (values or {}).items() if isinstance(values, dict) else ():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{key}={value} must be a finite number")
     _positive(**{"run.nproc / world size": world_size, "train.steps": t.steps, "run.log_every": r.log_every,
                  "train.seq_len": t.seq_len, "train.lr": t.lr, "train.eps": t.eps, "train.eval_batches": t.eval_batches,
                  "zero.bucket_mb": z.bucket_mb, "zero.inflight_buckets": z.inflight_buckets})
@@ -101,7 +106,10 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_moe(model, dims, cfg)
+    notes = []
     if t.seq_len > model.max_seq_len:
+        notes.append(f"model.max_seq_len raised from {model.max_seq_len} to train.seq_len={t.seq_len} (longer RoPE "
+                     "tables; no parameter changes)")
         model = dataclasses.replace(model, max_seq_len=t.seq_len).validate()
     if dims.tp > 1:
         check_divisible(model, LLAMA_TP_PLAN, dims.tp)
@@ -139,6 +147,10 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             raise ConfigError(str(e)) from None
 
     _check_data(cfg)
+    share = binary_share(cfg.data.path)
+    if share is not None and share[0] > 0.1:
+        notes.append(f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or random "
+                     "data?); training proceeds on its bytes")
     _check_out_dir(Path(r.out_dir) / r.name)
     c = cfg.checkpoint
     _non_negative(**{"checkpoint.interval": c.interval, "checkpoint.keep": c.keep, "run.exit_after": r.exit_after,
@@ -157,7 +169,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     if done >= t.steps:
         raise ConfigError(f"checkpoint {resume_from} has done {done} steps and train.steps={t.steps}: nothing left to "
                           "train; raise train.steps to continue it")
-    return RunPlan(dims, global_batch, micro_batch, grad_accum, model, resume_from)
+    return RunPlan(dims, global_batch, micro_batch, grad_accum, model, resume_from, tuple(notes))
 
 
 def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:
