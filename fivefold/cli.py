@@ -26,6 +26,7 @@ def _train(argv: list[str]) -> int:
 
     from fivefold.launch import Terminated
     from fivefold.train.trainer import run
+    from fivefold.watchdog import Stalled
 
     try:
         cfg = load_config(args.config, overrides)
@@ -42,6 +43,9 @@ def _train(argv: list[str]) -> int:
         return 1
     except mp.ProcessExitedException as e:
         print(f"fivefold train: error: a worker was lost: {e}", file=sys.stderr)
+        return 1
+    except Stalled as e:
+        print(f"fivefold train: error: {e}", file=sys.stderr)
         return 1
     return 0
 

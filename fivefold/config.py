@@ -146,6 +146,10 @@ class RunSection:
     overwrite: bool = False  # start a new run in a run directory that already holds one (it is deleted first)
     exit_after: int = 0  # stop cleanly, with a checkpoint, after this many steps of this invocation (0: never)
     max_restarts: int = 0  # local launcher: restart all workers from the latest checkpoint when one dies
+    # local launcher: a worker silent this long is stalled (frozen); no rank finishing a step for stall_timeout_s
+    # (0: 3 minutes, and at least 20 of the slowest steps) is a hang. Either stops the job naming the ranks.
+    heartbeat_timeout_s: float = 60.0
+    stall_timeout_s: float = 0.0
 
 
 @dataclass

@@ -114,8 +114,11 @@ def is_torchrun_env() -> bool:
 
 
 def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int,
-                  timeout_s: float, out_dir: str, args: tuple, device: str = "cpu") -> None:
+                  timeout_s: float, out_dir: str, args: tuple, device: str = "cpu", heartbeat_dir: str = "") -> None:
     torch.set_num_threads(threads)
+    if heartbeat_dir:  # the launcher watches for stalls
+        from fivefold.watchdog import Heartbeat
+        Heartbeat(heartbeat_dir, rank)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -163,23 +166,39 @@ def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
-                 timeout_s: float = 300.0, start_method: str = "spawn", device: str = "cpu") -> list[Any]:
+                 timeout_s: float = 300.0, start_method: str = "spawn", device: str = "cpu",
+                 watch: tuple[float, float] | None = None) -> list[Any]:
     """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes; return the results.
     ``device="cpu"``: gloo CPU workers; an accelerator type (``"cuda"``): one device per worker, its backend (the GPU
     smoke test). The store listens on a port the OS chose, never a fixed one; a worker's exception re-raises with its
-    traceback."""
+    traceback. ``watch`` = (heartbeat_s, stall_s): watch the workers' heartbeats and, on a stall, kill them and raise
+    `fivefold.watchdog.Stalled` (`fivefold.watchdog`)."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: need at least one process")
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory(prefix="fivefold-") as out_dir:
+        heartbeat_dir = os.path.join(out_dir, "heartbeats") if watch is not None else ""
+        if heartbeat_dir:
+            os.mkdir(heartbeat_dir)
         context = mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args,
-                                                          device), nprocs=nproc, join=False, start_method=start_method)
+                                                          device, heartbeat_dir),
+                                     nprocs=nproc, join=False, start_method=start_method)
         terminated = [False]
+        watchdog = None
+        if watch is not None:
+            from fivefold.watchdog import Watchdog
+            watchdog = Watchdog(heartbeat_dir, nproc, heartbeat_s=watch[0], stall_s=watch[1])
         with _forwarding_stop_signals(context.processes, terminated):
             try:
-                while not context.join():
-                    pass
+                while not context.join(timeout=1.0 if watchdog is not None else None):
+                    problem = watchdog.check() if watchdog is not None else None
+                    if problem is not None:
+                        from fivefold.watchdog import Stalled
+                        for p in context.processes:
+                            if p.is_alive():
+                                p.kill()
+                        raise Stalled(f"the job stalled and was stopped: {problem}")
             except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
                 if terminated[0]:  # the job was stopped: not a failure to restart from
                     raise Terminated(f"stopped by a signal ({e})") from e

@@ -29,6 +29,7 @@ from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clea
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import RunRecord
 from fivefold.train.validate import RunPlan, validate
+from fivefold.watchdog import Stalled, report_step, watch_comm_log
 
 __all__ = ["TrainResult", "lr_at", "run", "train"]
 
@@ -61,10 +62,11 @@ def run(cfg: Config) -> TrainResult:
     first_resume = cfg.run.resume
     for attempt in range(cfg.run.max_restarts + 1):
         try:
-            return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads, timeout_s=1800.0)[0]
+            return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads, timeout_s=1800.0,
+                                watch=(cfg.run.heartbeat_timeout_s, cfg.run.stall_timeout_s))[0]
         except Terminated:  # the launcher itself was told to stop
             raise
-        except mp.ProcessExitedException as e:  # a worker was lost (killed, crashed): not a Python error
+        except (mp.ProcessExitedException, Stalled) as e:  # a worker lost (killed, crashed) or stuck: no Python error
             if attempt == cfg.run.max_restarts:
                 raise
             # this run's own latest checkpoint, else where it started from (a --resume PATH), else the start
@@ -88,6 +90,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     if device.type != "cpu" and cfg.precision.tf32:
         torch.set_float32_matmul_precision("high")
     log = CommLog(enabled=True)
+    watch_comm_log(log)  # the heartbeat names the last collective
     mesh = ParallelMesh(plan.dims, device, log)
     t = cfg.train = dataclasses.replace(cfg.train, global_batch=plan.global_batch, micro_batch=plan.micro_batch,
                                         grad_accum=plan.grad_accum)
@@ -169,6 +172,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.write({"kind": "val", "step": step, "val_loss": val_loss})
             record.say(f"step {step + 1}: val loss {val_loss:.3f}")
             since, since_step = time.perf_counter(), step + 1  # evaluation is not training time
+        report_step(step + 1)
         reason = checkpoints.due(step + 1, step + 1 - start)
         if reason is not None:
             waited = checkpoints.save(step + 1, reason)
