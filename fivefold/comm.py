@@ -9,7 +9,10 @@ quietly takes a CPU scalar where NCCL raises, so CPU CI would never see it; `Com
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
+import traceback
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,44 @@ class CommTotals:
     numel: int = 0
     payload_bytes: int = 0
     wire_bytes: float = 0.0
+
+
+_DEBUG: dict[str, object] = {"step": None}
+DEBUG_ENV = "FIVEFOLD_DEBUG_COLLECTIVES"
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of one group were about to issue different collectives (debug mode): instead of a hang or a silent
+    pairing of the wrong tensors, every rank raises this, naming what each side was doing and where."""
+
+
+def set_debug_step(step: int | None) -> None:
+    """The training step, part of every fingerprint: an extra backward on one rank shows as a step mismatch."""
+    _DEBUG["step"] = step
+
+
+def debug_collectives_requested(config_flag: bool = False) -> bool:
+    return config_flag or os.environ.get(DEBUG_ENV, "") not in ("", "0", "false")
+
+
+def _call_site() -> str:
+    """The first frame outside this module: who issued the collective."""
+    for frame in reversed(traceback.extract_stack(limit=12)[:-1]):
+        if not frame.filename.endswith("comm.py"):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return "?"
+
+
+def _mismatch_message(dim: str, prints: list) -> str:
+    first = prints[0]
+    other = next(i for i, p in enumerate(prints) if p != first)
+
+    def show(rank: int, p: tuple) -> str:
+        op, _, shapes, dtypes, seq, step, tag, site = p
+        return (f"rank {rank}: {op}{' ' + tag if tag else ''} call {seq} at step {step}, shapes {list(shapes)} "
+                f"{'/'.join(dtypes)}, from {site}")
+    return (f"collectives over '{dim}' disagree (debug.collectives): {show(0, first)}; {show(other, prints[other])}. "
+            "Every rank must issue the same collectives in the same order")
 
 
 @dataclass
@@ -140,8 +181,13 @@ class Comm:
     sent); by default it follows the backend (a "cpu:gloo,cuda:nccl" group makes scalars on CUDA)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, dim: str = "world",
-                 log: CommLog | None = None, device: torch.device | str | None = None) -> None:
+                 log: CommLog | None = None, device: torch.device | str | None = None,
+                 fingerprints: dist.ProcessGroup | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
+        # debug mode (`debug_collectives`): a gloo group over the same ranks where every collective's fingerprint is
+        # compared before it is issued; None: off, and nothing is computed
+        self._side = fingerprints
+        self._seq = 0
         self.dim = dim
         self.log = log if log is not None else CommLog(enabled=False)
         self.size = dist.get_world_size(self.group)
@@ -173,6 +219,23 @@ class Comm:
                     f"collectives run on {self.device} ({dist.get_backend(self.group)}); create it there "
                     f"(Comm.scalar for a scalar, device=comm.device) or move it with .to(comm.device)")
 
+    def _agree(self, op: str, tensors: tuple[torch.Tensor, ...], tag: str) -> None:
+        """Debug mode: every rank of the group compares this call's fingerprint — op, mesh dim, shapes (not for an
+        all-to-all, whose splits differ), dtypes, this group's call number, the training step, tag and call site —
+        before it is issued; on a mismatch every rank raises `CollectiveMismatch` naming both sides."""
+        self._seq += 1
+        site = _call_site()
+        shapes = () if op == "all_to_all" else tuple(tuple(t.shape) for t in tensors)
+        print_ = (op, self.dim, shapes, tuple(str(t.dtype) for t in tensors), self._seq, _DEBUG["step"], tag, site)
+        digest = int.from_bytes(hashlib.blake2b(repr(print_).encode(), digest_size=8).digest(), "little", signed=True)
+        mine = torch.tensor([digest], dtype=torch.int64)  # the gloo side group: CPU by design
+        every = torch.empty(self.size, dtype=torch.int64)
+        _all_gather_flat(every, mine, group=self._side)
+        if bool((every != digest).any()):
+            prints: list = [None] * self.size
+            dist.all_gather_object(prints, print_, group=self._side)
+            raise CollectiveMismatch(_mismatch_message(self.dim, prints))
+
     def _record(self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None) -> None:
         if self.log.enabled:
             self.log.record(op, self.dim, tensor, self.size, tag, numel)
@@ -183,6 +246,8 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
                    tag: str = ""):
         self._check("all_reduce", tensor)
+        if self._side is not None:
+            self._agree("all_reduce", (tensor,), tag)
         self._record("all_reduce", tensor, tag)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
@@ -190,23 +255,31 @@ class Comm:
                        op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
         """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`, gets its shard."""
         self._check("reduce_scatter", output, input)
+        if self._side is not None:
+            self._agree("reduce_scatter", (output, input,), tag)
         self._record("reduce_scatter", input, tag)
         return _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may be its slice)."""
         self._check("all_gather", output, input)
+        if self._side is not None:
+            self._agree("all_gather", (output, input,), tag)
         self._record("all_gather", output, tag)
         return _all_gather_flat(output, input, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""):
         self._check("broadcast", tensor)
+        if self._side is not None:
+            self._agree("broadcast", (tensor,), tag)
         self._record("broadcast", tensor, tag)
         return dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, async_op: bool = False, tag: str = ""):
         self._check("all_to_all", output, input)
+        if self._side is not None:
+            self._agree("all_to_all", (output, input,), tag)
         self._record("all_to_all", input, tag)
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                       group=self.group, async_op=async_op)

@@ -161,6 +161,13 @@ class CheckpointSection:
 
 
 @dataclass
+class DebugSection:
+    # every collective's fingerprint (op, dim, shapes, dtypes, call number, step, call site) compared across the
+    # group before it is issued: a mismatch is an error on every rank, not a hang (also FIVEFOLD_DEBUG_COLLECTIVES=1)
+    collectives: bool = False
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -171,6 +178,7 @@ class Config:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    debug: DebugSection = field(default_factory=DebugSection)
     moe: MoESection = field(default_factory=MoESection)  # written [model.moe] / --model.moe.* too
 
     def to_dict(self) -> dict[str, Any]:

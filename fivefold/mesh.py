@@ -67,7 +67,8 @@ class ParallelDims:
 class ParallelMesh:
     """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu", comm_log: CommLog | None = None) -> None:
+    def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu", comm_log: CommLog | None = None,
+                 debug_collectives: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
                                "or run under `fivefold train` / torchrun")
@@ -78,6 +79,7 @@ class ParallelMesh:
             self.device.type, self.dims.shape(), mesh_dim_names=MESH_DIMS)
         self._derived = self._derived_groups()
         self._comms: dict[str, Comm] = {}
+        self.debug_collectives = debug_collectives  # every Comm compares fingerprints first (`Comm._agree`)
 
     def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
         """dp_cp, ep, ep_dp; every rank creates every group in the same order (a collective), reusing equal ones."""
@@ -123,16 +125,25 @@ class ParallelMesh:
             return self._derived[dim]
         return self.device_mesh.get_group(dim)
 
+    def _fingerprints(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+        """Debug mode: a gloo group over ``group``'s ranks for fingerprints (made by its members alone)."""
+        if not self.debug_collectives:
+            return None
+        return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+
     def comm(self, dim: str) -> Comm:
         if dim not in self._comms:
-            self._comms[dim] = Comm(self.group(dim), dim, self.comm_log, device=self.device)
+            group = self.group(dim)
+            self._comms[dim] = Comm(group, dim, self.comm_log, device=self.device,
+                                    fingerprints=self._fingerprints(group))
         return self._comms[dim]
 
     @property
     def world(self) -> Comm:
         """Every rank (for agreement on rare events: a non-finite gradient's name)."""
         if "world" not in self._comms:
-            self._comms["world"] = Comm(dist.group.WORLD, "world", self.comm_log, device=self.device)
+            self._comms["world"] = Comm(dist.group.WORLD, "world", self.comm_log, device=self.device,
+                                        fingerprints=self._fingerprints(dist.group.WORLD))
         return self._comms["world"]
 
     def backward_comm(self, dim: str) -> Comm:
@@ -146,7 +157,7 @@ class ParallelMesh:
             # registered: equal on every member as long as they all made the same groups before (the only group made
             # on some ranks alone, ep's singleton, exists only at ep = 1, where there is no twin)
             twin = dist.new_group(ranks, use_local_synchronization=True)
-            self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device)
+            self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device, fingerprints=self._fingerprints(twin))
         return self._comms[key]
 
     @property

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from fivefold.checkpoint.hf import load_hf_weights
 from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta
-from fivefold.comm import CommLog
+from fivefold.comm import CommLog, debug_collectives_requested, set_debug_step
 from fivefold.config import Config
 from fivefold.formulas import bubble_formula
 from fivefold.launch import Terminated, distributed, is_torchrun_env, launch_local, resolve_device, to_device
@@ -91,7 +91,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         torch.set_float32_matmul_precision("high")
     log = CommLog(enabled=True)
     watch_comm_log(log)  # the heartbeat names the last collective
-    mesh = ParallelMesh(plan.dims, device, log)
+    mesh = ParallelMesh(plan.dims, device, log, debug_collectives=debug_collectives_requested(cfg.debug.collectives))
     t = cfg.train = dataclasses.replace(cfg.train, global_batch=plan.global_batch, micro_batch=plan.micro_batch,
                                         grad_accum=plan.grad_accum)
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
@@ -133,6 +133,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     stopped = None
     for step in range(start, t.steps):
         log.reset()
+        set_debug_step(step)
         for group in parts.param_groups():
             group["lr"] = lr_at(step, cfg)
         batches = [data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
