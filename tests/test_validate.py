@@ -193,3 +193,47 @@ def test_mostly_binary_data_is_noted(tmp_path):
     text.write_text("An ordinary sentence, with punctuation — and some UTF-8: café.\n" * 100)
     plan = validate(load_config(None, ["--data", str(text), "--train.seq_len", "64", "--train.eval_every", "0"]), 2)
     assert not any("are not text" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("overrides, world, message", BAD, ids=[m.split(":")[0][:40] for _, _, m in BAD])
+def test_every_bad_input_is_one_line_and_exit_2_from_the_command_line(overrides, world, message, capsys):
+    """The same table through `fivefold train`: exit 2 in the launching process (no worker starts), one line. (A
+    CUDA device is refused sooner there: local spawning runs CPU workers; under torchrun `validate` says the rest.)"""
+    import time
+
+    from fivefold.cli import main
+    if "cuda" in overrides:
+        message = "local spawning runs CPU workers; use torchrun for accelerators"
+    t0 = time.perf_counter()
+    assert main(["train", *overrides, "--nproc", str(world)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fivefold train: error: ") and message in err[0], err
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_config_fuzz_never_raises_anything_but_a_clear_error():
+    """Random keys of the schema (and some that are not) with random values: `load_config` + `validate` give a
+    valid plan or a ValueError (ConfigError) — never another exception."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    import dataclasses
+
+    from fivefold.config import Config
+    keys = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
+            for f in dataclasses.fields(s.default_factory())] + ["train.nope", "nosection.x", "train", "zero"]
+    values = st.one_of(st.integers(-5, 5000).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
+                       st.sampled_from(["", "true", "false", "none", "fp16", "bf16", "zigzag", "1,2", "-1", "latest",
+                                        "auto", "cpu"]),
+                       st.text(max_size=12))
+    pairs = st.lists(st.tuples(st.sampled_from(keys), values), max_size=4)
+
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.given(pairs)
+    def check(overrides):
+        args = [a for k, v in overrides for a in (f"--{k}", v)] + ["--steps", "2"]
+        try:
+            validate(load_config(None, args), 2)
+        except ValueError:
+            pass
+
+    check()
