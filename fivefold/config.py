@@ -150,6 +150,7 @@ class RunSection:
     # (0: 3 minutes, and at least 20 of the slowest steps) is a hang. Either stops the job naming the ranks.
     heartbeat_timeout_s: float = 60.0
     stall_timeout_s: float = 0.0
+    collective_timeout_s: float = 1800.0  # for every process group of the run (then a collective fails)
 
 
 @dataclass

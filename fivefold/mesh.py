@@ -4,6 +4,7 @@ the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different exp
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -68,7 +69,7 @@ class ParallelMesh:
     """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
 
     def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu", comm_log: CommLog | None = None,
-                 debug_collectives: bool = False) -> None:
+                 debug_collectives: bool = False, collective_timeout_s: float | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
                                "or run under `fivefold train` / torchrun")
@@ -80,6 +81,13 @@ class ParallelMesh:
         self._derived = self._derived_groups()
         self._comms: dict[str, Comm] = {}
         self.debug_collectives = debug_collectives  # every Comm compares fingerprints first (`Comm._agree`)
+        # One timeout for every group of the run (torch gives new groups its own default, not the world's)
+        self.collective_timeout_s = collective_timeout_s
+        self._timed: set[int] = set()
+        for dim in MESH_DIMS:
+            self.own(self.device_mesh.get_group(dim))
+        for group in self._derived.values():
+            self.own(group)
 
     def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
         """dp_cp, ep, ep_dp; every rank creates every group in the same order (a collective), reusing equal ones."""
@@ -125,15 +133,25 @@ class ParallelMesh:
             return self._derived[dim]
         return self.device_mesh.get_group(dim)
 
+    def own(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """Give ``group`` (made here or by a caller, e.g. the checkpointer's) the run's collective timeout."""
+        if self.collective_timeout_s and id(group) not in self._timed:
+            self._timed.add(id(group))
+            set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+            if set_timeout is not None:  # torch >= 2.3
+                set_timeout(datetime.timedelta(seconds=self.collective_timeout_s), group)
+        return group
+
     def _fingerprints(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
         """Debug mode: a gloo group over ``group``'s ranks for fingerprints (made by its members alone)."""
         if not self.debug_collectives:
             return None
-        return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        return self.own(dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                       use_local_synchronization=True))
 
     def comm(self, dim: str) -> Comm:
         if dim not in self._comms:
-            group = self.group(dim)
+            group = self.own(self.group(dim))
             self._comms[dim] = Comm(group, dim, self.comm_log, device=self.device,
                                     fingerprints=self._fingerprints(group))
         return self._comms[dim]
@@ -156,7 +174,7 @@ class ParallelMesh:
             # torch names a locally synchronised group from its ranks and the count of groups this process has
             # registered: equal on every member as long as they all made the same groups before (the only group made
             # on some ranks alone, ep's singleton, exists only at ep = 1, where there is no twin)
-            twin = dist.new_group(ranks, use_local_synchronization=True)
+            twin = self.own(dist.new_group(ranks, use_local_synchronization=True))
             self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device, fingerprints=self._fingerprints(twin))
         return self._comms[key]
 

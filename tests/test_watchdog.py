@@ -78,3 +78,21 @@ def test_a_stopped_worker_stops_the_job_naming_it(tmp_path):
     assert proc.returncode == 1, err
     assert f"(pid {frozen}) has not answered" in err and "stopped or frozen" in err, err
     assert time.time() - stopped_at < 40  # the heartbeat timeout (4 s), not the collective timeout (30 min)
+
+
+def _timeouts_worker() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.comm import CommLog
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    mesh = ParallelMesh(ParallelDims(dp=2), "cpu", CommLog(), debug_collectives=True, collective_timeout_s=7)
+    groups = [mesh.comm("dp").group, mesh.comm("dp")._side, mesh.group("dp_cp"), mesh.world.group,
+              mesh.own(dist.new_group(backend="gloo"))]
+    return [str(g._get_backend(torch.device("cpu")).options._timeout) for g in groups]
+
+
+def test_one_collective_timeout_for_every_group_of_the_run():
+    from dist_utils import run_workers
+    for timeouts in run_workers(_timeouts_worker, 2):
+        assert timeouts == ["0:00:07"] * 5

@@ -130,8 +130,10 @@ class TrainCheckpoints:
         self.device = device or torch.device("cpu")
         self.model_config = dataclasses.asdict(model_config)
         self.ckpt = Checkpointer(checkpoint_root(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        if self.ckpt._group is not None:
+            mesh.own(self.ckpt._group)
         # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce, no device sync.
-        self.control = dist.new_group(backend="gloo")
+        self.control = mesh.own(dist.new_group(backend="gloo"))
         watch_sigterm()
 
     def stop_requested(self) -> str | None:

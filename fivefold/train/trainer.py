@@ -49,7 +49,7 @@ class TrainResult:
 def run(cfg: Config) -> TrainResult:
     """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo)."""
     if is_torchrun_env():
-        with distributed(resolve_device(cfg.run.device)):
+        with distributed(resolve_device(cfg.run.device), timeout_s=cfg.run.collective_timeout_s):
             return train(cfg, validate(cfg, dist.get_world_size()))
     if cfg.run.device not in ("auto", "cpu"):
         raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators")
@@ -62,7 +62,8 @@ def run(cfg: Config) -> TrainResult:
     first_resume = cfg.run.resume
     for attempt in range(cfg.run.max_restarts + 1):
         try:
-            return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads, timeout_s=1800.0,
+            return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads,
+                                timeout_s=cfg.run.collective_timeout_s,
                                 watch=(cfg.run.heartbeat_timeout_s, cfg.run.stall_timeout_s))[0]
         except Terminated:  # the launcher itself was told to stop
             raise
@@ -91,7 +92,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         torch.set_float32_matmul_precision("high")
     log = CommLog(enabled=True)
     watch_comm_log(log)  # the heartbeat names the last collective
-    mesh = ParallelMesh(plan.dims, device, log, debug_collectives=debug_collectives_requested(cfg.debug.collectives))
+    mesh = ParallelMesh(plan.dims, device, log, debug_collectives=debug_collectives_requested(cfg.debug.collectives),
+                        collective_timeout_s=cfg.run.collective_timeout_s)
     t = cfg.train = dataclasses.replace(cfg.train, global_batch=plan.global_batch, micro_batch=plan.micro_batch,
                                         grad_accum=plan.grad_accum)
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")

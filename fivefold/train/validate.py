@@ -155,7 +155,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     c = cfg.checkpoint
     _non_negative(**{"checkpoint.interval": c.interval, "checkpoint.keep": c.keep, "run.exit_after": r.exit_after,
                      "run.max_restarts": r.max_restarts, "run.stall_timeout_s": r.stall_timeout_s})
-    _positive(**{"run.heartbeat_timeout_s": r.heartbeat_timeout_s})
+    _positive(**{"run.heartbeat_timeout_s": r.heartbeat_timeout_s, "run.collective_timeout_s": r.collective_timeout_s})
     try:
         resume_from = check_run_dir(cfg)
         meta = read_checkpoint_meta(resume_from) if resume_from is not None else {}
