@@ -148,8 +148,9 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "val"]
+    # x = steps done (a record's 0-based step + 1), as the console counts them ("step 50: val loss ...")
+    train = [(r["step"] + 1, r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    val = [(r["step"] + 1, r["val_loss"]) for r in records if r.get("kind") == "val" and r.get("val_loss") is not None]
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -157,7 +158,7 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", lw=1.2)
-    ax.set_xlabel("step")
+    ax.set_xlabel("steps done")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(title or "fivefold training")
     ax.grid(alpha=0.3)
