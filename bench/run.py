@@ -8,6 +8,7 @@
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
     python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
+    python bench/run.py debug                     # what --debug.collectives costs per collective
     python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
     python bench/run.py parallel                  # tp, then pp
@@ -35,6 +36,7 @@ from typing import Any  # noqa: E402
 from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
+from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table  # noqa: E402
 from bench.expert_parallel import (  # noqa: E402
     EPOverlapSpec,
     EPSpec,
@@ -50,7 +52,7 @@ __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep", "ep-overlap"),
-    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",),
+    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -103,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
     sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
     sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
+    sub.add_parser("debug", parents=[common], help="what --debug.collectives costs per collective")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -141,6 +144,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
                format_ep_table),
         "ep-overlap": (lambda: bench_ep_overlap(EPOverlapSpec(**common, **_given(ep=opt.get("ep")))),
                        format_ep_overlap_table),
+        "debug": (lambda: bench_debug(DebugSpec(**_given(repeats=args.repeats, threads=args.threads))),
+                  format_debug_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),

@@ -213,3 +213,12 @@ def test_all_runs_every_dimension(monkeypatch, capsys):
     assert tp.preset == pp.preset == cp.preset == "tiny" and tp.steps == pp.steps == cp.steps == 2
     out = capsys.readouterr().out
     assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp", "cp", "ep"))
+
+
+def test_debug_collectives_bench_times_both_modes():
+    from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table
+
+    results = bench_debug(DebugSpec(calls=3, repeats=1, sizes=(1,)))
+    assert set(results["median_s_per_call"]) == {"off", "debug"}
+    assert all(v[1] > 0 for v in results["median_s_per_call"].values())
+    assert "debug µs/call" in format_debug_table(results)
