@@ -228,8 +228,8 @@ class Comm:
         shapes = () if op == "all_to_all" else tuple(tuple(t.shape) for t in tensors)
         print_ = (op, self.dim, shapes, tuple(str(t.dtype) for t in tensors), self._seq, _DEBUG["step"], tag, site)
         digest = int.from_bytes(hashlib.blake2b(repr(print_).encode(), digest_size=8).digest(), "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64)  # the gloo side group: CPU by design
-        every = torch.empty(self.size, dtype=torch.int64)
+        mine = torch.tensor([digest], dtype=torch.int64, device="cpu")  # the gloo side group: CPU by design
+        every = torch.empty(self.size, dtype=torch.int64, device="cpu")
         _all_gather_flat(every, mine, group=self._side)
         if bool((every != digest).any()):
             prints: list = [None] * self.size
