@@ -227,7 +227,7 @@ def test_config_fuzz_never_raises_anything_but_a_clear_error():
                        st.text(max_size=12))
     pairs = st.lists(st.tuples(st.sampled_from(keys), values), max_size=4)
 
-    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True, database=None)
     @hypothesis.given(pairs)
     def check(overrides):
         args = [a for k, v in overrides for a in (f"--{k}", v)] + ["--steps", "2"]

@@ -146,8 +146,11 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    _check_data(cfg)
-    share = binary_share(cfg.data.path)
+    try:
+        _check_data(cfg)
+        share = binary_share(cfg.data.path)
+    except FileNotFoundError as e:  # a ValueError like every other config problem
+        raise ConfigError(f"data.path: {e}") from None
     if share is not None and share[0] > 0.1:
         notes.append(f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or random "
                      "data?); training proceeds on its bytes")
