@@ -29,6 +29,9 @@ class ModelSection:
     n_kv_heads: int | None = None
     ffn_hidden: int | None = None
     tie_embeddings: bool | None = None
+    # the attention core: sdpa (fused where torch has a kernel: no L×L matrix kept) | eager (softmax(qkᵀ)v written
+    # out; keeps the B·H·L² probabilities for backward). Context parallelism replaces either with ring attention.
+    attention: str = "sdpa"
 
 
 @dataclass
@@ -82,6 +85,9 @@ class TrainSection:
     # non-finite gradient; one host sync per step. fp16 skips such a step instead (loss scaling).
     check_finite: bool = True
     seed: int = 0
+    # activation recompute (seed 003 §12): none | full (each block keeps only its input and runs again in backward) |
+    # selective (the attention core runs again: its L×L or fused-kernel tensors and K/V repeats are not kept)
+    recompute: str = "none"
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "bubble_formula", "expected_for", "ring_attention_p2p_elements",
-           "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text"]
+__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "activation_bytes_per_block", "bubble_formula", "expected_for",
+           "korthikanti_block_bytes", "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula",
+           "tp_comm_formula_text"]
 
 # -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
@@ -74,20 +75,23 @@ class ModelShape(Protocol):
 
 
 def tp_comm_formula(config: ModelShape, batch: int, seq_len: int, sequence_parallel: bool,
-                    dtype_bytes: int = 4) -> dict[str, int]:
+                    dtype_bytes: int = 4, recompute: str = "none") -> dict[str, int]:
     """Payload bytes per step and rank of fivefold's TP plan, by op (seed 003 §7.2 / §8.2).
 
     Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS. Plus the
     embedding's exit (forward AR; SP: RS forward, AG backward), the head's entry (backward AR; SP: AG forward, RS
     backward),
     3 all-reduces of B·L fp32 in the vocab-parallel cross-entropy, and under SP an all-reduce of D per norm weight
-    gradient (2 per block + the final norm)."""
+    gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in backward, up to
+    its last kept tensor (torch stops a recomputation there): per block once more the attention's exit (AR; SP: RS)
+    and under SP both entries (AG), not the MLP's exit. Selective recomputes only the attention core: no collective."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim
+    again = n if recompute == "full" else 0  # blocks recomputed
     if not sequence_parallel:
-        return {"all_reduce": ((4 * n + 2) * bld + 3 * bl) * dtype_bytes}
-    return {"all_gather": (4 * n + 2) * bld * dtype_bytes,
+        return {"all_reduce": ((4 * n + again + 2) * bld + 3 * bl) * dtype_bytes}
+    return {"all_gather": (4 * n + 2 * again + 2) * bld * dtype_bytes,
             "all_reduce": (3 * bl + (2 * n + 1) * d) * dtype_bytes,
-            "reduce_scatter": (4 * n + 2) * bld * dtype_bytes}
+            "reduce_scatter": (4 * n + again + 2) * bld * dtype_bytes}
 
 
 def tp_comm_formula_text(sequence_parallel: bool) -> str:
@@ -135,3 +139,58 @@ def ring_attention_p2p_elements(batch: int, seq_len: int, n_kv_heads: int, head_
     shard = 2 * batch * (seq_len // cp) * n_kv_heads * head_dim
     return {"forward_kv": shard * (cp - 1), "backward_kv": shard * (cp - 1),
             "backward_dkv": shard * cp if cp > 1 else 0}
+
+
+# -- activation memory (seed 003 §12.4, Korthikanti et al. 2023 Table 2) ------------------------------------------
+
+def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) -> int:
+    """The seed's formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm, MHA, GeLU MLP of 4D,
+    dropout masks) in fp16, every activation saved. `activation_bytes_per_block` applies the same accounting to
+    fivefold's Llama block."""
+    return 34 * batch * seq_len * dim + 5 * batch * seq_len ** 2 * n_heads
+
+
+def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
+                               *, dtype_bytes: int = 4, attention: str = "sdpa", recompute: str = "none",
+                               tp: int = 1, sp: bool = False) -> int:
+    """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved tensors apart
+    from its input, plus its output, the next block's input), counted tensor by tensor as Korthikanti et al. do for
+    the GPT block of seed 003 §12.4 (`korthikanti_block_bytes`); `fivefold.memory.block_activation_bytes` measures it.
+
+    With s = ``dtype_bytes`` and F = ``ffn_hidden``, no recompute:
+      attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the norm's output = the
+                 input of wq/wk/wv (s); q, and k and v repeated to H heads (3·s); the core's output = wo's input (s);
+                 the core's own: sdpa (fused) the log-sum-exp B·H·L fp32, eager the softmax B·H·L² (s) and its
+                 L×L causal mask (1 byte)
+      MLP        residual h (fp32 in the norm), 1/rms, normalised, the norm's output = input of w1/w3 (s);
+                 w1·x, w3·x, silu(w1·x) and their product = w2's input (4·B·L·F·s)
+    i.e. 10·BLD + 4·BLF (+ the core's term) elements in fp32 — where GPT's is 34·BLD + 5·BL²H bytes in fp16.
+    ``recompute``: "full" keeps only the block's input (B·L·D·s); "selective" recomputes the attention core, keeping
+    its inputs q, k, v (k and v with their own H_kv heads) and dropping the repeats and the core's own term.
+    ``tp``: heads and F split T ways; ``sp``: the norms' tensors and the residuals are [L/T] too, but the column
+    linears keep their all-gathered [L] inputs (Megatron re-gathers them in backward instead: not done here, so
+    SP divides this formula by less than T). Dense blocks only (an MoE block's tokens per expert vary)."""
+    if recompute not in ("none", "full", "selective"):
+        raise ValueError(f"recompute={recompute!r}: choose none, full or selective")
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention={attention!r}: choose sdpa or eager")
+    s, fp32 = dtype_bytes, 4
+    seq_norm = seq_len // tp if sp else seq_len  # the tokens a rank's norms and residuals hold
+    bl, bld_norm = batch * seq_len, batch * seq_norm * dim
+    if recompute == "full":
+        return bld_norm * s
+    heads, kv_heads, hidden = n_heads // tp, n_kv_heads // tp, ffn_hidden // tp
+    head_dim = dim // n_heads
+    local_d = heads * head_dim
+    norms = 2 * (bld_norm * fp32 + batch * seq_norm * fp32 + bld_norm * s)  # input, 1/rms, normalised: x and h
+    linear_inputs = 2 * bl * dim * s  # the norms' outputs as the column linears keep them (all-gathered under SP)
+    core_out = bl * local_d * s
+    mlp = 4 * bl * hidden * s
+    if recompute == "selective":
+        qkv = bl * (heads + 2 * kv_heads) * head_dim * s
+        core = 0
+    else:
+        qkv = 3 * bl * local_d * s
+        core = (batch * heads * seq_len * fp32 if attention == "sdpa" else
+                batch * heads * seq_len ** 2 * s + seq_len ** 2)
+    return norms + linear_inputs + qkv + core_out + core + mlp

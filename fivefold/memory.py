@@ -1,20 +1,23 @@
 """Measured model-state memory of one rank (seed 001: parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12), counting
 each *unique storage* once (a gradient viewing a bucket counts it, padding included) to check DESIGN.md's formulas:
-`model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what is reachable."""
+`model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what is reachable;
+`block_activation_bytes` follows what blocks allocate in a forward and keep (seed 003 §12.4's activations)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import sys
+import time
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,81 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
         owned = [p for g in optimizer.param_groups for p in g["params"]]
         o_bytes = _storage_bytes([*owned, *state_tensors], seen)  # its own params (fp32 masters) count here
     return ModelStateBytes(p_bytes, g_bytes, o_bytes)
+
+
+class _NewStorages(TorchDispatchMode):
+    """Every storage an operator on this thread allocates while a block is open (an output sharing no input's
+    storage), attributed to that block, held by a weak reference: alive later means something kept it."""
+
+    def __init__(self, n_blocks: int) -> None:
+        super().__init__()
+        self.current: int | None = None
+        self.made: list[list[tuple[int, int]]] = [[] for _ in range(n_blocks)]  # per block: (weak ref, bytes)
+        self._handles: dict[int, int] = {}  # data_ptr -> weak ref of the storage last seen there
+
+    def _is_new(self, storage: torch.UntypedStorage) -> bool:
+        ptr = storage.data_ptr()
+        handle = self._handles.get(ptr)
+        return ptr != 0 and (handle is None or torch.UntypedStorage._expired(handle))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        if self.current is not None:
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and _has_data(t)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and _has_data(t):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in inputs and self._is_new(storage):
+                        handle = storage._weak_ref()
+                        self._handles[storage.data_ptr()] = handle
+                        self.made[self.current].append((handle, storage.nbytes()))
+        return out
+
+    def alive_bytes(self) -> list[int]:
+        return [sum(n for h, n in made if not torch.UntypedStorage._expired(h)) for made in self.made]
+
+    def release(self) -> None:
+        for handle in {h for made in self.made for h, _ in made}:
+            torch.UntypedStorage._free_weak_ref(handle)
+
+
+def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any]) -> list[int]:
+    """Bytes of the storages each of `modules` (transformer blocks) allocated during ``run()`` — a forward — that are
+    still alive when it returns (keep its result alive in it: return it): what each block keeps for backward, its
+    output included where the next block keeps it. Seen by a dispatch mode, through weak references to the storages:
+    nothing is trusted from the model; other threads' allocations (gloo's) and storages that the block frees, or that
+    die after it (a 16-bit block's output, once the next block kept its fp32 copy), do not count. For tests and
+    benchmarks: `formulas.activation_bytes_per_block` predicts it."""
+    modules = list(modules)
+    tracker = _NewStorages(len(modules))
+    handles = []
+    for i, m in enumerate(modules):
+        def enter(module: nn.Module, args: Any, i: int = i) -> None:
+            tracker.current = i
+
+        def leave(module: nn.Module, args: Any, out: Any) -> None:
+            tracker.current = None
+
+        # after the module's other pre-hooks (a ZeRO-3 gather is not the block's), before its other post-hooks (a
+        # ZeRO-3 free is not either)
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave, prepend=True)]
+    try:
+        with tracker:
+            result = run()
+        # a backend's worker thread may hold a collective's tensor a moment after the call returned (gloo): wait
+        # until three readings 50 ms apart agree
+        readings = [tracker.alive_bytes()]
+        while len(readings) < 40 and not (len(readings) >= 3 and readings[-1] == readings[-2] == readings[-3]):
+            time.sleep(0.05)
+            readings.append(tracker.alive_bytes())
+        alive = readings[-1]
+        del result
+    finally:
+        tracker.release()
+        for h in handles:
+            h.remove()
+    return alive
 
 
 # Not followed by the walk: classes and modules (their globals are the whole process), code.

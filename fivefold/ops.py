@@ -1,19 +1,22 @@
 """`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (seed 003 §14; Qi et al. 2023) can split backward
 into I (input gradient) and W (weight gradients, deferred into bubbles): under `recording_weight_grads` I only queues
-(x, grad_out), and `WeightGradStore.run` (W) later hands dW, db to autograd, so accumulation and DP hooks fire then."""
+(x, grad_out), and `WeightGradStore.run` (W) later hands dW, db to autograd, so accumulation and DP hooks fire then.
+`recompute(fn, *args)`: activation checkpointing (seed 003 §12.1-12.2) that keeps the same recording state."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Linear", "WeightGradStore", "linear", "recording_weight_grads"]
+__all__ = ["Linear", "WeightGradStore", "linear", "recompute", "recording_weight_grads"]
 
 
 class WeightGradStore:
@@ -79,6 +82,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # The parameters travel outside autograd's inputs: no AccumulateGrad (and no hook) until W.
     return _LinearInputGradOnly.apply(x, weight.detach(), None if bias is None else bias.detach(),
                                       _Deferred(store, weight, bias))
+
+
+def recompute(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when backward needs
+    them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once, through the normal graph, and
+    DP hooks see nothing new). The recomputation runs in the same `recording_weight_grads` state as the forward did
+    (the I pass of a zero-bubble pipeline computes it outside that context): the same ops, the same saved tensors.
+    The RNG state is not stashed (fivefold's models draw no random numbers in forward: no dropout), which saves its
+    copy per call (5 KiB on the CPU); a function that draws would need ``preserve_rng_state``."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    store = _recording.get()
+
+    def contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+        again = recording_weight_grads(store) if store is not None else nullcontext()
+        return nullcontext(), again
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False)
 
 
 class Linear(nn.Linear):

@@ -16,11 +16,11 @@ from torch import nn
 from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
-from fivefold.ops import Linear
+from fivefold.ops import Linear, recompute
 
-__all__ = ["Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm", "RopeScaling", "TransformerBlock",
-           "apply_rotary",
-           "build_model", "causal_attention", "count_params", "get_config", "precompute_rope"]
+__all__ = ["ATTENTION_CORES", "Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RECOMPUTE_MODES",
+           "RMSNorm", "RopeScaling", "TransformerBlock", "apply_rotary", "build_model", "causal_attention",
+           "count_params", "eager_attention", "get_config", "precompute_rope"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same attention written out: softmax(q kᵀ / √d + causal mask) v. Its backward keeps the [B, H, L, L]
+    probabilities, the quadratic term of the activation formula (seed 003 §12.4) that a fused kernel avoids and
+    selective recompute drops; for kernels without a fused path, and to measure that term."""
+    n_heads, n_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
+    if n_kv_heads != n_heads:
+        k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
+        v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+
+
+# model.attention: which core computes attention (context parallelism replaces either with ring attention)
+ATTENTION_CORES = {"sdpa": causal_attention, "eager": eager_attention}
+# train.recompute: none | full (each block keeps only its input) | selective (the attention core is recomputed)
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
 class Attention(nn.Module):
     """Causal GQA. Head counts come from the projections at forward time, so a TP rank holding some heads runs this
     code; q head h uses kv head h // (n_heads / n_kv_heads), so contiguous shards of wq and wk/wv line up. ``core``
@@ -185,6 +204,7 @@ class Attention(nn.Module):
         self.wv = Linear(dim, n_kv_heads * self.head_dim, **kw)
         self.wo = Linear(n_heads * self.head_dim, dim, **kw)
         self.core = causal_attention
+        self.recompute_core = False  # selective recompute: keep q, k, v only; the core runs again in backward
 
     @property
     def n_heads(self) -> int:  # local heads when sharded
@@ -209,7 +229,7 @@ class Attention(nn.Module):
         cos, sin = cos[:seq], sin[:seq]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = self.core(q, k, v)
+        out = recompute(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 
@@ -223,10 +243,23 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
         self.feed_forward = (MoEFeedForward(c.dim, c.ffn_hidden, c.moe, device=device, dtype=dtype)
                              if c.is_moe_block(index) else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype))
+        self.recompute_all = False  # full recompute: keep only the block's input; all of it runs again in backward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute_all:  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
+            return recompute(self._forward, x, cos, sin)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def set_recompute(self, mode: str) -> None:
+        """`RECOMPUTE_MODES`: none, full (the whole block) or selective (the attention core)."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+        self.recompute_all = mode == "full"
+        self.attention.recompute_core = mode == "selective"
 
 
 class Blocks(nn.ModuleDict):
@@ -278,6 +311,20 @@ class Llama(nn.Module):
         if self.config.tie_embeddings:
             return []
         return [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
+
+    def set_recompute(self, mode: str) -> Llama:
+        """Activation recompute in every block (`RECOMPUTE_MODES`); returns self."""
+        for block in self.layers.values() if self.layers is not None else ():
+            block.set_recompute(mode)
+        return self
+
+    def set_attention(self, core: str) -> Llama:
+        """The attention core of every block (`ATTENTION_CORES`); returns self."""
+        if core not in ATTENTION_CORES:
+            raise ValueError(f"attention={core!r}: choose one of {', '.join(ATTENTION_CORES)}")
+        for block in self.layers.values() if self.layers is not None else ():
+            block.attention.core = ATTENTION_CORES[core]
+        return self
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter of the *whole* model with its full shape (this copy may be a stage or a TP slice)."""

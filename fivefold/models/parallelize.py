@@ -87,6 +87,13 @@ def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[Any, ZeroD
     return loss
 
 
+def _set_activations(model: Llama, cfg: Config) -> None:
+    """The attention core (``model.attention``; cp swaps in ring attention later) and activation recompute
+    (``train.recompute``), inside each block: under ZeRO-3 the recomputation runs while the block's unit is gathered
+    for its backward, and TP / SP / ring / expert collectives run again in backward in the same order on every rank."""
+    model.set_attention(cfg.model.attention).set_recompute(cfg.train.recompute)
+
+
 def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
     """TP-shard `module` if tp > 1; returns its loss function."""
     tp = mesh.comm("tp")
@@ -254,6 +261,7 @@ class WholeModel(_Parts):
     def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
         super().__init__(cfg, mesh, device)
         model = Llama(model_cfg, device="meta")  # nothing allocated: the engines materialise this rank's share
+        _set_activations(model, cfg)
         self.loss_fn = _shard(model, cfg, mesh)
         self.module = model
         self.engines = dict(enumerate(_engines(model, cfg, mesh, device)))
@@ -309,6 +317,8 @@ def pipeline_overlap(cfg: Config, moe: bool, size: Callable[[str], int], device_
         (size("tp") > 1, f"parallel.tp={size('tp')}: both passes would call the tp group"),
         (size("cp") > 1, f"parallel.cp={size('cp')}: both passes would exchange ring-attention messages"),
         (cfg.zero.stage == 3, "zero.stage=3: both passes would gather and free the same units"),
+        (moe and cfg.train.recompute == "full", "train.recompute=full: the backward would run the MoE layers' "
+                                                "forward collectives again beside the other pass's"),
         (device_type != "cpu", f"the device is {device_type}: the passes would share one stream, and NCCL "
                                "communicators used from two threads at once may deadlock (CPU/gloo only)"),
     ) if bad]
@@ -337,6 +347,8 @@ class PipelinedModel(_Parts):
         self.schedule = build_schedule(p.schedule, pp.size, cfg.train.grad_accum, p.virtual)
         stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
                               device="meta", layers_per_stage=p.layers())
+        for stage in stages.values():
+            _set_activations(stage, cfg)
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
         self.stages = stages
         self.overlap, self.overlap_reason = pipeline_overlap(cfg, model_cfg.moe is not None, mesh.size, device.type)

@@ -216,4 +216,5 @@ def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
             + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
             + ((f" ({parts.overlap_reason})" if parts.overlap
                 else f" (F&B one after the other: {parts.overlap_reason})") if units else "")
+            + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
             + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)")

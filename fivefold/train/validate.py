@@ -20,6 +20,7 @@ from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
+from fivefold.models.llama import ATTENTION_CORES, RECOMPUTE_MODES
 from fivefold.models.moe import MoEConfig
 from fivefold.models.parallelize import OVERLAP_CHOICES, check_pipeline_supported, pipeline_overlap
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
@@ -93,7 +94,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("preset", "init_from") and v is not None}
+                 if k not in ("preset", "init_from", "attention") and v is not None}
     try:
         if cfg.model.init_from:  # the shape comes with the weights
             if overrides:
@@ -125,6 +126,13 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         raise ConfigError(f"sequence parallel splits the sequence over tp: train.seq_len={t.seq_len}"
                           + (f" / cp={dims.cp} = {local_seq}" if dims.cp > 1 else "")
                           + f" is not divisible by tp={dims.tp}; use a multiple of {_sp_multiple(p.cp_layout, dims)}")
+    if t.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"train.recompute={t.recompute!r}: choose {', '.join(RECOMPUTE_MODES)}")
+    if cfg.model.attention not in ATTENTION_CORES:
+        raise ConfigError(f"model.attention={cfg.model.attention!r}: choose {' or '.join(ATTENTION_CORES)}")
+    if cfg.model.attention != "sdpa" and dims.cp > 1:
+        raise ConfigError(f"model.attention={cfg.model.attention}: under parallel.cp={dims.cp} attention is ring "
+                          "attention whatever the core; drop model.attention or use cp 1")
     if cfg.pipeline.overlap not in OVERLAP_CHOICES:
         raise ConfigError(f"pipeline.overlap={cfg.pipeline.overlap!r}: choose {' or '.join(OVERLAP_CHOICES)}")
     if cfg.pipeline.overlap == "on" and dims.pp == 1:

@@ -1,0 +1,195 @@
+"""Activation recompute (`train.recompute` none | full | selective): training unchanged, activations as predicted.
+
+Single process: each block's activation bytes, measured by the allocator (`memory.block_activation_bytes`), against
+`formulas.activation_bytes_per_block` (seed 003 §12.4's accounting applied to the Llama block) for both attention cores,
+fp32 and bf16; gradients bit-equal to no recompute. One spawn of 4 ranks trains the layouts whose collectives run again
+inside a recomputation — ZeRO-3 with tp 2 + SP, pp 2 zero-bubble with ZeRO-3, cp 2 ring attention, MoE over ep 2 — in
+each mode: full and selective must equal none bit for bit (none itself is checked against single-process training in
+each dimension's own tests), the tp traffic must follow `tp_comm_formula(recompute=)` and the per-rank activations
+under tp 2 + SP the formula's SP variant.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_workers
+
+from fivefold.comm import CommLog
+from fivefold.formulas import activation_bytes_per_block, korthikanti_block_bytes, tp_comm_formula
+from fivefold.memory import block_activation_bytes
+from fivefold.models.llama import RECOMPUTE_MODES, Llama, LlamaConfig, get_config
+
+B, L, D, H, H_KV, F = 2, 64, 64, 4, 2, 96
+SHAPE = LlamaConfig(dim=D, n_layers=3, n_heads=H, n_kv_heads=H_KV, ffn_hidden=F, max_seq_len=L)
+DTYPES = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+
+
+def _tokens(seed: int, batch: int = B, seq: int = L, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("core", ["sdpa", "eager"])
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_block_activations_match_the_formula(mode, core):
+    """Inside each block's forward (fp32: a block's output is what the next block keeps of its input)."""
+    model = Llama(SHAPE).set_attention(core).set_recompute(mode)
+    x = _tokens(0)
+    measured = block_activation_bytes(model.layers, lambda: model(x))
+    want = activation_bytes_per_block(B, L, D, H, H_KV, F, attention=core, recompute=mode)
+    for i, got in enumerate(measured):
+        assert got == pytest.approx(want, rel=0.02), f"block {i}: measured {got} bytes, formula {want}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("core", ["sdpa", "eager"])
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_one_more_block_costs_the_formula(mode, core, dtype):
+    """The whole forward of n + 1 blocks minus that of n: what one more block keeps in steady state, whatever it
+    frees after it returns (in bf16 a block's output is freed once the next block saved its fp32 copy)."""
+    torch_dtype, nbytes = DTYPES[dtype]
+    x = _tokens(0)
+    totals = []
+    for n in (2, 3):
+        model = Llama(LlamaConfig(**{**SHAPE.__dict__, "n_layers": n}), dtype=torch_dtype)
+        model.set_attention(core).set_recompute(mode)
+        totals.append(block_activation_bytes([model], lambda m=model: m(x))[0])
+    want = activation_bytes_per_block(B, L, D, H, H_KV, F, dtype_bytes=nbytes, attention=core, recompute=mode)
+    assert totals[1] - totals[0] == pytest.approx(want, rel=0.02)
+
+
+def test_recompute_drops_activations_as_seed_003_says():
+    """Full keeps 1 of the ~16 B·L·D a block holds; selective drops the core's L×L term — the 5·B·L²·H of the seed's
+    GPT formula, one fp32 L×L matrix here (no dropout) — and gains most where that term dominates (L ≫ D)."""
+    def kept(mode: str, core: str, seq: int = L) -> int:
+        return activation_bytes_per_block(B, seq, D, H, H_KV, F, attention=core, recompute=mode)
+    bld = B * L * D * 4
+    assert kept("full", "eager") == bld
+    assert kept("none", "sdpa") == pytest.approx(16.1 * bld, rel=0.01)
+    assert kept("none", "eager") - kept("selective", "eager") > kept("none", "sdpa") - kept("selective", "sdpa")
+    long = 8 * D  # L ≫ D: the quadratic term dominates and selective recompute removes most of the block's memory
+    assert kept("selective", "eager", long) < 0.5 * kept("none", "eager", long)
+    assert korthikanti_block_bytes(B, L, D, H) == 34 * B * L * D + 5 * B * L * L * H
+
+
+@pytest.mark.parametrize("core", ["sdpa", "eager"])
+def test_recompute_gradients_bit_equal_to_none(core):
+    grads = {}
+    x, y = _tokens(1), _tokens(2)
+    for mode in RECOMPUTE_MODES:
+        model = Llama(SHAPE, seed=0).set_attention(core).set_recompute(mode)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        grads[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    for mode in ("full", "selective"):
+        assert torch.equal(grads[mode][0], grads["none"][0])
+        for name, g in grads[mode][1].items():
+            assert torch.equal(g, grads["none"][1][name]), f"{mode}: {name}"
+
+
+# -- layouts whose collectives run again in a recomputation -------------------------------------------------------
+SEQ, GLOBAL, M, STEPS = 16, 8, 2, 2
+LAYOUTS = {
+    "zero3-dp2-tp2-sp": dict(dims=dict(dp=2, tp=2), zero=3, sp=True),
+    "zb-h1-pp2-dp2-zero3": dict(dims=dict(pp=2, dp=2), zero=3, schedule="zb-h1"),
+    "cp2-dp2-zero2": dict(dims=dict(dp=2, cp=2), zero=2),
+    "moe-dp4-ep2": dict(dims=dict(dp=4, ep=2), zero=1, moe=True),
+}
+
+
+def _model_config(moe: bool) -> LlamaConfig:
+    shape = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+    return get_config("tiny-moe", ffn_hidden=64, **shape) if moe else get_config("tiny", ffn_hidden=96, **shape)
+
+
+def _layout_worker() -> dict:
+    from fivefold.config import Config
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models.parallelize import parallelize
+
+    out = {}
+    for name, layout in LAYOUTS.items():
+        for mode in RECOMPUTE_MODES:
+            cfg = Config()
+            for k, v in layout["dims"].items():
+                setattr(cfg.parallel, k, v)
+            cfg.parallel.sp = layout.get("sp", False)
+            cfg.zero.stage = layout["zero"]
+            cfg.pipeline.schedule = layout.get("schedule", "1f1b")
+            cfg.train.recompute, cfg.train.grad_accum, cfg.train.seq_len = mode, M, SEQ
+            cfg.train.lr, cfg.train.eps = 1e-2, 1e-4
+            log = CommLog()
+            mesh = ParallelMesh(ParallelDims(**layout["dims"]), "cpu", log)
+            parts = parallelize(cfg, _model_config(layout.get("moe", False)), mesh, "cpu")
+            dp = mesh.comm("dp")
+            losses, history, tp_bytes = [], [], None
+            for step in range(STEPS):
+                x, y = (t.chunk(dp.size)[dp.rank] for t in (_tokens(10 + step, GLOBAL, SEQ),
+                                                           _tokens(20 + step, GLOBAL, SEQ)))
+                log.reset()
+                loss = parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+                if step == 0:
+                    tp_bytes = {op: t.payload_bytes for (op, dim), t in log.summary().items() if dim == "tp"}
+                parts.step(1.0)
+                losses.append(parts.global_loss(loss).item())
+                history.append(parts.full_state_dict())
+            out[(name, mode)] = dict(losses=losses, history=history, tp_bytes=tp_bytes, micro=x.shape[0] // M)
+    for sp in (True, False):  # a rank's activations under tp 2 (+ SP), in a forward after a warm-up one; traffic
+        for mode in RECOMPUTE_MODES:
+            cfg = Config()
+            cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.sp = 2, 2, sp
+            cfg.train.recompute, cfg.train.seq_len = mode, SEQ
+            log = CommLog()
+            mesh = ParallelMesh(ParallelDims(dp=2, tp=2), "cpu", log)
+            parts = parallelize(cfg, _model_config(False), mesh, "cpu")
+            x, y = (_tokens(seed, GLOBAL // 2, SEQ) for seed in (30, 31))
+            parts.module(parts.local(x))
+            block_bytes = block_activation_bytes(parts.module.layers, lambda p=parts, x=x: p.module(p.local(x)))
+            log.reset()
+            parts.forward_backward([(x, y)])
+            tp_bytes = {op: t.payload_bytes for (op, dim), t in log.summary().items() if dim == "tp"}
+            out[("tp2" + "-sp" * sp, mode)] = dict(micro=x.shape[0], block_bytes=block_bytes, tp_bytes=tp_bytes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_results():
+    return run_workers(_layout_worker, 4)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_recompute_trains_exactly_like_none(layout_results, layout, mode):
+    for rank, res in enumerate(layout_results):
+        got, want = res[(layout, mode)], res[(layout, "none")]
+        assert got["losses"] == want["losses"], f"rank {rank}"
+        for step, (g, w) in enumerate(zip(got["history"], want["history"])):
+            assert g.keys() == w.keys()
+            for pname in g:
+                assert torch.equal(g[pname], w[pname]), f"rank {rank} step {step} {pname}"
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("run_name", ["zero3-dp2-tp2-sp", "tp2-sp", "tp2"])
+def test_tp_traffic_with_recompute_matches_the_formula(layout_results, run_name, mode):
+    """Full recompute runs a block's attention exit (and under SP both entries) once more in backward; selective adds
+    nothing."""
+    config = _model_config(False)
+    for rank, res in enumerate(layout_results):
+        run = res[(run_name, mode)]
+        backwards = M if run_name.startswith("zero3") else 1
+        per_backward = tp_comm_formula(config, run["micro"], SEQ, run_name.endswith("sp"), recompute=mode)
+        want = {op: backwards * nbytes for op, nbytes in per_backward.items()}
+        assert run["tp_bytes"] == want, f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("run_name", ["tp2-sp", "tp2"])
+def test_tp_rank_activations_match_the_formula(layout_results, run_name, mode):
+    c = _model_config(False)
+    for rank, res in enumerate(layout_results):
+        run = res[(run_name, mode)]
+        want = activation_bytes_per_block(run["micro"], SEQ, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden,
+                                          recompute=mode, tp=2, sp=run_name.endswith("sp"))
+        for i, got in enumerate(run["block_bytes"]):
+            assert got == pytest.approx(want, rel=0.05), f"rank {rank} block {i}: measured {got}, formula {want}"
