@@ -61,6 +61,9 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallel, carved from dp × cp
+    # HSDP: dp = dp_replicate × dp_shard; ZeRO shards over dp_shard × cp (consecutive ranks), gradients are then
+    # all-reduced across the dp_replicate copies (1: plain ZeRO over all of dp × cp)
+    dp_replicate: int = 1
     sp: bool = False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
     cp_layout: str = "zigzag"  # how cp splits a sequence: zigzag (balanced causal work) or contiguous
 

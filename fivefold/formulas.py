@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 __all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "activation_bytes_per_block", "bubble_formula", "expected_for",
-           "korthikanti_block_bytes", "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula",
-           "tp_comm_formula_text"]
+           "hsdp_expected", "korthikanti_block_bytes", "ring_attention_p2p_elements", "ring_wire_bytes",
+           "tp_comm_formula", "tp_comm_formula_text"]
 
 # -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
@@ -63,6 +63,24 @@ def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:
     by_op = {op: int(k * 4 * padded_params) for op, k in r["comm"].items()}
     return dict(memory=memory, by_op=by_op, payload_bytes=sum(by_op.values()),
                 wire_bytes=sum(ring_wire_bytes(op, b, world) for op, b in by_op.items()))
+
+
+def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) -> dict[str, Any]:
+    """HSDP (seed 003 §5.5): ZeRO-``stage`` (1-3) inside shard groups of ``shard`` ranks N_s, ``replicate`` R copies.
+
+    Model states per rank: the stage's formula with N = N_s (ZeRO-3: 16Ψ/N_s, e.g. 2Ψ at N_s = 8), whatever R.
+    Payload bytes per step and rank by sub-dimension (fp32, as `expected_for`): over ``dp_shard`` the stage's own
+    (reduce-scatter Ψ + all-gather Ψ; ZeRO-3 all-gather 2Ψ), over ``dp_replicate`` an all-reduce of the reduced shard,
+    Ψ/N_s; ``wire_bytes`` per sub-dimension on a ring of its size. ``padded_params``: Ψ with every flat buffer padded
+    to a multiple of N_s."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"HSDP shards with ZeRO-1, 2 or 3, not stage {stage} (stage 0 over both groups is DDP)")
+    inner = expected_for(f"zero{stage}", padded_params, shard)
+    by_dim = {"dp_shard": inner["by_op"], "dp_replicate": {"all_reduce": 4 * padded_params // shard}}
+    wire = {"dp_shard": inner["wire_bytes"],
+            "dp_replicate": ring_wire_bytes("all_reduce", by_dim["dp_replicate"]["all_reduce"], replicate)}
+    return dict(memory=inner["memory"], by_dim=by_dim, wire_bytes=wire,
+                payload_bytes={dim: sum(ops.values()) for dim, ops in by_dim.items()})
 
 
 # -- tensor and sequence parallel (seed 003 §7.2, §8.2) --------------------------------------------------

@@ -1,6 +1,9 @@
 """The process grid ``world = pp × dp × cp × tp`` (DESIGN.md; tp innermost, so TP peers share a node) as a torch
 `DeviceMesh`, derived groups and per-dimension `Comm`s. Gradients reduce over ``dp_cp`` (a cp rank holds a slice of
-the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different experts, reduced over ``ep_dp``."""
+the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different experts, reduced over ``ep_dp``.
+HSDP (seed 003 §5.5) splits dp_cp the same way: ``dp_shard`` blocks of consecutive dp_cp ranks (dp/dp_replicate dp
+rows with all their cp ranks, torchtitan's dp_shard_cp) shard the model, ``dp_replicate`` (the same place in every
+block) holds identical shards."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch.distributed as dist
 from fivefold.comm import Comm, CommLog
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
-DERIVED_DIMS = ("dp_cp", "ep", "ep_dp")
+DERIVED_DIMS = ("dp_cp", "ep", "ep_dp", "dp_shard", "dp_replicate")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1  # carved from dp × cp (not a factor of the world)
+    dp_replicate: int = 1  # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp and check that the product of the degrees is the world size."""
@@ -47,6 +51,9 @@ class ParallelDims:
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
                              "expert-parallel ranks are carved from the data (and context) parallel ones")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} must divide dp({self.dp}): HSDP splits dp "
+                             "into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a divisor of dp")
         return self
 
     @property
@@ -59,6 +66,8 @@ class ParallelDims:
             return self.dp * self.cp
         if dim == "ep_dp":
             return self.dp * self.cp // self.ep
+        if dim == "dp_shard":
+            return self.dp * self.cp // self.dp_replicate
         return getattr(self, dim)
 
     def shape(self) -> tuple[int, ...]:
@@ -90,7 +99,8 @@ class ParallelMesh:
             self.own(group)
 
     def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
-        """dp_cp, ep, ep_dp; every rank creates every group in the same order (a collective), reusing equal ones."""
+        """dp_cp, ep, ep_dp, dp_shard, dp_replicate; every rank creates every group in the same order (a collective),
+        reusing equal ones."""
         d = self.dims
         me = dist.get_rank()
         # rows: one dp×cp group per (pp, tp) coordinate, ranks in (dp, cp) order
@@ -116,6 +126,20 @@ class ParallelMesh:
                     g = dist.new_group(list(column))
                     if me in column:
                         groups["ep_dp"] = g
+        if d.dp_replicate == 1:  # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
+            groups["dp_shard"] = groups["dp_cp"]
+        else:
+            shard = d.size("dp_shard")
+            for row in rows:
+                blocks = [row[i:i + shard] for i in range(0, len(row), shard)]  # consecutive ranks: one shard group
+                for block in blocks:
+                    g = dist.new_group(block)
+                    if me in block:
+                        groups["dp_shard"] = g
+                for column in zip(*blocks):  # the same place in every block: the same shard
+                    g = dist.new_group(list(column))
+                    if me in column:
+                        groups["dp_replicate"] = g
         return groups
 
     def size(self, dim: str) -> int:
@@ -127,7 +151,8 @@ class ParallelMesh:
         return self.device_mesh.get_local_rank(dim)
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        if dim == "ep" and dim not in self._derived:  # ep = 1: a group of this rank alone, no collective needed
+        if dim in ("ep", "dp_replicate") and dim not in self._derived:
+            # ep = 1 / dp_replicate = 1: a group of this rank alone, no collective needed
             self._derived[dim] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         if dim in DERIVED_DIMS:
             return self._derived[dim]
@@ -172,8 +197,9 @@ class ParallelMesh:
         if key not in self._comms:
             ranks = dist.get_process_group_ranks(self.group(dim))
             # torch names a locally synchronised group from its ranks and the count of groups this process has
-            # registered: equal on every member as long as they all made the same groups before (the only group made
-            # on some ranks alone, ep's singleton, exists only at ep = 1, where there is no twin)
+            # registered: equal on every member as long as they all made the same groups before (the only groups made
+            # on some ranks alone, the singletons of ep and dp_replicate, exist only at degree 1: parallelize asks for
+            # them only where every rank does)
             twin = self.own(dist.new_group(ranks, use_local_synchronization=True))
             self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device, fingerprints=self._fingerprints(twin))
         return self._comms[key]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from fivefold import comm, formulas
-from fivefold.formulas import RECIPES, expected_for, ring_wire_bytes, tp_comm_formula
+from fivefold.formulas import RECIPES, expected_for, hsdp_expected, ring_wire_bytes, tp_comm_formula
 
 PSI, N = 1000, 4
 
@@ -49,6 +49,22 @@ def test_expected_communication():
     assert z3["wire_bytes"] == pytest.approx(1.5 * ddp["wire_bytes"])
     assert expected_for("ddp+zero_optim", PSI, N)["by_op"] == {"all_reduce": 4 * PSI, "broadcast": 4 * PSI}
     assert set(RECIPES) == {"ddp", "zero1", "zero2", "zero3", "ddp+zero_optim"}
+
+
+def test_hsdp_memory_follows_the_shard_degree_and_traffic_splits_by_sub_dimension():
+    # seed 003 §5.5: 1024 GPUs as 128 ZeRO-3 groups of 8 hold 16Ψ/8 = 2Ψ each (fp32 here: 16 bytes per element)
+    z3 = hsdp_expected(3, 8 * PSI, 8, 128)
+    assert z3["memory"] == expected_for("zero3", 8 * PSI, 8)["memory"] and z3["memory"]["total"] == 16 * PSI
+    assert z3["by_dim"] == {"dp_shard": {"all_gather": 8 * 8 * PSI, "reduce_scatter": 4 * 8 * PSI},
+                            "dp_replicate": {"all_reduce": 4 * PSI}}  # Ψ/N_s of the 8Ψ elements
+    assert z3["wire_bytes"]["dp_replicate"] == pytest.approx(2 * 127 / 128 * 4 * PSI)
+    assert z3["wire_bytes"]["dp_shard"] == pytest.approx(expected_for("zero3", 8 * PSI, 8)["wire_bytes"])
+    for stage in (1, 2):
+        z = hsdp_expected(stage, PSI, N, 2)
+        assert z["by_dim"]["dp_shard"] == {"reduce_scatter": 4 * PSI, "all_gather": 4 * PSI}
+        assert z["payload_bytes"] == {"dp_shard": 8 * PSI, "dp_replicate": 4 * PSI // N}
+    with pytest.raises(ValueError, match="stage 0 over both groups is DDP"):
+        hsdp_expected(0, PSI, N, 2)
 
 
 def test_tp_formula_sp_moves_the_same_activation_volume():

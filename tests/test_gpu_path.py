@@ -3,7 +3,7 @@
 1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at once, nothing is
    sent) and the `meta` device standing in for CUDA — tensors with shapes and dtypes but no storage, on a device that
    is not the CPU. Each layout (DDP, ZeRO-3, tp 2 + SP, pp 2, pp × ZeRO-3 zero-bubble, a pipeline stage without
-   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3) runs two training steps as the trainer does. What
+   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3, HSDP) runs two training steps as the trainer does. What
    fails here fails on CUDA + NCCL too: a CPU tensor handed to a collective (`Comm` refuses it) or mixed into a
    device op (torch refuses it). Every host sync (`.item()`, `bool(t)`, a device-to-host copy, a data-dependent
    shape) is counted by a dispatch mode, and a training step may make none: loss and norm stay on the device
@@ -33,6 +33,7 @@ LAYOUTS = {  # name: (world, dims, config overrides)
     "pp2-dp2-zero3-zb": (4, dict(pp=2, dp=2), dict(zero=3, pp=2, schedule="zb-h1")),
     "pp3-tp2-empty-stage": (6, dict(pp=3, dp=1, tp=2), dict(zero=1, pp=3, tp=2, layers="1,0,1")),
     "dp2-cp2-zero3": (4, dict(dp=2, cp=2), dict(zero=3, cp=2)),
+    "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), dict(zero=2, dp_replicate=2)),
 }
 STEPS = 2
 
@@ -75,7 +76,7 @@ def _dry_run(name: str, rank: int) -> dict:
         cfg = Config()
         cfg.zero.stage, cfg.zero.bucket_mb = o["zero"], 0.01
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp = o.get("tp", 1), o.get("pp", 1), o.get("sp", False)
-        cfg.parallel.cp = o.get("cp", 1)
+        cfg.parallel.cp, cfg.parallel.dp_replicate = o.get("cp", 1), o.get("dp_replicate", 1)
         cfg.pipeline.schedule, cfg.pipeline.layers_per_stage = o.get("schedule", "1f1b"), o.get("layers", "")
         cfg.train.grad_accum, cfg.train.seq_len = 4, 8
         model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8,

@@ -1,6 +1,7 @@
 """The derived process groups at world 8: dp_cp (gradients and loss over dp × cp), ep carved from
-dp × cp and its complement ep_dp — every rank's membership against the layout computed here from
-the grid (world = pp × dp × cp × tp, tp innermost), independently of the mesh code."""
+dp × cp and its complement ep_dp, HSDP's dp_shard and dp_replicate — every rank's membership
+against the layout computed here from the grid (world = pp × dp × cp × tp, tp innermost),
+independently of the mesh code."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ LAYOUTS = {
     "pp2-dp4-ep2": ParallelDims(pp=2, dp=4, ep=2),
     "dp2-cp2-pp2-ep4": ParallelDims(pp=2, dp=2, cp=2, ep=4),
     "pp2-dp2-tp2": ParallelDims(pp=2, dp=2, tp=2),  # cp = ep = 1: dp_cp and ep_dp are dp, ep is each rank alone
+    # HSDP: shard groups of dp/2 × cp consecutive dp_cp ranks, replicas at the same place in each (with ep beside)
+    "dp4-cp2-replicate2-ep2": ParallelDims(dp=4, cp=2, ep=2, dp_replicate=2),
+    "pp2-dp2-cp2-replicate2": ParallelDims(pp=2, dp=2, cp=2, dp_replicate=2),
 }
 
 
@@ -40,8 +44,7 @@ def groups():
 def _expected(dims: ParallelDims, rank: int) -> dict[str, list[int]]:
     """Coordinates in row-major (pp, dp, cp, tp); groups vary the named coordinates, fix the rest."""
     shape = dims.shape()
-    coords = dict(zip(MESH_DIMS, next(c for c in itertools.product(*map(range, shape))
-                                     if sum(v * _stride(shape, i) for i, v in enumerate(c)) == rank)))
+    coords = _coords(dims, rank)
 
     def ranks(varying: tuple[str, ...]) -> list[int]:
         out = []
@@ -54,8 +57,19 @@ def _expected(dims: ParallelDims, rank: int) -> dict[str, list[int]]:
     block = position // dims.ep
     ep = dp_cp[block * dims.ep:(block + 1) * dims.ep]
     ep_dp = [r for i, r in enumerate(dp_cp) if i % dims.ep == position % dims.ep]
+    # HSDP: a shard group is dp/dp_replicate dp coordinates with all their cp ranks; replicas differ in dp // that only
+    per_shard = dims.dp // dims.dp_replicate
+    dp_shard = [r for r in dp_cp if _coords(dims, r)["dp"] // per_shard == coords["dp"] // per_shard]
+    dp_replicate = [r for r in dp_cp if _coords(dims, r)["dp"] % per_shard == coords["dp"] % per_shard
+                    and _coords(dims, r)["cp"] == coords["cp"]]
     return dict(pp=ranks(("pp",)), dp=ranks(("dp",)), cp=ranks(("cp",)), tp=ranks(("tp",)), dp_cp=dp_cp, ep=ep,
-                ep_dp=ep_dp)
+                ep_dp=ep_dp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+
+
+def _coords(dims: ParallelDims, rank: int) -> dict[str, int]:
+    shape = dims.shape()
+    return dict(zip(MESH_DIMS, next(c for c in itertools.product(*map(range, shape))
+                                    if sum(v * _stride(shape, i) for i, v in enumerate(c)) == rank)))
 
 
 def _stride(shape: tuple[int, ...], i: int) -> int:

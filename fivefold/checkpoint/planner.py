@@ -1,10 +1,11 @@
 """DCP planners that write and read `Pieces`: every rectangle a rank holds is one DCP chunk of the global tensor.
 
 Saving, each rectangle becomes a ``WriteItem`` at its global offsets; DCP's coordinator drops the copies that
-replicas (dp under ZeRO-0, tp for replicated weights, ep_dp for experts) write at the same offsets and checks that
-the chunks neither overlap nor leave a hole. Loading, each rectangle asks DCP for its overlap with whatever chunks
-the writer's layout left (`create_read_items_for_chunk_list`), so any layout reads any other's checkpoint, each rank
-reading only its slices. Plain tensors and other objects in the state dict keep DCP's default handling.
+replicas (dp under ZeRO-0, tp for replicated weights, ep_dp for experts, dp_replicate under HSDP) write at the same
+offsets and checks that the chunks neither overlap nor leave a hole. Loading, each rectangle asks DCP for its
+overlap with whatever chunks the writer's layout left (`create_read_items_for_chunk_list`), so any layout reads any
+other's checkpoint, each rank reading only its slices. Plain tensors and other objects in the state dict keep DCP's
+default handling.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class ShardedOptimizer:
             if members:
                 inner_groups.append({"params": members, **kwargs})
         # What the global norm sums over: the group's own placement, plus dp where this optimizer shards.
-        dp: Placement = frozenset({self.comm.dim}) if self.sharded else frozenset()  # "dp" (or dp_cp, ep_dp)
+        dp: Placement = frozenset({self.comm.dim}) if self.sharded else frozenset()  # "dp" (or dp_cp, ep_dp, dp_shard)
         self._placement = {id(p): frozenset(g.get("placement", ())) | dp for g in inner_groups for p in g["params"]}
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))

@@ -12,6 +12,9 @@ DESIGN.md / seed 001 table, Ψ parameters, N ranks, mixed-precision Adam (K = 12
 Stages differ only in `_launch_bucket`, `_finish_bucket` (where ZeRO-2/3 free non-owned gradients, during backward)
 and stage 3's per-unit gather / free (`fsdp.FSDPHooks`). Each backward outside `no_sync()` reduces into the sharded
 gradient; inside it full gradients accumulate unreduced until the first one outside (costing stage 2/3 memory).
+
+HSDP (``replicate``, stages 1-3): ``comm`` is the shard group (N = its size in the table), and each bucket's reduced
+shard is all-reduced over ``replicate`` after its reduce-scatter (`hsdp.ReplicaReduce`); the mean divides by both.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, assi
 from fivefold.data_parallel.ddp import broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
+from fivefold.data_parallel.hsdp import ReplicaReduce
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
 from fivefold.materialize import materialize
@@ -47,7 +51,8 @@ class ZeroDataParallel(nn.Module):
     bounds the outstanding reduce-scatters: the backward peak is the stage's formula plus about ``inflight_buckets
     + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root). A module built
     on the meta device is materialised on ``device`` from ``init_value(name)`` (the unsharded value, drawn one
-    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model."""
+    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model.
+    ``replicate`` (HSDP, stages 1-3): the group across which ``comm``'s shard groups hold the same shards."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
@@ -58,23 +63,32 @@ class ZeroDataParallel(nn.Module):
                  elementwise: bool | None = None, placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
                  init_value: Callable[[str], torch.Tensor] | None = None, device: torch.device | str | None = None,
                  params: Callable[[str, nn.Parameter], bool] | None = None, grad_divisor: int | None = None,
-                 **optimizer_kwargs: Any) -> None:
+                 replicate: Comm | None = None, **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
+        if replicate is not None and zero_stage == 0:
+            raise ValueError("HSDP (a replicate group) shards inside a group: it needs zero_stage 1, 2 or 3 (stage 0 "
+                             "over both groups is plain DDP: use zero_stage=0 over the whole data-parallel group)")
         if inflight_buckets < 1:
             raise ValueError(f"inflight_buckets={inflight_buckets}: at least one reduce-scatter must be allowed in "
                              "flight; use 1 (least memory) or more (more overlap)")
         self.module = module
         self.comm = comm
+        # HSDP: the replicas' all-reduce after each reduce-scatter (None: plain ZeRO over `comm`)
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        self.replica_reduce = ReplicaReduce(self.replicate) if self.replicate is not None else None
+        # every rank a gradient is averaged over: the shard group, times the replicas under HSDP
+        self.reduce_size = comm.size * (self.replicate.size if self.replicate is not None else 1)
         self.zero_stage = zero_stage
         self.mp = mixed_precision or MixedPrecision()
         # `params`: the parameters this engine owns (default all; MoE experts get an engine of their own).
         self.owns = params or (lambda name, p: True)
-        # Gradients are averaged over `comm` (each bucket pre-divided by its size); `grad_divisor` asks for another
-        # divisor (expert gradients, already summed over ep by the all-to-all, divide by dp × cp): each backward's
-        # contribution is scaled by size / divisor as it arrives — not the buffer, which accumulates micro-steps.
-        self.grad_divisor = grad_divisor or comm.size
+        # Gradients are averaged over `comm` (× replicate; each bucket pre-divided by `reduce_size`); `grad_divisor`
+        # asks for another divisor (expert gradients, already summed over ep by the all-to-all, divide by dp × cp):
+        # each backward's contribution is scaled by size / divisor as it arrives — not the buffer, which accumulates
+        # micro-steps.
+        self.grad_divisor = grad_divisor or self.reduce_size
         # Parameters on the meta device are materialised here, each rank only its share, from `init_value`.
         deferred = {name for name, p in module.named_parameters() if p.device.type == "meta" and self.owns(name, p)}
         if deferred and (init_value is None or device is None):
@@ -84,9 +98,11 @@ class ZeroDataParallel(nn.Module):
         if deferred:  # storage-less stand-ins on the device, repointed into the flat buffers below
             materialize(module, device, storage=False, select=lambda name: name in deferred)
         self._value_of = lambda name, p: init_value(name) if name in deferred else p.detach()
-        if broadcast_init and comm.size > 1:  # (deferred values are the same on every rank by construction)
-            broadcast_module_state(module, comm, skip={n for n, p in module.named_parameters()
-                                                       if n in deferred or not self.owns(n, p)})
+        # (deferred values are the same on every rank by construction); HSDP: then across the replicas
+        for group in (comm, self.replicate) if broadcast_init else ():
+            if group is not None and group.size > 1:
+                broadcast_module_state(module, group, skip={n for n, p in module.named_parameters()
+                                                            if n in deferred or not self.owns(n, p)})
         # Frozen parameters are not sharded: they stay replicated, cast to the compute dtype.
         for name, p in module.named_parameters():
             if not p.requires_grad and self.owns(name, p):
@@ -99,8 +115,8 @@ class ZeroDataParallel(nn.Module):
             return skip_decay, frozenset(placement_of(name, p)) if placement_of is not None else frozenset()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and self.owns(n, p)]
-        if self.grad_divisor != comm.size:
-            factor = comm.size / self.grad_divisor
+        if self.grad_divisor != self.reduce_size:
+            factor = self.reduce_size / self.grad_divisor
             for _, p in named:
                 p.register_hook(lambda g, factor=factor: g * factor)
         # decay first, then partitioned before replicated: a fixed order of the groups in every flat buffer
@@ -177,18 +193,23 @@ class ZeroDataParallel(nn.Module):
 
     def _launch_bucket(self, bucket: GradBucket) -> Any:
         flat = self.flats[bucket.index]
-        if self.comm.size == 1:
+        tag = f"bucket{bucket.index}"
+        if self.reduce_size == 1:
             bucket.out = bucket.grad[flat.start:flat.end]
             return None
-        bucket.grad.div_(self.comm.size)  # pre-divide: the sum of g_i / N is the mean
+        bucket.grad.div_(self.reduce_size)  # pre-divide: the sum of g_i / N is the mean
         if self.zero_stage == 0:
             bucket.out = bucket.grad
-            return self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
-        if self.zero_stage == 1:  # in place: the shard lands in this rank's own slice of the kept buffer
+            return self.comm.all_reduce(bucket.grad, async_op=True, tag=tag)
+        if self.zero_stage == 1 or self.comm.size == 1:  # in place: the shard is this rank's slice of the buffer
             bucket.out = bucket.grad[flat.start:flat.end]
         else:
             bucket.out = torch.empty(flat.shard_numel, dtype=bucket.grad.dtype, device=bucket.grad.device)
-        return self.comm.reduce_scatter(bucket.out, bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
+        work = (self.comm.reduce_scatter(bucket.out, bucket.grad, async_op=True, tag=tag) if self.comm.size > 1
+                else None)
+        if self.replica_reduce is not None:  # HSDP: then the shard's all-reduce across the replicas
+            return self.replica_reduce.after(work, bucket.out, tag)
+        return work
 
     def _finish_bucket(self, bucket: GradBucket) -> None:
         flat = self.flats[bucket.index]
@@ -251,6 +272,8 @@ class ZeroDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
+        if self.replica_reduce is not None:
+            self.replica_reduce.clear()
         self._reduced_in_buffer.clear()
 
     @property

@@ -109,6 +109,14 @@ def _grad_comm(mesh: ParallelMesh):
     return mesh.comm("dp_cp") if mesh.size("cp") > 1 else mesh.comm("dp")
 
 
+def _shard_comms(mesh: ParallelMesh) -> tuple[Comm, Comm | None]:
+    """The dense engine's groups: (shard, replicate). HSDP (parallel.dp_replicate > 1): ZeRO shards over dp_shard (its
+    dp rows with all their cp ranks) and all-reduces each shard across dp_replicate; else shards span dp × cp."""
+    if mesh.size("dp_replicate") == 1:
+        return _grad_comm(mesh), None
+    return mesh.comm("dp_shard"), mesh.comm("dp_replicate")
+
+
 def is_expert(name: str, param: nn.Parameter | None = None) -> bool:
     """An MoE expert's parameter (``...feed_forward.experts.3.w1.weight``): sharded over ep, its own engine."""
     return ".experts." in f".{name}"
@@ -140,11 +148,13 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
     """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share of it: the TP
     slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
     attention if cp > 1. An MoE model's experts get a second engine: kept over ep, averaged over the rest of dp × cp
-    (`ep_dp`), their gradients (already summed over ep by the all-to-all) divided by dp × cp like the others."""
+    (`ep_dp`), their gradients (already summed over ep by the all-to-all) divided by dp × cp like the others.
+    HSDP shards the dense engine over dp_shard and all-reduces across dp_replicate; the experts' engine is as above."""
     t, z = cfg.train, cfg.zero
     tp_placements: dict[str, ParamPlacement] = getattr(module, "tp_placements", {})
     pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
     tp, grad_comm = mesh.comm("tp"), _grad_comm(mesh)
+    shard_comm, replicate = _shard_comms(mesh)
     moe = bool(_moe_layers(module))
     if moe:
         _expert_parallel(module, mesh, overlap)
@@ -152,9 +162,11 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
     def init_value(name: str) -> torch.Tensor:
         return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
 
-    def engine(comm: Comm, owns: Any, extra: Placement, divisor: int | None = None) -> ZeroDataParallel:
+    def engine(comm: Comm, owns: Any, extra: Placement, divisor: int | None = None,
+               replicate: Comm | None = None) -> ZeroDataParallel:
         return ZeroDataParallel(
             module, comm, zero_stage=z.stage, init_value=init_value, device=device, params=owns, grad_divisor=divisor,
+            replicate=replicate,
             mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
             bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
             prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
@@ -162,7 +174,7 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
             optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay)
 
-    engines = [engine(grad_comm, (lambda n, p: not is_expert(n)) if moe else None, frozenset())]
+    engines = [engine(shard_comm, (lambda n, p: not is_expert(n)) if moe else None, frozenset(), replicate=replicate)]
     if moe:
         ep_dims: Placement = frozenset({"ep"}) if mesh.size("ep") > 1 else frozenset()
         engines.append(engine(mesh.comm("ep_dp"), is_expert, ep_dims, divisor=grad_comm.size))

@@ -16,7 +16,7 @@ from fivefold.comm import Comm, Placement
 
 __all__ = ["DIM_ORDER", "global_grad_sq_norm", "step_together"]
 
-DIM_ORDER = ("tp", "cp", "ep", "dp", "ep_dp", "dp_cp", "pp")  # innermost first
+DIM_ORDER = ("tp", "cp", "ep", "dp_shard", "dp", "ep_dp", "dp_cp", "dp_replicate", "pp")  # innermost first
 
 
 def _order(dim: str) -> tuple[int, str]:

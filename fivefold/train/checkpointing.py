@@ -78,7 +78,7 @@ def clear_run_dir(cfg: Config) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-LAYOUT_FIELDS = ("world", *MESH_DIMS, "ep", "zero", "param_dtype")  # what `layout` records
+LAYOUT_FIELDS = ("world", *MESH_DIMS, "ep", "dp_replicate", "zero", "param_dtype")  # what `layout` records
 
 
 def check_layout_fields(path: Path, meta: dict[str, Any]) -> None:
@@ -90,7 +90,8 @@ def check_layout_fields(path: Path, meta: dict[str, Any]) -> None:
 
 
 def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
-    return {"world": dist.get_world_size(), **{d: mesh.size(d) for d in (*MESH_DIMS, "ep")},
+    hsdp = {"dp_replicate": mesh.size("dp_replicate")} if mesh.size("dp_replicate") > 1 else {}  # (as before HSDP)
+    return {"world": dist.get_world_size(), **{d: mesh.size(d) for d in (*MESH_DIMS, "ep")}, **hsdp,
             "zero": cfg.zero.stage, "param_dtype": cfg.precision.param}
 
 

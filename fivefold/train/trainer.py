@@ -150,9 +150,9 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.write({"kind": "error", "step": step, "error": "non-finite gradient", "message": str(e)})
             record.abort()
             raise NonFiniteGradient(f"step {step + 1}: {e}") from None
-        # the step's data-parallel traffic (gradients over dp or dp_cp; MoE: experts over ep_dp, all-to-alls over ep),
-        # read before the metrics' own collectives
-        traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp"))
+        # the step's data-parallel traffic (gradients over dp or dp_cp, HSDP: dp_shard and dp_replicate; MoE: experts
+        # over ep_dp, all-to-alls over ep), read before the metrics' own collectives
+        traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate"))
         loss = parts.global_loss(loss_sum)
         if step % cfg.run.log_every == 0 or step == t.steps - 1:
             losses.append(loss.item())  # waits for this step
@@ -210,7 +210,9 @@ def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
     pp = mesh.size("pp")
     cp = mesh.size("cp")
     units = getattr(parts, "schedule", None) is not None and any(parts.schedule.side_by_side)
+    hsdp = mesh.size("dp_replicate")
     return (f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage} tp={mesh.size('tp')}"
+            + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
             + (" +SP" if cfg.parallel.sp else "") + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
             + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
             + (f" {cfg.pipeline.schedule}" if pp > 1 else "")

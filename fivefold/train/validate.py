@@ -90,7 +90,8 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
 
-    dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep).resolve(world_size)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate).resolve(world_size)
+    _check_hsdp(dims, z.stage)
     global_batch, micro_batch, grad_accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)
 
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
@@ -221,6 +222,20 @@ def _check_moe(model: LlamaConfig, dims: ParallelDims, cfg: Config) -> None:
     if cfg.precision.param == "fp16":
         raise ConfigError("precision.param=fp16 with an MoE model is not supported (the auxiliary loss's gradient is "
                           "not loss-scaled); use bf16")
+
+
+def _check_hsdp(dims: ParallelDims, stage: int) -> None:
+    """HSDP shards inside groups of dp/dp_replicate × cp ranks and all-reduces across the dp_replicate copies."""
+    if dims.dp_replicate == 1:
+        return
+    if stage == 0:
+        raise ConfigError(f"parallel.dp_replicate={dims.dp_replicate} with zero.stage=0: nothing is sharded, so every "
+                          "rank is a replica and that is plain DDP; set zero.stage 1, 2 or 3 to shard inside groups "
+                          f"of dp/dp_replicate × cp = {dims.size('dp_shard')} ranks (HSDP), or parallel.dp_replicate 1")
+    if dims.size("dp_shard") == 1:
+        raise ConfigError(f"parallel.dp_replicate={dims.dp_replicate} = dp × cp leaves one rank per shard group: "
+                          "nothing would be sharded (that is DDP); choose a dp_replicate that leaves dp/dp_replicate "
+                          "× cp ≥ 2, or use zero.stage 0 with parallel.dp_replicate 1")
 
 
 def _sp_multiple(layout: str, dims: ParallelDims) -> int:
