@@ -9,6 +9,8 @@
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
     python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
     python bench/run.py debug                     # what --debug.collectives costs per collective
+    python bench/run.py recompute                 # activation recompute none/full/selective (+ torch's): memory
+                                                  # kept, peak, step time; seq 1024, eager and sdpa attention
     python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
     python bench/run.py parallel                  # tp, then pp
@@ -46,6 +48,7 @@ from bench.expert_parallel import (  # noqa: E402
     format_ep_table,
 )
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
+from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
 
 __all__ = ["main"]
@@ -53,6 +56,7 @@ __all__ = ["main"]
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",),
+    "recompute": ("recompute",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -106,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
     sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
     sub.add_parser("debug", parents=[common], help="what --debug.collectives costs per collective")
+    rc = sub.add_parser("recompute", parents=[common, micro],
+                        help="activation recompute none/full/selective and torch's: memory and step time")
+    rc.add_argument("--cores", default=None, help="comma-separated attention cores (eager,sdpa)")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -146,6 +153,10 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
                        format_ep_overlap_table),
         "debug": (lambda: bench_debug(DebugSpec(**_given(repeats=args.repeats, threads=args.threads))),
                   format_debug_table),
+        "recompute": (lambda: bench_recompute(RecomputeSpec(**common, **_given(
+            micro_batch=opt.get("micro_batch"),
+            cores=tuple(c.strip() for c in opt["cores"].split(",")) if opt.get("cores") else None))),
+            format_recompute_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
