@@ -145,12 +145,15 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
     def init_value(name: str) -> torch.Tensor:
         return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
 
+    hpz = mesh.hpz_comm(z.hpz) if z.hpz > 1 else None  # ZeRO++ hpZ (dense models: validate refuses it with MoE)
+
     def engine(comm: Comm, owns: Any, extra: Placement, divisor: int | None = None) -> ZeroDataParallel:
         return ZeroDataParallel(
             module, comm, zero_stage=z.stage, init_value=init_value, device=device, params=owns, grad_divisor=divisor,
             mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
             bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
             prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
+            qwz=z.qwz, qgz=z.qgz, quant_block=z.quant_block, hpz_comm=hpz if comm is grad_comm else None,
             placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra,
             optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay)

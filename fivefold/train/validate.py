@@ -106,7 +106,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_moe(model, dims, cfg)
-    notes = []
+    notes = list(_check_zeropp(cfg, dims, model.moe is not None))
     if t.seq_len > model.max_seq_len:
         notes.append(f"model.max_seq_len raised from {model.max_seq_len} to train.seq_len={t.seq_len} (longer RoPE "
                      "tables; no parameter changes)")
@@ -213,6 +213,35 @@ def _check_moe(model: LlamaConfig, dims: ParallelDims, cfg: Config) -> None:
     if cfg.precision.param == "fp16":
         raise ConfigError("precision.param=fp16 with an MoE model is not supported (the auxiliary loss's gradient is "
                           "not loss-scaled); use bf16")
+
+
+def _check_zeropp(cfg: Config, dims: ParallelDims, moe: bool) -> list[str]:
+    """ZeRO++'s switches against the stage and the grid; returns notes for switches that do nothing here."""
+    z, group = cfg.zero, dims.dp * dims.cp  # the engines' data-parallel group is dp × cp
+    if z.qwz and z.stage != 3:
+        raise ConfigError(f"zero.qwz quantises ZeRO-3's parameter all-gathers: set zero.stage 3 (not {z.stage}) or "
+                          "drop zero.qwz")
+    if z.qgz and z.stage not in (2, 3):
+        raise ConfigError(f"zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3 by a quantised all-to-all: set "
+                          f"zero.stage 2 or 3 (not {z.stage}) or drop zero.qgz")
+    if z.quant_block < 16:
+        raise ConfigError(f"zero.quant_block={z.quant_block}: use at least 16 elements per block (each block carries "
+                          "a 4-byte scale; ZeRO++ uses 256-4096)")
+    if z.hpz < 0:
+        raise ConfigError(f"zero.hpz={z.hpz} must not be negative (0 or 1: off)")
+    if z.hpz > 1:
+        if z.stage != 3 or not z.reshard_after_forward:
+            raise ConfigError("zero.hpz keeps a secondary copy for ZeRO-3's backward all-gathers: it needs zero.stage "
+                              "3 with zero.reshard_after_forward true")
+        if moe:
+            raise ConfigError("zero.hpz with an MoE model is not supported (the experts' engine reduces over ep_dp, "
+                              "not dp × cp); drop zero.hpz")
+        if group % z.hpz or z.hpz >= group:
+            raise ConfigError(f"zero.hpz={z.hpz} must divide the data-parallel group dp × cp = {group} and be smaller "
+                              "than it (e.g. the dp ranks of one node)")
+    if (z.qwz or z.qgz) and group == 1:
+        return [f"zero.qwz / zero.qgz do nothing with one data-parallel rank (dp × cp = {group})"]
+    return []
 
 
 def _sp_multiple(layout: str, dims: ParallelDims) -> int:
