@@ -350,3 +350,46 @@ def test_hpz_secondary_copy_memory_matches_the_formula(world4, dtype, width):
         extra = hpz["state"].params - plain["state"].params
         assert extra == hpz_secondary_bytes(hpz["units"], 2, width) > 0
         assert (hpz["state"].grads, hpz["state"].optimizer) == (plain["state"].grads, plain["state"].optimizer)
+
+
+# -- the trainer ---------------------------------------------------------------------------------------------------
+
+def test_trainer_runs_qwz_qgz_and_logs_the_quantised_bytes(tmp_path):
+    import json
+
+    from fivefold.config import load_config
+    from fivefold.data_parallel.fsdp import find_unit_modules
+    from fivefold.train.trainer import run
+
+    cfg = load_config(None, ["--preset", "tiny", "--steps", "3", "--zero", "3", "--zero.qwz", "true", "--zero.qgz",
+                             "true", "--zero.quant_block", "512", "--run.out_dir", str(tmp_path), "--run.name", "zpp",
+                             "--run.progress", "false", "--train.eval_every", "0", "--train.seq_len", "64",
+                             "--run.plot", "false"])
+    result = run(cfg)
+    train = [r for r in map(json.loads, (tmp_path / "zpp" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    model = build_model(get_config("tiny"), seed=0)
+    units = [sum(p.numel() for p in m.parameters()) for name, m in find_unit_modules(model) if name]
+    units.append(sum(p.numel() for p in model.parameters()) - sum(units))  # the root keeps the rest
+    assert all(n % 2 == 0 for n in units)  # (no padding at dp = 2)
+    expected = 2 * zero3_gather_bytes(units, 2, 4, 512) + zero_grad_reduce_bytes(units, 2, 4, 512) + 4  # + the norm
+    assert [r["comm_payload_bytes"] for r in train] == [expected] * 3
+    assert expected < 0.27 * 3 * 4 * sum(units)  # against fp32 ZeRO-3's 3 × 4Ψ
+    assert result.final_loss < result.first_loss
+
+
+def test_zeropp_bench_counts_the_formulas_bytes(capsys):
+    from bench.run import main
+    from bench.zeropp import ZeroPPSpec, bench_zeropp, format_zeropp_table
+
+    results = bench_zeropp(ZeroPPSpec(preset="tiny", world=2, steps=1, warmup=1, repeats=1, seq_len=16, hpz=0,
+                                      dtype="fp32", quant_block=512))
+    impls = {r["name"]: r for r in results["impls"]}
+    assert list(impls) == ["zero3", "qwZ", "qgZ", "qwZ+qgZ"]
+    assert all(not r["mismatches"] for r in impls.values()), [r["mismatches"] for r in impls.values()]
+    assert 3.8 < impls["qwZ+qgZ"]["bytes_ratio"] <= 4  # fp32 -> int8 + scales on every collective
+    assert impls["qwZ+qgZ"]["max_abs_loss_diff"] < 0.05
+    assert "every contestant's bytes" in format_zeropp_table(results)
+    with pytest.raises(SystemExit):
+        main(["zeropp", "--help"])
+    assert "--quant-block" in capsys.readouterr().out
