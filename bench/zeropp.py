@@ -44,9 +44,10 @@ __all__ = ["DEEPSPEED_NOTE", "ZeroPPSpec", "bench_zeropp", "format_zeropp_table"
 
 # What was found when trying DeepSpeed's ZeRO++ as a counterpart on this CPU/gloo machine (see README).
 DEEPSPEED_NOTE = (
-    "DeepSpeed's ZeRO++ is not compared: its quantised collectives (qwZ / qgZ) run CUDA quantiser kernels "
-    "(QuantizerBuilder ops, swizzled all-to-all), and its CPU accelerator speaks oneCCL, not gloo; see the README's "
-    "ZeRO++ section for what was tried")
+    "DeepSpeed's ZeRO++ is not a contestant: with deepspeed 0.19.8 on this CPU/gloo machine (DS_ACCELERATOR=cpu), "
+    "zero_quantized_weights and zero_quantized_gradients fail at start-up ('This op had not been implemented on CPU "
+    "backend': its quantiser is a CUDA op), and zero_hpz_partition_size 2 of 4 ranks runs but every all-gather we "
+    "counted still spanned all 4 ranks (no secondary-group gather to compare with)")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,10 @@ class ZeroDataParallel(nn.Module):
     bounds the outstanding reduce-scatters: the backward peak is the stage's formula plus about ``inflight_buckets
     + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root). A module built
     on the meta device is materialised on ``device`` from ``init_value(name)`` (the unsharded value, drawn one
-    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model."""
+    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model.
+    ZeRO++: ``qwz`` (stage 3) and ``qgz`` (stages 2-3) quantise the parameter gathers / gradient reduction to int8 in
+    blocks of ``quant_block``; ``hpz_comm`` (stage 3, a `Comm` over a few ranks of ``comm``, e.g.
+    `ParallelMesh.hpz_comm`) keeps a secondary copy for backward gathers inside it."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
