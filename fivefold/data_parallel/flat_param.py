@@ -165,7 +165,7 @@ class FlatParam:
         received = torch.empty(self.world, chunk, dtype=torch.int8, device=self.local.device)
         work = self.comm.all_gather(received.view(-1), send.view(-1), async_op=True, tag=tag)
 
-        def dequantize() -> None:
+        def dequantize(_sent: torch.Tensor = send) -> None:  # (holds the send buffer until the gather is done)
             with torch.no_grad():
                 self.full.view(self.world, n).copy_(dequantize_packed(received, n, block))
             if keep is not None:

@@ -302,6 +302,7 @@ class ZeroDataParallel(nn.Module):
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
         self._reduced_in_buffer.clear()
+        self._qgz_sends.clear()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
