@@ -4,6 +4,7 @@
     python bench/run.py ddp --preset tiny --steps 10 --json out.json
     python bench/run.py zero                      # ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2
     python bench/run.py zero --stages 0,3         # a subset (each fivefold stage brings its counterpart)
+    python bench/run.py zeropp                    # ZeRO-3 with qwZ / qgZ / hpZ vs plain ZeRO-3: bytes and time
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
@@ -50,12 +51,13 @@ from bench.expert_parallel import (  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
+from bench.zeropp import ZeroPPSpec, bench_zeropp, format_zeropp_table  # noqa: E402
 
 __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep", "ep-overlap"),
-    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",),
+    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
@@ -86,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     zero_opts = argparse.ArgumentParser(add_help=False)
     zero_opts.add_argument("--stages", default=None, help="comma-separated ZeRO stages to run (0,1,2,3)")
     zero_opts.add_argument("--prefetch", type=int, default=None, help=f"fivefold ZeRO-3 prefetch depth ({d.prefetch})")
+    zpp = ZeroPPSpec()
+    zeropp_opts = argparse.ArgumentParser(add_help=False)
+    zeropp_opts.add_argument("--world", type=int, default=None, help=f"number of gloo ranks ({zpp.world})")
+    zeropp_opts.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                             help=f"parameters and gradients ({zpp.dtype})")
+    zeropp_opts.add_argument("--quant-block", type=int, default=None, help=f"int8 block size ({zpp.quant_block})")
+    zeropp_opts.add_argument("--hpz", type=int, default=None, help=f"hpZ group size, 0: no hpZ ({zpp.hpz})")
     tp_opts = argparse.ArgumentParser(add_help=False)
     tp_opts.add_argument("--tp", type=int, default=None, help="tensor-parallel degree = gloo ranks (2)")
     tp_opts.add_argument("--batch", type=int, default=None, help="sequences per step, every TP rank (8)")
@@ -104,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ddp", parents=[common, micro, dp_opts], help="fivefold DDP vs torch DistributedDataParallel")
     sub.add_parser("zero", parents=[common, micro, dp_opts, zero_opts],
                    help="fivefold ZeRO 0/1/2/3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2")
+    sub.add_parser("zeropp", parents=[common, micro, zeropp_opts],
+                   help="fivefold ZeRO-3 with ZeRO++ qwZ / qgZ / hpZ vs plain ZeRO-3 (bytes, time, hpZ memory)")
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
@@ -144,6 +155,9 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
     every: dict[str, tuple[Callable[[], dict], Callable[[dict], str]]] = {
         "ddp": (lambda: bench_ddp(**common, **dp), format_table),
         "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero), format_table),
+        "zeropp": (lambda: bench_zeropp(ZeroPPSpec(**common, **_given(
+            world=opt.get("world"), micro_batch=opt.get("micro_batch"), dtype=opt.get("dtype"),
+            quant_block=opt.get("quant_block"), hpz=opt.get("hpz")))), format_zeropp_table),
         "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),
@@ -165,7 +179,7 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fivefold bench {ddp,zero,tp,pp,cp,ep,parallel,all} [options]`` / ``python bench/run.py ...``: print the
+    """``fivefold bench {ddp,zero,zeropp,tp,pp,cp,ep,parallel,all} [options]`` / ``python bench/run.py ...``: print the
     tables."""
     args = _parser().parse_args(argv)
     runs = _runs(args)

@@ -113,6 +113,14 @@ class ZeroSection:
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
     inflight_buckets: int = 1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
+    # ZeRO++ (seed 003 §6): qwz: ZeRO-3 parameter all-gathers in block-wise int8 (the stored weights keep their dtype);
+    # qgz: ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32;
+    # hpz: ZeRO-3 keeps a secondary copy of each unit split over this many consecutive dp ranks (e.g. a node) and
+    # gathers backward weights inside them (0 or 1: off; it must divide dp × cp and be smaller)
+    qwz: bool = False
+    qgz: bool = False
+    hpz: int = 0
+    quant_block: int = 2048  # elements per int8 block (one fp32 scale each) for qwz / qgz
 
 
 @dataclass

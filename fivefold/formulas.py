@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 __all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "activation_bytes_per_block", "bubble_formula", "expected_for",
-           "hsdp_expected", "korthikanti_block_bytes", "ring_attention_p2p_elements", "ring_wire_bytes",
-           "tp_comm_formula", "tp_comm_formula_text"]
+           "hpz_secondary_bytes", "hsdp_expected", "korthikanti_block_bytes", "quantized_chunk_bytes",
+           "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text",
+           "zero3_gather_bytes", "zero_grad_reduce_bytes"]
 
 # -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
@@ -81,6 +82,36 @@ def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) ->
             "dp_replicate": ring_wire_bytes("all_reduce", by_dim["dp_replicate"]["all_reduce"], replicate)}
     return dict(memory=inner["memory"], by_dim=by_dim, wire_bytes=wire,
                 payload_bytes={dim: sum(ops.values()) for dim, ops in by_dim.items()})
+
+
+# -- ZeRO++ (seed 003 §6; Wang et al. 2023): quantised collectives and the hierarchical partition -----------------
+# Bytes are payloads as `CommLog` records them (an all-gather's output, a reduce-scatter's / all-to-all's input) for
+# flat buffers already padded to a multiple of N (ZeRO's shards).
+
+def quantized_chunk_bytes(n: int, block: int) -> int:
+    """Bytes of `n` elements quantised to int8 in blocks of `block`, one fp32 scale per block, the chunk padded to 4
+    bytes (`data_parallel.quantize.packed_bytes`): ≈ n·(1 + 4/block) against n·2 (bf16) or n·4 (fp32)."""
+    return 4 * -(-n // block) + -(-n // 4) * 4
+
+
+def zero3_gather_bytes(padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None) -> int:
+    """One all-gather of each ZeRO-3 unit (padded sizes) over `world` ranks: the compute dtype, or with qwZ
+    (`block`) every rank's shard as a quantised chunk."""
+    if block is None:
+        return sum(n * dtype_bytes for n in padded_numels)
+    return sum(world * quantized_chunk_bytes(n // world, block) for n in padded_numels)
+
+
+def zero_grad_reduce_bytes(padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None) -> int:
+    """One gradient reduction of each bucket: a reduce-scatter in the reduce dtype, or qgZ's (`block`) all-to-all
+    of one quantised chunk per destination rank."""
+    return zero3_gather_bytes(padded_numels, world, dtype_bytes, block)  # the same shapes: N chunks of n/N
+
+
+def hpz_secondary_bytes(padded_numels: list[int], hpz: int, dtype_bytes: int) -> int:
+    """hpZ's extra parameter memory per rank: 1/hpz of every ZeRO-3 unit in the compute dtype (the primary shard is
+    1/N; ZeRO++ trades this for backward gathers inside the hpz group)."""
+    return sum(n // hpz * dtype_bytes for n in padded_numels)
 
 
 # -- tensor and sequence parallel (seed 003 §7.2, §8.2) --------------------------------------------------

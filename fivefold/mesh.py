@@ -103,8 +103,7 @@ class ParallelMesh:
         reusing equal ones."""
         d = self.dims
         me = dist.get_rank()
-        # rows: one dp×cp group per (pp, tp) coordinate, ranks in (dp, cp) order
-        rows = self.device_mesh.mesh.permute(0, 3, 1, 2).reshape(d.pp * d.tp, d.dp * d.cp).tolist()
+        rows = self._dp_cp_rows()
         groups: dict[str, dist.ProcessGroup] = {}
         if d.cp == 1:
             groups["dp_cp"] = self.group("dp")
@@ -141,6 +140,30 @@ class ParallelMesh:
                     if me in column:
                         groups["dp_replicate"] = g
         return groups
+
+    def _dp_cp_rows(self) -> list[list[int]]:
+        """One dp×cp group per (pp, tp) coordinate, its global ranks in (dp, cp) order."""
+        d = self.dims
+        return self.device_mesh.mesh.permute(0, 3, 1, 2).reshape(d.pp * d.tp, d.dp * d.cp).tolist()
+
+    def hpz_comm(self, size: int) -> Comm:
+        """ZeRO++ hpZ's secondary group: `size` consecutive ranks of this rank's dp × cp group (with tp innermost,
+        consecutive dp ranks share a node first), logged as "dp_hpz". Collective: every rank makes every group in
+        the same order, so call it on all ranks."""
+        key = f"dp_hpz/{size}"
+        if key not in self._comms:
+            if size < 1 or (self.dims.dp * self.dims.cp) % size:
+                raise ValueError(f"hpZ group of {size} ranks: it must divide dp × cp = {self.dims.dp * self.dims.cp}")
+            mine = None
+            for row in self._dp_cp_rows():
+                for i in range(0, len(row), size):
+                    group = dist.new_group(row[i:i + size])
+                    if dist.get_rank() in row[i:i + size]:
+                        mine = group
+            mine = self.own(mine)
+            self._comms[key] = Comm(mine, "dp_hpz", self.comm_log, device=self.device,
+                                    fingerprints=self._fingerprints(mine))
+        return self._comms[key]
 
     def size(self, dim: str) -> int:
         return self.dims.size(dim)

@@ -3,9 +3,10 @@
 1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at once, nothing is
    sent) and the `meta` device standing in for CUDA — tensors with shapes and dtypes but no storage, on a device that
    is not the CPU. Each layout (DDP, ZeRO-3, tp 2 + SP, pp 2, pp × ZeRO-3 zero-bubble, a pipeline stage without
-   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3, HSDP) runs two training steps as the trainer does. What
-   fails here fails on CUDA + NCCL too: a CPU tensor handed to a collective (`Comm` refuses it) or mixed into a
-   device op (torch refuses it). Every host sync (`.item()`, `bool(t)`, a device-to-host copy, a data-dependent
+   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3, HSDP, ZeRO++ on dp 4) runs two training steps as the
+   trainer does. What fails here fails on CUDA + NCCL too: a CPU tensor handed to a collective (`Comm` refuses it) or
+   mixed into a device op (torch refuses it). Every host sync (`.item()`, `bool(t)`, a device-to-host copy, a
+   data-dependent
    shape) is counted by a dispatch mode, and a training step may make none: loss and norm stay on the device
    until a log step fetches them.
    (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch build it cannot copy into a
@@ -34,6 +35,7 @@ LAYOUTS = {  # name: (world, dims, config overrides)
     "pp3-tp2-empty-stage": (6, dict(pp=3, dp=1, tp=2), dict(zero=1, pp=3, tp=2, layers="1,0,1")),
     "dp2-cp2-zero3": (4, dict(dp=2, cp=2), dict(zero=3, cp=2)),
     "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), dict(zero=2, dp_replicate=2)),
+    "dp4-zero3-zeropp": (4, dict(dp=4), dict(zero=3, qwz=True, qgz=True, hpz=2)),  # ZeRO++: qwZ, qgZ, hpZ
 }
 STEPS = 2
 
@@ -77,6 +79,7 @@ def _dry_run(name: str, rank: int) -> dict:
         cfg.zero.stage, cfg.zero.bucket_mb = o["zero"], 0.01
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp = o.get("tp", 1), o.get("pp", 1), o.get("sp", False)
         cfg.parallel.cp, cfg.parallel.dp_replicate = o.get("cp", 1), o.get("dp_replicate", 1)
+        cfg.zero.qwz, cfg.zero.qgz, cfg.zero.hpz = o.get("qwz", False), o.get("qgz", False), o.get("hpz", 0)
         cfg.pipeline.schedule, cfg.pipeline.layers_per_stage = o.get("schedule", "1f1b"), o.get("layers", "")
         cfg.train.grad_accum, cfg.train.seq_len = 4, 8
         model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8,

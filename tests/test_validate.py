@@ -107,6 +107,18 @@ BAD = [
     (["--train.lr", "inf"], 2, "train.lr=inf must be a finite number"),
     (["--train.lr", "nan"], 2, "train.lr=nan must be a finite number"),
     (["--train.grad_clip", "-inf"], 2, "train.grad_clip=-inf must be a finite number"),
+    # ZeRO++ (seed 003 §6)
+    (["--zero", "2", "--zero.qwz", "true"], 2, "zero.qwz quantises ZeRO-3's parameter all-gathers: set zero.stage 3"),
+    (["--zero", "1", "--zero.qgz", "true"], 2, "zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3"),
+    (["--zero", "3", "--zero.qwz", "true", "--zero.quant_block", "8"], 2, "zero.quant_block=8: use at least 16"),
+    (["--zero", "3", "--zero.hpz", "-1"], 4, "zero.hpz=-1 must not be negative"),
+    (["--zero", "2", "--zero.hpz", "2"], 4, "zero.hpz keeps a secondary copy for ZeRO-3's backward all-gathers"),
+    (["--zero", "3", "--zero.hpz", "2", "--zero.reshard_after_forward", "false"], 4,
+     "needs zero.stage 3 with zero.reshard_after_forward true"),
+    (["--zero", "3", "--zero.hpz", "3"], 4, "zero.hpz=3 must divide the data-parallel group dp × cp = 4"),
+    (["--zero", "3", "--zero.hpz", "4"], 4,
+     "zero.hpz=4 must divide the data-parallel group dp × cp = 4 and be smaller"),
+    (["--preset", "tiny-moe", "--zero", "3", "--zero.hpz", "2"], 4, "zero.hpz with an MoE model is not supported"),
 ]
 
 

@@ -5,6 +5,11 @@ master weights and optimizer state only for it and receives only its shard of th
 are ordered by optimizer group (one segment per group in a shard). ``full``: the whole buffer in compute dtype,
 parameters are views into it; ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and gathers
 into it again, so tensors autograd saved stay valid. ``local`` is this rank's shard, ``master`` its fp32 copy.
+
+ZeRO++ (seed 003 §6) changes only how a ZeRO-3 gather travels (`_start_gather`): qwZ (``quant_block``) all-gathers
+every shard as block-wise int8 (`quantize`) and dequantises into ``full``, the stored shards keeping their dtype;
+hpZ (``secondary``, a `Comm` over a few consecutive ranks, e.g. a node) keeps this rank's slice of each forward
+gather as ``secondary`` and gathers a backward's weights from those slices inside that group alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 
 from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import FlatLayout
+from fivefold.data_parallel.quantize import dequantize_packed, packed_bytes, quantize_rows_into
 
 GroupOf = Callable[[str, nn.Parameter], int]
 # A parameter's value to start from (default: its own data); ZeRO's meta-device path draws it from the model's init.
@@ -29,7 +35,8 @@ OPTIMIZER_CHUNK = 2**18
 class FlatParam:
     def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]], comm: Comm, *,
                  group_of: GroupOf, param_dtype: torch.dtype, sharded: bool, reshard: bool = False,
-                 value_of: ValueOf | None = None) -> None:
+                 value_of: ValueOf | None = None, quant_block: int | None = None,
+                 secondary: Comm | None = None) -> None:
         ordered = sorted(named_params, key=lambda item: group_of(*item))  # stable: groups contiguous
         self.index = index
         self.comm = comm
@@ -49,6 +56,13 @@ class FlatParam:
         self._full_bytes = self.full.untyped_storage().nbytes()
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self._gather_work = None
+        self._after_gather: Callable[[], None] | None = None
+        # ZeRO++ (ZeRO-3 gathers only): qwZ's block size (None: gathers in the compute dtype), hpZ's group and copy
+        self.quant_block = quant_block if self.reshard_enabled else None
+        self.secondary_comm = secondary if self.reshard_enabled and secondary is not None and secondary.size > 1 \
+            else None
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/|secondary| of the last forward gather
+        self._secondary_fresh = False  # False after the shard changed (write_back): the next gather is a full one
         if self.reshard_enabled:  # ZeRO-3 holds only its shard: the full buffer grows when gathered
             self.full.untyped_storage().resize_(0)
             self.local = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
@@ -111,15 +125,16 @@ class FlatParam:
     def shard_numel(self) -> int:
         return self.end - self.start
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Re-grow ``full`` and all-gather every rank's ``local`` into it (no-op if already there)."""
+    def unshard(self, async_op: bool = False, backward: bool = False) -> None:
+        """Re-grow ``full`` and all-gather every rank's ``local`` into it (no-op if already there). ``backward``: the
+        gather before the unit's backward (hpZ takes it from the secondary copies)."""
         if self.is_unsharded:
             return
         if self._gather_work is None:
             self.full.untyped_storage().resize_(self._full_bytes)
             for i, p in enumerate(self.params):
                 p.data = self.layout.view(self.full, i)
-            self._gather_work = self.comm.all_gather(self.full, self.local, async_op=True, tag=f"unit{self.index}")
+            self._gather_work, self._after_gather = self._start_gather(backward)
         if not async_op:
             self.wait_unshard()
 
@@ -127,7 +142,45 @@ class FlatParam:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+            if self._after_gather is not None:
+                self._after_gather()
+                self._after_gather = None
             self.is_unsharded = True
+
+    def _start_gather(self, backward: bool) -> tuple[object, Callable[[], None] | None]:
+        """Launch the gather of ``full``; returns its work and what to do once it is waited. Plain: the compute-dtype
+        shards over ``comm``. hpZ, backward, secondary copy fresh: the secondary slices over the secondary group,
+        unquantised (as ZeRO++: the values are the forward's, dequantised if qwZ, so both passes see the same
+        weights). qwZ otherwise: packed int8 shards + scales over ``comm``, dequantised into ``full``."""
+        tag = f"unit{self.index}"
+        if backward and self.secondary_comm is not None and self._secondary_fresh:
+            return self.secondary_comm.all_gather(self.full, self.secondary, async_op=True, tag=tag), None
+        keep = self._keep_secondary if self.secondary_comm is not None else None
+        if self.quant_block is None:
+            return self.comm.all_gather(self.full, self.local, async_op=True, tag=tag), keep
+        block, n = self.quant_block, self.shard_numel
+        chunk = packed_bytes(n, block)
+        send = quantize_rows_into(self.local.view(1, n), block,
+                                  torch.empty(1, chunk, dtype=torch.int8, device=self.local.device))
+        received = torch.empty(self.world, chunk, dtype=torch.int8, device=self.local.device)
+        work = self.comm.all_gather(received.view(-1), send.view(-1), async_op=True, tag=tag)
+
+        def dequantize(_sent: torch.Tensor = send) -> None:  # (holds the send buffer until the gather is done)
+            with torch.no_grad():
+                self.full.view(self.world, n).copy_(dequantize_packed(received, n, block))
+            if keep is not None:
+                keep()
+        return work, dequantize
+
+    def _keep_secondary(self) -> None:
+        """hpZ: keep this rank's slice of the freshly gathered ``full`` (no communication)."""
+        size = self.layout.padded_numel // self.secondary_comm.size
+        start = self.secondary_comm.rank * size
+        if self.secondary is None:
+            self.secondary = torch.empty(size, dtype=self.param_dtype, device=self.full.device)
+        with torch.no_grad():
+            self.secondary.copy_(self.full[start:start + size])
+        self._secondary_fresh = True
 
     @property
     def gathering(self) -> bool:
@@ -153,6 +206,7 @@ class FlatParam:
 
     def write_back(self) -> None:
         """Copy the updated fp32 master shard into the compute-dtype shard (if they differ)."""
+        self._secondary_fresh = False  # hpZ: the shard changed (a step, a load); the next forward gathers afresh
         if self.master is not self.local:
             with torch.no_grad():
                 self.local.copy_(self.master)

@@ -116,12 +116,12 @@ class FSDPHooks:
         if self.trace is not None:
             self.trace.append((event, i, self.n_unsharded()))
 
-    def _prefetch_after(self, order: list[int], i: int) -> None:
+    def _prefetch_after(self, order: list[int], i: int, backward: bool = False) -> None:
         if self.prefetch <= 0 or i not in order:
             return
         pos = order.index(i)
         for j in order[pos + 1:pos + 1 + self.prefetch]:
-            self.units[j][1].unshard(async_op=True)
+            self.units[j][1].unshard(async_op=True, backward=backward)
 
     def _make_pre_forward(self, i: int):
         def hook(module: nn.Module, args: Any) -> Any:
@@ -152,8 +152,8 @@ class FSDPHooks:
     def _pre_backward(self, i: int) -> None:
         if self._recording_backward and i not in self.backward_order:
             self.backward_order.append(i)
-        self.units[i][1].unshard()
-        self._prefetch_after(self.backward_order, i)
+        self.units[i][1].unshard(backward=True)  # (hpZ gathers a backward's weights inside its secondary group)
+        self._prefetch_after(self.backward_order, i, backward=True)
         self._record("backward", i)
 
     def backward_done(self) -> None:

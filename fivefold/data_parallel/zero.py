@@ -15,6 +15,10 @@ gradient; inside it full gradients accumulate unreduced until the first one outs
 
 HSDP (``replicate``, stages 1-3): ``comm`` is the shard group (N = its size in the table), and each bucket's reduced
 shard is all-reduced over ``replicate`` after its reduce-scatter (`hsdp.ReplicaReduce`); the mean divides by both.
+
+ZeRO++ (seed 003 §6, Wang et al. 2023), each switchable: ``qwz`` (ZeRO-3 gathers in block-wise int8, `FlatParam`),
+``qgz`` (ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32 here:
+`_launch_quantized`), ``hpz_comm`` (ZeRO-3 backward gathers inside a smaller group, from a secondary copy).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
 from fivefold.data_parallel.hsdp import ReplicaReduce
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from fivefold.data_parallel.quantize import dequantize_sum, packed_bytes, quantize_rows_into
 from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
 from fivefold.materialize import materialize
 from fivefold.optim.clip import step_together
@@ -52,7 +57,10 @@ class ZeroDataParallel(nn.Module):
     + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root). A module built
     on the meta device is materialised on ``device`` from ``init_value(name)`` (the unsharded value, drawn one
     parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model.
-    ``replicate`` (HSDP, stages 1-3): the group across which ``comm``'s shard groups hold the same shards."""
+    ``replicate`` (HSDP, stages 1-3): the group across which ``comm``'s shard groups hold the same shards.
+    ZeRO++: ``qwz`` (stage 3) and ``qgz`` (stages 2-3) quantise the parameter gathers / gradient reduction to int8 in
+    blocks of ``quant_block``; ``hpz_comm`` (stage 3, a `Comm` over a few ranks of ``comm``, e.g.
+    `ParallelMesh.hpz_comm`) keeps a secondary copy for backward gathers inside it."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
@@ -63,16 +71,21 @@ class ZeroDataParallel(nn.Module):
                  elementwise: bool | None = None, placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
                  init_value: Callable[[str], torch.Tensor] | None = None, device: torch.device | str | None = None,
                  params: Callable[[str, nn.Parameter], bool] | None = None, grad_divisor: int | None = None,
-                 replicate: Comm | None = None, **optimizer_kwargs: Any) -> None:
+                 replicate: Comm | None = None, qwz: bool = False, qgz: bool = False, quant_block: int = 2048,
+                 hpz_comm: Comm | None = None, **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
         if replicate is not None and zero_stage == 0:
             raise ValueError("HSDP (a replicate group) shards inside a group: it needs zero_stage 1, 2 or 3 (stage 0 "
                              "over both groups is plain DDP: use zero_stage=0 over the whole data-parallel group)")
+        if qgz and replicate is not None and replicate.size > 1:
+            raise ValueError("qgz with HSDP (a replicate group) is not supported: the replicas' all-reduce would have "
+                             "to follow qgZ's dequantised sum; use qwz / hpz_comm with HSDP, or no replicate group")
         if inflight_buckets < 1:
             raise ValueError(f"inflight_buckets={inflight_buckets}: at least one reduce-scatter must be allowed in "
                              "flight; use 1 (least memory) or more (more overlap)")
+        self._check_zeropp(zero_stage, qwz, qgz, quant_block, hpz_comm, comm, reshard_after_forward)
         self.module = module
         self.comm = comm
         # HSDP: the replicas' all-reduce after each reduce-scatter (None: plain ZeRO over `comm`)
@@ -81,6 +94,9 @@ class ZeroDataParallel(nn.Module):
         # every rank a gradient is averaged over: the shard group, times the replicas under HSDP
         self.reduce_size = comm.size * (self.replicate.size if self.replicate is not None else 1)
         self.zero_stage = zero_stage
+        self.qgz, self.quant_block = qgz and comm.size > 1, quant_block
+        self._qgz_sends: dict[int, torch.Tensor] = {}  # qgZ: packed chunks kept alive while their all-to-all runs
+        self._zeropp_gather = dict(quant_block=quant_block if qwz else None, secondary=hpz_comm)  # ZeRO-3 units
         self.mp = mixed_precision or MixedPrecision()
         # `params`: the parameters this engine owns (default all; MoE experts get an engine of their own).
         self.owns = params or (lambda name, p: True)
@@ -181,8 +197,27 @@ class ZeroDataParallel(nn.Module):
                        for u, ps in by_unit.items()}
         order = sorted(by_unit, key=lambda u: -first_index[u])
         flats = [FlatParam(i, by_unit[u], self.comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                           sharded=True, reshard=True, value_of=self._value_of) for i, u in enumerate(order)]
+                           sharded=True, reshard=True, value_of=self._value_of, **self._zeropp_gather)
+                 for i, u in enumerate(order)]
         return flats, [unit_mods[u] for u in order]
+
+    @staticmethod
+    def _check_zeropp(stage: int, qwz: bool, qgz: bool, block: int, hpz_comm: Comm | None, comm: Comm,
+                      reshard_after_forward: bool) -> None:
+        if qwz and stage != 3:
+            raise ValueError(f"qwz quantises ZeRO-3's parameter all-gathers: it needs zero_stage=3, not {stage}")
+        if qgz and stage not in (2, 3):
+            raise ValueError(f"qgz replaces the gradient reduce-scatter of ZeRO-2/3 by a quantised all-to-all: it "
+                             f"needs zero_stage 2 or 3, not {stage}")
+        if (qwz or qgz) and block < 1:
+            raise ValueError(f"quant_block={block}: a quantisation block holds at least one element")
+        if hpz_comm is not None and hpz_comm.size > 1:
+            if stage != 3 or not reshard_after_forward:
+                raise ValueError("hpz_comm (hpZ) gathers a ZeRO-3 unit's backward weights from a secondary copy: it "
+                                 "needs zero_stage=3 with reshard_after_forward=True")
+            if comm.size % hpz_comm.size:
+                raise ValueError(f"the hpZ group ({hpz_comm.size} ranks) must divide the data-parallel group "
+                                 f"({comm.size})")
 
     def _unit_backward_done(self, unit: int) -> None:
         self.reducer.no_more_grads(self.buckets[unit])
@@ -197,6 +232,8 @@ class ZeroDataParallel(nn.Module):
         if self.reduce_size == 1:
             bucket.out = bucket.grad[flat.start:flat.end]
             return None
+        if self.qgz:
+            return self._launch_quantized(bucket)
         bucket.grad.div_(self.reduce_size)  # pre-divide: the sum of g_i / N is the mean
         if self.zero_stage == 0:
             bucket.out = bucket.grad
@@ -211,8 +248,24 @@ class ZeroDataParallel(nn.Module):
             return self.replica_reduce.after(work, bucket.out, tag)
         return work
 
+    def _launch_quantized(self, bucket: GradBucket) -> Any:
+        """qgZ: destination j's chunk of the bucket quantised per block, one int8 all-to-all (values + scales); the
+        full-precision buffer is freed at once. `_finish_bucket` dequantises what every rank sent and sums it in fp32:
+        no quantised sum on the wire, so the error stays within Σ scale/2 per block (one hop: ZeRO++'s two-hop,
+        node-first version only saves inter-node traffic)."""
+        n, size = self.flats[bucket.index].shard_numel, self.comm.size
+        send = torch.empty(size, packed_bytes(n, self.quant_block), dtype=torch.int8, device=bucket.grad.device)
+        quantize_rows_into(bucket.grad.view(size, n), self.quant_block, send)
+        bucket.release()
+        self._qgz_sends[bucket.index] = send
+        bucket.out = torch.empty_like(send)
+        return self.comm.all_to_all(bucket.out, send, async_op=True, tag=f"bucket{bucket.index}")
+
     def _finish_bucket(self, bucket: GradBucket) -> None:
         flat = self.flats[bucket.index]
+        if self._qgz_sends.pop(bucket.index, None) is not None:
+            mean = dequantize_sum(bucket.out, flat.shard_numel, self.quant_block).div_(self.comm.size)
+            bucket.out = mean.to(bucket.grad_dtype)
         if self.zero_stage == 0:
             flat.grad_shard = bucket.out  # the all-reduced buffer itself: no copy
         else:
@@ -275,6 +328,7 @@ class ZeroDataParallel(nn.Module):
         if self.replica_reduce is not None:
             self.replica_reduce.clear()
         self._reduced_in_buffer.clear()
+        self._qgz_sends.clear()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -297,6 +351,7 @@ class ZeroDataParallel(nn.Module):
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, for `fivefold.memory.model_state_bytes`."""
         params = [f.full for f in self.flats] + [f.local for f in self.flats]
+        params += [f.secondary for f in self.flats if f.secondary is not None]  # hpZ's copy
         params += [p for n, p in self.module.named_parameters() if not p.requires_grad and self.owns(n, p)]
         grads = [b.grad for b in self.buckets if b.grad is not None]
         grads += [p.grad for b in self.buckets for p in b.params if p.grad is not None]  # waiting for copy-in

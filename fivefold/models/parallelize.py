@@ -162,19 +162,23 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
     def init_value(name: str) -> torch.Tensor:
         return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
 
+    hpz = mesh.hpz_comm(z.hpz) if z.hpz > 1 else None  # ZeRO++ hpZ (dense models: validate refuses it with MoE)
+
     def engine(comm: Comm, owns: Any, extra: Placement, divisor: int | None = None,
-               replicate: Comm | None = None) -> ZeroDataParallel:
+               replicate: Comm | None = None, hpz_comm: Comm | None = None) -> ZeroDataParallel:
         return ZeroDataParallel(
             module, comm, zero_stage=z.stage, init_value=init_value, device=device, params=owns, grad_divisor=divisor,
             replicate=replicate,
             mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
             bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
             prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
+            qwz=z.qwz, qgz=z.qgz, quant_block=z.quant_block, hpz_comm=hpz_comm,
             placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra,
             optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay)
 
-    engines = [engine(shard_comm, (lambda n, p: not is_expert(n)) if moe else None, frozenset(), replicate=replicate)]
+    engines = [engine(shard_comm, (lambda n, p: not is_expert(n)) if moe else None, frozenset(), replicate=replicate,
+                      hpz_comm=hpz)]
     if moe:
         ep_dims: Placement = frozenset({"ep"}) if mesh.size("ep") > 1 else frozenset()
         engines.append(engine(mesh.comm("ep_dp"), is_expert, ep_dims, divisor=grad_comm.size))

@@ -211,7 +211,9 @@ def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
     cp = mesh.size("cp")
     units = getattr(parts, "schedule", None) is not None and any(parts.schedule.side_by_side)
     hsdp = mesh.size("dp_replicate")
-    return (f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage} tp={mesh.size('tp')}"
+    z = cfg.zero
+    zeropp = "".join(f"+{name}" for name, on in (("qwZ", z.qwz), ("qgZ", z.qgz), (f"hpZ({z.hpz})", z.hpz > 1)) if on)
+    return (f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage}{zeropp} tp={mesh.size('tp')}"
             + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
             + (" +SP" if cfg.parallel.sp else "") + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
             + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")

@@ -108,7 +108,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_moe(model, dims, cfg)
-    notes = []
+    notes = list(_check_zeropp(cfg, dims, model.moe is not None))
     if t.seq_len > model.max_seq_len:
         notes.append(f"model.max_seq_len raised from {model.max_seq_len} to train.seq_len={t.seq_len} (longer RoPE "
                      "tables; no parameter changes)")
@@ -236,6 +236,40 @@ def _check_hsdp(dims: ParallelDims, stage: int) -> None:
         raise ConfigError(f"parallel.dp_replicate={dims.dp_replicate} = dp × cp leaves one rank per shard group: "
                           "nothing would be sharded (that is DDP); choose a dp_replicate that leaves dp/dp_replicate "
                           "× cp ≥ 2, or use zero.stage 0 with parallel.dp_replicate 1")
+
+
+def _check_zeropp(cfg: Config, dims: ParallelDims, moe: bool) -> list[str]:
+    """ZeRO++'s switches against the stage and the grid; returns notes for switches that do nothing here."""
+    z, group = cfg.zero, dims.size("dp_shard")  # the engines' data-parallel group: dp × cp (HSDP: a shard group)
+    if z.qgz and dims.dp_replicate > 1:
+        raise ConfigError(f"zero.qgz with parallel.dp_replicate={dims.dp_replicate}: HSDP's all-reduce across the "
+                          "replicas would follow qgZ's dequantised sum, which is not built; drop zero.qgz (qwZ and hpZ "
+                          "work with HSDP) or use parallel.dp_replicate 1")
+    if z.qwz and z.stage != 3:
+        raise ConfigError(f"zero.qwz quantises ZeRO-3's parameter all-gathers: set zero.stage 3 (not {z.stage}) or "
+                          "drop zero.qwz")
+    if z.qgz and z.stage not in (2, 3):
+        raise ConfigError(f"zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3 by a quantised all-to-all: set "
+                          f"zero.stage 2 or 3 (not {z.stage}) or drop zero.qgz")
+    if z.quant_block < 16:
+        raise ConfigError(f"zero.quant_block={z.quant_block}: use at least 16 elements per block (each block carries "
+                          "a 4-byte scale; ZeRO++ uses 256-4096)")
+    if z.hpz < 0:
+        raise ConfigError(f"zero.hpz={z.hpz} must not be negative (0 or 1: off)")
+    if z.hpz > 1:
+        if z.stage != 3 or not z.reshard_after_forward:
+            raise ConfigError("zero.hpz keeps a secondary copy for ZeRO-3's backward all-gathers: it needs zero.stage "
+                              "3 with zero.reshard_after_forward true")
+        if moe:
+            raise ConfigError("zero.hpz with an MoE model is not supported (the experts' engine reduces over ep_dp, "
+                              "not dp × cp); drop zero.hpz")
+        if group % z.hpz or z.hpz >= group:
+            what = "a shard group (dp × cp / dp_replicate)" if dims.dp_replicate > 1 else "dp × cp"
+            raise ConfigError(f"zero.hpz={z.hpz} must divide the data-parallel group, {what} = {group}, and be "
+                              "smaller than it (e.g. the dp ranks of one node)")
+    if (z.qwz or z.qgz) and group == 1:
+        return [f"zero.qwz / zero.qgz do nothing with one data-parallel rank (dp × cp = {group})"]
+    return []
 
 
 def _sp_multiple(layout: str, dims: ParallelDims) -> int:
