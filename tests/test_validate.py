@@ -115,9 +115,13 @@ BAD = [
     (["--zero", "2", "--zero.hpz", "2"], 4, "zero.hpz keeps a secondary copy for ZeRO-3's backward all-gathers"),
     (["--zero", "3", "--zero.hpz", "2", "--zero.reshard_after_forward", "false"], 4,
      "needs zero.stage 3 with zero.reshard_after_forward true"),
-    (["--zero", "3", "--zero.hpz", "3"], 4, "zero.hpz=3 must divide the data-parallel group dp × cp = 4"),
+    (["--zero", "3", "--zero.hpz", "3"], 4, "zero.hpz=3 must divide the data-parallel group, dp × cp = 4"),
+    (["--zero", "3", "--zero.hpz", "4", "--parallel.dp", "8", "--parallel.dp_replicate", "2"], 8,
+     "zero.hpz=4 must divide the data-parallel group, a shard group (dp × cp / dp_replicate) = 4"),
+    (["--zero", "3", "--zero.qgz", "true", "--parallel.dp_replicate", "2", "--parallel.dp", "4"], 4,
+     "zero.qgz with parallel.dp_replicate=2: HSDP's all-reduce across the replicas would follow qgZ's"),
     (["--zero", "3", "--zero.hpz", "4"], 4,
-     "zero.hpz=4 must divide the data-parallel group dp × cp = 4 and be smaller"),
+     "zero.hpz=4 must divide the data-parallel group, dp × cp = 4, and be smaller"),
     (["--preset", "tiny-moe", "--zero", "3", "--zero.hpz", "2"], 4, "zero.hpz with an MoE model is not supported"),
 ]
 
