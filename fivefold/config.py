@@ -104,6 +104,11 @@ class ZeroSection:
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
     inflight_buckets: int = 1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
+    # ZeRO-R constant buffers: gradient buckets, reduce-scatter outputs and ZeRO-3 gathers in buffers allocated once
+    # (no allocation per step after two warm-up steps; the buffers are held for the run, a higher resting memory)
+    constant_buffers: bool = False
+    # ZeRO-Offload: fp32 master shards and optimizer state in host memory, the optimizer step on the host
+    offload_optimizer: bool = False
 
 
 @dataclass

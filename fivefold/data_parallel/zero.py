@@ -12,6 +12,12 @@ DESIGN.md / seed 001 table, Ψ parameters, N ranks, mixed-precision Adam (K = 12
 Stages differ only in `_launch_bucket`, `_finish_bucket` (where ZeRO-2/3 free non-owned gradients, during backward)
 and stage 3's per-unit gather / free (`fsdp.FSDPHooks`). Each backward outside `no_sync()` reduces into the sharded
 gradient; inside it full gradients accumulate unreduced until the first one outside (costing stage 2/3 memory).
+
+``constant_buffers`` (ZeRO-R C_B, seed 001 §5.6): temporary full gradient buffers come from a `BufferPool`,
+reduce-scatters land in a gradient-shard buffer kept for the run (or a pooled one when a micro-step adds to it), and
+ZeRO-3 units gather into shared slots (`fsdp.GatherSlots`): after warm-up a step allocates none of them.
+``offload_optimizer`` (ZeRO-Offload, seed 003 §4.4): fp32 masters and optimizer state on the host, the optimizer step
+there (`offload`, `ShardedOptimizer`); the device keeps the compute parameters and gradients.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from torch import nn
 
 from fivefold.comm import Comm, Placement
-from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, assign_buckets
+from fivefold.data_parallel.buckets import BucketedGradReducer, BufferPool, GradBucket, assign_buckets
 from fivefold.data_parallel.ddp import broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
@@ -47,7 +53,9 @@ class ZeroDataParallel(nn.Module):
     bounds the outstanding reduce-scatters: the backward peak is the stage's formula plus about ``inflight_buckets
     + 1`` full gradient buffers (ZeRO-3 also: the current unit, ``prefetch`` ahead, and the root). A module built
     on the meta device is materialised on ``device`` from ``init_value(name)`` (the unsharded value, drawn one
-    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model."""
+    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model.
+    ``constant_buffers``: communication buffers allocated once and reused (see the module doc); ``offload_optimizer``:
+    the fp32 master shards and optimizer state live and step on the host."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
@@ -58,6 +66,7 @@ class ZeroDataParallel(nn.Module):
                  elementwise: bool | None = None, placement_of: Callable[[str, nn.Parameter], Placement] | None = None,
                  init_value: Callable[[str], torch.Tensor] | None = None, device: torch.device | str | None = None,
                  params: Callable[[str, nn.Parameter], bool] | None = None, grad_divisor: int | None = None,
+                 constant_buffers: bool = False, offload_optimizer: bool = False,
                  **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
@@ -68,6 +77,8 @@ class ZeroDataParallel(nn.Module):
         self.module = module
         self.comm = comm
         self.zero_stage = zero_stage
+        self.constant_buffers = constant_buffers
+        self.offload_optimizer = offload_optimizer
         self.mp = mixed_precision or MixedPrecision()
         # `params`: the parameters this engine owns (default all; MoE experts get an engine of their own).
         self.owns = params or (lambda name, p: True)
@@ -113,16 +124,20 @@ class ZeroDataParallel(nn.Module):
         if zero_stage < 3:
             groups = assign_buckets(named, bucket_mb * 2**20)
             self.flats = [FlatParam(i, g, comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                                    sharded=zero_stage >= 1, value_of=self._value_of) for i, g in enumerate(groups)]
+                                    sharded=zero_stage >= 1, value_of=self._value_of, offload=offload_optimizer)
+                          for i, g in enumerate(groups)]
         else:
             self.flats, unit_modules = self._build_units(module, named, units, group_of)
             # With find_unused, a finished unit completes its bucket instead of holding later buckets back.
             self.fsdp = FSDPHooks(list(zip(unit_modules, self.flats)), reshard_after_forward=reshard_after_forward,
                                   prefetch=prefetch,
-                                  after_unit_backward=self._unit_backward_done if find_unused else None)
+                                  after_unit_backward=self._unit_backward_done if find_unused else None,
+                                  constant_buffers=constant_buffers)
+        self.grad_pool, self.shard_pool = self._pools() if constant_buffers and zero_stage >= 2 else (None, None)
         # ZeRO-1 copies gradients in (no views): its reduced shard lives in the kept buffer until moved out.
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
-                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3)
+                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3,
+                                   pool=self.grad_pool)
                         for f in self.flats]
         self._reduced_in_buffer: set[int] = set()  # ZeRO-1 buckets whose kept buffer was reduced and counted
         self.reducer = BucketedGradReducer(
@@ -165,8 +180,26 @@ class ZeroDataParallel(nn.Module):
                        for u, ps in by_unit.items()}
         order = sorted(by_unit, key=lambda u: -first_index[u])
         flats = [FlatParam(i, by_unit[u], self.comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                           sharded=True, reshard=True, value_of=self._value_of) for i, u in enumerate(order)]
+                           sharded=True, reshard=True, value_of=self._value_of, offload=self.offload_optimizer)
+                 for i, u in enumerate(order)]
         return flats, [unit_mods[u] for u in order]
+
+    def _pools(self) -> tuple[BufferPool, BufferPool]:
+        """Constant buffers of ZeRO-2/3: full gradient buffers (the largest bucket's size) and gradient shards for the
+        reduce-scatters of a micro-step that adds to a shard already there (the largest shard's size)."""
+        device = self.flats[0].full.device if self.flats else self.comm.device
+        full = max((f.layout.padded_numel for f in self.flats), default=0)
+        shard = max((f.shard_numel for f in self.flats), default=0)
+        return (BufferPool(full, self.mp.grad_dtype, device), BufferPool(shard, self.mp.grad_dtype, device))
+
+    def _scatter_output(self, flat: FlatParam) -> torch.Tensor:
+        """Where a ZeRO-2/3 reduce-scatter lands: the flat's gradient shard itself when none is there yet (constant
+        buffers: its buffer kept for the run), else a temporary added to it in `_finish_bucket`."""
+        if self.shard_pool is None:
+            return torch.empty(flat.shard_numel, dtype=self.mp.grad_dtype, device=flat.full.device)
+        if flat.grad_shard is None:
+            return flat.persistent_grad_shard(self.mp.grad_dtype)
+        return self.shard_pool.acquire(flat.shard_numel)
 
     def _unit_backward_done(self, unit: int) -> None:
         self.reducer.no_more_grads(self.buckets[unit])
@@ -179,6 +212,8 @@ class ZeroDataParallel(nn.Module):
         flat = self.flats[bucket.index]
         if self.comm.size == 1:
             bucket.out = bucket.grad[flat.start:flat.end]
+            if self.shard_pool is not None:  # the bucket's buffer goes back to the pool: keep the gradient apart
+                bucket.out = self._scatter_output(flat).copy_(bucket.out)
             return None
         bucket.grad.div_(self.comm.size)  # pre-divide: the sum of g_i / N is the mean
         if self.zero_stage == 0:
@@ -187,7 +222,7 @@ class ZeroDataParallel(nn.Module):
         if self.zero_stage == 1:  # in place: the shard lands in this rank's own slice of the kept buffer
             bucket.out = bucket.grad[flat.start:flat.end]
         else:
-            bucket.out = torch.empty(flat.shard_numel, dtype=bucket.grad.dtype, device=bucket.grad.device)
+            bucket.out = self._scatter_output(flat)
         return self.comm.reduce_scatter(bucket.out, bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
 
     def _finish_bucket(self, bucket: GradBucket) -> None:
@@ -198,6 +233,8 @@ class ZeroDataParallel(nn.Module):
             flat.accumulate_grad(bucket.out)
             if self.zero_stage == 1:  # the kept buffer's contents are now counted in the shard
                 self._reduced_in_buffer.add(bucket.index)
+            elif self.shard_pool is not None and bucket.out is not flat.grad_shard:
+                self.shard_pool.release(bucket.out)  # added to the shard: the temporary goes back
         bucket.out = None
 
     def _on_backward_end(self) -> None:
@@ -213,7 +250,10 @@ class ZeroDataParallel(nn.Module):
             return  # (after a no_sync backward the buffer holds unreduced gradients still to be counted: keep them)
         self._reduced_in_buffer.discard(bucket.index)
         if flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
-            flat.grad_shard = flat.grad_shard.clone()
+            if self.constant_buffers:  # into the shard's own buffer, allocated once
+                flat.grad_shard = flat.persistent_grad_shard(flat.grad_shard.dtype).copy_(flat.grad_shard)
+            else:
+                flat.grad_shard = flat.grad_shard.clone()
         bucket.grad.zero_()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -252,6 +292,8 @@ class ZeroDataParallel(nn.Module):
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
         self._reduced_in_buffer.clear()
+        if self.fsdp is not None:
+            self.fsdp.between_steps()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -272,12 +314,19 @@ class ZeroDataParallel(nn.Module):
                 for name, t in self.module.state_dict(keep_vars=True).items() if id(t) not in theirs}
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds, for `fivefold.memory.model_state_bytes`."""
-        params = [f.full for f in self.flats] + [f.local for f in self.flats]
+        """What this rank holds, for `fivefold.memory.model_state_bytes`: params, grads, optimizer; ``buffers``: the
+        constant buffers (pools and gather slots, whoever borrows them now); ``host``: the offloaded ones."""
+        buffers = [*self.grad_pool.buffers, *self.shard_pool.buffers] if self.grad_pool is not None else []
+        buffers += self.fsdp.slots.slots if self.fsdp is not None and self.fsdp.slots is not None else []
+        params = [f.full for f in self.flats if f.owns_storage] + [f.local for f in self.flats]
+        params += [f.host_staging for f in self.flats if f.host_staging is not None]  # offload: the cast shard
         params += [p for n, p in self.module.named_parameters() if not p.requires_grad and self.owns(n, p)]
         grads = [b.grad for b in self.buckets if b.grad is not None]
         grads += [p.grad for b in self.buckets for p in b.params if p.grad is not None]  # waiting for copy-in
-        grads += [f.grad_shard for f in self.flats if f.grad_shard is not None]
+        grads += [t for f in self.flats for t in (f.grad_shard, f.grad_shard_buffer, f.host_grad) if t is not None]
         optim = [f.master for f in self.flats]
-        optim += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"params": params, "grads": grads, "optimizer": optim}
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        optim += state
+        host = [t for f in self.flats if f.offload for t in (f.master, f.host_grad, f.host_staging) if t is not None]
+        host += state if self.offload_optimizer else []
+        return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "host": host}

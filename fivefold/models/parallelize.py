@@ -150,7 +150,8 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
             module, comm, zero_stage=z.stage, init_value=init_value, device=device, params=owns, grad_divisor=divisor,
             mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
             bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
-            prefetch=z.prefetch, inflight_buckets=z.inflight_buckets,
+            prefetch=z.prefetch, inflight_buckets=z.inflight_buckets, constant_buffers=z.constant_buffers,
+            offload_optimizer=z.offload_optimizer,
             placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra,
             optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
             weight_decay=t.weight_decay)
