@@ -227,6 +227,7 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads = None
+        self._to_host = []  # (it views the device gradient shards: holding it would keep them alive)
         for f in self.flats:
             f.grad_shard = None
             for mp in f.master_params:
