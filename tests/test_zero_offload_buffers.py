@@ -9,7 +9,8 @@
 3. Constant buffers: a TorchDispatchMode over a post-warm-up step counts the factory operators that make a tensor
    of a bucket's, a shard's or a gather buffer's size, and storage resizes: none with the pool, some without (so the
    count can fail). The backward peak with the pool, walked independently, stays within the formula plus the pool.
-4. A gather into a slot another gathered unit holds is refused; a checkpoint saved with offload resumes exactly.
+4. A gather into a slot another gathered unit holds is refused; a backward that raised half-way (reduce-scatters in
+   flight, units gathered) leaves nothing behind for the next steps; a checkpoint saved with offload resumes exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import test_zero_promises as promises
 import torch
 from dist_utils import build_toy, lm_loss, run_workers, toy_batch
-from test_zero import _tiny_llama
+from test_zero import _accumulate, _Boom, _fail_half_way, _tiny_llama
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -253,6 +254,40 @@ def _collision(comm: Comm) -> str | None:
     return None
 
 
+def _after_failure(comm: Comm) -> dict:
+    """Three steps (slots assigned), a backward that raises half-way (ZeRO-2: the toy's, as in test_zero.py; ZeRO-3:
+    the tiny Llama's at the head's input, after the head's reduce-scatter was launched and block 1 prefetched: a
+    stale gathered block 1 would hold the slot the embedding needs first in the next forward), zero_grad(), two more
+    steps. (Buffers of a reduce-scatter still in flight are never reused — a race gloo on the CPU does not show.)"""
+    out = {}
+    for stage in (2, 3):
+        for name in ("plain", "cb", "offload+cb"):
+            model = build_toy() if stage == 2 else _tiny_llama()
+            boom = [False]
+            if stage == 3:
+                model.output.register_forward_pre_hook(
+                    lambda m, args, boom=boom: (_Boom.apply(args[0]),) if boom[0] else None)
+            engine = ZeroDataParallel(model, comm, zero_stage=stage, bucket_mb=SMALL_BUCKET_MB,
+                                      units=[nn.Linear] if stage == 2 else None, optimizer_class=torch.optim.SGD,
+                                      lr=0.5, **VARIANTS[name])
+            for step in range(5):
+                x, y = toy_batch(step, batch=18)
+                xs, ys = x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]
+                if step == 3 and stage == 2:
+                    _fail_half_way(engine, xs, ys)
+                elif step == 3:
+                    boom[0] = True
+                    with pytest.raises(RuntimeError, match="boom"):
+                        lm_loss(engine(xs), ys).backward()
+                    boom[0] = False
+                if step == 3:
+                    engine.zero_grad()
+                _accumulate(engine, xs, ys, "sync_nosync_sync")
+                engine.step()
+            out[(stage, name)] = engine.full_state_dict()
+    return out
+
+
 def _checkpoint_round_trip(comm: Comm, root: str) -> dict:
     """ZeRO-3 + offload + constant buffers: save after step 2 of 4, resume into a fresh offloaded engine (and into a
     plain ZeRO-2 one); the resumed runs continue like the uninterrupted one."""
@@ -292,6 +327,7 @@ def _worker(root: str) -> dict:
     comm = Comm(None, "dp", CommLog())
     return dict(runs={(name, v): _train(case, comm, VARIANTS[v]) for name, case in CASES.items() for v in VARIANTS},
                 memory=_offload_memory(comm), alloc=_allocations(comm), peak=_peak(comm), collision=_collision(comm),
+                failure=_after_failure(comm),
                 ckpt=_checkpoint_round_trip(comm, root))
 
 
@@ -384,6 +420,15 @@ def test_backward_peak_with_constant_buffers_is_formula_plus_pool(results, stage
 def test_a_gather_into_a_held_slot_is_refused(results):
     for res in results:
         assert res["collision"] is not None and "constant_buffers=false" in res["collision"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_backward_that_raised_leaves_no_stale_buffer_behind(results, stage):
+    for res in results:
+        plain = res["failure"][(stage, "plain")]  # (test_zero.py holds the plain engine to the reference)
+        for name in ("cb", "offload+cb"):
+            for key, value in plain.items():
+                assert torch.equal(res["failure"][(stage, name)][key], value), (name, key)
 
 
 def test_offloaded_checkpoint_resumes_exactly(results):

@@ -97,6 +97,13 @@ class BufferPool:
             raise RuntimeError("released a tensor that is not a buffer of this pool in use (released twice?)")
         self._free.append(buffer)
 
+    def forget(self, view: torch.Tensor) -> None:
+        """Drop a buffer in use from the pool for good (a collective that never finished may still write it); the
+        pool allocates another when it needs one."""
+        buffer = self._by_storage.pop(view.untyped_storage().data_ptr(), None)
+        if buffer is not None:
+            self.buffers = [b for b in self.buffers if b is not buffer]
+
     @property
     def in_use(self) -> int:
         return len(self.buffers) - len(self._free)
@@ -186,7 +193,9 @@ class GradBucket:
     def release(self) -> None:
         """Free a copy-mode buffer (give it back to the pool) once its collective is done."""
         if not self.keep_buffer and self.grad is not None:
-            if self.pool is not None:
+            if self.pool is not None and self.work is not None:  # never finished (a backward raised): not reused
+                self.pool.forget(self.grad)
+            elif self.pool is not None:
                 self.pool.release(self.grad)
             self.grad = None
 

@@ -257,9 +257,12 @@ class FSDPHooks:
         self._backwards += 1
 
     def between_steps(self) -> None:
-        """The engine's gradients were cleared (after a step): no autograd graph of the units is alive. Constant
+        """The engine's gradients were cleared (after a step): nothing stays gathered (a backward that raised may
+        have left units so; a later gather re-fills them) and no autograd graph of the units is alive. Constant
         buffers: after two watched steps with a backward (the second one prefetching along the known orders),
         units are given their gather slots."""
+        for _, flat in self.units:
+            flat.reshard()
         if self.slots is None or not self.slots.watching or not self._backwards:
             return
         self._backwards = 0

@@ -201,6 +201,19 @@ class ZeroDataParallel(nn.Module):
             return flat.persistent_grad_shard(self.mp.grad_dtype)
         return self.shard_pool.acquire(flat.shard_numel)
 
+    def _forget_unfinished_outputs(self) -> None:
+        """A backward raised with reduce-scatters in flight: their outputs (pooled, or a flat's own gradient-shard
+        buffer) may still be written, so they are never used again (their input buffers: `GradBucket.release`)."""
+        for bucket in self.buckets:
+            if bucket.work is None or bucket.out is None:
+                continue
+            flat = self.flats[bucket.index]
+            if bucket.out is flat.grad_shard_buffer:
+                flat.grad_shard_buffer = None
+            else:
+                self.shard_pool.forget(bucket.out)
+            bucket.out = None
+
     def _unit_backward_done(self, unit: int) -> None:
         self.reducer.no_more_grads(self.buckets[unit])
 
@@ -289,6 +302,8 @@ class ZeroDataParallel(nn.Module):
                                "micro-batch's backward outside no_sync(), or call sync_gradients(), before step()")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.shard_pool is not None:
+            self._forget_unfinished_outputs()
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
         self._reduced_in_buffer.clear()
