@@ -104,10 +104,6 @@ class BufferPool:
         if buffer is not None:
             self.buffers = [b for b in self.buffers if b is not buffer]
 
-    @property
-    def in_use(self) -> int:
-        return len(self.buffers) - len(self._free)
-
 
 def assign_buckets(named_params: NamedParams, bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
     """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration order; a change of
