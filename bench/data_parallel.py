@@ -7,6 +7,8 @@
   counterpart and is compared with the same ZeRO-1 recipe (labelled so); stage 3 vs FSDP2
   (`fully_shard` on the units fivefold's ZeRO-3 uses by default, then the root,
   ``reshard_after_forward=True``).
+- `bench_offload`: fivefold ZeRO-2/3 with ZeRO-Offload (fp32 masters, Adam state and step on the host) and with
+  ZeRO-R constant buffers against the same stage without: step time, device- and host-resident bytes.
 
 Every rank takes its own rows of the global batch. A step is zero_grad + forward + backward +
 optimizer step (+ its collectives), all timed. Bytes: fivefold from its `CommLog`, torch as
@@ -53,7 +55,9 @@ __all__ = [
     "DDP_CONTESTANTS",
     "DPSpec",
     "bench_ddp",
+    "bench_offload",
     "bench_zero",
+    "format_offload_table",
     "format_table",
     "zero_contestants",
 ]
@@ -79,6 +83,7 @@ class DPSpec:
     prefetch: int = 1  # fivefold ZeRO-3
     seed: int = 0
     threads: int = 1  # torch threads per rank
+    memory_step: int = 1  # the (untimed when < warmup) step whose model states and backward peak are measured
 
     shard_batch: ClassVar[bool] = True  # each rank its micro_batch rows of the global batch
 
@@ -159,14 +164,16 @@ def build_fivefold_ddp(config: Any, spec: DPSpec, world: Comm) -> Runner:
                   roots=[ddp, opt], exclude=list(model.buffers()), info=dict(recipe="ddp"))
 
 
-def build_fivefold_zero(config: Any, spec: DPSpec, world: Comm, stage: int = 0) -> Runner:
+def build_fivefold_zero(config: Any, spec: DPSpec, world: Comm, stage: int = 0, offload: bool = False,
+                        constant_buffers: bool = False) -> Runner:
     from fivefold.data_parallel import ZeroDataParallel
 
     model = build_model(config, seed=spec.seed)
     log = CommLog()
     engine = ZeroDataParallel(model, Comm(None, "dp", log), zero_stage=stage, bucket_mb=spec.bucket_mb,
                               lr=spec.lr, weight_decay=spec.weight_decay,
-                              reshard_after_forward=spec.reshard_after_forward, prefetch=spec.prefetch)
+                              reshard_after_forward=spec.reshard_after_forward, prefetch=spec.prefetch,
+                              offload_optimizer=offload, constant_buffers=constant_buffers)
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
         loss = lm_loss(engine(x), y)
@@ -179,6 +186,8 @@ def build_fivefold_zero(config: Any, spec: DPSpec, world: Comm, stage: int = 0) 
 
     what = f"{len(engine.flats)} unit(s)" if stage == 3 else f"{len(engine.flats)} bucket(s)"
     extra = f", reshard_after_forward={spec.reshard_after_forward}, prefetch={spec.prefetch}" if stage == 3 else ""
+    extra += ", optimizer offloaded to the host" if offload else ""
+    extra += ", constant buffers" if constant_buffers else ""
     return Runner(forward_backward, update, reset_comm=log.reset, comm=log_bytes(log, world.size),
                   comm_source="measured (CommLog)",
                   notes=[f"fivefold ZeroDataParallel stage {stage}: bucket_mb={spec.bucket_mb}, {what}{extra}, "
@@ -320,6 +329,18 @@ def zero_contestants(stages: Sequence[int] = (0, 1, 2, 3)) -> tuple[Contestant, 
     return tuple(out)
 
 
+def offload_contestants(stages: Sequence[int] = (2, 3)) -> tuple[Contestant, ...]:
+    """Per stage: fivefold ZeRO as is, with the optimizer offloaded, and with constant buffers (against the first)."""
+    out: list[Contestant] = []
+    for stage in stages:
+        base = f"fivefold-z{stage}"
+        out += [Contestant(base, functools.partial(build_fivefold_zero, stage=stage)),
+                Contestant(f"{base}-offload", functools.partial(build_fivefold_zero, stage=stage, offload=True), base),
+                Contestant(f"{base}-constbuf",
+                           functools.partial(build_fivefold_zero, stage=stage, constant_buffers=True), base)]
+    return tuple(out)
+
+
 # -- running and checking against the formulas ---------------------------------------------------------
 
 def _check(impl: dict, world: int) -> list[str]:
@@ -411,6 +432,18 @@ def bench_zero(preset: str = "small", world: int = 2, steps: int = 48, warmup: i
     return run_dp_contest(spec, zero_contestants(stages), "zero")
 
 
+def bench_offload(preset: str = "small", world: int = 2, steps: int = 24, warmup: int = 3,
+                  micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 8,
+                  threads: int = 1, lr: float = 1e-3, seed: int = 0, stages: Sequence[int] = (2, 3)) -> dict:
+    """ZeRO-Offload and constant buffers against the plain engine, per stage: ``impls`` as `bench_zero`'s (memory
+    with ``device``, ``host`` and ``buffers`` bytes), ``pairs`` the step-time ratios and loss differences (0: the
+    same math)."""
+    # memory at step 2: ZeRO-3's gather slots exist from the third step on (two steps are watched)
+    spec = DPSpec(preset=preset, world=world, steps=steps, warmup=warmup, repeats=repeats, micro_batch=micro_batch,
+                  seq_len=seq_len, bucket_mb=bucket_mb, lr=lr, seed=seed, threads=threads, memory_step=2)
+    return run_contest("offload", spec, offload_contestants(stages), min_warmup=3)
+
+
 # -- output -----------------------------------------------------------------------------------------
 
 def format_table(results: dict) -> str:
@@ -468,4 +501,30 @@ def format_table(results: dict) -> str:
         out += ["mismatches against the formulas:", *problems]
     else:
         out.append("every implementation's measured memory and bytes match its formula")
+    return "\n".join(out)
+
+
+def format_offload_table(results: dict) -> str:
+    """Step time and where the bytes live, for `bench_offload`."""
+    spec = results["spec"]
+    out = markdown_table(time_rows(results, cpu=False)) + [RATIO_LEGEND]
+    rows = [("impl", "device MiB", "host MiB", "constant buffers MiB (on the device)", "device / plain",
+             "peak in backward MiB (device + host)")]
+    plain = {r["name"]: r["memory"]["device"] for r in results["impls"] if not r["baseline"]}
+    for r in results["impls"]:
+        m = r["memory"]
+        base = plain[r["baseline"] or r["name"]]
+        rows.append((r["name"], mib(m["device"]), mib(m["host"]), mib(m["buffers"]), f"{m['device'] / base:.3f}",
+                     mib(m["peak_backward"]) if m.get("peak_backward") is not None else "-"))
+    out += ["", f"model states per rank at step {results['memory_step']} (between backward and optimizer step; "
+                "max over ranks): on the device, on the host (offloaded masters, Adam m and v, the fp32 gradient "
+                "copy), constant buffers (pools and ZeRO-3 gather slots); the peak walks every storage reachable "
+                "from the engine after each operator of that step's backward (fivefold.memory.PeakSampler):"]
+    out += markdown_table(rows)
+    out += ["", *[ratio_line(p, loss_over="steps and ranks") for p in results["pairs"]],
+            f"Ψ = {results['params']:,}, preset {spec['preset']}, world {spec['world']} (gloo, {spec['threads']} "
+            f"thread(s)/rank), micro_batch {spec['micro_batch']} × seq_len {spec['seq_len']}, AdamW, "
+            f"{spec['steps']} timed steps (+{spec['warmup']} warmup) per impl; on the CPU \"host\" and \"device\" "
+            "are the same memory: the split shows what an accelerator would hold, the time what the extra copies "
+            "cost here (no PCIe)"]
     return "\n".join(out)

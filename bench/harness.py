@@ -210,7 +210,8 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
     comm: list[list[CommBytes]] = [[CommBytes() for _ in range(total)] for _ in range(n)]
     records: list[list[list]] = [[[] for _ in range(total)] for _ in range(n)]
     memory: list[dict | None] = [None] * n
-    memory_step = min(1, total - 1)  # step 1: the optimizer state exists
+    # step 1: the optimizer state exists (a spec may ask for a later one, e.g. after buffers settled)
+    memory_step = min(getattr(spec, "memory_step", 1), total - 1)
     done = [0] * n
     block_of = [[-1] * total for _ in range(n)]  # the alternating round each timed step ran in
 
@@ -231,7 +232,8 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
             if s == memory_step and runner.memory is not None:  # not timed; ranks realign after it
                 states, counters = runner.memory()
                 memory[i] = dict(params=states.params, grads=states.grads, optimizer=states.optimizer,
-                                 total=states.total, step_counters=counters,
+                                 total=states.total, buffers=states.buffers, host=states.host,
+                                 device=states.device, step_counters=counters,
                                  peak_backward=sampler.peak if sample else None)
                 world_comm.barrier()
             t1, c1 = time.perf_counter(), time.process_time()

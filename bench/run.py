@@ -5,6 +5,7 @@
     python bench/run.py zero                      # ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2
     python bench/run.py zero --stages 0,3         # a subset (each fivefold stage brings its counterpart)
     python bench/run.py zeropp                    # ZeRO-3 with qwZ / qgZ / hpZ vs plain ZeRO-3: bytes and time
+    python bench/run.py offload                   # ZeRO-2/3 with optimizer offload / constant buffers vs without
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
@@ -38,7 +39,14 @@ from typing import Any  # noqa: E402
 
 from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
-from bench.data_parallel import DPSpec, bench_ddp, bench_zero, format_table  # noqa: E402
+from bench.data_parallel import (  # noqa: E402
+    DPSpec,
+    bench_ddp,
+    bench_offload,
+    bench_zero,
+    format_offload_table,
+    format_table,
+)
 from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table  # noqa: E402
 from bench.expert_parallel import (  # noqa: E402
     EPOverlapSpec,
@@ -56,7 +64,8 @@ from bench.zeropp import ZeroPPSpec, bench_zeropp, format_zeropp_table  # noqa: 
 __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
-    "ddp": ("ddp",), "zero": ("zero",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",), "ep": ("ep", "ep-overlap"),
+    "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
+    "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
@@ -115,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="fivefold ZeRO 0/1/2/3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2")
     sub.add_parser("zeropp", parents=[common, micro, zeropp_opts],
                    help="fivefold ZeRO-3 with ZeRO++ qwZ / qgZ / hpZ vs plain ZeRO-3 (bytes, time, hpZ memory)")
+    sub.add_parser("offload", parents=[common, micro, dp_opts, zero_opts],
+                   help="fivefold ZeRO-2/3 with the optimizer offloaded / constant buffers vs without")
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
@@ -142,6 +153,7 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
                     seq_len=args.seq_len, threads=args.threads)
     dp = _given(world=opt.get("world"), micro_batch=opt.get("micro_batch"), bucket_mb=opt.get("bucket_mb"))
     stages = tuple(int(s) for s in (opt.get("stages") or "0,1,2,3").split(",") if s.strip())
+    offload_stages = tuple(int(s) for s in (opt.get("stages") or "2,3").split(",") if s.strip())
     zero = _given(prefetch=opt.get("prefetch"))
     sp = {"both": (False, True), "off": (False,), "on": (True,), None: None}[opt.get("sp")]
     tp = _given(tp=opt.get("tp"), batch=opt.get("batch"), sequence_parallel=sp)
@@ -158,6 +170,7 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "zeropp": (lambda: bench_zeropp(ZeroPPSpec(**common, **_given(
             world=opt.get("world"), micro_batch=opt.get("micro_batch"), dtype=opt.get("dtype"),
             quant_block=opt.get("quant_block"), hpz=opt.get("hpz")))), format_zeropp_table),
+        "offload": (lambda: bench_offload(**common, **dp, stages=offload_stages), format_offload_table),
         "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),

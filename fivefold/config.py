@@ -121,6 +121,11 @@ class ZeroSection:
     qgz: bool = False
     hpz: int = 0
     quant_block: int = 2048  # elements per int8 block (one fp32 scale each) for qwz / qgz
+    # ZeRO-R constant buffers: gradient buckets, reduce-scatter outputs and ZeRO-3 gathers in buffers allocated once
+    # (no allocation per step after two warm-up steps; the buffers are held for the run, a higher resting memory)
+    constant_buffers: bool = False
+    # ZeRO-Offload: fp32 master shards and optimizer state in host memory, the optimizer step on the host
+    offload_optimizer: bool = False
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """Measured model-state memory of one rank (seed 001: parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12), counting
 each *unique storage* once (a gradient viewing a bucket counts it, padding included) to check DESIGN.md's formulas:
 `model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what is reachable;
-`block_activation_bytes` follows what blocks allocate in a forward and keep (seed 003 §12.4's activations)."""
+`block_activation_bytes` follows what blocks allocate in a forward and keep (seed 003 §12.4's activations).
+Besides the three model states an engine may report ``buffers`` (ZeRO-R's constant communication buffers: pools and
+gather slots, counted there whoever borrows them) and which of its storages live on the host (``host``: ZeRO-Offload's
+masters, optimizer state and host gradient copies), so ``device`` = what the accelerator holds."""
 
 from __future__ import annotations
 
@@ -25,10 +28,17 @@ class ModelStateBytes:
     params: int
     grads: int
     optimizer: int
+    buffers: int = 0  # constant communication buffers (pools, gather slots), not model states but held for the run
+    host: int = 0  # bytes of all the above that live in host memory (offloaded)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    @property
+    def device(self) -> int:
+        """What the compute device holds (everything when nothing is offloaded)."""
+        return self.total - self.host
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
@@ -51,8 +61,12 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     seen: set[tuple[str, int]] = set()
     if hasattr(model, "model_state_tensors"):  # ZeRO engines know what they hold (shards, buffers)
         held = model.model_state_tensors()
+        # pooled buffers first: a gradient bucket borrowing one counts there, not as a gradient, so the split does
+        # not depend on the moment
+        buffers = _storage_bytes(held.get("buffers", ()), seen)
+        host = _storage_bytes(held.get("host", ()), set())
         return ModelStateBytes(_storage_bytes(held["params"], seen), _storage_bytes(held["grads"], seen),
-                               _storage_bytes(held["optimizer"], seen))
+                               _storage_bytes(held["optimizer"], seen), buffers, host)
     params = list(model.parameters())
     p_bytes = _storage_bytes([*params, *extra_params], seen)
     g_bytes = _storage_bytes((p.grad for p in params), seen)

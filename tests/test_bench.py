@@ -141,3 +141,20 @@ def test_cli_zero_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["zero", "--help"])
     assert e.value.code == 0 and "--stages" in capsys.readouterr().out
+
+
+# -- ZeRO-Offload and constant buffers vs the plain engine ------------------------------------------
+
+def test_offload_bench_same_losses_less_on_the_device():
+    """One stage keeps it short: the offloaded engine holds only parameters and gradients on the device (its
+    optimizer state and masters on the host), the pooled one its constant buffers besides; the math is the same."""
+    from bench.data_parallel import bench_offload, format_offload_table
+
+    result = bench_offload(preset="tiny", world=2, steps=1, warmup=3, repeats=1, micro_batch=2, seq_len=16,
+                           stages=(3,))
+    impls = _impls(result)
+    plain, off, cb = (impls[f"fivefold-z3{s}"]["memory"] for s in ("", "-offload", "-constbuf"))
+    assert off["device"] == plain["params"] + plain["grads"] and off["host"] == off["optimizer"] + plain["grads"]
+    assert cb["buffers"] > 0 and cb["device"] == plain["device"] + cb["buffers"] and plain["host"] == 0
+    assert all(p["max_abs_loss_diff"] == 0.0 for p in result["pairs"])
+    assert "fivefold-z3-offload/fivefold-z3" in format_offload_table(result)

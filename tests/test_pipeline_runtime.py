@@ -176,7 +176,10 @@ def test_pipeline_p2p_volume(pipeline_results, run):
 PPDP_STEPS, LR, WD, CLIP = 5, 1e-2, 0.1, 0.5
 PPDP_RUNS = [("1f1b", 0), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 0),  # (schedule, zero stage)
              ("gpipe", 3), ("1f1b", 3), ("interleaved", 3), ("zb-h1", 3),  # pp x ZeRO-3: every schedule
-             ("dualpipev", 1), ("dualpipev", 3)]
+             ("dualpipev", 1), ("dualpipev", 3),
+             # ZeRO-R constant buffers (gather slots learned over the first two steps) and ZeRO-Offload
+             ("1f1b", 3, "constant_buffers"), ("zb-h1", 3, "constant_buffers", "offload_optimizer"),
+             ("interleaved", 2, "constant_buffers", "offload_optimizer")]
 PPDP_EPS = 1e-4  # see EPS in test_zero.py: bounds Adam's 1/eps amplification of reduction-order noise
 
 
@@ -198,10 +201,14 @@ def _ppdp_worker() -> dict:
     mesh = ParallelMesh(ParallelDims(pp=2, dp=2), "cpu", CommLog())
     dp = mesh.comm("dp")
     out = {}
-    for name, zero in PPDP_RUNS:
+    for run in PPDP_RUNS:
+        (name, zero), options = run[:2], run[2:]
         M = 4
         V = 2 if name == "interleaved" else 1
-        parts = parallelize(_parts_config(name, zero, M, V, pp=2, dp=2), CFG, mesh, "cpu")
+        cfg = _parts_config(name, zero, M, V, pp=2, dp=2)
+        for option in options:
+            setattr(cfg.zero, option, True)
+        parts = parallelize(cfg, CFG, mesh, "cpu")
         history = []
         for step in range(PPDP_STEPS):
             x, y = _step_batch(step)
@@ -209,7 +216,7 @@ def _ppdp_worker() -> dict:
             parts.forward_backward(list(zip(xs.chunk(M), ys.chunk(M))))
             parts.step(CLIP)
             history.append(parts.full_state_dict())
-        out[(name, zero)] = history
+        out[run] = history
     return out
 
 
@@ -241,7 +248,7 @@ def ppdp_results():
     return run_workers(_ppdp_worker, 4)
 
 
-@pytest.mark.parametrize("run", PPDP_RUNS, ids=[f"{n}-zero{z}" for n, z in PPDP_RUNS])
+@pytest.mark.parametrize("run", PPDP_RUNS, ids=["-".join([r[0], f"zero{r[1]}", *r[2:]]) for r in PPDP_RUNS])
 def test_pp2_dp2_training_matches_single_process(ppdp_results, run):
     ref = _ppdp_reference()
     for rank, res in enumerate(ppdp_results):

@@ -116,6 +116,8 @@ BAD = [
     (["--zero", "3", "--zero.hpz", "2", "--zero.reshard_after_forward", "false"], 4,
      "needs zero.stage 3 with zero.reshard_after_forward true"),
     (["--zero", "3", "--zero.hpz", "3"], 4, "zero.hpz=3 must divide the data-parallel group, dp × cp = 4"),
+    (["--zero", "3", "--zero.qwz", "true", "--zero.constant_buffers", "true"], 2,
+     "zero.constant_buffers with zero.qwz / zero.qgz: their int8 staging buffers are allocated per collective"),
     (["--zero", "3", "--zero.hpz", "4", "--parallel.dp", "8", "--parallel.dp_replicate", "2"], 8,
      "zero.hpz=4 must divide the data-parallel group, a shard group (dp × cp / dp_replicate) = 4"),
     (["--zero", "3", "--zero.qgz", "true", "--parallel.dp_replicate", "2", "--parallel.dp", "4"], 4,

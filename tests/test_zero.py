@@ -493,7 +493,9 @@ def test_model_state_bytes_match_formula(memory_results, stage, dtype):
             formula = {0: 16 * psi_padded, 1: 4 * psi_padded + 12 * psi_padded / n,
                        2: 2 * psi_padded + 14 * psi_padded / n, 3: 16 * psi_padded / n}[stage]
             padding_state = 8 * (psi_padded / shards - owned)
-            assert m.total - frozen * 2 - 4 * r["n_master"] == formula - padding_state
+            # ZeRO-R's constant buffers (ZeRO-2/3 pools, ZeRO-3 gather slots) are residual memory, not model
+            # states: reported apart (m.buffers, in m.total) and checked in test_zero_offload_buffers.py
+            assert m.total - m.buffers - frozen * 2 - 4 * r["n_master"] == formula - padding_state
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -6,6 +6,10 @@ gradient, overlapping the rest of backward. Buckets launch in index order so eve
 in the same order; the collective itself (all-reduce for DDP, reduce-scatter for ZeRO) is a strategy passed in.
 ``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the
 bound during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
+
+Seed 001 §5.6 (ZeRO-R, constant-size buffers C_B): with a `BufferPool` the temporary full gradient buffers of
+ZeRO-2/3 (and the reduce-scatter outputs that need one) are fixed-size buffers allocated once and handed from bucket
+to bucket, so after warm-up a step allocates none and the allocator does not fragment around them.
 """
 
 from __future__ import annotations
@@ -60,6 +64,47 @@ class FlatLayout:
         return rank * size, (rank + 1) * size
 
 
+class BufferPool:
+    """Constant-size flat buffers of one dtype and device (ZeRO-R C_B): `acquire(numel)` hands out a view of the
+    first ``numel`` elements of a free buffer of ``capacity`` elements, `release` takes it back. A buffer is allocated
+    only when none is free — while warming up: with ``max_inflight`` buckets in flight the pool settles at
+    ``max_inflight + 1`` buffers; under ``no_sync`` every bucket holds one until the reduction, so it grows to the
+    number of buckets, once — and is kept for the run (its bytes are reported apart: `memory.ModelStateBytes.buffers`).
+    """
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.capacity = capacity
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.buffers: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._by_storage: dict[int, torch.Tensor] = {}
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        if numel > self.capacity:
+            raise ValueError(f"a buffer of {numel} elements was asked of a pool of {self.capacity}-element buffers")
+        if self._free:
+            buffer = self._free.pop()
+        else:
+            buffer = torch.empty(self.capacity, dtype=self.dtype, device=self.device)
+            self.buffers.append(buffer)
+            self._by_storage[buffer.untyped_storage().data_ptr()] = buffer
+        return buffer[:numel]
+
+    def release(self, view: torch.Tensor) -> None:
+        buffer = self._by_storage.get(view.untyped_storage().data_ptr())
+        if buffer is None or any(b is buffer for b in self._free):
+            raise RuntimeError("released a tensor that is not a buffer of this pool in use (released twice?)")
+        self._free.append(buffer)
+
+    def forget(self, view: torch.Tensor) -> None:
+        """Drop a buffer in use from the pool for good (a collective that never finished may still write it); the
+        pool allocates another when it needs one."""
+        buffer = self._by_storage.pop(view.untyped_storage().data_ptr(), None)
+        if buffer is not None:
+            self.buffers = [b for b in self.buffers if b is not buffer]
+
+
 def assign_buckets(named_params: NamedParams, bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
     """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration order; a change of
     dtype or device starts a new bucket (one flat buffer has one dtype)."""
@@ -89,10 +134,12 @@ class GradBucket:
     reduce dtype unlike the parameter's): the hook adds ``param.grad`` into the buffer and drops it; ZeRO-1 keeps the
     buffer, ZeRO-2/3 hold it only until the collective finished (`release`). ZeRO-3 (``defer_copy``) copies all
     gradients in (`copy_in`) just before the launch, after the unit's gathered parameters were freed (as FSDP2), so
-    the buffer never coexists with the unit's parameters; under ``no_sync`` it copies as usual (reduce dtype)."""
+    the buffer never coexists with the unit's parameters; under ``no_sync`` it copies as usual (reduce dtype).
+    With a ``pool`` a temporary buffer is borrowed from it and given back (constant buffers) instead of allocated."""
 
     def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
-                 keep_buffer: bool = True, views: bool | None = None, defer_copy: bool = False) -> None:
+                 keep_buffer: bool = True, views: bool | None = None, defer_copy: bool = False,
+                 pool: BufferPool | None = None) -> None:
         self.index = index
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -103,6 +150,7 @@ class GradBucket:
         can_view = keep_buffer and all(p.dtype == grad_dtype for p in self.params)
         self.views = can_view if views is None else views and can_view
         self.defer_copy = defer_copy and not self.views and not keep_buffer
+        self.pool = pool if not keep_buffer else None  # (a kept buffer lives for the run anyway)
         self.grad: torch.Tensor | None = None
         if self.views:
             self.copy_in()  # every .grad becomes its view of the buffer, for the whole run
@@ -111,7 +159,10 @@ class GradBucket:
 
     def _allocate(self) -> torch.Tensor:
         if self.grad is None:
-            self.grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+            if self.pool is not None:
+                self.grad = self.pool.acquire(self.layout.padded_numel).zero_()
+            else:
+                self.grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
         return self.grad
 
     def grad_view(self, i: int) -> torch.Tensor:
@@ -136,8 +187,12 @@ class GradBucket:
             self.bind_grad(i)
 
     def release(self) -> None:
-        """Free a copy-mode buffer once its collective is done."""
-        if not self.keep_buffer:
+        """Free a copy-mode buffer (give it back to the pool) once its collective is done."""
+        if not self.keep_buffer and self.grad is not None:
+            if self.pool is not None and self.work is not None:  # never finished (a backward raised): not reused
+                self.pool.forget(self.grad)
+            elif self.pool is not None:
+                self.pool.release(self.grad)
             self.grad = None
 
     def reset(self) -> None:
@@ -163,6 +218,11 @@ def _graph_task_id() -> int:
     """Id of the backward being run by autograd (-1 where torch does not tell)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current() if current is not None else -1
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward on this thread (a recomputed forward inside it, for instance)."""
+    return _graph_task_id() != -1
 
 
 class BucketedGradReducer:
@@ -194,6 +254,7 @@ class BucketedGradReducer:
         self._callback_queued = False
         self._task = -1  # autograd graph task of the backward whose end callback is queued
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
+        self._arrived: dict[int, set[int]] = {}  # no_sync: bucket index -> ids of params with a gradient this backward
         self._where: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -221,6 +282,7 @@ class BucketedGradReducer:
             self.trace.append((self.trace_clock(), "grad_ready", bucket.names[i]))
         if not self.require_sync:
             self.unsynced = True
+            self._arrived_unsynced(bucket, p)
             return
         if self._ready.get(id(p)):
             if bucket.launched:
@@ -234,6 +296,17 @@ class BucketedGradReducer:
             if self.on_all_grads is not None:
                 self.on_all_grads(bucket)
             self._launch_ready_buckets()
+
+    def _arrived_unsynced(self, bucket: GradBucket, p: torch.Tensor) -> None:
+        """Under no_sync nothing launches, but the owner still learns when every gradient of a bucket arrived in this
+        backward (ZeRO-3 frees the unit's gathered parameters then, instead of holding every unit until it ends)."""
+        if self.on_all_grads is None:
+            return
+        arrived = self._arrived.setdefault(bucket.index, set())
+        if id(p) not in arrived:
+            arrived.add(id(p))
+            if len(arrived) == len(bucket.params):
+                self.on_all_grads(bucket)
 
     def _launch_ready_buckets(self) -> None:
         # Index order on every rank: collectives must be issued in the same order everywhere.
@@ -263,6 +336,7 @@ class BucketedGradReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        self._arrived.clear()
         for bucket in self.buckets:
             bucket.touched = False
         if self.require_sync:
@@ -338,7 +412,7 @@ class BucketedGradReducer:
             if bucket.keep_buffer and bucket.grad is not None:
                 bucket.grad.zero_()
             else:
-                bucket.grad = None
+                bucket.release()
             for i, p in enumerate(bucket.params):
                 if bucket.views:
                     bucket.bind_grad(i)
@@ -346,6 +420,7 @@ class BucketedGradReducer:
                     p.grad = None
             bucket.reset()
         self._ready.clear()
+        self._arrived.clear()
         self._next_to_launch = 0
         self._next_to_complete = 0
         self._callback_queued = False

@@ -4,7 +4,10 @@ Seed 000/001 (ZeRO): every rank owns a contiguous 1/N shard of each buffer (padd
 master weights and optimizer state only for it and receives only its shard of the averaged gradient. Parameters
 are ordered by optimizer group (one segment per group in a shard). ``full``: the whole buffer in compute dtype,
 parameters are views into it; ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and gathers
-into it again, so tensors autograd saved stay valid. ``local`` is this rank's shard, ``master`` its fp32 copy.
+into it again, so tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view of
+a gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time.
+``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host buffer of its own
+(pinned on an accelerator; never ``local``, even for fp32), updated on the host and copied back by `write_back`.
 
 ZeRO++ (seed 003 §6) changes only how a ZeRO-3 gather travels (`_start_gather`): qwZ (``quant_block``) all-gathers
 every shard as block-wise int8 (`quantize`) and dequantises into ``full``, the stored shards keeping their dtype;
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from fivefold.comm import Comm
+from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.buckets import FlatLayout
 from fivefold.data_parallel.quantize import dequantize_packed, packed_bytes, quantize_rows_into
 
@@ -36,7 +40,7 @@ class FlatParam:
     def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]], comm: Comm, *,
                  group_of: GroupOf, param_dtype: torch.dtype, sharded: bool, reshard: bool = False,
                  value_of: ValueOf | None = None, quant_block: int | None = None,
-                 secondary: Comm | None = None) -> None:
+                 secondary: Comm | None = None, offload: bool = False) -> None:
         ordered = sorted(named_params, key=lambda item: group_of(*item))  # stable: groups contiguous
         self.index = index
         self.comm = comm
@@ -63,6 +67,7 @@ class FlatParam:
             else None
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/|secondary| of the last forward gather
         self._secondary_fresh = False  # False after the shard changed (write_back): the next gather is a full one
+        self.owns_storage = True  # False once `full` views a shared gather slot (constant buffers)
         if self.reshard_enabled:  # ZeRO-3 holds only its shard: the full buffer grows when gathered
             self.full.untyped_storage().resize_(0)
             self.local = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
@@ -70,9 +75,15 @@ class FlatParam:
             self.local = self.full[self.start:self.end]
         self.is_unsharded = not self.reshard_enabled
         # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the 16-bit copy:
-        # wrapping must not round the weights.
-        self.master = (self.local if param_dtype == torch.float32 else
-                       torch.zeros(self.shard_numel, dtype=torch.float32, device=device))
+        # wrapping must not round the weights. Offloaded, it is a host buffer of its own whatever the dtype.
+        self.offload = offload
+        if offload:
+            self.master = host.host_zeros(self.shard_numel, torch.float32, device)
+        else:
+            self.master = (self.local if param_dtype == torch.float32 else
+                           torch.zeros(self.shard_numel, dtype=torch.float32, device=device))
+        self.host_grad: torch.Tensor | None = None  # offload: the fp32 gradient shard on the host
+        self.host_staging: torch.Tensor | None = None  # offload on an accelerator: the cast shard before its copy
         value_of = value_of or (lambda name, p: p.detach())
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(self.names, self.params)):
@@ -91,6 +102,7 @@ class FlatParam:
         self.segments = self._group_segments()
         self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
         self.grad_shard: torch.Tensor | None = None
+        self.grad_shard_buffer: torch.Tensor | None = None  # constant buffers: where reduce-scatters land
 
     def _fill_shard(self, shard: torch.Tensor, i: int, value: torch.Tensor) -> None:
         """Copy the part of parameter `i`'s `value` that falls in this rank's [start, end) into `shard`."""
@@ -131,7 +143,8 @@ class FlatParam:
         if self.is_unsharded:
             return
         if self._gather_work is None:
-            self.full.untyped_storage().resize_(self._full_bytes)
+            if self.owns_storage:
+                self.full.untyped_storage().resize_(self._full_bytes)
             for i, p in enumerate(self.params):
                 p.data = self.layout.view(self.full, i)
             self._gather_work, self._after_gather = self._start_gather(backward)
@@ -189,12 +202,28 @@ class FlatParam:
     def reshard(self) -> None:
         if self.reshard_enabled and (self.is_unsharded or self._gather_work is not None):
             self.wait_unshard()
-            self.full.untyped_storage().resize_(0)
+            if self.owns_storage:
+                self.full.untyped_storage().resize_(0)
             # Parameters point at an empty tensor while sharded, so stray use fails loudly instead of
             # reading freed memory; views saved by autograd keep the storage and see it regrown.
             for p in self.params:
                 p.data = self._empty
             self.is_unsharded = False
+
+    def use_storage(self, slot: torch.Tensor) -> None:
+        """ZeRO-3 constant buffers: gather into `slot` (at least ``padded_numel`` elements, shared with units never
+        gathered together with this one) from now on instead of re-growing a storage of its own. Only while sharded
+        and no autograd graph holds views of the old storage (the engine calls it between steps)."""
+        if not self.reshard_enabled or self.is_unsharded or self.gathering:
+            raise RuntimeError(f"unit {self.index}: a gather slot can only be assigned to a sharded ZeRO-3 unit")
+        self.full = slot[:self.layout.padded_numel]
+        self.owns_storage = False
+
+    def persistent_grad_shard(self, dtype: torch.dtype) -> torch.Tensor:
+        """Constant buffers: the gradient shard's buffer, allocated once (reduce-scatters land in it directly)."""
+        if self.grad_shard_buffer is None or self.grad_shard_buffer.dtype != dtype:
+            self.grad_shard_buffer = torch.empty(self.shard_numel, dtype=dtype, device=self.full.device)
+        return self.grad_shard_buffer
 
     def accumulate_grad(self, shard_grad: torch.Tensor) -> None:
         if self.grad_shard is None:
@@ -204,11 +233,25 @@ class FlatParam:
         else:
             self.grad_shard += shard_grad
 
+    def host_grad_shard(self) -> torch.Tensor:
+        """Offload: the host buffer the fp32 gradient shard is copied into for the optimizer (allocated once)."""
+        if self.host_grad is None:
+            self.host_grad = host.host_zeros(self.shard_numel, torch.float32, self.local.device)
+        return self.host_grad
+
     def write_back(self) -> None:
-        """Copy the updated fp32 master shard into the compute-dtype shard (if they differ)."""
+        """Copy the updated fp32 master shard into the compute-dtype shard (if they differ; offloaded: host to
+        device, cast on the host first on an accelerator)."""
         self._secondary_fresh = False  # hpZ: the shard changed (a step, a load); the next forward gathers afresh
-        if self.master is not self.local:
-            with torch.no_grad():
+        if self.master is self.local:
+            return
+        with torch.no_grad():
+            if self.offload:
+                if self.host_staging is None and self.param_dtype != torch.float32 \
+                        and host.is_accelerator(self.local.device):
+                    self.host_staging = host.host_zeros(self.shard_numel, self.param_dtype, self.local.device)
+                host.copy_to_device(self.local, self.master, self.host_staging)
+            else:
                 self.local.copy_(self.master)
 
     def gather_params(self):
@@ -217,9 +260,9 @@ class FlatParam:
 
     def full_master(self) -> dict[str, torch.Tensor]:
         """Every parameter of this buffer at fp32 master precision, gathered from all shards."""
-        if self.sharded:
-            flat = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.master.device)
-            self.comm.all_gather(flat, self.master.detach(), tag="state_dict")
+        if self.sharded:  # (an offloaded master travels to the group's device for the gather)
+            flat = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.full.device)
+            self.comm.all_gather(flat, self.master.detach().to(self.full.device), tag="state_dict")
         else:
             flat = self.master.detach()
         return {name: self.layout.view(flat, i).clone() for i, name in enumerate(self.names)}

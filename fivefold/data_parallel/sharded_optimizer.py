@@ -5,6 +5,11 @@ moments and update that part of the parameters", so an optimizer over the fp32 m
 KΨ/N; non-elementwise ones (Muon, Adafactor) are refused. Used standalone after DDP (like ZeroRedundancyOptimizer)
 or by the ZeRO engine. A step: unscale (fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan
 skip every rank agrees on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
+
+Offloaded flats (`FlatParam.offload`, seed 003 §4.4): the norm and the clipping still run on the device gradient
+shards (the global-norm collectives stay on the group's device); then the clipped fp32 shards are copied to the
+host (`offload.copy_to_host`), the inner optimizer — whose parameters are the host masters — steps there, and
+`write_back` copies the result to the device.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from fivefold.comm import Comm, Placement
+from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
 from fivefold.optim.clip import global_grad_sq_norm
@@ -116,8 +122,10 @@ class ShardedOptimizer:
             f.grad_shard = f.shard_of([p.grad for p in f.params], f.param_dtype)
 
     def _master_grads(self) -> list[tuple[torch.Tensor, Placement]]:
-        """(fp32 gradient of each master segment, its placement)."""
+        """(fp32 gradient of each master segment on the device, its placement). Offloaded, the master's own
+        ``.grad`` is its slice of the host buffer, filled by `_grads_to_host` after clipping."""
         grads = []
+        self._to_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host .grad, device gradient)
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for f in self.flats:
             for (_, a, b), mp in zip(f.segments, f.master_params):
@@ -125,11 +133,23 @@ class ShardedOptimizer:
                     mp.grad = None
                     continue
                 g = f.grad_shard[a:b]
-                mp.grad = g.float() if g.dtype != torch.float32 else g
+                g = g.float() if g.dtype != torch.float32 else g
                 if inv_scale != 1.0:
-                    mp.grad.mul_(inv_scale)
-                grads.append((mp.grad, self._placement[id(mp)]))
+                    g.mul_(inv_scale)
+                if f.offload:
+                    mp.grad = f.host_grad_shard()[a:b]
+                    self._to_host.append((mp.grad, g))
+                else:
+                    mp.grad = g
+                grads.append((g, self._placement[id(mp)]))
         return grads
+
+    def _grads_to_host(self) -> None:
+        """Offload: copy the (clipped) device gradients into the host masters' ``.grad`` and wait for them."""
+        for host_grad, g in self._to_host:
+            host.copy_to_host(host_grad, g)
+        if self._to_host:
+            host.wait_for_device(self._to_host[0][1].device)
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> torch.Tensor | None:
@@ -194,6 +214,7 @@ class ShardedOptimizer:
         if not self._grads:  # nothing to do (a step without a backward): no update, no all-gather
             self.zero_grad()
             return
+        self._grads_to_host()
         self.optimizer.step()
         works = []
         for f in self.flats:
@@ -206,6 +227,7 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads = None
+        self._to_host = []  # (it views the device gradient shards: holding it would keep them alive)
         for f in self.flats:
             f.grad_shard = None
             for mp in f.master_params:

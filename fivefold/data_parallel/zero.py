@@ -19,6 +19,12 @@ shard is all-reduced over ``replicate`` after its reduce-scatter (`hsdp.ReplicaR
 ZeRO++ (seed 003 §6, Wang et al. 2023), each switchable: ``qwz`` (ZeRO-3 gathers in block-wise int8, `FlatParam`),
 ``qgz`` (ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32 here:
 `_launch_quantized`), ``hpz_comm`` (ZeRO-3 backward gathers inside a smaller group, from a secondary copy).
+
+``constant_buffers`` (ZeRO-R C_B, seed 001 §5.6): temporary full gradient buffers come from a `BufferPool`,
+reduce-scatters land in a gradient-shard buffer kept for the run (or a pooled one when a micro-step adds to it), and
+ZeRO-3 units gather into shared slots (`fsdp.GatherSlots`): after warm-up a step allocates none of them.
+``offload_optimizer`` (ZeRO-Offload, seed 003 §4.4): fp32 masters and optimizer state on the host, the optimizer step
+there (`offload`, `ShardedOptimizer`); the device keeps the compute parameters and gradients.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from torch import nn
 
 from fivefold.comm import Comm, Placement
-from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, assign_buckets
+from fivefold.data_parallel.buckets import BucketedGradReducer, BufferPool, GradBucket, assign_buckets
 from fivefold.data_parallel.ddp import broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
@@ -60,7 +66,9 @@ class ZeroDataParallel(nn.Module):
     ``replicate`` (HSDP, stages 1-3): the group across which ``comm``'s shard groups hold the same shards.
     ZeRO++: ``qwz`` (stage 3) and ``qgz`` (stages 2-3) quantise the parameter gathers / gradient reduction to int8 in
     blocks of ``quant_block``; ``hpz_comm`` (stage 3, a `Comm` over a few ranks of ``comm``, e.g.
-    `ParallelMesh.hpz_comm`) keeps a secondary copy for backward gathers inside it."""
+    `ParallelMesh.hpz_comm`) keeps a secondary copy for backward gathers inside it.
+    ``constant_buffers``: communication buffers allocated once and reused (see the module doc); ``offload_optimizer``:
+    the fp32 master shards and optimizer state live and step on the host."""
 
     def __init__(self, module: nn.Module, comm: Comm, *, zero_stage: int = 0,
                  mixed_precision: MixedPrecision | None = None, bucket_mb: float = 25.0,
@@ -72,7 +80,8 @@ class ZeroDataParallel(nn.Module):
                  init_value: Callable[[str], torch.Tensor] | None = None, device: torch.device | str | None = None,
                  params: Callable[[str, nn.Parameter], bool] | None = None, grad_divisor: int | None = None,
                  replicate: Comm | None = None, qwz: bool = False, qgz: bool = False, quant_block: int = 2048,
-                 hpz_comm: Comm | None = None, **optimizer_kwargs: Any) -> None:
+                 hpz_comm: Comm | None = None, constant_buffers: bool = False, offload_optimizer: bool = False,
+                 **optimizer_kwargs: Any) -> None:
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
@@ -86,6 +95,9 @@ class ZeroDataParallel(nn.Module):
             raise ValueError(f"inflight_buckets={inflight_buckets}: at least one reduce-scatter must be allowed in "
                              "flight; use 1 (least memory) or more (more overlap)")
         self._check_zeropp(zero_stage, qwz, qgz, quant_block, hpz_comm, comm, reshard_after_forward)
+        if constant_buffers and (qwz or qgz):
+            raise ValueError("constant_buffers with qwz / qgz: their int8 staging buffers are allocated per "
+                             "collective, not pooled; use one or the other")
         self.module = module
         self.comm = comm
         # HSDP: the replicas' all-reduce after each reduce-scatter (None: plain ZeRO over `comm`)
@@ -97,6 +109,8 @@ class ZeroDataParallel(nn.Module):
         self.qgz, self.quant_block = qgz and comm.size > 1, quant_block
         self._qgz_sends: dict[int, torch.Tensor] = {}  # qgZ: packed chunks kept alive while their all-to-all runs
         self._zeropp_gather = dict(quant_block=quant_block if qwz else None, secondary=hpz_comm)  # ZeRO-3 units
+        self.constant_buffers = constant_buffers
+        self.offload_optimizer = offload_optimizer
         self.mp = mixed_precision or MixedPrecision()
         # `params`: the parameters this engine owns (default all; MoE experts get an engine of their own).
         self.owns = params or (lambda name, p: True)
@@ -145,16 +159,20 @@ class ZeroDataParallel(nn.Module):
         if zero_stage < 3:
             groups = assign_buckets(named, bucket_mb * 2**20)
             self.flats = [FlatParam(i, g, comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                                    sharded=zero_stage >= 1, value_of=self._value_of) for i, g in enumerate(groups)]
+                                    sharded=zero_stage >= 1, value_of=self._value_of, offload=offload_optimizer)
+                          for i, g in enumerate(groups)]
         else:
             self.flats, unit_modules = self._build_units(module, named, units, group_of)
             # With find_unused, a finished unit completes its bucket instead of holding later buckets back.
             self.fsdp = FSDPHooks(list(zip(unit_modules, self.flats)), reshard_after_forward=reshard_after_forward,
                                   prefetch=prefetch,
-                                  after_unit_backward=self._unit_backward_done if find_unused else None)
+                                  after_unit_backward=self._unit_backward_done if find_unused else None,
+                                  constant_buffers=constant_buffers)
+        self.grad_pool, self.shard_pool = self._pools() if constant_buffers and zero_stage >= 2 else (None, None)
         # ZeRO-1 copies gradients in (no views): its reduced shard lives in the kept buffer until moved out.
         self.buckets = [GradBucket(f.index, list(zip(f.names, f.params)), f.layout, self.mp.grad_dtype,
-                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3)
+                                   keep_buffer=zero_stage <= 1, views=zero_stage == 0, defer_copy=zero_stage == 3,
+                                   pool=self.grad_pool)
                         for f in self.flats]
         self._reduced_in_buffer: set[int] = set()  # ZeRO-1 buckets whose kept buffer was reduced and counted
         self.reducer = BucketedGradReducer(
@@ -197,7 +215,8 @@ class ZeroDataParallel(nn.Module):
                        for u, ps in by_unit.items()}
         order = sorted(by_unit, key=lambda u: -first_index[u])
         flats = [FlatParam(i, by_unit[u], self.comm, group_of=group_of, param_dtype=self.mp.param_dtype,
-                           sharded=True, reshard=True, value_of=self._value_of, **self._zeropp_gather)
+                           sharded=True, reshard=True, value_of=self._value_of, offload=self.offload_optimizer,
+                           **self._zeropp_gather)
                  for i, u in enumerate(order)]
         return flats, [unit_mods[u] for u in order]
 
@@ -219,6 +238,36 @@ class ZeroDataParallel(nn.Module):
                 raise ValueError(f"the hpZ group ({hpz_comm.size} ranks) must divide the data-parallel group "
                                  f"({comm.size})")
 
+    def _pools(self) -> tuple[BufferPool, BufferPool]:
+        """Constant buffers of ZeRO-2/3: full gradient buffers (the largest bucket's size) and gradient shards for the
+        reduce-scatters of a micro-step that adds to a shard already there (the largest shard's size)."""
+        device = self.flats[0].full.device if self.flats else self.comm.device
+        full = max((f.layout.padded_numel for f in self.flats), default=0)
+        shard = max((f.shard_numel for f in self.flats), default=0)
+        return (BufferPool(full, self.mp.grad_dtype, device), BufferPool(shard, self.mp.grad_dtype, device))
+
+    def _scatter_output(self, flat: FlatParam) -> torch.Tensor:
+        """Where a ZeRO-2/3 reduce-scatter lands: the flat's gradient shard itself when none is there yet (constant
+        buffers: its buffer kept for the run), else a temporary added to it in `_finish_bucket`."""
+        if self.shard_pool is None:
+            return torch.empty(flat.shard_numel, dtype=self.mp.grad_dtype, device=flat.full.device)
+        if flat.grad_shard is None:
+            return flat.persistent_grad_shard(self.mp.grad_dtype)
+        return self.shard_pool.acquire(flat.shard_numel)
+
+    def _forget_unfinished_outputs(self) -> None:
+        """A backward raised with reduce-scatters in flight: their outputs (pooled, or a flat's own gradient-shard
+        buffer) may still be written, so they are never used again (their input buffers: `GradBucket.release`)."""
+        for bucket in self.buckets:
+            if bucket.work is None or bucket.out is None:
+                continue
+            flat = self.flats[bucket.index]
+            if bucket.out is flat.grad_shard_buffer:
+                flat.grad_shard_buffer = None
+            else:
+                self.shard_pool.forget(bucket.out)
+            bucket.out = None
+
     def _unit_backward_done(self, unit: int) -> None:
         self.reducer.no_more_grads(self.buckets[unit])
 
@@ -231,6 +280,8 @@ class ZeroDataParallel(nn.Module):
         tag = f"bucket{bucket.index}"
         if self.reduce_size == 1:
             bucket.out = bucket.grad[flat.start:flat.end]
+            if self.shard_pool is not None:  # the bucket's buffer goes back to the pool: keep the gradient apart
+                bucket.out = self._scatter_output(flat).copy_(bucket.out)
             return None
         if self.qgz:
             return self._launch_quantized(bucket)
@@ -241,7 +292,7 @@ class ZeroDataParallel(nn.Module):
         if self.zero_stage == 1 or self.comm.size == 1:  # in place: the shard is this rank's slice of the buffer
             bucket.out = bucket.grad[flat.start:flat.end]
         else:
-            bucket.out = torch.empty(flat.shard_numel, dtype=bucket.grad.dtype, device=bucket.grad.device)
+            bucket.out = self._scatter_output(flat)
         work = (self.comm.reduce_scatter(bucket.out, bucket.grad, async_op=True, tag=tag) if self.comm.size > 1
                 else None)
         if self.replica_reduce is not None:  # HSDP: then the shard's all-reduce across the replicas
@@ -272,6 +323,8 @@ class ZeroDataParallel(nn.Module):
             flat.accumulate_grad(bucket.out)
             if self.zero_stage == 1:  # the kept buffer's contents are now counted in the shard
                 self._reduced_in_buffer.add(bucket.index)
+            elif self.shard_pool is not None and bucket.out is not flat.grad_shard:
+                self.shard_pool.release(bucket.out)  # added to the shard: the temporary goes back
         bucket.out = None
 
     def _on_backward_end(self) -> None:
@@ -287,7 +340,10 @@ class ZeroDataParallel(nn.Module):
             return  # (after a no_sync backward the buffer holds unreduced gradients still to be counted: keep them)
         self._reduced_in_buffer.discard(bucket.index)
         if flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
-            flat.grad_shard = flat.grad_shard.clone()
+            if self.constant_buffers:  # into the shard's own buffer, allocated once
+                flat.grad_shard = flat.persistent_grad_shard(flat.grad_shard.dtype).copy_(flat.grad_shard)
+            else:
+                flat.grad_shard = flat.grad_shard.clone()
         bucket.grad.zero_()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -323,12 +379,16 @@ class ZeroDataParallel(nn.Module):
                                "micro-batch's backward outside no_sync(), or call sync_gradients(), before step()")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.shard_pool is not None:
+            self._forget_unfinished_outputs()
         self.optimizer.zero_grad()
         self.reducer.zero_grad()
         if self.replica_reduce is not None:
             self.replica_reduce.clear()
         self._reduced_in_buffer.clear()
         self._qgz_sends.clear()
+        if self.fsdp is not None:
+            self.fsdp.between_steps()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -349,13 +409,20 @@ class ZeroDataParallel(nn.Module):
                 for name, t in self.module.state_dict(keep_vars=True).items() if id(t) not in theirs}
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds, for `fivefold.memory.model_state_bytes`."""
-        params = [f.full for f in self.flats] + [f.local for f in self.flats]
+        """What this rank holds, for `fivefold.memory.model_state_bytes`: params, grads, optimizer; ``buffers``: the
+        constant buffers (pools and gather slots, whoever borrows them now); ``host``: the offloaded ones."""
+        buffers = [*self.grad_pool.buffers, *self.shard_pool.buffers] if self.grad_pool is not None else []
+        buffers += self.fsdp.slots.slots if self.fsdp is not None and self.fsdp.slots is not None else []
+        params = [f.full for f in self.flats if f.owns_storage] + [f.local for f in self.flats]
+        params += [f.host_staging for f in self.flats if f.host_staging is not None]  # offload: the cast shard
         params += [f.secondary for f in self.flats if f.secondary is not None]  # hpZ's copy
         params += [p for n, p in self.module.named_parameters() if not p.requires_grad and self.owns(n, p)]
         grads = [b.grad for b in self.buckets if b.grad is not None]
         grads += [p.grad for b in self.buckets for p in b.params if p.grad is not None]  # waiting for copy-in
-        grads += [f.grad_shard for f in self.flats if f.grad_shard is not None]
+        grads += [t for f in self.flats for t in (f.grad_shard, f.grad_shard_buffer, f.host_grad) if t is not None]
         optim = [f.master for f in self.flats]
-        optim += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"params": params, "grads": grads, "optimizer": optim}
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        optim += state
+        host = [t for f in self.flats if f.offload for t in (f.master, f.host_grad, f.host_staging) if t is not None]
+        host += state if self.offload_optimizer else []
+        return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers, "host": host}

@@ -251,6 +251,9 @@ def _check_zeropp(cfg: Config, dims: ParallelDims, moe: bool) -> list[str]:
     if z.qgz and z.stage not in (2, 3):
         raise ConfigError(f"zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3 by a quantised all-to-all: set "
                           f"zero.stage 2 or 3 (not {z.stage}) or drop zero.qgz")
+    if z.constant_buffers and (z.qwz or z.qgz):
+        raise ConfigError("zero.constant_buffers with zero.qwz / zero.qgz: their int8 staging buffers are allocated "
+                          "per collective, not pooled; drop one or the other")
     if z.quant_block < 16:
         raise ConfigError(f"zero.quant_block={z.quant_block}: use at least 16 elements per block (each block carries "
                           "a 4-byte scale; ZeRO++ uses 256-4096)")
