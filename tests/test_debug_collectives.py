@@ -78,7 +78,7 @@ def test_an_extra_backward_on_one_rank_is_caught_under_ddp_and_zero3():
     """DDP: the extra backward's bucket all-reduce would pair with the other rank's next step (silent divergence);
     ZeRO-3: its gathers would hang both ranks. Here both raise at that collective, naming the steps and call sites."""
     for zero, want in ((0, ("all_reduce bucket0", "at step 1", "at step 0", "_launch_bucket")),
-                       (3, ("all_reduce grad_norm", "all_gather unit", "unshard"))):
+                       (3, ("all_reduce grad_norm", "all_gather unit", "flat_param.py"))):
         results = run_workers(_worker, 2, f"zero{zero}")
         for r in results:
             assert r["extra"] is not None, f"ZeRO-{zero}: the extra backward went unnoticed"
