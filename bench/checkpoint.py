@@ -12,8 +12,6 @@ its own for these layouts beyond DCP, which both sides of fivefold's save alread
 from __future__ import annotations
 
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.harness import markdown_table
+from bench.harness import freed_blocks_returned, markdown_table, resident_kib
 
 __all__ = ["CheckpointSpec", "bench_checkpoint", "format_checkpoint_table"]
 
@@ -39,20 +37,15 @@ class CheckpointSpec:
     threads: int = 1
 
 
-def _memory_kib() -> dict[str, int]:
-    status = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM")}
-
-
 def _measure(fn: Any, *args: Any) -> tuple[float, int]:
     """(seconds, peak resident bytes above the start) of ``fn(*args)``."""
     import gc
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
-    before = _memory_kib()["VmRSS"]
+    before = resident_kib()["VmRSS"]
     t0 = time.perf_counter()
     fn(*args)
-    return time.perf_counter() - t0, (_memory_kib()["VmHWM"] - before) * 1024
+    return time.perf_counter() - t0, (resident_kib()["VmHWM"] - before) * 1024
 
 
 def _load(path: Path, ts: Any, engines: Any) -> None:
@@ -155,21 +148,9 @@ def bench_checkpoint(spec: CheckpointSpec | None = None, **overrides: Any) -> di
     from fivefold.models.llama import Llama
 
     spec = replace(spec or CheckpointSpec(), **overrides)
-    # Large blocks from mmap, returned to the system when freed (workers inherit it at spawn): a peak then shows
-    # what an operation holds, not what glibc's heap kept from the one before.
-    malloc_env = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-    saved_env = {k: os.environ.get(k) for k in malloc_env}
-    os.environ.update(malloc_env)
-    try:
-        with tempfile.TemporaryDirectory(prefix="fivefold-ckpt-bench-") as root:
-            ranks = launch_local(_worker, spec.dp, spec, root, threads=spec.threads, timeout_s=1800.0)
-            export = _export(root, spec)
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with freed_blocks_returned(), tempfile.TemporaryDirectory(prefix="fivefold-ckpt-bench-") as root:
+        ranks = launch_local(_worker, spec.dp, spec, root, threads=spec.threads, timeout_s=1800.0)
+        export = _export(root, spec)
     n_params = count_params(Llama(get_config(spec.preset), device="meta"))
     times = {k: [max(r["times"][k][i] for r in ranks) for i in range(spec.repeats)] for k in ranks[0]["times"]}
     peaks = {k: max(max(r["peaks"][k]) for r in ranks) for k in ranks[0]["peaks"]}

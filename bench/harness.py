@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -400,3 +403,27 @@ def ratio_line(p: dict, what: str = " (median step time)", cpu: bool = False, lo
     return (f"ratio {p['name']}/{p['baseline']}{what}: {p['ratio']:.3f} (paired {p['ratio_paired']:.3f}, "
             f"of mins {p['ratio_min']:.3f}{cpu_text}){note}; max |loss difference| over {loss_over}: "
             f"{p['max_abs_loss_diff']:.2e}")
+
+
+# -- resident memory (Linux) -------------------------------------------------------------------------------
+
+def resident_kib() -> dict[str, int]:
+    """This process's resident size and high-water mark, KiB (VmRSS, VmHWM; reset the mark by writing "5" to
+    /proc/self/clear_refs)."""
+    status = Path("/proc/self/status").read_text()
+    return {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM")}
+
+
+@contextlib.contextmanager
+def freed_blocks_returned() -> Iterator[None]:
+    """Large blocks from mmap, returned to the system when freed (workers spawned inside inherit it): a resident peak
+    then shows what an operation holds, not what glibc's heap kept from the one before."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved

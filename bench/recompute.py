@@ -13,15 +13,13 @@ probabilities (the seed's 5·B·L²·H term, what selective recompute is for), `
 
 from __future__ import annotations
 
-import os
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.harness import blocks, markdown_table, mib
+from bench.harness import blocks, freed_blocks_returned, markdown_table, mib, resident_kib
 
 __all__ = ["RecomputeSpec", "bench_recompute", "format_recompute_table"]
 
@@ -39,11 +37,6 @@ class RecomputeSpec:
     cores: tuple[str, ...] = ("eager", "sdpa")
     seed: int = 0
     threads: int = 2
-
-
-def _memory_kib() -> dict[str, int]:
-    status = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM")}
 
 
 def _build(name: str, config: Any, core: str) -> Any:
@@ -99,10 +92,10 @@ def _worker(spec: RecomputeSpec) -> dict:
             kept[name] = sum(block_activation_bytes([model], lambda m=model: m(x)))
             gc.collect()
             Path("/proc/self/clear_refs").write_text("5")
-            before = _memory_kib()["VmRSS"]
+            before = resident_kib()["VmRSS"]
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
-            peak[name] = (_memory_kib()["VmHWM"] - before) * 1024
+            peak[name] = (resident_kib()["VmHWM"] - before) * 1024
             model.zero_grad(set_to_none=True)
             del loss
         for name in built:
@@ -134,15 +127,8 @@ def bench_recompute(spec: RecomputeSpec | None = None, **overrides: Any) -> dict
     from fivefold.models.llama import Llama
 
     spec = replace(spec or RecomputeSpec(), **overrides)
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # freed blocks go back to the system: peaks are honest
-    try:
+    with freed_blocks_returned():  # freed blocks go back to the system: peaks are honest
         result = launch_local(_worker, 1, spec, threads=spec.threads, timeout_s=3600.0)[0]
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     return {"kind": "recompute", "spec": asdict(spec), "params": count_params(Llama(get_config(spec.preset),
                                                                                     device="meta")),
             "cores": result}

@@ -74,6 +74,24 @@ class ParallelDims:
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
 
+def _blocks_and_columns(rows: list[list[int]], size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Each row cut into blocks of `size` consecutive ranks, and the columns across a row's blocks (the same place in
+    every block): this rank's block group and column group. Every rank creates every group, in the same order."""
+    me = dist.get_rank()
+    block_group = column_group = None
+    for row in rows:
+        blocks = [row[i:i + size] for i in range(0, len(row), size)]
+        for block in blocks:
+            g = dist.new_group(block)
+            if me in block:
+                block_group = g
+        for column in zip(*blocks):
+            g = dist.new_group(list(column))
+            if me in column:
+                column_group = g
+    return block_group, column_group
+
+
 class ParallelMesh:
     """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
 
@@ -114,31 +132,12 @@ class ParallelMesh:
                     groups["dp_cp"] = g
         if d.ep == 1:  # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
             groups["ep_dp"] = groups["dp_cp"]
-        else:
-            for row in rows:
-                blocks = [row[i:i + d.ep] for i in range(0, len(row), d.ep)]  # consecutive ranks: one ep group
-                for block in blocks:
-                    g = dist.new_group(block)
-                    if me in block:
-                        groups["ep"] = g
-                for column in zip(*blocks):  # the same place in every block: the same experts
-                    g = dist.new_group(list(column))
-                    if me in column:
-                        groups["ep_dp"] = g
+        else:  # blocks of ep consecutive ranks hold different experts; a column (same place) the same ones
+            groups["ep"], groups["ep_dp"] = _blocks_and_columns(rows, d.ep)
         if d.dp_replicate == 1:  # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
             groups["dp_shard"] = groups["dp_cp"]
-        else:
-            shard = d.size("dp_shard")
-            for row in rows:
-                blocks = [row[i:i + shard] for i in range(0, len(row), shard)]  # consecutive ranks: one shard group
-                for block in blocks:
-                    g = dist.new_group(block)
-                    if me in block:
-                        groups["dp_shard"] = g
-                for column in zip(*blocks):  # the same place in every block: the same shard
-                    g = dist.new_group(list(column))
-                    if me in column:
-                        groups["dp_replicate"] = g
+        else:  # blocks of consecutive ranks shard the model; a column (same place) holds the same shard
+            groups["dp_shard"], groups["dp_replicate"] = _blocks_and_columns(rows, d.size("dp_shard"))
         return groups
 
     def _dp_cp_rows(self) -> list[list[int]]:

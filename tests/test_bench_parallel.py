@@ -160,6 +160,21 @@ def test_checkpoint_bench_measures_save_load_and_a_bounded_export():
     assert "save, async: training blocked" in format_checkpoint_table(results)
 
 
+def test_recompute_bench_keeps_what_the_formula_says_and_trains_alike():
+    from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table
+
+    results = bench_recompute(RecomputeSpec(preset="tiny", seq_len=64, steps=1, warmup=0, repeats=1,
+                                            cores=("eager",)))
+    rows = results["cores"]["eager"]
+    assert set(rows) == {"none", "full", "selective", "torch-full"}
+    outside_blocks = {name: r["kept_bytes"] - r["formula_bytes"] for name, r in rows.items()}
+    assert max(outside_blocks.values()) - min(outside_blocks.values()) < 1024, outside_blocks  # embedding, logits
+    assert rows["full"]["kept_bytes"] == rows["torch-full"]["kept_bytes"] < rows["selective"]["kept_bytes"]
+    assert rows["selective"]["kept_bytes"] < rows["none"]["kept_bytes"]
+    assert len({r["loss"] for r in rows.values()}) == 1
+    assert "torch-full" in format_recompute_table(results)
+
+
 def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     """The command line, on the results above (no further launch)."""
     seen = {}
