@@ -83,3 +83,52 @@ def test_an_extra_backward_on_one_rank_is_caught_under_ddp_and_zero3():
         for r in results:
             assert r["extra"] is not None, f"ZeRO-{zero}: the extra backward went unnoticed"
             assert all(w in r["extra"] for w in want), r["extra"]
+
+
+def _hsdp_worker() -> list[float]:
+    """HSDP 2 × 2, ZeRO-2 with small buckets, in debug mode: every collective's fingerprint is a blocking exchange
+    in its group, so the shard and replica collectives must come in one order on every rank. Each rank here sees
+    its reduce-scatters finish at different times (injected): a start of the replicas' all-reduce that depended on
+    it would pair different collectives and raise, or hang."""
+    from fivefold.comm import Comm, CommLog
+    from fivefold.config import Config
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models import get_config
+    from fivefold.models.parallelize import parallelize
+
+    # shard groups {0, 1}, {2, 3}, replica groups {0, 2}, {1, 3}: a reduce-scatter looks finished at once on
+    # ranks 0 and 3 and never on 1 and 2, so each replica group pairs an early rank with a late one
+    class _Timing:
+        def __init__(self, work, done: bool) -> None:
+            self.work, self.done = work, done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self, *args) -> bool:
+            return self.work.wait(*args)
+
+    plain = Comm.reduce_scatter
+
+    def reduce_scatter(self, *args, **kwargs):
+        work = plain(self, *args, **kwargs)
+        return _Timing(work, torch.distributed.get_rank() in (0, 3)) if work is not None else None
+
+    Comm.reduce_scatter = reduce_scatter
+    cfg = Config()
+    cfg.zero.stage, cfg.zero.bucket_mb, cfg.zero.inflight_buckets, cfg.train.seq_len = 2, 0.005, 3, 8
+    cfg.parallel.dp_replicate = 2
+    mesh = ParallelMesh(ParallelDims(dp=4, dp_replicate=2), "cpu", CommLog(), debug_collectives=True)
+    parts = parallelize(cfg, get_config("tiny", **MODEL), mesh, "cpu")
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(mesh.rank("dp")))
+    losses = []
+    for _ in range(2):
+        loss = parts.forward_backward([(x, x)])
+        parts.step(1.0)
+        losses.append(parts.global_loss(loss).item())
+    return losses
+
+
+def test_hsdp_issues_its_collectives_in_one_order_on_every_rank():
+    results = run_workers(_hsdp_worker, 4)
+    assert all(r == results[0] for r in results)

@@ -294,8 +294,8 @@ def test_comm_per_sub_dimension_equals_the_formula(results, name):
 
 
 def test_replica_all_reduces_start_during_backward_not_after_it(results):
-    """Each bucket's all-reduce starts once its reduce-scatter is done: with one bucket in flight (deterministic: the
-    next launch waits for it), interleaved with later buckets' reduce-scatters, not all at the end of backward."""
+    """Each bucket's all-reduce starts at the next bucket's launch (the same point on every rank, whatever the
+    timing): interleaved with later buckets' reduce-scatters, not all at the end of backward."""
     for res in results:
         for name in ("z2", "z3-llama-acc2"):
             records = res["engine"][name]["records"][0]

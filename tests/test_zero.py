@@ -522,3 +522,33 @@ def test_misuse_is_caught_or_harmless(zero_results):
         backward_error, step_error = e["retry_errors"]
         assert "previous one never finished" in backward_error and "zero_grad()" in backward_error
         assert "did not finish" in step_error and "zero_grad()" in step_error
+
+
+def _all_padding_worker() -> list[float]:
+    """World 3, one parameter of 2 elements: rank 2's shard of the flat buffer is all padding (no optimizer segment),
+    yet ZeRO-1/2's all-gather after the step needs it: it must step (and gather) like the others, not hang them."""
+    out = []
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1, bias=False)
+        engine = ZeroDataParallel(model, Comm(), zero_stage=stage, lr=0.1)
+        for _ in range(2):
+            engine.backward(model(torch.ones(1, 2)).sum())
+            engine.step(1.0)
+        out.append(model.weight.detach().clone())
+    return out
+
+
+def test_a_rank_whose_shard_is_all_padding_still_steps_with_the_others():
+    results = run_workers(_all_padding_worker, 3)
+    torch.manual_seed(0)
+    ref = nn.Linear(2, 1, bias=False)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.0)
+    for _ in range(2):
+        opt.zero_grad()
+        ref(torch.ones(1, 2)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    for rank, weights in enumerate(results):
+        for w in weights:
+            torch.testing.assert_close(w, ref.weight.detach(), msg=f"rank {rank}")

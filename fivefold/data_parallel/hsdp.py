@@ -6,10 +6,12 @@ all-gather 2Ψ + reduce-scatter Ψ; ZeRO-1/2: reduce-scatter Ψ + all-gather Ψ)
 Ψ/N_s; model states follow the stage's formula with N = N_s (ZeRO-3: 16Ψ/N_s). `formulas.hsdp_expected` has the
 numbers.
 
-The all-reduce of bucket k can start only when its reduce-scatter has finished. `ReplicaReduce` starts it as early
-as that is known without blocking: after each new launch, the oldest buckets whose reduce-scatter is complete get
-their all-reduce issued (`advance`), and waiting on a bucket (the reducer's bounded in-flight logic) forces it. The
-all-reduces are issued in bucket order on every rank, whatever the timing: only a prefix of the queue is started.
+The all-reduce of bucket k can start only when its reduce-scatter has finished. `ReplicaReduce` starts it at points
+of the program that are the same on every rank, never on a timing-dependent test: when bucket k + 1 is launched
+(waiting for bucket k's reduce-scatter, issued one launch earlier, so usually done), or when bucket k itself is
+waited for (the reducer's bounded in-flight logic, the end of backward). Every rank thus issues the shard and replica
+collectives in one interleaving — which debug mode's fingerprint exchange (a blocking gloo call before each
+collective) and NCCL's communicators (posted in different orders on different ranks, they may deadlock) both need.
 """
 
 from __future__ import annotations
@@ -36,10 +38,6 @@ class ThenAllReduce:
     def started(self) -> bool:
         return self.second is not None
 
-    def ready(self) -> bool:
-        """The reduce-scatter has finished (or there was none): the all-reduce may start without waiting."""
-        return self.first is None or self.first.is_completed()
-
     def start(self) -> None:
         if self.first is not None:
             self.first.wait()  # (a stream dependency on NCCL, a host wait on gloo)
@@ -59,18 +57,13 @@ class ReplicaReduce:
         self._waiting: deque[ThenAllReduce] = deque()
 
     def after(self, first: Any, out: torch.Tensor, tag: str) -> ThenAllReduce:
-        """The handle for a bucket whose reduce-scatter `first` was just launched into `out`; older buckets whose
-        reduce-scatter is already complete start their all-reduce now."""
+        """The handle for a bucket whose reduce-scatter `first` was just launched into `out`; every older bucket
+        starts its all-reduce now (in bucket order, whatever the timing)."""
+        while self._waiting:
+            self._waiting.popleft().start()
         work = ThenAllReduce(self, first, out, tag)
         self._waiting.append(work)
-        self.advance()
         return work
-
-    def advance(self) -> None:
-        """Start the all-reduce of the oldest buckets whose reduce-scatter is done, stopping at the first that is not
-        (so every rank issues them in bucket order)."""
-        while self._waiting and self._waiting[0].ready():
-            self._waiting.popleft().start()
 
     def start_through(self, work: ThenAllReduce) -> None:
         """Start every all-reduce up to and including `work`'s, waiting for their reduce-scatters."""

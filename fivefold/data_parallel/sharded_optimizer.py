@@ -211,7 +211,9 @@ class ShardedOptimizer:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_([g for g, _ in self._grads], coef)
         self.last_step_skipped = False
-        if not self._grads:  # nothing to do (a step without a backward): no update, no all-gather
+        # a step without a backward: no update, no all-gather. Decided by the gradient shards, not by `_grads`: a
+        # rank whose shards are all padding has no segment to step, yet must join the others' all-gathers
+        if all(f.grad_shard is None for f in self.flats):
             self.zero_grad()
             return
         self._grads_to_host()

@@ -95,6 +95,9 @@ class ZeroDataParallel(nn.Module):
             raise ValueError(f"inflight_buckets={inflight_buckets}: at least one reduce-scatter must be allowed in "
                              "flight; use 1 (least memory) or more (more overlap)")
         self._check_zeropp(zero_stage, qwz, qgz, quant_block, hpz_comm, comm, reshard_after_forward)
+        if constant_buffers and replicate is not None and replicate.size > 1 and comm.size == 1:
+            raise ValueError("constant_buffers with HSDP over one-rank shard groups: nothing is sharded (that is DDP "
+                             "over the replicate group); use zero_stage=0 over it, or larger shard groups")
         if constant_buffers and (qwz or qgz):
             raise ValueError("constant_buffers with qwz / qgz: their int8 staging buffers are allocated per "
                              "collective, not pooled; use one or the other")

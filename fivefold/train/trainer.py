@@ -150,9 +150,9 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.write({"kind": "error", "step": step, "error": "non-finite gradient", "message": str(e)})
             record.abort()
             raise NonFiniteGradient(f"step {step + 1}: {e}") from None
-        # the step's data-parallel traffic (gradients over dp or dp_cp, HSDP: dp_shard and dp_replicate; MoE: experts
-        # over ep_dp, all-to-alls over ep), read before the metrics' own collectives
-        traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate"))
+        # the step's data-parallel traffic (gradients over dp or dp_cp, HSDP: dp_shard and dp_replicate, hpZ's backward
+        # gathers: dp_hpz; MoE: experts over ep_dp, all-to-alls over ep), read before the metrics' own collectives
+        traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate", "dp_hpz"))
         loss = parts.global_loss(loss_sum)
         if step % cfg.run.log_every == 0 or step == t.steps - 1:
             losses.append(loss.item())  # waits for this step

@@ -254,7 +254,7 @@ def _check_zeropp(cfg: Config, dims: ParallelDims, moe: bool) -> list[str]:
     if z.constant_buffers and (z.qwz or z.qgz):
         raise ConfigError("zero.constant_buffers with zero.qwz / zero.qgz: their int8 staging buffers are allocated "
                           "per collective, not pooled; drop one or the other")
-    if z.quant_block < 16:
+    if (z.qwz or z.qgz) and z.quant_block < 16:
         raise ConfigError(f"zero.quant_block={z.quant_block}: use at least 16 elements per block (each block carries "
                           "a 4-byte scale; ZeRO++ uses 256-4096)")
     if z.hpz < 0:
