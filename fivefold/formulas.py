@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "activation_bytes_per_block", "bubble_formula", "expected_for",
-           "hpz_secondary_bytes", "hsdp_expected", "korthikanti_block_bytes", "quantized_chunk_bytes",
-           "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text",
-           "zero3_gather_bytes", "zero_grad_reduce_bytes"]
+__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "STAGE_SHARDS", "activation_bytes_per_block", "bubble_formula",
+           "expected_for", "hpz_secondary_bytes", "hsdp_expected", "korthikanti_block_bytes",
+           "quantized_chunk_bytes", "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula",
+           "tp_comm_formula_text", "zero3_gather_bytes", "zero_grad_reduce_bytes", "zero_model_states"]
 
 # -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
@@ -32,18 +32,22 @@ def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
 
 MODEL_STATES = ("params", "grads", "optimizer")
 
+# Which model states a ZeRO stage shards over the N data-parallel ranks: (params, grads, optimizer) (seed 001 §5.1-5.4)
+STAGE_SHARDS: dict[int, tuple[bool, bool, bool]] = {0: (False, False, False), 1: (False, False, True),
+                                                    2: (False, True, True), 3: (True, True, True)}
+
 RECIPES: dict[str, dict[str, Any]] = {
     # memory: (bytes per element, sharded?) for params, grads, optimizer; comm: op -> multiple of 4Ψ
     "ddp": dict(label="DDP", memory_formula="4Ψ+4Ψ+8Ψ = 16Ψ",
-                memory=((4, False), (4, False), (8, False)), comm={"all_reduce": 1}, comm_formula="AR Ψ"),
+                memory=tuple(zip((4, 4, 8), STAGE_SHARDS[0])), comm={"all_reduce": 1}, comm_formula="AR Ψ"),
     "zero1": dict(label="ZeRO-1", memory_formula="4Ψ+4Ψ+8Ψ/N",
-                  memory=((4, False), (4, False), (8, True)), comm={"reduce_scatter": 1, "all_gather": 1},
+                  memory=tuple(zip((4, 4, 8), STAGE_SHARDS[1])), comm={"reduce_scatter": 1, "all_gather": 1},
                   comm_formula="RS Ψ + AG Ψ"),
     "zero2": dict(label="ZeRO-2", memory_formula="4Ψ+12Ψ/N",
-                  memory=((4, False), (4, True), (8, True)), comm={"reduce_scatter": 1, "all_gather": 1},
+                  memory=tuple(zip((4, 4, 8), STAGE_SHARDS[2])), comm={"reduce_scatter": 1, "all_gather": 1},
                   comm_formula="RS Ψ + AG Ψ"),
     "zero3": dict(label="ZeRO-3", memory_formula="16Ψ/N",
-                  memory=((4, True), (4, True), (8, True)), comm={"all_gather": 2, "reduce_scatter": 1},
+                  memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])), comm={"all_gather": 2, "reduce_scatter": 1},
                   comm_formula="AG 2Ψ + RS Ψ"),
     # torch's ZeRO-1 recipe: DDP's all-reduce, then every parameter broadcast by its owner
     "ddp+zero_optim": dict(label="ZeRO-1 (DDP+ZeroRedundancyOptimizer)", memory_formula="4Ψ+4Ψ+8Ψ/N",
@@ -52,6 +56,19 @@ RECIPES: dict[str, dict[str, Any]] = {
                            memory_note="ZeroRedundancyOptimizer partitions whole parameters, not a flat buffer: "
                                        "its shards are uneven"),
 }
+
+
+def zero_model_states(params: float, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
+                      optimizer_bytes: int = 12) -> dict[str, float]:
+    """Model-state bytes per rank of ZeRO-``stage`` over ``dp`` ranks (seed 001 §5: Ψ = ``params``; mixed-precision
+    Adam by default, 2Ψ + 2Ψ + KΨ with K = 12 for the fp32 master, m and v; fp32 training: 4, 4, 8), by part and in
+    total. The seed's numbers: 7.5B at N = 64 → 120 / 31.4 / 16.6 / 1.88 GB for stages 0-3; 1T at N = 1024 with
+    ZeRO-3 → 15.6 GB."""
+    if stage not in STAGE_SHARDS:
+        raise ValueError(f"zero stage {stage}: choose 0, 1, 2 or 3")
+    parts = {name: nbytes * params / (dp if sharded else 1) for name, nbytes, sharded
+             in zip(MODEL_STATES, (param_bytes, grad_bytes, optimizer_bytes), STAGE_SHARDS[stage])}
+    return {**parts, "total": sum(parts.values())}
 
 
 def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from fivefold import comm, formulas
-from fivefold.formulas import RECIPES, expected_for, hsdp_expected, ring_wire_bytes, tp_comm_formula
+from fivefold.formulas import RECIPES, expected_for, hsdp_expected, ring_wire_bytes, tp_comm_formula, zero_model_states
 
 PSI, N = 1000, 4
 
@@ -79,3 +79,19 @@ def test_tp_formula_sp_moves_the_same_activation_volume():
     pair = ring_wire_bytes("all_gather", activations, N) + ring_wire_bytes("reduce_scatter", activations, N)
     assert pair == pytest.approx(ring_wire_bytes("all_reduce", activations, N))
 
+
+
+def test_model_states_reproduce_the_seeds_numbers():
+    """Seed 001: 7.5B parameters over N_d = 64 with mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 / 1.88 GB for
+    DDP / ZeRO-1 / ZeRO-2 / ZeRO-3; 1T over 1024 with ZeRO-3: 15.6 GB; seed 003: a 7B model's Adam states 112 GB."""
+    gb = 1e9
+    totals = [zero_model_states(7.5e9, stage, 64)["total"] / gb for stage in range(4)]
+    assert [round(t, 2) for t in totals] == [120.0, 31.41, 16.64, 1.88]
+    assert round(zero_model_states(1e12, 3, 1024)["total"] / gb, 1) == 15.6
+    assert zero_model_states(7e9, 0, 1)["total"] / gb == 112.0
+    # fp32 AdamW (fivefold's default training): the recipes the engine tests measure against
+    for stage in range(4):
+        fp32 = zero_model_states(1000, stage, 4, 4, 4, 8)
+        assert fp32 == expected_for(("ddp", "zero1", "zero2", "zero3")[stage], 1000, 4)["memory"]
+    with pytest.raises(ValueError, match="zero stage 4"):
+        zero_model_states(1, 4, 1)
