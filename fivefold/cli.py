@@ -1,9 +1,12 @@
-"""Command line: ``fivefold train [--config run.toml] [--section.key value ...]`` and ``fivefold bench``; ``train``
-defaults to the small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks)."""
+"""Command line: ``fivefold train [--config run.toml] [--section.key value ...]``, ``fivefold plan --gpus N ...``
+(what a layout costs, before renting GPUs), ``fivefold bench`` and ``fivefold export``. ``train`` defaults to the
+small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -87,7 +90,80 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "bench": _bench, "export": _export}
+# `fivefold plan`'s own short flags (besides train's): the issue's spelling of the common layout knobs
+PLAN_FLAGS = {"model": "model.preset", "gpus": None, "seq": "train.seq_len", "micro-batch": "train.micro_batch",
+              "global-batch": "train.global_batch", "grad-accum": "train.grad_accum", "recompute": "train.recompute",
+              "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+              "dp": "parallel.dp", "schedule": "pipeline.schedule", "virtual": "pipeline.virtual"}
+
+
+def _plan(argv: list[str]) -> int:
+    from fivefold.plan import HARDWARE, format_plan, format_search, plan_layout, search
+
+    parser = argparse.ArgumentParser(
+        prog="fivefold plan",
+        description="Predict per-GPU memory (model states, transient buffers, activations), communication per step "
+                    "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search ranks "
+                    "every layout that fits. Layout and model as for `fivefold train` (--config, --section.key value), "
+                    "plus the short flags below. Precision defaults to bf16 parameters with fp32 gradient reduction "
+                    "(torchtitan's), not train's CPU default fp32.",
+        epilog="short flags: " + ", ".join(f"--{k} (= {v})" for k, v in PLAN_FLAGS.items() if v) + "; --sp (= "
+               "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 --pp 4 "
+               "--zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective")
+    parser.add_argument("--config", help="a train TOML file: its layout, model and batch")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
+    parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE), help="GPU preset (default h100)")
+    parser.add_argument("--gpu-mem", type=float, help="GB per GPU (overrides the preset)")
+    parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s per GPU in the compute dtype")
+    parser.add_argument("--efficiency", type=float, help="fraction of the peak the matmuls reach (default 0.6)")
+    parser.add_argument("--intra-gbps", type=float, help="GB/s per GPU inside a node (NVLink)")
+    parser.add_argument("--inter-gbps", type=float, help="GB/s per GPU across nodes (InfiniBand / RoCE)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs sharing the intra-node link (default 8)")
+    parser.add_argument("--search", action="store_true", help="rank every valid layout for --gpus that fits")
+    parser.add_argument("--top", type=int, default=10, help="layouts shown by --search (10)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--sp", action="store_true", help="sequence parallel (= --parallel.sp true)")
+    args, rest = parser.parse_known_args(argv)
+    overrides = ["--precision.param", "bf16"]
+    i = 0
+    while i < len(rest):
+        key = rest[i][2:].split("=", 1)[0] if rest[i].startswith("--") else ""
+        if key in PLAN_FLAGS and PLAN_FLAGS[key]:
+            value = rest[i].split("=", 1)[1] if "=" in rest[i] else (rest[i + 1] if i + 1 < len(rest) else "")
+            overrides += [f"--{PLAN_FLAGS[key]}", value]
+            i += 1 if "=" in rest[i] else 2
+        else:
+            overrides.append(rest[i])
+            i += 1
+    if args.sp:
+        overrides += ["--parallel.sp", "true"]
+    hw = HARDWARE[args.hardware]
+    changes = {"memory_gb": args.gpu_mem, "peak_tflops": args.peak_tflops, "compute_efficiency": args.efficiency,
+               "intra_node_gbps": args.intra_gbps, "inter_node_gbps": args.inter_gbps,
+               "gpus_per_node": args.gpus_per_node}
+    hw = dataclasses.replace(hw, **{k: v for k, v in changes.items() if v is not None})
+    try:
+        if args.gpus <= 0:
+            raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs in the job")
+        cfg = load_config(args.config, [*overrides, "--run.nproc", str(args.gpus)])
+        if args.search:
+            def progress(done: int, total: int) -> None:
+                if not args.json and sys.stderr.isatty():
+                    print(f"\rplanning layout {done}/{total}", end="" if done < total else "\n", file=sys.stderr)
+
+            plans, valid, fitting = search(cfg, args.gpus, hw, args.top, progress)
+            print(json.dumps([p.to_dict() for p in plans], indent=1) if args.json
+                  else format_search(plans, valid, fitting, args.gpus, hw))
+        else:
+            plan = plan_layout(cfg, args.gpus, hw)
+            print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"fivefold plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+COMMANDS = {"train": _train, "plan": _plan, "bench": _bench, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:

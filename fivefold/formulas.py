@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 __all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "STAGE_SHARDS", "activation_bytes_per_block", "bubble_formula",
-           "expected_for", "hpz_secondary_bytes", "hsdp_expected", "korthikanti_block_bytes",
-           "quantized_chunk_bytes", "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula",
-           "tp_comm_formula_text", "zero3_gather_bytes", "zero_grad_reduce_bytes", "zero_model_states"]
+           "expected_for", "flat_model_state_bytes", "head_activation_bytes", "hpz_secondary_bytes", "hsdp_expected",
+           "korthikanti_block_bytes", "model_flops_per_token", "moe_ffn_activation_bytes", "quantized_chunk_bytes",
+           "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text",
+           "weight_grad_pending_bytes", "zero3_gather_bytes", "zero_grad_reduce_bytes", "zero_model_states"]
 
 # -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
@@ -218,7 +219,7 @@ def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) ->
 
 def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
                                *, dtype_bytes: int = 4, attention: str = "sdpa", recompute: str = "none",
-                               tp: int = 1, sp: bool = False) -> int:
+                               tp: int = 1, sp: bool = False, ffn_bytes: int | None = None) -> int:
     """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved tensors apart
     from its input, plus its output, the next block's input), counted tensor by tensor as Korthikanti et al. do for
     the GPT block of seed 003 §12.4 (`korthikanti_block_bytes`); `fivefold.memory.block_activation_bytes` measures it.
@@ -235,7 +236,8 @@ def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int,
     its inputs q, k, v (k and v with their own H_kv heads) and dropping the repeats and the core's own term.
     ``tp``: heads and F split T ways; ``sp``: the norms' tensors and the residuals are [L/T] too, but the column
     linears keep their all-gathered [L] inputs (Megatron re-gathers them in backward instead: not done here, so
-    SP divides this formula by less than T). Dense blocks only (an MoE block's tokens per expert vary)."""
+    SP divides this formula by less than T). An MoE block: ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of
+    the dense feed-forward's 4·B·L·F·s."""
     if recompute not in ("none", "full", "selective"):
         raise ValueError(f"recompute={recompute!r}: choose none, full or selective")
     if attention not in ("sdpa", "eager"):
@@ -251,7 +253,7 @@ def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int,
     norms = 2 * (bld_norm * fp32 + batch * seq_norm * fp32 + bld_norm * s)  # input, 1/rms, normalised: x and h
     linear_inputs = 2 * bl * dim * s  # the norms' outputs as the column linears keep them (all-gathered under SP)
     core_out = bl * local_d * s
-    mlp = 4 * bl * hidden * s
+    mlp = 4 * bl * hidden * s if ffn_bytes is None else ffn_bytes  # an MoE block: `moe_ffn_activation_bytes`
     if recompute == "selective":
         qkv = bl * (heads + 2 * kv_heads) * head_dim * s
         core = 0
@@ -260,3 +262,73 @@ def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int,
         core = (batch * heads * seq_len * fp32 if attention == "sdpa" else
                 batch * heads * seq_len ** 2 * s + seq_len ** 2)
     return norms + linear_inputs + qkv + core_out + core + mlp
+
+
+# -- one flat buffer's model states, exactly as a rank holds them (what `fivefold.plan` sums) ----------------------
+
+def flat_model_state_bytes(padded: int, shard: int, owned: int, segments: int, *, stage: int, param_bytes: int,
+                           grad_bytes: int, separate_master: bool, hpz: int = 0,
+                           offload: bool = False) -> dict[str, int]:
+    """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under ZeRO-3) whose shard
+    is ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not padding), in ``segments`` optimizer
+    tensors: seed 001 §5's 2Ψ + 2Ψ + KΨ per buffer, with the padding and the per-tensor `step` counters the formula
+    leaves out. Parameters: the full buffer (stages 0-2) or the shard (3), plus hpZ's 1/``hpz`` secondary copy;
+    gradients: the full buffer (0-1; ZeRO-1 reduces into it) or the shard (2-3), in the reduce dtype; optimizer: the
+    fp32 master shard when the parameters are not fp32 (else the shard itself is the master), Adam's m and v over
+    the owned elements, 4 bytes of `step` per tensor. ``offload``: the master is a host buffer of its own and the
+    fp32 gradient shard has a host copy; ``host`` says how many of the bytes live there."""
+    params = (shard if stage == 3 else padded) * param_bytes + (padded // hpz * param_bytes if hpz > 1 else 0)
+    grads = (shard if stage >= 2 else padded) * grad_bytes
+    master = shard * 4 if separate_master or offload else 0
+    optimizer = master + 8 * owned + 4 * segments
+    host = optimizer + shard * 4 if offload else 0
+    return {"params": params, "grads": grads + (shard * 4 if offload else 0), "optimizer": optimizer, "host": host}
+
+
+# -- FLOPs (PaLM appendix B / torchtitan: 6 per parameter and token, plus attention's scores and values) ------------
+
+def model_flops_per_token(active_params: int, n_layers: int, seq_len: int, dim: int) -> int:
+    """Training FLOPs per token: 6·N (forward 2N, backward 4N; N the parameters one token goes through, embeddings
+    excluded as they are a lookup) + 12·n_layers·L·D (QKᵀ and the weighted sum of V, forward and backward, the whole
+    L × L square counted as PaLM and torchtitan do although a causal kernel skips half)."""
+    return 6 * active_params + 12 * n_layers * seq_len * dim
+
+
+def head_activation_bytes(batch: int, seq_len: int, dim: int, vocab: int, *, dtype_bytes: int = 4, tp: int = 1,
+                          sp: bool = False) -> int:
+    """What the model's end keeps for backward on the last pipeline rank: the final RMSNorm (its fp32 input, 1/rms,
+    the normalised tensor, its output = the head's input, all-gathered to the whole sequence under SP) and this tp
+    rank's logits B·L·V/T (``dtype_bytes``); the chunked cross-entropy keeps only per-row fp32 statistics
+    (`tensor_parallel.loss`): the log-sum-exp and the target logit, 2·B·L·4."""
+    seq_norm = seq_len // tp if sp else seq_len
+    norm = batch * seq_norm * dim * 4 + batch * seq_norm * 4 + batch * seq_norm * dim * dtype_bytes
+    return norm + batch * seq_len * dim * dtype_bytes + batch * seq_len * vocab // tp * dtype_bytes \
+        + 2 * batch * seq_len * 4
+
+
+def moe_ffn_activation_bytes(tokens: int, dim: int, experts: int, top_k: int, hidden: int, shared_hidden: int = 0,
+                             *, dtype_bytes: int = 4) -> int:
+    """What an MoE feed-forward (`models.moe.MoEFeedForward`, dropless) keeps for backward for ``tokens`` T tokens
+    with R = T·k (token, expert) rows, balanced routing (under expert parallelism a rank's experts receive R rows
+    on average): the router's fp32 logits and scores (2·T·E·4), the chosen experts and weights (T·k·(8 + 4 + 4)),
+    the per-expert counts (E·8), the rows' token ids, sort order and weights (R·(8 + 8 + 4)), the experts' input
+    rows, their outputs and the weighted outputs (3·R·D·s), their SwiGLU tensors as the dense block's (4·R·F·s),
+    and the shared experts' (4·T·F_shared·s). Measured (`memory.block_activation_bytes`): within 0.1 %."""
+    s, rows = dtype_bytes, tokens * top_k
+    router = 2 * tokens * experts * 4 + tokens * top_k * 16 + experts * 8
+    return router + rows * 20 + 3 * rows * dim * s + 4 * rows * hidden * s + 4 * tokens * shared_hidden * s
+
+
+def weight_grad_pending_bytes(batch: int, seq_len: int, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
+                              *, dtype_bytes: int = 4, tp: int = 1) -> dict[str, int]:
+    """What a dense block still holds between its input-gradient pass (I) and its weight-gradient pass (W) in a
+    zero-bubble schedule (`ops.linear`'s deferral): each linear's input and its output's gradient. Inputs: the
+    attention norm's output (wq, wk, wv share it), the core's output (wo), the MLP norm's output (w1, w3 share it),
+    SwiGLU's product (w2); gradients: of q, k, v, of wo's and w2's outputs (B·L·D each: partial sums under tp), of
+    w1's and w3's. The rest of `activation_bytes_per_block` dies at I. Returned apart: ``inputs`` (allocated by
+    the forward) and ``grads`` (by the I pass)."""
+    s, bl = dtype_bytes, batch * seq_len
+    heads, kv_heads, hidden, head_dim = n_heads // tp, n_kv_heads // tp, ffn_hidden // tp, dim // n_heads
+    inputs = 2 * bl * dim + bl * heads * head_dim + bl * hidden
+    grads = bl * (heads + 2 * kv_heads) * head_dim + 2 * bl * dim + 2 * bl * hidden
+    return {"inputs": inputs * s, "grads": grads * s}

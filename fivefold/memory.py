@@ -153,6 +153,34 @@ def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any])
     return alive
 
 
+def peak_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any]) -> int:
+    """The most bytes alive at once, read each time one of `modules` (pipeline stages) finishes a forward during
+    ``run()`` (a pipeline step: forwards and backwards interleaved), of the storages those forwards allocated: the
+    activations the micro-batches in flight keep. Seen as `block_activation_bytes` sees them; what a backward
+    allocates (gradient buffers, activation gradients) is not counted."""
+    modules = list(modules)
+    tracker = _NewStorages(1)
+    peak = [0]
+    handles = []
+    for m in modules:
+        def enter(module: nn.Module, args: Any) -> None:
+            tracker.current = 0
+
+        def leave(module: nn.Module, args: Any, out: Any) -> None:
+            tracker.current = None
+            peak[0] = max(peak[0], tracker.alive_bytes()[0])
+
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave, prepend=True)]
+    try:
+        with tracker:
+            run()
+    finally:
+        tracker.release()
+        for h in handles:
+            h.remove()
+    return peak[0]
+
+
 # Not followed by the walk: classes and modules (their globals are the whole process), code.
 _OPAQUE = (type, types.ModuleType, types.CodeType, types.FrameType)
 

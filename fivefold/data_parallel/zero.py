@@ -143,9 +143,18 @@ class ZeroDataParallel(nn.Module):
 
         # Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is partitioned over,
         # from `placement_of`); placement matters only for the global gradient norm, the engine knows no other dim.
+        embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+        keys_of: dict[str, tuple[bool, Placement]] = {}
+
         def key_of(name: str, p: nn.Parameter) -> tuple[bool, Placement]:
-            skip_decay = no_decay is not None and no_decay(name, p, module)
-            return skip_decay, frozenset(placement_of(name, p)) if placement_of is not None else frozenset()
+            if name not in keys_of:
+                if no_decay is default_no_decay:  # (its module scan once, not per parameter: 70B-scale plans)
+                    skip_decay = p.ndim < 2 or getattr(p, "no_weight_decay", False) or id(p) in embeddings
+                else:
+                    skip_decay = no_decay is not None and no_decay(name, p, module)
+                keys_of[name] = (skip_decay, frozenset(placement_of(name, p)) if placement_of is not None
+                                 else frozenset())
+            return keys_of[name]
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and self.owns(n, p)]
         if self.grad_divisor != self.reduce_size:

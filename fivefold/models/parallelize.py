@@ -160,7 +160,10 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
         _expert_parallel(module, mesh, overlap)
 
     def init_value(name: str) -> torch.Tensor:
-        return tp_placements.get(name, ParamPlacement()).local_part(module.initial_value(name, t.seed), tp)
+        # on the meta device (`fivefold.plan` laying a rank out without holding it) nothing is drawn
+        full = (torch.empty(module.full_shapes()[name], device="meta") if device.type == "meta"
+                else module.initial_value(name, t.seed))
+        return tp_placements.get(name, ParamPlacement()).local_part(full, tp)
 
     hpz = mesh.hpz_comm(z.hpz) if z.hpz > 1 else None  # ZeRO++ hpZ (dense models: validate refuses it with MoE)
 

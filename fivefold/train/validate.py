@@ -29,7 +29,7 @@ from fivefold.tensor_parallel.plan import check_divisible
 from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
 from fivefold.train.corpus import binary_share, check_source
 
-__all__ = ["RunPlan", "validate"]
+__all__ = ["RunPlan", "validate", "validate_layout"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,42 @@ def _non_negative(**values: float) -> None:
 
 def validate(cfg: Config, world_size: int) -> RunPlan:
     """Raise a `ValueError` naming the first problem of `cfg` on `world_size` processes; return the resolved plan."""
+    plan = validate_layout(cfg, world_size)
+    r = cfg.run
+    try:
+        _check_data(cfg)
+        share = binary_share(cfg.data.path)
+    except FileNotFoundError as e:  # a ValueError like every other config problem
+        raise ConfigError(f"data.path: {e}") from None
+    notes = list(plan.notes)
+    if share is not None and share[0] > 0.1:
+        notes.append(f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or random "
+                     "data?); training proceeds on its bytes")
+    _check_out_dir(Path(r.out_dir) / r.name)
+    c = cfg.checkpoint
+    _non_negative(**{"checkpoint.interval": c.interval, "checkpoint.keep": c.keep, "run.exit_after": r.exit_after,
+                     "run.max_restarts": r.max_restarts, "run.stall_timeout_s": r.stall_timeout_s})
+    _positive(**{"run.heartbeat_timeout_s": r.heartbeat_timeout_s, "run.collective_timeout_s": r.collective_timeout_s})
+    try:
+        resume_from = check_run_dir(cfg)
+        meta = read_checkpoint_meta(resume_from) if resume_from is not None else {}
+        if resume_from is not None:
+            check_layout_fields(resume_from, meta)
+            # the model's tensors (the vocabulary may still grow with the data: the workers check it)
+            check_model_matches(resume_from, meta, {k: v for k, v in dataclasses.asdict(plan.model).items()
+                                                    if k != "vocab_size"})
+        done = meta.get("steps_done", 0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if done >= cfg.train.steps:
+        raise ConfigError(f"checkpoint {resume_from} has done {done} steps and train.steps={cfg.train.steps}: nothing "
+                          "left to train; raise train.steps to continue it")
+    return dataclasses.replace(plan, resume_from=resume_from, notes=tuple(notes))
+
+
+def validate_layout(cfg: Config, world_size: int) -> RunPlan:
+    """The checks of `validate` that need neither data nor a run directory: numbers, the grid, the batch, the model
+    and every dimension's divisibility (what `fivefold plan` checks a layout with); the resolved plan."""
     t, z, p, r = cfg.train, cfg.zero, cfg.parallel, cfg.run
     for section, values in cfg.to_dict().items():  # inf or nan reach a float field from TOML or the command line
         for key, value in (values or {}).items() if isinstance(values, dict) else ():
@@ -155,34 +191,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    try:
-        _check_data(cfg)
-        share = binary_share(cfg.data.path)
-    except FileNotFoundError as e:  # a ValueError like every other config problem
-        raise ConfigError(f"data.path: {e}") from None
-    if share is not None and share[0] > 0.1:
-        notes.append(f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or random "
-                     "data?); training proceeds on its bytes")
-    _check_out_dir(Path(r.out_dir) / r.name)
-    c = cfg.checkpoint
-    _non_negative(**{"checkpoint.interval": c.interval, "checkpoint.keep": c.keep, "run.exit_after": r.exit_after,
-                     "run.max_restarts": r.max_restarts, "run.stall_timeout_s": r.stall_timeout_s})
-    _positive(**{"run.heartbeat_timeout_s": r.heartbeat_timeout_s, "run.collective_timeout_s": r.collective_timeout_s})
-    try:
-        resume_from = check_run_dir(cfg)
-        meta = read_checkpoint_meta(resume_from) if resume_from is not None else {}
-        if resume_from is not None:
-            check_layout_fields(resume_from, meta)
-            # the model's tensors (the vocabulary may still grow with the data: the workers check it)
-            check_model_matches(resume_from, meta, {k: v for k, v in dataclasses.asdict(model).items()
-                                                    if k != "vocab_size"})
-        done = meta.get("steps_done", 0)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if done >= t.steps:
-        raise ConfigError(f"checkpoint {resume_from} has done {done} steps and train.steps={t.steps}: nothing left to "
-                          "train; raise train.steps to continue it")
-    return RunPlan(dims, global_batch, micro_batch, grad_accum, model, resume_from, tuple(notes))
+    return RunPlan(dims, global_batch, micro_batch, grad_accum, model, None, tuple(notes))
 
 
 def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:
