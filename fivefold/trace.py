@@ -217,6 +217,7 @@ class StepTracer:
         self._open: dict[Any, Mark] = {}
         self._tokens: dict[Any, Any] = {}
         self._has_backward: dict[Any, bool] = {}
+        self._first_seq = self.log.next_seq()  # records of this step come after this tick
         self._origin = self.clock.mark()
         self._origin_wall_ns = time.time_ns()
         self.log.clock = self.clock
@@ -229,7 +230,7 @@ class StepTracer:
         end = self.clock.mark()
         self.active = False
         self.log.clock = None  # (a forward that raised left its recompute watcher set: it is idle while inactive)
-        timed = [r for r in self.log.records if r.timing is not None]
+        timed = [r for r in self.log.records if r.timing is not None and r.seq > self._first_seq]
         marks: list[Mark] = [end]
         for _, _, _, s, e in self._spans:
             marks += [s, e]
