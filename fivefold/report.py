@@ -241,10 +241,11 @@ def write_step_trace(ranks: list[dict], path: str | os.PathLike, other: dict | N
     _atomic_write(path, write, ".json")
 
 
-def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None = None, title: str = "") -> int:
-    """PNG of one traced step (default: the last) on every rank: a row per lane — compute spans coloured forward /
-    backward / recompute with waits for collectives in red, pipeline actions, then collectives per mesh dim coloured
-    by op (the tag written inside when there is room). Returns the step drawn."""
+def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None = None, title: str = "",
+                    max_ranks: int = 8) -> int:
+    """PNG of one traced step (default: the last) on each rank (the first ``max_ranks``; trace.json has them all): a
+    row per lane — compute spans coloured forward / backward / recompute with waits for collectives in red, pipeline
+    actions, then collectives per mesh dim coloured by op. Returns the step drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -252,7 +253,10 @@ def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None
     steps = sorted({s["step"] for r in ranks for s in r["steps"]})
     step = steps[-1] if step is None else step
     per_rank = []
-    for r in sorted(ranks, key=lambda r: r["rank"]):
+    shown = sorted(ranks, key=lambda r: r["rank"])[:max_ranks]
+    if len(shown) < len(ranks):
+        title = f"{title} (ranks {shown[0]['rank']}-{shown[-1]['rank']} of {len(ranks)})"
+    for r in shown:
         evs = [e for s in r["steps"] if s["step"] == step for e in s["events"] if e["cat"] != "step"]
         lanes: dict[str, list[dict]] = {}
         for lane, row in step_trace_lanes(evs):  # the sub-lanes of a dim share its row here (drawn translucent)
