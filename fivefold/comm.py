@@ -186,7 +186,7 @@ class CommLog:
         if not clock.device_events:
             try:
                 work.get_future().add_done_callback(lambda _: [t.finished(clock.mark(), True) for t in timings])
-            except RuntimeError:  # gloo's p2p works have no future
+            except (RuntimeError, AttributeError):  # gloo's p2p works have no future (nor do stand-in works)
                 self._unfinished.append(timed)
         return timed
 

@@ -8,13 +8,14 @@ fraction recomputed from the file. Interval arithmetic, lanes and the device-eve
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_workers
+from dist_utils import coalescing_p2p, run_workers
 
 from fivefold.clock import DeviceClock
 from fivefold.comm import CommLog
@@ -31,6 +32,9 @@ RUNS = {  # name: overrides (world 2)
     "tp_sp": ["--parallel.tp", "2", "--parallel.sp", "true", "--zero", "1"],
     "pp": ["--parallel.pp", "2", "--train.grad_accum", "2", "--train.micro_batch", "2", "--zero", "1",
            "--pipeline.schedule", "1f1b"],
+    # NCCL's p2p: one work per batch (`coalescing_p2p`), which stamps every message in it
+    "pp_coalesced": ["--parallel.pp", "2", "--train.grad_accum", "2", "--train.micro_batch", "2", "--zero", "1",
+                     "--pipeline.schedule", "1f1b", "--pipeline.p2p", "rendezvous"],
     "off": ["--zero", "0", "--run.trace", "false"],
 }
 
@@ -79,7 +83,8 @@ def _worker(out_dir: str) -> dict:
         for name in RUNS:
             kept.clear()
             cfg = _config(name, out_dir)
-            trainer.train(cfg, validate(cfg, 2))
+            with coalescing_p2p() if name == "pp_coalesced" else contextlib.nullcontext():
+                trainer.train(cfg, validate(cfg, 2))
             records = kept[1:] + [[(r.op, r.dim, r.payload_bytes, r.tag, r.seq, r.timing is not None)
                                    for r in made[-1].records]]
             out["runs"][name] = {"steps": records}
@@ -127,13 +132,13 @@ def _traced_steps() -> list[int]:
 
 
 def _blocks_of(name: str, rank: int) -> list[str]:
-    if name == "pp":  # 1F1B over 2 ranks: a block each
+    if name.startswith("pp"):  # 1F1B over 2 ranks: a block each
         return [f"layers.{rank}"]
     return ["layers.0", "layers.1"]
 
 
 def _micro(name: str) -> int:
-    return 2 if name in ("zero3_recompute", "pp") else 1
+    return 2 if name in ("zero3_recompute", "pp", "pp_coalesced") else 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,9 +284,10 @@ def test_tp_collectives_inside_block_spans_and_blocking(traced):
                 assert w["ts"] == pytest.approx(e["ts"]) and w["dur"] == pytest.approx(e["dur"])
 
 
-def test_pipeline_actions_and_p2p_in_the_one_trace(traced):
+@pytest.mark.parametrize("name", ["pp", "pp_coalesced"])
+def test_pipeline_actions_and_p2p_in_the_one_trace(traced, name):
     _, _, traces = traced
-    trace = traces["pp"]
+    trace = traces[name]
     for rank in (0, 1):
         for step in _traced_steps():
             actions = Counter(e["args"]["kind"] for e in _x_events(trace, rank, step, "pipeline"))
