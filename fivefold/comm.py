@@ -4,7 +4,8 @@
 and ring-wire bytes per rank (`formulas.ring_wire_bytes`; seed 001 §communication, seed 003 §NCCL primitives), which
 tests and `fivefold plan` check against DESIGN.md. Every tensor must be on the device the backend serves: gloo
 quietly takes a CPU scalar where NCCL raises, so CPU CI would never see it; `Comm` checks each tensor, and
-`Comm.scalar` makes the small ones (norms, flags, metrics).
+`Comm.scalar` makes the small ones (norms, flags, metrics). While the log has a clock (`run.trace`), each record also
+gets a `CommTiming`: launch and completion on the rank's `DeviceClock`, and when its caller was blocked waiting.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import threading
 import traceback
 from collections import defaultdict
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fivefold.clock import DeviceClock, Mark
 from fivefold.formulas import ring_wire_bytes  # re-exported: fivefold.comm.ring_wire_bytes
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on torch >= 2.6.
@@ -30,6 +33,60 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 # The mesh dimensions a tensor's elements are partitioned over, each element on exactly one rank of them (a TP
 # slice: {"tp"}; a ZeRO shard adds "dp", a pipeline stage "pp"); replicated over the others. Norms sum over these.
 Placement = frozenset[str]
+
+
+@dataclass
+class CommTiming:
+    """When one traced collective ran, as `DeviceClock` marks. ``end`` (completion) is the end of the call for a
+    synchronous op; for an async one, the earliest of gloo's completion callback (CPU collectives), a poll that found
+    the work complete (CPU p2p, which has no callback) and the end of its first ``wait()`` — on an accelerator an event
+    recorded on the waiting stream right after the wait, i.e. when the result became usable there. The caller was
+    blocked from ``wait_start`` to ``wait_end`` (a synchronous op: the whole call), in thread ``waiter``."""
+
+    start: Mark
+    end: Mark | None = None
+    wait_start: Mark | None = None
+    wait_end: Mark | None = None
+    waiter: str = ""
+
+    def finished(self, mark: Mark, host_clock: bool) -> None:
+        if self.end is None or (host_clock and mark < self.end):  # (events: the first one recorded stands)
+            self.end = mark
+
+    def blocked(self, start: Mark, end: Mark, host_clock: bool) -> None:
+        if self.wait_start is None:
+            self.wait_start, self.wait_end, self.waiter = start, end, threading.current_thread().name
+        self.finished(end, host_clock)
+
+
+class TimedWork:
+    """An async collective's work handle while tracing: ``wait()`` stamps the wait (and completion) on the records it
+    covers (a coalesced p2p batch covers several); everything else is the work's own."""
+
+    def __init__(self, work, timings: list[CommTiming], clock: DeviceClock) -> None:
+        self.work, self.timings, self.clock, self._waited = work, timings, clock, False
+
+    def wait(self, *args):
+        if self._waited:
+            return self.work.wait(*args)
+        start = self.clock.mark()
+        out = self.work.wait(*args)
+        end = self.clock.mark()
+        self._waited = True
+        for t in self.timings:
+            t.blocked(start, end, not self.clock.device_events)
+        return out
+
+    def stamp_if_completed(self) -> bool:
+        """CPU: stamp completion now if the work is done (for works without a completion callback)."""
+        if self.timings[0].end is None and self.work.is_completed():
+            now = self.clock.mark()
+            for t in self.timings:
+                t.finished(now, True)
+        return self.timings[0].end is not None
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
 
 
 @dataclass(frozen=True)
@@ -45,6 +102,7 @@ class CommRecord:
     wire_bytes: float
     group_size: int
     tag: str = ""  # free-form label from the caller, e.g. "bucket3"
+    timing: CommTiming | None = field(default=None, compare=False)  # only while the log has a clock (tracing)
 
 
 @dataclass
@@ -99,21 +157,47 @@ class CommLog:
 
     enabled: bool = True
     records: list[CommRecord] = field(default_factory=list)
+    # Tracing (`trace.StepTracer`) sets a clock: each record then gets a CommTiming. None: no timing call at all.
+    clock: DeviceClock | None = None
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)
+    _unfinished: list[TimedWork] = field(default_factory=list, repr=False)  # CPU works without a callback
 
     def next_seq(self) -> int:
         """A tick of the rank-local clock shared by records and other traced events."""
         return next(self._counter)
 
     def record(self, op: str, dim: str, tensor: torch.Tensor, group_size: int, tag: str = "",
-               numel: int | None = None) -> None:
+               numel: int | None = None) -> CommTiming | None:
+        """Log one call (about to be issued); its timing (launch marked now) if the log has a clock."""
         n = tensor.numel() if numel is None else numel
         payload = n * tensor.element_size()
+        timing = CommTiming(self.clock.mark()) if self.clock is not None else None
         self.records.append(CommRecord(self.next_seq(), op, dim, tensor.dtype, n, payload,
-                                       ring_wire_bytes(op, payload, group_size), group_size, tag))
+                                       ring_wire_bytes(op, payload, group_size), group_size, tag, timing))
+        return timing
+
+    def timed(self, work, timings: list[CommTiming]):
+        """``work`` (an async call's handle) stamping ``timings`` when it completes. On the CPU, completion comes from
+        the work's future where the backend has one (gloo collectives), else from `poll` or the wait."""
+        clock = self.clock
+        if work is None or clock is None or not timings:
+            return work
+        timed = TimedWork(work, timings, clock)
+        if not clock.device_events:
+            try:
+                work.get_future().add_done_callback(lambda _: [t.finished(clock.mark(), True) for t in timings])
+            except (RuntimeError, AttributeError):  # gloo's p2p works have no future (nor do stand-in works)
+                self._unfinished.append(timed)
+        return timed
+
+    def poll(self) -> None:
+        """Stamp the completion of callback-less works that are done by now (the tracer calls it at its marks)."""
+        if self._unfinished:
+            self._unfinished[:] = [w for w in self._unfinished if not w.stamp_if_completed()]
 
     def reset(self) -> None:
         self.records.clear()
+        self._unfinished.clear()
 
     def totals(self, op: str | None = None, dim: str | None = None, dims: Sequence[str] | None = None) -> CommTotals:
         """Totals of the records of `op` (any if None) over `dim`, or any of `dims` (all if both are None)."""
@@ -236,9 +320,20 @@ class Comm:
             dist.all_gather_object(prints, print_, group=self._side)
             raise CollectiveMismatch(_mismatch_message(self.dim, prints))
 
-    def _record(self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None) -> None:
+    def _record(self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None) -> CommTiming | None:
         if self.log.enabled:
-            self.log.record(op, self.dim, tensor, self.size, tag, numel)
+            return self.log.record(op, self.dim, tensor, self.size, tag, numel)
+        return None
+
+    def _issued(self, timing: CommTiming | None, work, async_op: bool):
+        """The call's result; while tracing, a synchronous call is complete now and an async one's work is timed."""
+        if timing is None:
+            return work
+        if not async_op:
+            now = self.log.clock.mark()
+            timing.blocked(timing.start, now, not self.log.clock.device_events)
+            return work
+        return self.log.timed(work, [timing])
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -248,8 +343,8 @@ class Comm:
         self._check("all_reduce", tensor)
         if self._side is not None:
             self._agree("all_reduce", (tensor,), tag)
-        self._record("all_reduce", tensor, tag)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        timing = self._record("all_reduce", tensor, tag)
+        return self._issued(timing, dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
@@ -257,32 +352,34 @@ class Comm:
         self._check("reduce_scatter", output, input)
         if self._side is not None:
             self._agree("reduce_scatter", (output, input,), tag)
-        self._record("reduce_scatter", input, tag)
-        return _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
+        timing = self._record("reduce_scatter", input, tag)
+        return self._issued(timing, _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op),
+                            async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may be its slice)."""
         self._check("all_gather", output, input)
         if self._side is not None:
             self._agree("all_gather", (output, input,), tag)
-        self._record("all_gather", output, tag)
-        return _all_gather_flat(output, input, group=self.group, async_op=async_op)
+        timing = self._record("all_gather", output, tag)
+        return self._issued(timing, _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""):
         self._check("broadcast", tensor)
         if self._side is not None:
             self._agree("broadcast", (tensor,), tag)
-        self._record("broadcast", tensor, tag)
-        return dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group, async_op=async_op)
+        timing = self._record("broadcast", tensor, tag)
+        return self._issued(timing, dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group,
+                                                   async_op=async_op), async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                    input_split_sizes: Sequence[int] | None = None, async_op: bool = False, tag: str = ""):
         self._check("all_to_all", output, input)
         if self._side is not None:
             self._agree("all_to_all", (output, input,), tag)
-        self._record("all_to_all", input, tag)
-        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                      group=self.group, async_op=async_op)
+        timing = self._record("all_to_all", input, tag)
+        return self._issued(timing, dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                           group=self.group, async_op=async_op), async_op)
 
     def p2p_semantics(self) -> str:
         """How this group's point-to-point messages complete (`P2P_SEMANTICS`): "buffered" for gloo on CPU (every
@@ -294,21 +391,31 @@ class Comm:
                   expect: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None) -> P2PBatch:
         """Issue ("send"|"recv", tensor, peer_group_rank) ops as one `batch_isend_irecv`. ``expect``: the shape and
         dtype each op must have (the peer allocated the same), checked before anything is sent."""
-        p2p = []
+        p2p, timings = [], []
         for i, (kind, tensor, peer) in enumerate(ops):
             self._check(kind, tensor)
             if expect is not None and (tuple(tensor.shape), tensor.dtype) != tuple(expect[i]):
                 raise RuntimeError(f"{kind} to/from '{self.dim}' rank {peer}: tensor {tuple(tensor.shape)} "
                                    f"{tensor.dtype}, but the peer expects {tuple(expect[i][0])} {expect[i][1]}")
-            self._record(kind, tensor, tag)
+            timings.append(self._record(kind, tensor, tag))
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, tensor, self.global_rank(peer), group=self.group))
-        return P2PBatch(dist.batch_isend_irecv(p2p) if p2p else [], len(p2p))
+        batch = P2PBatch(dist.batch_isend_irecv(p2p) if p2p else [], len(p2p))
+        if p2p and timings[0] is not None:  # tracing: a work stamps the ops it covers (all of them if coalesced)
+            batch.works = [self.log.timed(w, timings if batch.coalesced else [timings[i]])
+                           for i, w in enumerate(batch.works)]
+        return batch
 
     def all_gather_object(self, obj: object) -> list:
         """Small picklable objects (e.g. timing records) from every rank of the group; not logged."""
         out: list = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather_object(self, obj: object, dst_group_rank: int = 0) -> list | None:
+        """Small picklable objects from every rank, to ``dst_group_rank`` alone (None elsewhere); not logged."""
+        out: list | None = [None] * self.size if self.rank == dst_group_rank else None
+        dist.gather_object(obj, out, dst=self.global_rank(dst_group_rank), group=self.group)
         return out
 
     def barrier(self) -> None:

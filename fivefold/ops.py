@@ -1,22 +1,66 @@
 """`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (seed 003 §14; Qi et al. 2023) can split backward
 into I (input gradient) and W (weight gradients, deferred into bubbles): under `recording_weight_grads` I only queues
 (x, grad_out), and `WeightGradStore.run` (W) later hands dW, db to autograd, so accumulation and DP hooks fire then.
-`recompute(fn, *args)`: activation checkpointing (seed 003 §12.1-12.2) that keeps the same recording state."""
+`recompute(fn, *args)`: activation checkpointing (seed 003 §12.1-12.2) that keeps the same recording state, and tells
+a watcher (`watch_recompute`: the tracer) when a recomputation runs. Backward markers shared by ZeRO-3's unit hooks and
+the tracer: `call_in_backward` (an identity whose backward calls a hook first), `in_backward`."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Linear", "WeightGradStore", "linear", "recompute", "recording_weight_grads"]
+__all__ = ["Linear", "WeightGradStore", "call_in_backward", "graph_task_id", "in_backward", "linear", "recompute",
+           "recording_weight_grads", "unwatch_recompute", "watch_recompute"]
+
+
+def graph_task_id() -> int:
+    """Id of the backward being run by autograd (-1 where torch does not tell)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward on this thread (a recomputed forward inside it, for instance)."""
+    return graph_task_id() != -1
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward first calls a hook: on a module's outputs it runs before the module's backward, on
+    its inputs after it."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.hook = hook
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+def call_in_backward(tree: Any, hook: Callable[[], None]) -> Any:
+    """`tree` with its grad-requiring tensors passed through one identity whose backward calls ``hook`` first, once
+    their gradients are all there (None if there are none, as a module hook returns to change nothing)."""
+    leaves, spec = tree_flatten(tree)
+    idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    wrapped = _RunInBackward.apply(hook, *[leaves[k] for k in idx])
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    for k, t in zip(idx, wrapped):
+        leaves[k] = t
+    return tree_unflatten(leaves, spec)
 
 
 class WeightGradStore:
@@ -84,6 +128,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                       _Deferred(store, weight, bias))
 
 
+# Who wants to know when the recomputation of a `recompute` region runs (the tracer's span of the enclosing block):
+# read at forward time, so the backward (on any thread) tells the watcher of the forward that set it.
+_recompute_watcher: ContextVar[Callable[[bool], None] | None] = ContextVar("fivefold_recompute_watch", default=None)
+
+
+def watch_recompute(watcher: Callable[[bool], None] | None) -> Token:
+    """Regions `recompute` runs from now on (in this context) call ``watcher(True)`` when their recomputation starts
+    in backward and ``watcher(False)`` when it ends (also when torch stops it early, once backward has what it needs).
+    Returns the token for ``unwatch_recompute``."""
+    return _recompute_watcher.set(watcher)
+
+
+def unwatch_recompute(token: Token) -> None:
+    _recompute_watcher.reset(token)
+
+
+class _Told(AbstractContextManager):
+    """A recomputation's context (entered on each recomputation): ``inner``'s, with the watcher told around it."""
+
+    def __init__(self, inner: AbstractContextManager, watcher: Callable[[bool], None]) -> None:
+        self.inner, self.watcher = inner, watcher
+
+    def __enter__(self) -> None:
+        self.watcher(True)
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self.watcher(False)
+
+
 def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when backward needs
     them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once, through the normal graph, and
@@ -94,10 +171,11 @@ def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args)
     store = _recording.get()
+    watcher = _recompute_watcher.get()
 
     def contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
         again = recording_weight_grads(store) if store is not None else nullcontext()
-        return nullcontext(), again
+        return nullcontext(), (again if watcher is None else _Told(again, watcher))
 
     return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False)
 

@@ -3,11 +3,11 @@
 1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at once, nothing is
    sent) and the `meta` device standing in for CUDA — tensors with shapes and dtypes but no storage, on a device that
    is not the CPU. Each layout (DDP, ZeRO-3, tp 2 + SP, pp 2, pp × ZeRO-3 zero-bubble, a pipeline stage without
-   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3, HSDP, ZeRO++ on dp 4) runs two training steps as the
-   trainer does. What fails here fails on CUDA + NCCL too: a CPU tensor handed to a collective (`Comm` refuses it) or
-   mixed into a device op (torch refuses it). Every host sync (`.item()`, `bool(t)`, a device-to-host copy, a
-   data-dependent
-   shape) is counted by a dispatch mode, and a training step may make none: loss and norm stay on the device
+   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3, HSDP, ZeRO++ on dp 4; traced runs with the clocks on
+   device events) runs two training steps as the trainer does. What fails here fails on CUDA + NCCL too: a CPU
+   tensor handed to a collective (`Comm` refuses it) or mixed into a device op (torch refuses it). Every host sync
+   (`.item()`, `bool(t)`, a device-to-host copy, a data-dependent shape) is counted by a dispatch mode, and a
+   training step may make none: loss and norm stay on the device
    until a log step fetches them.
    (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch build it cannot copy into a
    fake CUDA tensor — "PyTorch is not linked with support for cuda devices" — so `meta` stands in.)
@@ -36,8 +36,25 @@ LAYOUTS = {  # name: (world, dims, config overrides)
     "dp2-cp2-zero3": (4, dict(dp=2, cp=2), dict(zero=3, cp=2)),
     "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), dict(zero=2, dp_replicate=2)),
     "dp4-zero3-zeropp": (4, dict(dp=4), dict(zero=3, qwz=True, qgz=True, hpz=2)),  # ZeRO++: qwZ, qgZ, hpZ
+    # run.trace with its accelerator clock (device events; a host stand-in for torch.Event): no host sync either
+    "zero3-recompute-traced": (2, dict(dp=2), dict(zero=3, recompute="full", trace=True)),
+    "pp2-zb-traced": (2, dict(pp=2, dp=1), dict(zero=1, pp=2, schedule="zb-h1", trace=True)),
 }
 STEPS = 2
+
+
+class _StandInEvent:
+    """`torch.Event` as the tracer's clock uses it on an accelerator (record, elapsed_time), timed by the host."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        import time
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other: _StandInEvent) -> float:
+        return (other.at - self.at) * 1e3
 
 
 def _dry_run(name: str, rank: int) -> dict:
@@ -81,9 +98,18 @@ def _dry_run(name: str, rank: int) -> dict:
         cfg.parallel.cp, cfg.parallel.dp_replicate = o.get("cp", 1), o.get("dp_replicate", 1)
         cfg.zero.qwz, cfg.zero.qgz, cfg.zero.hpz = o.get("qwz", False), o.get("qgz", False), o.get("hpz", 0)
         cfg.pipeline.schedule, cfg.pipeline.layers_per_stage = o.get("schedule", "1f1b"), o.get("layers", "")
-        cfg.train.grad_accum, cfg.train.seq_len = 4, 8
+        cfg.train.grad_accum, cfg.train.seq_len, cfg.train.recompute = 4, 8, o.get("recompute", "none")
         model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8,
                            vocab_size=16)
+        if o.get("trace"):  # every clock (the tracer's, the pipeline's) on device events, as on an accelerator
+            from fivefold import clock
+            plain_init = clock.DeviceClock.__init__
+
+            def events_on_meta(self, device) -> None:
+                plain_init(self, device)
+                self.device_events = torch.device(device).type == "meta"
+            clock.DeviceClock.__init__ = events_on_meta
+            torch.Event, torch.accelerator.synchronize = _StandInEvent, lambda *a: None
         mesh = ParallelMesh(ParallelDims(**dims), "meta", CommLog())
         parts = parallelize(cfg, model, mesh, "meta")
         on_meta = all(p.device.type == "meta" for e in parts.engines.values() for p in e.parameters())
@@ -92,17 +118,29 @@ def _dry_run(name: str, rank: int) -> dict:
             mesh.comm("dp").all_reduce(torch.zeros(1))
         except RuntimeError as e:
             refused = str(e)
-        syncs = []
+        tracer = None
+        if o.get("trace"):  # (on an accelerator the step's end reads the events: one sync per traced step, by design)
+            from fivefold.trace import StepTracer
+            tracer = StepTracer(parts.traced_modules(), mesh.comm_log, mesh.device)
+            assert tracer.clock.device_events
+        syncs, traced = [], []
         for step in range(STEPS):
             x = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(step))
             batches = [(launch.to_device(x, mesh.device), launch.to_device(x, mesh.device))] * 4
             with HostSyncs() as counter:
+                if tracer is not None:
+                    tracer.begin_step(step)
                 loss = parts.forward_backward(batches)
                 norm = parts.step(1.0)
                 loss = parts.global_loss(loss)
+                if tracer is not None:
+                    tracer.end_step(parts.action_marks())
             syncs.append(counter.where)
+        if tracer is not None:
+            traced = [dict(__import__("collections").Counter(e["cat"] for e in s["events"]),
+                           clock=tracer.result()["clock"]) for s in tracer.steps]
         return dict(syncs=syncs, on_meta=on_meta, refused=refused, loss_device=str(loss.device),
-                    norm_device=str(norm.device))
+                    norm_device=str(norm.device), traced=traced)
     finally:
         dist.destroy_process_group()
 
@@ -128,6 +166,15 @@ def test_a_training_step_runs_on_an_accelerator_without_host_syncs(dry_runs, nam
         for step, where in enumerate(r["syncs"]):
             assert not where, f"{name} rank {rank} step {step}: {len(where)} host syncs (declared: 0)\n" + \
                 "\n".join(where[:3])
+        if LAYOUTS[name][2].get("trace"):  # spans and timed collectives on the event clock, every step
+            assert len(r["traced"]) == STEPS
+            for cats in r["traced"]:
+                assert cats["clock"] == "device events"
+                assert cats.get("forward", 0) >= 4 and cats.get("backward", 0) >= 4 and cats.get("collective"), cats
+                if "recompute" in name:
+                    assert cats["recompute"] == 2 * 4, cats  # 2 blocks × 4 micro-batches
+                if "pp2" in name:
+                    assert cats["pipeline"] == 3 * 4, cats  # F, I, W × 4 micro-batches
 
 
 # ---------------------------------------------------------------------------------------------

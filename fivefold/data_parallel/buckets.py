@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.ops import graph_task_id, in_backward  # noqa: F401 - in_backward: re-exported for the engines
+
 NamedParams = Sequence[tuple[str, nn.Parameter]]
 
 
@@ -214,17 +216,6 @@ LaunchFn = Callable[[GradBucket], object]
 FinishFn = Callable[[GradBucket], None]
 
 
-def _graph_task_id() -> int:
-    """Id of the backward being run by autograd (-1 where torch does not tell)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else -1
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward on this thread (a recomputed forward inside it, for instance)."""
-    return _graph_task_id() != -1
-
-
 class BucketedGradReducer:
     """Hooks gradients into buckets and launches each bucket's collective as soon as it is full."""
 
@@ -263,7 +254,7 @@ class BucketedGradReducer:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket, i = self._where[id(p)]
-        task = _graph_task_id()
+        task = graph_task_id()
         if self._callback_queued and task != self._task:
             raise RuntimeError(f"gradient of '{bucket.names[i]}' arrived in a new backward, but the previous one "
                                "never finished (it raised): some of its buckets were already reduced. Call "

@@ -2,9 +2,9 @@
 
 Seed 000 (ZeRO-3 flow): 2Ψ all-gather + Ψ reduce-scatter per step, memory 16Ψ/N (DESIGN.md). This module owns
 *when* units are gathered and freed: the forward pre-hook gathers and prefetches the next ``prefetch`` units in
-recorded forward order; the post-hook frees (``reshard_after_forward``) and wraps the outputs in `_RunInBackward`,
-whose backward gathers again and prefetches in backward order. With ``after_unit_backward`` the inputs are wrapped
-too, so the engine learns a unit's backward is over even if a parameter got no gradient (as FSDP2 does).
+recorded forward order; the post-hook frees (``reshard_after_forward``) and wraps the outputs (`ops.call_in_backward`)
+so that their backward gathers again and prefetches in backward order. With ``after_unit_backward`` the inputs are
+wrapped too, so the engine learns a unit's backward is over even if a parameter got no gradient (as FSDP2 does).
 
 Constant buffers (seed 001 §5.6, ZeRO-R C_B; `GatherSlots`): instead of re-growing each unit's own storage for every
 gather, units gather into a few slots allocated once. Autograd keeps views of a unit's gathered parameters from its
@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fivefold.data_parallel.buckets import in_backward
 from fivefold.data_parallel.flat_param import FlatParam
+from fivefold.ops import call_in_backward, in_backward
 
 UnitSpec = Sequence[type] | Callable[[str, nn.Module], bool] | None
 
@@ -70,34 +69,6 @@ def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[st
         units.sort(key=lambda u: order[u[0]])
     units.append(("", module))
     return units
-
-
-class _RunInBackward(torch.autograd.Function):
-    """Identity whose backward first calls a hook: on a unit's outputs before the unit's backward (gather again),
-    on its inputs after it (the unit's gradients are all in)."""
-
-    @staticmethod
-    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.hook = hook
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.hook()
-        return (None, *grads)
-
-
-def _wrap_tensors(tree: Any, hook: Callable[[], None]) -> Any:
-    """`tree` with its grad-requiring tensors passed through one `_RunInBackward` (or None if none)."""
-    leaves, spec = tree_flatten(tree)
-    idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not idx:
-        return None
-    wrapped = _RunInBackward.apply(hook, *[leaves[k] for k in idx])
-    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-    for k, t in zip(idx, wrapped):
-        leaves[k] = t
-    return tree_unflatten(leaves, spec)
 
 
 class GatherSlots:
@@ -226,7 +197,7 @@ class FSDPHooks:
             self._record("forward", i)
             if self.after_unit_backward is None or not torch.is_grad_enabled():
                 return None
-            return _wrap_tensors(args, lambda: self.after_unit_backward(i))
+            return call_in_backward(args, lambda: self.after_unit_backward(i))
         return hook
 
     def _make_post_forward(self, i: int):
@@ -238,7 +209,7 @@ class FSDPHooks:
                 flat.reshard()
             if not torch.is_grad_enabled():
                 return output
-            return _wrap_tensors(output, lambda: self._pre_backward(i))
+            return call_in_backward(output, lambda: self._pre_backward(i))
         return hook
 
     def _pre_backward(self, i: int) -> None:

@@ -237,8 +237,24 @@ class _Parts:
     def gather_timeline(self) -> None:
         """Only a pipeline has a timeline to gather."""
 
+    def action_marks(self) -> list[tuple]:
+        """The last step's pipeline actions as clock marks (`ActionClock.marks`), for a tracer; none without pp."""
+        return []
+
     def modules(self) -> list[nn.Module]:
         return [self.module] if hasattr(self, "module") else list(self.stages.values())
+
+    def traced_modules(self) -> list[tuple[str, nn.Module]]:
+        """What a step trace times on this rank, by single-process name: the embedding, each transformer block
+        (``layers.N``), the final norm and the head — those of this rank's stages under pp."""
+        out: list[tuple[str, nn.Module]] = []
+        for module in self.modules():
+            for name, child in module.named_children():
+                if isinstance(child, nn.ModuleDict):  # the blocks, keyed by their global index
+                    out += [(f"{name}.{key}", block) for key, block in child.items()]
+                elif child is not None and any(True for _ in child.parameters()):
+                    out.append((name, child))
+        return out
 
     def moe_load(self) -> dict[str, dict[str, Any]] | None:
         """Per MoE layer, the last micro-batch's kept assignments per expert and dropped ones summed over dp × cp,
@@ -389,6 +405,9 @@ class PipelinedModel(_Parts):
         loss = pipeline_forward_backward(self.runtime, self.engines, [self.local(x) for x, _ in micro_batches],
                                          [self.local(y) for _, y in micro_batches])
         return loss if loss is not None else self.pp.scalar(0.0)
+
+    def action_marks(self) -> list[tuple]:
+        return self.runtime.clock.marks()
 
     def gather_timeline(self) -> None:
         """The last step's measured action times from every pp rank (one gather, at the end of training)."""

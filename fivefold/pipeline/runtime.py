@@ -13,13 +13,13 @@ import contextlib
 import dataclasses
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from fivefold.clock import DeviceClock
 from fivefold.comm import P2P_SEMANTICS, Comm
 from fivefold.ops import WeightGradStore, recording_weight_grads
 from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, steps
@@ -27,47 +27,43 @@ from fivefold.pipeline.checks import check_deadlock_free, validate
 from fivefold.pipeline.lowering import lower
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SIDE_THREAD = "fivefold-overlap"  # the thread an overlapped unit's forward runs in (a tracer's second compute lane)
 
 
 class ActionClock:
-    """When each compute action ran. On the CPU the wall clock; on an accelerator kernels run after the host queued
-    them, so host time says nothing: an event is recorded on the device's stream around each action and the times
-    are read once, when asked (one wait, not one per action)."""
+    """When each compute action ran, on the rank's `DeviceClock` (device events on an accelerator, where host time
+    says nothing: the times are read once, when asked, not one wait per action)."""
 
     def __init__(self, device: torch.device) -> None:
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        self.device_events = accelerator is not None and device.type == accelerator.type
+        self._clock = DeviceClock(device)
+        self.device_events = self._clock.device_events
         self._lock = threading.Lock()  # an overlapped unit's forward marks from its own thread
         self.reset()
 
     def reset(self) -> None:
         self._marks: list[Any] = []
-        self._actions: list[tuple[str, int, int, int, int]] = []  # kind, mb, stage, start mark, end mark
+        self._actions: list[tuple[str, int, int, int, int, str]] = []  # kind, mb, stage, start, end mark, thread
         self.mark()  # the origin
 
     def mark(self) -> int:
         with self._lock:
-            if self.device_events:
-                event = torch.Event(enable_timing=True)
-                event.record()
-                self._marks.append(event)
-            else:
-                self._marks.append(time.perf_counter())
+            self._marks.append(self._clock.mark())
             return len(self._marks) - 1
 
     def record(self, a: Action, start: int) -> None:
         end = self.mark()
         with self._lock:
-            self._actions.append((a.kind, a.microbatch, a.stage, start, end))
+            self._actions.append((a.kind, a.microbatch, a.stage, start, end, threading.current_thread().name))
 
     def times(self) -> list[tuple[str, int, int, float, float]]:
-        if self.device_events:
-            self._marks[-1].synchronize()
-            origin = self._marks[0]
-            at = [origin.elapsed_time(e) / 1e3 for e in self._marks]
-        else:
-            at = [t - self._marks[0] for t in self._marks]
-        return [(kind, mb, stage, at[i], at[j]) for kind, mb, stage, i, j in self._actions]
+        at = [ns / 1e9 for ns in self._clock.elapsed_ns(self._marks[0], self._marks)]
+        return [(kind, mb, stage, at[i], at[j]) for kind, mb, stage, i, j, _ in self._actions]
+
+    def marks(self) -> list[tuple[str, int, int, Any, Any, str]]:
+        """(kind, micro-batch, stage, start mark, end mark, thread name) of each action of the last step, as raw
+        `DeviceClock` marks: a tracer on the same device places them on its own timeline."""
+        return [(kind, mb, stage, self._marks[i], self._marks[j], thread)
+                for kind, mb, stage, i, j, thread in self._actions]
 
 
 class _Done:
@@ -93,7 +89,7 @@ class _SideThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._started = threading.Event()
         self.jobs_run = 0
-        threading.Thread(target=self._loop, name="fivefold-overlap", daemon=True).start()
+        threading.Thread(target=self._loop, name=SIDE_THREAD, daemon=True).start()
 
     def _loop(self) -> None:
         while True:

@@ -1,5 +1,6 @@
 """What a run shows and leaves behind: the progress bar, and `RunRecord`, sole owner of the run directory (written on
-rank 0): ``metrics.jsonl``, then the loss curve and, for pipelines, the measured timeline (via `fivefold.report`)."""
+rank 0): ``metrics.jsonl``, then the loss curve, for pipelines the measured timeline and, with ``run.trace``, the
+step trace and its hidden-communication figure (via `fivefold.report`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.pipeline.simulator import Timeline
-from fivefold.report import plot_loss, plot_moe_load, plot_timeline, to_chrome_trace
+from fivefold.report import plot_loss, plot_moe_load, plot_step_trace, plot_timeline, to_chrome_trace, write_step_trace
+from fivefold.trace import hidden_summary
 
 __all__ = ["Progress", "RunRecord", "read_metrics"]
 
@@ -108,16 +110,45 @@ class RunRecord:
         elif self.run_dir is not None:
             print(msg, flush=True)
 
-    def pipeline(self, timeline: Timeline, formula: float | None, title: str) -> None:
-        """The last step's measured timeline: PNG + Chrome trace, and its bubble next to the formula (if any)."""
+    def pipeline(self, timeline: Timeline, formula: float | None, title: str, chrome_trace: bool = True) -> None:
+        """The last step's measured timeline: PNG + Chrome trace (unless the step trace, which holds the same actions,
+        is written instead), and its bubble next to the formula (if any)."""
         if self.run_dir is None:
             return
         versus = f"formula {formula:.1%}" if formula is not None else "no textbook formula"
         plot_timeline(timeline, self.run_dir / "timeline.png", title=f"{title}, measured ({versus})")
-        to_chrome_trace(timeline, self.run_dir / "trace.json", us_per_unit=1e6)
+        if chrome_trace:
+            to_chrome_trace(timeline, self.run_dir / "trace.json", us_per_unit=1e6)
         self.write({"kind": "pipeline", "measured_bubble": timeline.bubble_fraction, "formula_bubble": formula})
+        also = f" and {self.run_dir / 'trace.json'}" if chrome_trace else ""
         print(f"fivefold: last step's pipeline timeline: measured bubble {timeline.bubble_fraction:.1%} ({versus}); "
-              f"wrote {self.run_dir / 'timeline.png'} and {self.run_dir / 'trace.json'}")
+              f"wrote {self.run_dir / 'timeline.png'}{also}")
+
+    def trace(self, ranks: list[dict[str, Any]] | None, title: str) -> dict[str, Any] | None:
+        """Every rank's traced steps (`trace.StepTracer.result`, gathered on rank 0): ``trace.json`` (Chrome /
+        Perfetto), ``step_trace.png`` (the last traced step), a "trace" record and the hidden-communication line.
+        Returns the run's figures (None elsewhere than rank 0, or when nothing was traced)."""
+        if self.run_dir is None or not ranks:
+            return None
+        if not any(r["steps"] for r in ranks):
+            self.say("fivefold: run.trace: no step of the trace window ran (the run stopped before its last steps)")
+            return None
+        summary = hidden_summary(ranks)
+        write_step_trace(ranks, self.run_dir / "trace.json", other=summary)
+        step = plot_step_trace(ranks, self.run_dir / "step_trace.png", title=title + (
+            f", communication hidden {summary['comm_hidden_fraction']:.0%}" if summary else ""))
+        self.write({"kind": "trace", **(summary or {"traced_steps": sorted({s["step"] for r in ranks
+                                                                             for s in r["steps"]})})})
+        if summary is None:
+            print(f"fivefold: no communication in the traced steps; wrote {self.run_dir / 'trace.json'} and "
+                  f"{self.run_dir / 'step_trace.png'} (step {step} as numbered in metrics.jsonl)")
+        else:
+            print(f"fivefold: communication hidden behind compute: {summary['comm_hidden_fraction']:.0%} (ranks "
+                  f"{summary['comm_hidden_min']:.0%}-{summary['comm_hidden_max']:.0%}; exposed "
+                  f"{summary['exposed_comm_ms_per_step']:.1f} of {summary['comm_ms_per_step']:.1f} ms communication "
+                  f"per step) over the last {len(summary['traced_steps'])} steps; wrote {self.run_dir / 'trace.json'} "
+                  f"and {self.run_dir / 'step_trace.png'} (step {step} as numbered in metrics.jsonl)")
+        return summary
 
     def close(self, summary: dict[str, Any], plot_title: str | None) -> None:
         """Write the summary; draw the loss curve (unless `plot_title` is None)."""

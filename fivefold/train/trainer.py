@@ -25,6 +25,8 @@ from fivefold.models import Llama, count_params
 from fivefold.models.parallelize import parallelize
 from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
+from fivefold.pipeline.runtime import SIDE_THREAD
+from fivefold.trace import StepTracer, trace_window
 from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir, restart_count, watch_sigterm
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import RunRecord
@@ -44,6 +46,7 @@ class TrainResult:
     tokens_per_s: float
     run_dir: str | None
     model_state_mb: float
+    comm_hidden_fraction: float | None = None  # run.trace: mean over ranks of the communication hidden behind compute
 
 
 def run(cfg: Config) -> TrainResult:
@@ -133,8 +136,12 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     losses, intervals, val_loss, state_mb = [], [], None, 0.0
     since, since_step = time.perf_counter(), start
     stopped = None
+    tracer = make_tracer(cfg, parts, log, mesh, device)
+    traced = trace_window(start, t.steps, cfg.run.trace_steps, cfg.run.exit_after) if tracer else range(0)
     for step in range(start, t.steps):
         log.reset()
+        if step in traced:
+            tracer.begin_step(step)
         set_debug_step(step)
         for group in parts.param_groups():
             group["lr"] = lr_at(step, cfg)
@@ -170,6 +177,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.progress.update(step + 1 - record.progress.done, loss=f"{losses[-1]:.3f}",
                                    tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.0f}",
                                    state_MB=f"{state_mb:.1f}")
+        if step in traced:  # (before evaluation and checkpoints: the trace holds training steps)
+            tracer.end_step(parts.action_marks())
         if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
             val_loss = parts.evaluate(eval_batches)
             record.write({"kind": "val", "step": step, "val_loss": val_loss})
@@ -200,10 +209,28 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             formula = bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual)
         except ValueError:  # a schedule without a textbook formula: the measured bubble alone
             formula = None
-        record.pipeline(parts.timeline, formula, f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}")
+        record.pipeline(parts.timeline, formula, f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}",
+                        chrome_trace=tracer is None)  # with run.trace, trace.json is the step trace (actions in it)
+    if tracer is not None:  # every rank's traced steps, gathered once on rank 0
+        tracer.close()
+        traces = mesh.world.gather_object(tracer.result())
+        figures = record.trace(traces, f"{cfg.model.preset}, {_layout(cfg, mesh, parts)}")
+        if figures is not None:
+            result.comm_hidden_fraction = figures["comm_hidden_fraction"]
     record.close(dataclasses.asdict(result),
                  f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}" if cfg.run.plot else None)
     return result
+
+
+def make_tracer(cfg: Config, parts: object, log: CommLog, mesh: ParallelMesh,
+                device: torch.device) -> StepTracer | None:
+    """With ``run.trace``, a `StepTracer` on this rank's embedding, blocks, norm and head (hooks installed now, idle
+    outside the traced steps); otherwise None: no hook, and the log never times a collective."""
+    if not cfg.run.trace:
+        return None
+    coords = {d: mesh.rank(d) for d in ("pp", "dp", "cp", "tp") if mesh.size(d) > 1}
+    return StepTracer(parts.traced_modules(), log, device, rank=dist.get_rank(), coords=coords,
+                      side_threads=(SIDE_THREAD,))
 
 
 def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:

@@ -108,7 +108,8 @@ def validate_layout(cfg: Config, world_size: int) -> RunPlan:
                 raise ConfigError(f"{section}.{key}={value} must be a finite number")
     _positive(**{"run.nproc / world size": world_size, "train.steps": t.steps, "run.log_every": r.log_every,
                  "train.seq_len": t.seq_len, "train.lr": t.lr, "train.eps": t.eps, "train.eval_batches": t.eval_batches,
-                 "zero.bucket_mb": z.bucket_mb, "zero.inflight_buckets": z.inflight_buckets})
+                 "zero.bucket_mb": z.bucket_mb, "zero.inflight_buckets": z.inflight_buckets,
+                 "run.trace_steps": r.trace_steps})
     _non_negative(**{"train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                      "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every, "zero.prefetch": z.prefetch})
     for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
