@@ -105,8 +105,8 @@ def _plan(argv: list[str]) -> int:
         description="Predict per-GPU memory (model states, transient buffers, activations), communication per step "
                     "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search ranks "
                     "every layout that fits. Layout and model as for `fivefold train` (--config, --section.key value), "
-                    "plus the short flags below. Precision defaults to bf16 parameters with fp32 gradient reduction "
-                    "(torchtitan's), not train's CPU default fp32.",
+                    "plus the short flags below. Without --config, precision defaults to bf16 parameters with fp32 "
+                    "gradient reduction (torchtitan's), not train's CPU default fp32.",
         epilog="short flags: " + ", ".join(f"--{k} (= {v})" for k, v in PLAN_FLAGS.items() if v) + "; --sp (= "
                "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 --pp 4 "
                "--zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective")
@@ -124,7 +124,8 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--sp", action="store_true", help="sequence parallel (= --parallel.sp true)")
     args, rest = parser.parse_known_args(argv)
-    overrides = ["--precision.param", "bf16"]
+    # bf16 unless a TOML file or the command line says otherwise
+    overrides = [] if args.config else ["--precision.param", "bf16"]
     i = 0
     while i < len(rest):
         key = rest[i][2:].split("=", 1)[0] if rest[i].startswith("--") else ""

@@ -11,9 +11,12 @@ activations within 15 %.
 
 The step time is an estimate: compute at ``Hardware.compute_efficiency`` of the peak FLOP/s, every collective at
 its link's bandwidth (a group within one node: intra-node; else inter-node), ring algorithms, no latency term;
-TP/SP, CP and EP traffic on the critical path, data-parallel traffic hidden behind the backward where fivefold
-overlaps it (pp = 1) and exposed after the pipeline flush (pp > 1), ZeRO-3's forward gathers behind the forward
-(prefetch). MFU = model FLOPs (`formulas.model_flops_per_token`) / (step time × peak × GPUs).
+TP/SP and EP traffic on the critical path (each micro-batch's share added to its stage's F and B in the schedule
+simulation), ring attention's K/V only where it outlasts the attention's compute, data-parallel traffic hidden
+behind the backward where fivefold overlaps it (pp = 1; ZeRO-3's gathers behind forward and backward) and exposed
+after the pipeline flush (pp > 1), ZeRO-1/2's all-gather of updated parameters after the optimizer step, the
+optimizer streaming its states through memory. MFU = model FLOPs (`formulas.model_flops_per_token`) / (step time ×
+peak × GPUs).
 """
 
 from __future__ import annotations
@@ -518,11 +521,16 @@ def _step_time(cfg: Config, run: RunPlan, hw: Hardware, parts_by_rank: dict[int,
     stage_compute: dict[int, float] = {}  # virtual stage -> F + B seconds of compute alone
     blocking: dict[int, float] = {}
     for r, parts in parts_by_rank.items():
-        model_dims = ("tp", "cp", "ep")
-        comm = sum(wire_seconds(traffic[r], d, hw, hpz, only=model_dims).values()) / M  # per micro-batch
-        blocking[r] = comm * M
+        wire = wire_seconds(traffic[r], d, hw, hpz, only=("tp", "cp", "ep"))
         stages = parts.stages if isinstance(parts, PipelinedModel) else {0: parts.module}
         numels = local_numels(parts)
+        # ring attention sends the next K/V block while the current one is computed: only what outlasts the
+        # attention's own compute waits (TP's collectives and the expert all-to-alls block)
+        blocks = sum(len(st.layers) if st.layers is not None else 0 for st in stages.values())
+        attention = 12 * blocks * cfg.train.seq_len * run.model.dim / d.tp * run.micro_batch * cfg.train.seq_len \
+            / d.cp * M / flops_per_s
+        comm = (wire.get("tp", 0.0) + wire.get("ep", 0.0) + max(0.0, wire.get("cp", 0.0) - attention)) / M
+        blocking[r] = comm * M
         for sid, stage in stages.items():
             f, b = _stage_flops(cfg, run, stage, numels[sid])
             share = comm / len(stages)
@@ -563,7 +571,7 @@ def _step_time(cfg: Config, run: RunPlan, hw: Hardware, parts_by_rank: dict[int,
     states = memory[worst].model_states
     optimizer = 2 * (states["optimizer"] + states["grads"]) / (hw.hbm_gbps * GB)
     time = {"compute": compute, "pipeline (with tp/cp/ep traffic and bubble)": pipeline,
-            "tp/cp/ep traffic": max(blocking.values()), "data-parallel traffic": dp_time,
+            "tp/cp/ep traffic not hidden": max(blocking.values()), "data-parallel traffic": dp_time,
             "data-parallel exposed": exposed, "optimizer": optimizer}
     time["step"] = pipeline + exposed + optimizer
     return time, bubble
@@ -584,6 +592,7 @@ class LayoutPlan:
     seq_len: int
     ranks: list[RankMemory]
     hardware: Hardware
+    traffic_rank: int = 0  # the pipeline rank whose traffic `traffic` shows (the busiest)
     model_name: str = ""
     precision: str = ""
     traffic: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -647,7 +656,7 @@ def plan_layout(cfg: Config, world: int, hardware: Hardware = Hardware(),
         notes.append("zero.reshard_after_forward false: the units stay gathered from forward to backward (2Ψ of "
                      "gathers instead of 3Ψ, every unit's parameters held at once)")
     return LayoutPlan(_describe(cfg, run), world, run.dims, model, params, run.micro_batch, run.grad_accum,
-                      run.global_batch, cfg.train.seq_len, list(memory.values()), hardware,
+                      run.global_batch, cfg.train.seq_len, list(memory.values()), hardware, busiest,
                       cfg.model.init_from or cfg.model.preset, f"{cfg.precision.param} params, {cfg.precision.reduce} "
                       "gradient reduction", by_dim, bubble, time, notes=notes)
 
@@ -727,7 +736,7 @@ def search(cfg: Config, world: int, hardware: Hardware = Hardware(), top: int = 
         valid += 1
         if plan.fits:
             plans.append(plan)
-    plans.sort(key=lambda p: p.time["step"])
+    plans.sort(key=lambda p: (round(p.time["step"], 6), p.peak_bytes))  # equal time: less memory first
     return plans[:top], valid, len(plans)
 
 
@@ -750,6 +759,10 @@ def format_plan(plan: LayoutPlan) -> str:
              f"batch: global {plan.global_batch} × {plan.seq_len} tokens = micro {plan.micro_batch} × accum "
              f"{plan.grad_accum} × dp {plan.dims.dp}; precision {plan.precision}", ""]
     ranks = plan.ranks
+    if len(ranks) > 6:  # the first three, the middle and the last two pipeline ranks (--json has them all)
+        shown = sorted({0, 1, 2, len(ranks) // 2, len(ranks) - 2, len(ranks) - 1})
+        worst = max(ranks, key=lambda r: r.total)
+        ranks = [ranks[i] for i in sorted({*shown, ranks.index(worst)})]
     head = f"{'per GPU':48s}" + "".join(f"{'pp rank ' + str(r.pp_rank):>14s}" for r in ranks)
     lines += [head, "-" * len(head)]
 
@@ -767,8 +780,12 @@ def format_plan(plan: LayoutPlan) -> str:
         row(f"activations: {key.replace(' (in its backward)', '')} (GB)", [r.activations.get(key, 0) for r in ranks])
     row("total (GB)", [r.total for r in ranks])
     fits = "fits" if plan.fits else "DOES NOT FIT"
-    lines += [f"{'GPU memory (GB)':48s}{hw.memory_gb:>14,.2f}   -> {fits} (peak {_gb(plan.peak_bytes)})", ""]
-    lines.append(f"{'traffic per step and GPU':20s}{'group':>7s}{'link':>12s}{'payload':>14s}{'ring wire':>14s}"
+    lines += [f"{'GPU memory (GB)':48s}{hw.memory_gb:>14,.2f}   -> {fits} (peak {_gb(plan.peak_bytes)}"
+              + (f"; {len(plan.ranks)} pipeline ranks, {len(ranks)} shown, all in --json)" if len(ranks) <
+                 len(plan.ranks) else ")"), ""]
+    where = f" (pp rank {plan.traffic_rank}, the busiest)" if len(plan.ranks) > 1 else ""
+    lines.append(f"traffic per step and GPU{where}")
+    lines.append(f"{'':20s}{'group':>7s}{'link':>12s}{'payload':>14s}{'ring wire':>14s}"
                  "   collectives")
     for dim, t in plan.traffic.items():
         ops = ", ".join(f"{op} {_gb(b)}" for op, b in t["ops"].items())
@@ -780,8 +797,8 @@ def format_plan(plan: LayoutPlan) -> str:
     tm = plan.time
     lines += [f"estimated step: {tm['step']:.3f} s = pipeline {tm['pipeline (with tp/cp/ep traffic and bubble)']:.3f} "
               f"s (compute {tm['compute']:.3f} s at {hw.compute_efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s, "
-              f"tp/cp/ep traffic {tm['tp/cp/ep traffic']:.3f} s) + data-parallel traffic not hidden "
-              f"{tm['data-parallel exposed']:.3f} s (of {tm['data-parallel traffic']:.3f} s) + optimizer "
+              f"tp/cp/ep traffic not hidden {tm['tp/cp/ep traffic not hidden']:.3f} s) + data-parallel traffic not "
+              f"hidden {tm['data-parallel exposed']:.3f} s (of {tm['data-parallel traffic']:.3f} s) + optimizer "
               f"{tm['optimizer']:.3f} s",
               f"throughput ≈ {tm['tokens/s']:,.0f} tokens/s, MFU ≈ {tm['MFU']:.1%} (links: intra-node "
               f"{hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s)"]

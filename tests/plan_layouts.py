@@ -46,6 +46,8 @@ LAYOUTS: dict[str, list[str]] = {
     "cp2 dp2 z2": ["--parallel.cp", "2", "--zero", "2"],
     "hsdp 2x2 z3": ["--parallel.dp_replicate", "2", "--zero", "3"],
     "dp4 z3 hpz2 qwz": ["--zero", "3", "--zero.hpz", "2", "--zero.qwz", "true", "--zero.quant_block", "64"],
+    "dp4 z2 bf16 offload qgz": ["--zero", "2", "--precision.param", "bf16", "--zero.offload_optimizer", "true",
+                                "--zero.qgz", "true", "--zero.quant_block", "64"],
     "moe ep2 dp4 z1": ["--parallel.ep", "2", "--zero", "1"],
     "moe ep4 dp4 z3 selective": ["--parallel.ep", "4", "--zero", "3", "--train.recompute", "selective"],
 }

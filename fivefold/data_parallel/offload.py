@@ -20,7 +20,10 @@ def is_accelerator(device: torch.device) -> bool:
 
 
 def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer for a shard whose compute copy lives on `device` (pinned when that is an accelerator)."""
+    """A host buffer for a shard whose compute copy lives on `device` (pinned when that is an accelerator; on the
+    meta device, where `fivefold.plan` lays a rank out, a meta tensor: nothing is allocated)."""
+    if torch.device(device).type == "meta":
+        return torch.zeros(numel, dtype=dtype, device="meta")
     return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=is_accelerator(device))
 
 

@@ -110,6 +110,15 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_L3),  # 8.03B
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_L3),  # 70.55B
     "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_L3),  # 405.85B
+    # DeepSeek-V3's shape (arXiv 2412.19437) with this file's blocks: 61 blocks of width 7168, 256 routed experts of
+    # hidden 2048 (top 8, sigmoid scores) + 1 shared, vocabulary 129280. Not V3 itself: GQA (56 heads of 128, 8 kv
+    # heads) instead of MLA, every block MoE (V3's first 3 are dense), no MTP, no node-limited routing (fivefold's
+    # device-limited routing needs a group per rank: set --model.moe.groups / group_limit with ep).
+    # 699.5B parameters, ~37B active per token: for planning (`fivefold plan`).
+    "deepseek-v3-like": LlamaConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=56, n_kv_heads=8,
+                                    ffn_hidden=18432, max_seq_len=4096,
+                                    moe=MoEConfig(experts=256, top_k=8, score="sigmoid", shared_experts=1, hidden=2048,
+                                                  aux_loss_coef=1e-4)),
 }
 
 
@@ -302,6 +311,8 @@ class Llama(nn.Module):
         # Tie after allocation so both names share one Parameter (yielded once by parameters()).
         if c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # every parameter's whole-model shape, kept through stage cuts and TP sharding (`full_shapes`)
+        self._full_shapes = {n: tuple(p.shape) for n, p in self.named_parameters()}
         if device.type != "meta" and seed is not None:
             self.init_weights(seed)
 
@@ -328,10 +339,7 @@ class Llama(nn.Module):
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter of the *whole* model with its full shape (this copy may be a stage or a TP slice)."""
-        if not hasattr(self, "_full_shapes"):
-            whole = Llama(self.config, device="meta")
-            self._full_shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}
-        return self._full_shapes
+        return self._full_shapes  # recorded when the whole model was built; stages and TP slices are copies
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The seeded initial value of parameter `name`, full shape, fp32, on the CPU: normal(0, 0.02), residual

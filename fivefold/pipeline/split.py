@@ -4,11 +4,12 @@ the model's own forward, which skips absent parts, runs the stage."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["keep_only", "split_layers"]
+__all__ = ["copy_kept", "keep_only", "split_layers"]
 
 
 def split_layers(n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
@@ -59,3 +60,25 @@ def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
                              "shift and rename parameters; keep such blocks in an nn.ModuleDict")
         else:
             setattr(module, child_name, None)
+
+
+def copy_kept(model: nn.Module, names: Iterable[str]) -> nn.Module:
+    """``keep_only(copy.deepcopy(model), names)`` without copying what is removed (a stage of a large model on the
+    meta device: the copy is of its blocks, not of the whole model); `model` is left as it was."""
+    keep = set(names)
+    skip: dict[int, None] = {}
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if id(parent) in skip or full in keep or any(full.startswith(k + ".") for k in keep) \
+                    or any(k.startswith(full + ".") for k in keep):
+                continue
+            if isinstance(parent, nn.ModuleList | nn.Sequential):
+                _prune(parent, parent_name + "." if parent_name else "", keep)  # raises as keep_only does
+            skip[id(child)] = None
+    copied = copy.deepcopy(model, memo=dict(skip))
+    for m in copied.modules():  # a skipped child became None: drop it from its container as keep_only does
+        for child_name, child in list(m._modules.items()):
+            if child is None and isinstance(m, nn.ModuleDict):
+                del m._modules[child_name]
+    return keep_only(copied, keep)
