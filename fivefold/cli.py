@@ -98,15 +98,16 @@ PLAN_FLAGS = {"model": "model.preset", "gpus": None, "seq": "train.seq_len", "mi
 
 
 def _plan(argv: list[str]) -> int:
-    from fivefold.plan import HARDWARE, format_plan, format_search, plan_layout, search
+    from fivefold.plan import HARDWARE, SEARCHED, format_plan, format_search, plan_layout, search
 
     parser = argparse.ArgumentParser(
         prog="fivefold plan",
         description="Predict per-GPU memory (model states, transient buffers, activations), communication per step "
-                    "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search ranks "
-                    "every layout that fits. Layout and model as for `fivefold train` (--config, --section.key value), "
-                    "plus the short flags below. Without --config, precision defaults to bf16 parameters with fp32 "
-                    "gradient reduction (torchtitan's), not train's CPU default fp32.",
+                    "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search "
+                    "ranks every layout that fits. Layout and model as for `fivefold train` (--config, --section.key "
+                    "value), plus the short flags below. Without --config the defaults are for GPUs, not train's CPU "
+                    "demo: bf16 parameters with fp32 gradient reduction (torchtitan's), one sequence per micro-batch "
+                    "of the model's context length, 4 × pp × virtual micro-batches under pp.",
         epilog="short flags: " + ", ".join(f"--{k} (= {v})" for k, v in PLAN_FLAGS.items() if v) + "; --sp (= "
                "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 --pp 4 "
                "--zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective")
@@ -119,8 +120,10 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--intra-gbps", type=float, help="GB/s per GPU inside a node (NVLink)")
     parser.add_argument("--inter-gbps", type=float, help="GB/s per GPU across nodes (InfiniBand / RoCE)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs sharing the intra-node link (default 8)")
-    parser.add_argument("--search", action="store_true", help="rank every valid layout for --gpus that fits")
-    parser.add_argument("--top", type=int, default=10, help="layouts shown by --search (10)")
+    parser.add_argument("--search", action="store_true",
+                        help="rank every valid layout for --gpus that fits (tp, pp, cp, dp, ep, ZeRO stage and "
+                             "recompute given on the command line stay fixed)")
+    parser.add_argument("--top", type=int, default=10, help="layouts shown by --search (10; at least 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--sp", action="store_true", help="sequence parallel (= --parallel.sp true)")
     args, rest = parser.parse_known_args(argv)
@@ -143,25 +146,51 @@ def _plan(argv: list[str]) -> int:
                "intra_node_gbps": args.intra_gbps, "inter_node_gbps": args.inter_gbps,
                "gpus_per_node": args.gpus_per_node}
     hw = dataclasses.replace(hw, **{k: v for k, v in changes.items() if v is not None})
+    given = {ALIASES.get(a[2:].split("=")[0], a[2:].split("=")[0]) for a in overrides if a.startswith("--")}
     try:
+        hw.check()
         if args.gpus <= 0:
             raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs in the job")
         cfg = load_config(args.config, [*overrides, "--run.nproc", str(args.gpus)])
+        notes = [] if args.config else _plan_defaults(cfg, given)
         if args.search:
             def progress(done: int, total: int) -> None:
                 if not args.json and sys.stderr.isatty():
                     print(f"\rplanning layout {done}/{total}", end="" if done < total else "\n", file=sys.stderr)
 
-            plans, valid, fitting = search(cfg, args.gpus, hw, args.top, progress)
+            plans, valid, fitting = search(cfg, args.gpus, hw, args.top, progress, fixed=given & set(SEARCHED))
+            for p in plans:
+                p.notes[:0] = notes
             print(json.dumps([p.to_dict() for p in plans], indent=1) if args.json
                   else format_search(plans, valid, fitting, args.gpus, hw))
         else:
             plan = plan_layout(cfg, args.gpus, hw)
+            plan.notes[:0] = notes
             print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"fivefold plan: error: {e}", file=sys.stderr)
+        hint = (" (fivefold plan's own flags: --gpus, --model, --seq, --micro-batch, --global-batch, --grad-accum, "
+                "--tp, --pp, --cp, --ep, --sp, --recompute; see fivefold plan --help)") if "unknown" in str(e) else ""
+        print(f"fivefold plan: error: {e}{hint}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Config
+    """Planning defaults where the command line sets nothing (train's are for a CPU demo): one sequence per
+    micro-batch of the model's context length, and under pp 4 × pp × virtual micro-batches so the pipeline fills."""
+    from fivefold.models import get_config
+
+    notes = []
+    if "train.seq_len" not in given and not cfg.model.init_from:
+        cfg.train.seq_len = get_config(cfg.model.preset).max_seq_len
+        notes.append(f"--seq not given: the model's context, {cfg.train.seq_len} tokens")
+    if "train.micro_batch" not in given:
+        cfg.train.micro_batch = 1
+    if cfg.parallel.pp > 1 and not given & {"train.grad_accum", "train.global_batch"}:
+        cfg.train.grad_accum = 4 * cfg.parallel.pp * cfg.pipeline.virtual
+        notes.append(f"--grad-accum / --global-batch not given: {cfg.train.grad_accum} micro-batches (4 × pp × "
+                     "virtual stages) so the pipeline fills")
+    return notes
 
 
 COMMANDS = {"train": _train, "plan": _plan, "bench": _bench, "export": _export}

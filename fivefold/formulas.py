@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "STAGE_SHARDS", "activation_bytes_per_block", "bubble_formula",
-           "expected_for", "flat_model_state_bytes", "head_activation_bytes", "hpz_secondary_bytes", "hsdp_expected",
-           "korthikanti_block_bytes", "model_flops_per_token", "moe_ffn_activation_bytes", "quantized_chunk_bytes",
+__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "STAGE_SHARDS", "activation_bytes_per_block",
+           "backward_working_bytes", "bubble_formula", "expected_for", "flat_model_state_bytes",
+           "head_activation_bytes", "hpz_secondary_bytes", "hsdp_expected", "korthikanti_block_bytes",
+           "loss_chunk_bytes", "model_flops_per_token", "moe_ffn_activation_bytes", "quantized_chunk_bytes",
            "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text",
            "weight_grad_pending_bytes", "zero3_gather_bytes", "zero_grad_reduce_bytes", "zero_model_states"]
 
@@ -148,16 +149,18 @@ def tp_comm_formula(config: ModelShape, batch: int, seq_len: int, sequence_paral
     Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS. Plus the
     embedding's exit (forward AR; SP: RS forward, AG backward), the head's entry (backward AR; SP: AG forward, RS
     backward),
-    3 all-reduces of B·L fp32 in the vocab-parallel cross-entropy, and under SP an all-reduce of D per norm weight
+    3 all-reduces of B·L fp32 (whatever ``dtype_bytes``) in the vocab-parallel cross-entropy, and under SP an
+    all-reduce of D per norm weight
     gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in backward, up to
     its last kept tensor (torch stops a recomputation there): per block once more the attention's exit (AR; SP: RS)
     and under SP both entries (AG), not the MLP's exit. Selective recomputes only the attention core: no collective."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim
     again = n if recompute == "full" else 0  # blocks recomputed
+    loss = 3 * bl * 4  # the cross-entropy's row statistics are fp32 whatever the compute dtype
     if not sequence_parallel:
-        return {"all_reduce": ((4 * n + again + 2) * bld + 3 * bl) * dtype_bytes}
+        return {"all_reduce": (4 * n + again + 2) * bld * dtype_bytes + loss}
     return {"all_gather": (4 * n + 2 * again + 2) * bld * dtype_bytes,
-            "all_reduce": (3 * bl + (2 * n + 1) * d) * dtype_bytes,
+            "all_reduce": loss + (2 * n + 1) * d * dtype_bytes,
             "reduce_scatter": (4 * n + again + 2) * bld * dtype_bytes}
 
 
@@ -332,3 +335,19 @@ def weight_grad_pending_bytes(batch: int, seq_len: int, dim: int, n_heads: int, 
     inputs = 2 * bl * dim + bl * heads * head_dim + bl * hidden
     grads = bl * (heads + 2 * kv_heads) * head_dim + 2 * bl * dim + 2 * bl * hidden
     return {"inputs": inputs * s, "grads": grads * s}
+
+
+def backward_working_bytes(batch: int, seq_len: int, dim: int, ffn_hidden: int, *, dtype_bytes: int = 4,
+                           tp: int = 1, sp: bool = False) -> int:
+    """What a block's backward allocates while it runs, beyond the activations it frees: the gradients flowing
+    through it — of its output and its residual (B·L·D each, [L/T] under SP), the RMSNorm's fp32 upcasts of its
+    input and gradient (2·B·L·D·4) — and the SwiGLU's three B·L·F/T gradients (of w2's input and of w1's and w3's
+    outputs); an upper estimate, measured within it in `tests/test_plan.py`."""
+    seq = seq_len // tp if sp else seq_len
+    return batch * seq * dim * (2 * dtype_bytes + 2 * 4) + 3 * batch * seq_len * ffn_hidden // tp * dtype_bytes
+
+
+def loss_chunk_bytes(batch: int, seq_len: int, vocab: int, tp: int = 1, chunk_elements: int = 2**24) -> int:
+    """The chunked cross-entropy's fp32 working chunk (`tensor_parallel.loss`): at most ``chunk_elements`` of this
+    rank's B·L × V/T logits, upcast, in forward and again in backward."""
+    return min(batch * seq_len * (vocab // tp), max(vocab // tp, chunk_elements)) * 4

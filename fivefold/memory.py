@@ -233,11 +233,15 @@ class PeakSampler(TorchDispatchMode):
     ``frames=True`` adds the region's frame locals as roots: a buffer held only in a local while being filled (a
     reduce-scatter input) counts, and so, a small overcount, does an activation gradient handed to a hook."""
 
-    def __init__(self, roots: Iterable[Any], exclude: Iterable[torch.Tensor] = (), frames: bool = True) -> None:
+    def __init__(self, roots: Iterable[Any], exclude: Iterable[torch.Tensor] = (), frames: bool = True,
+                 allocations: bool = False) -> None:
         super().__init__()
         self.roots = list(roots)
         self.exclude = list(exclude)
         self.frames = frames
+        # ``allocations``: also every storage an operator of the region allocated on this thread while it is alive,
+        # reachable or not (autograd's saved tensors are not reachable from Python): the whole of what the region holds
+        self._made: dict[int, tuple[int, int]] | None = {} if allocations else None  # data_ptr -> (weak ref, bytes)
         self.peak = 0
         self.samples = 0
         self.marks: list[tuple[str, int]] = []
@@ -257,7 +261,16 @@ class PeakSampler(TorchDispatchMode):
         while frame is not None and id(frame) not in self._outer:
             roots += frame.f_locals.values()
             frame = frame.f_back
-        value = reachable_storage_bytes(roots, self.exclude)
+        seen: set[tuple[str, int]] = {(str(t.device), t.untyped_storage().data_ptr()) for t in self.exclude}
+        value = _storage_bytes(_reachable_tensors(roots), seen)
+        if self._made is not None:
+            reached = {ptr for _, ptr in seen}
+            for ptr, (handle, nbytes) in list(self._made.items()):
+                if torch.UntypedStorage._expired(handle):
+                    torch.UntypedStorage._free_weak_ref(handle)
+                    del self._made[ptr]
+                elif ptr not in reached:
+                    value += nbytes
         self.peak = max(self.peak, value)
         self.samples += 1
         return value
@@ -268,6 +281,16 @@ class PeakSampler(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         out = func(*args, **(kwargs or {}))
+        if self._made is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and _has_data(t):
+                    storage = t.untyped_storage()
+                    ptr = storage.data_ptr()
+                    known = self._made.get(ptr)
+                    if ptr and (known is None or torch.UntypedStorage._expired(known[0])):
+                        if known is not None:
+                            torch.UntypedStorage._free_weak_ref(known[0])
+                        self._made[ptr] = (storage._weak_ref(), storage.nbytes())
         caller = sys._getframe(1)
         while caller is not None and caller.f_code.co_filename.endswith(_DISPATCH_WRAPPERS):
             caller = caller.f_back
@@ -277,3 +300,6 @@ class PeakSampler(TorchDispatchMode):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self.sample()  # what the region left behind (e.g. a gradient autograd assigned without an operator)
+        for handle, _ in (self._made or {}).values():
+            torch.UntypedStorage._free_weak_ref(handle)
+        self._made = {} if self._made is not None else None

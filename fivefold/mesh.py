@@ -73,6 +73,31 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in MESH_DIMS)
 
+    # Where the groups `ParallelMesh` makes lie, without processes (`fivefold.plan`); tests/test_mesh_groups.py holds
+    # both against the real groups. A dp × cp row lists its ranks in (dp, cp) order; ep / dp_shard cut it into blocks
+    # of consecutive ranks (ep_dp / dp_replicate: the columns across the blocks).
+    def derived_rank(self, dim: str, coords: dict[str, int]) -> int:
+        """This rank's place in `dim`'s group, from its mesh coordinates (pp, dp, cp, tp; missing ones 0)."""
+        if dim in MESH_DIMS:
+            return coords.get(dim, 0)
+        i = coords.get("dp", 0) * self.cp + coords.get("cp", 0)  # place in the dp × cp row
+        shard = self.size("dp_shard")
+        return {"dp_cp": i, "ep": i % self.ep, "ep_dp": i // self.ep, "dp_shard": i % shard,
+                "dp_replicate": i // shard}[dim]
+
+    def group_span(self, dim: str, block: int = 1) -> int:
+        """From the first to the last global rank of one group of `dim`, how many ranks (world = pp × dp × cp × tp,
+        tp innermost): the group lies within one node of G GPUs when this is at most G. ``block``: the size of
+        "dp_hpz"'s blocks of a row."""
+        tp, shard = self.tp, self.size("dp_shard")
+        size_and_stride = {"tp": (tp, 1), "cp": (self.cp, tp), "dp": (self.dp, tp * self.cp),
+                           "pp": (self.pp, tp * self.cp * self.dp), "dp_cp": (self.dp * self.cp, tp),
+                           "ep": (self.ep, tp), "ep_dp": (self.size("ep_dp"), tp * self.ep),
+                           "dp_shard": (shard, tp), "dp_replicate": (self.dp_replicate, tp * shard),
+                           "dp_hpz": (block, tp)}
+        size, stride = size_and_stride[dim]
+        return (size - 1) * stride + 1
+
 
 def _blocks_and_columns(rows: list[list[int]], size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Each row cut into blocks of `size` consecutive ranks, and the columns across a row's blocks (the same place in

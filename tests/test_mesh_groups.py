@@ -33,6 +33,7 @@ def _worker() -> dict:
         out[name] = {dim: sorted(dist.get_process_group_ranks(mesh.group(dim))) for dim in (*MESH_DIMS, *DERIVED_DIMS)}
         out[name]["sizes"] = {dim: (mesh.size(dim), mesh.comm(dim).size) for dim in (*MESH_DIMS, *DERIVED_DIMS)}
         out[name]["ranks"] = {dim: (ranks[dim], mesh.comm(dim).rank) for dim in DERIVED_DIMS}
+        out[name]["coords"] = {dim: mesh.rank(dim) for dim in MESH_DIMS}
     return out
 
 
@@ -97,3 +98,17 @@ def test_ep_must_divide_dp_times_cp():
     with pytest.raises(ValueError, match=r"parallel.ep=3 must divide dp\(2\) × cp\(2\) = 4"):
         ParallelDims(dp=2, cp=2, ep=3).resolve(4)
     assert ParallelDims(dp=-1, cp=2, ep=4).resolve(8).dp == 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_layout_without_processes_matches_the_groups(groups, layout):
+    """`ParallelDims.derived_rank` / `group_span` (what `fivefold plan` uses, no process group) against the real
+    groups: every rank's place in each derived group, and each group's span of consecutive global ranks."""
+    dims = LAYOUTS[layout].resolve(8)
+    for rank, res in enumerate(groups):
+        r = res[layout]
+        for dim in DERIVED_DIMS:
+            assert dims.derived_rank(dim, r["coords"]) == r["ranks"][dim][0], (rank, dim)
+        for dim in (*MESH_DIMS, *DERIVED_DIMS):
+            members = r[dim]
+            assert dims.group_span(dim) == max(members) - min(members) + 1, (rank, dim, members)

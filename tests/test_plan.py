@@ -16,8 +16,8 @@ seed 003 §13.1 fitting 80 GB (and not without recompute), the TP, SP, PP and CP
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 
 import plan_layouts
 import pytest
@@ -26,7 +26,15 @@ from dist_utils import run_workers
 from fivefold import formulas
 from fivefold.cli import main as cli
 from fivefold.config import load_config
-from fivefold.plan import BACKWARD_ALLOCATED, plan_layout, rank_memory, rank_parts, rank_traffic
+from fivefold.plan import (
+    BACKWARD_ALLOCATED,
+    HARDWARE,
+    Hardware,
+    plan_layout,
+    rank_memory,
+    rank_parts,
+    rank_traffic,
+)
 from fivefold.train.validate import validate_layout
 
 GB = 1e9
@@ -91,6 +99,19 @@ def test_transient_peak_bounds_the_measured_peak(measured, planned, name):
         assert peak >= 0.75 * bound, f"rank {rank}: the bound is loose: measured {peak}, planned {bound}"
 
 
+@pytest.mark.parametrize("name", plan_layouts.WHOLE)
+def test_the_whole_peak_is_the_planned_total(measured, planned, name):
+    """Every storage alive during a step (`PeakSampler(allocations=True)`: the engines' and whatever an operator
+    allocated, autograd's saved tensors included) at its most, against the plan's total on the GPU — a sum of each
+    part's own peak, so an upper estimate — but what is alive at once moves with when gloo's threads finish their
+    collectives: four runs of tp 2 + SP + ZeRO-3 + full recompute measured 0.81-1.01 of the plan. Held: at most 5 %
+    above it, at least 70 % of it."""
+    for rank, res in enumerate(measured):
+        total = planned[name][rank][0].total
+        got = res[name]["whole"]
+        assert 0.7 * total <= got <= 1.05 * total, f"rank {rank}: measured {got}, planned {total}"
+
+
 @pytest.mark.parametrize("name", list(plan_layouts.LAYOUTS))
 def test_activations_within_15_percent(measured, planned, name):
     for rank, res in enumerate(measured):
@@ -102,9 +123,9 @@ def test_activations_within_15_percent(measured, planned, name):
 
 # -- the seeds' numbers through the planner ------------------------------------------------------------------------
 
-def _plan(world: int, *overrides: str, pp_ranks=None):
+def _plan(world: int, *overrides: str, pp_ranks=None, hardware: Hardware = HARDWARE["h100"]):
     return plan_layout(load_config(None, ["--precision.param", "bf16", "--precision.reduce", "bf16", *overrides]),
-                       world, pp_ranks=pp_ranks)
+                       world, hardware, pp_ranks=pp_ranks)
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -131,8 +152,8 @@ def test_llama3_405b_layouts_of_seed_003_fit_in_80gb_with_full_recompute():
     assert (short.dims.dp, long.dims.dp, long.dims.cp) == (128, 8, 16)
     for plan in (short, long):
         assert plan.fits, plan.peak_bytes / GB
-        assert plan.peak_bytes < 80 * GB
-    assert not _plan(16384, *common, "--train.seq_len", "8192", pp_ranks=(0,)).fits
+    without = _plan(16384, *common, "--train.seq_len", "8192", pp_ranks=(0,))
+    assert not without.fits and without.peak_bytes > 2 * short.peak_bytes
 
 
 def test_tp_and_sp_volumes_of_seed_003():
@@ -158,8 +179,9 @@ def test_pipeline_and_context_volumes_and_bubble_of_seed_003():
     model = ["--preset", "tiny", "--model.n_layers", "8", "--model.dim", "256", "--model.n_heads", "8",
              "--model.n_kv_heads", "8", "--model.ffn_hidden", "512"]
     P, M, L = 4, 8, 256
+    instant = dataclasses.replace(HARDWARE["h100"], intra_node_gbps=1e9, inter_node_gbps=1e9)  # messages cost 0
     plan = _plan(P, *model, "--parallel.pp", str(P), "--train.grad_accum", str(M), "--train.micro_batch", "1",
-                 "--train.seq_len", str(L))
+                 "--train.seq_len", str(L), hardware=instant)
     sends = plan.traffic["pp"]["ops"]["send"]
     assert sends == M * L * 256 * 2 * 2  # rank with the most: an activation forward, a gradient back per micro-batch
     assert plan.bubble == pytest.approx(formulas.bubble_formula("1f1b", P, M), abs=0.03)
@@ -181,21 +203,74 @@ def test_cli_table_json_and_search(capsys):
     assert cli(["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "8", "--sp", "--zero", "1",
                 "--micro-batch", "1", "--seq", "4096", "--global-batch", "16"]) == 0
     text = capsys.readouterr().out
-    assert "model states: optimizer" in text and "fits" in text and "MFU" in text and "tp " in text
+    assert "model states: optimizer" in text and "-> fits" in text and "MFU" in text
+    assert "layout: tp 8+SP, pp 1, cp 1, dp 2, ZeRO-1" in text
     assert cli(["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "8", "--zero", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["dims"]["tp"] == 8 and data["fits"] in (True, False) and data["traffic"]["tp"]["group"] == 8
-    assert cli(["plan", "--model", "llama3-8b", "--gpus", "16", "--tp", "3"]) == 2
-    assert "tp" in capsys.readouterr().err
-    assert cli(["plan", "--model", "small", "--gpus", "4", "--search", "--top", "3", "--seq", "256",
-                "--micro-batch", "4", "--global-batch", "16"]) == 0
+    assert data["dims"]["tp"] == 8 and data["traffic"]["tp"]["group"] == 8 and data["seq_len"] == 8192
+    assert data["fits"] == (data["peak_bytes"] <= 80e9) and data["micro_batch"] == 1  # the planning defaults
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "12", "--tp", "3"]) == 2
+    assert "ffn_hidden=14336 is not divisible by tp=3; choose tp dividing" in capsys.readouterr().err
+
+
+def test_cli_refuses_what_cannot_describe_a_machine(capsys):
+    for flags, words in ((["--efficiency", "2"], "at most 1"), (["--efficiency", "0"], "compute_efficiency=0.0"),
+                         (["--intra-gbps", "-5"], "intra_node_gbps=-5.0"), (["--gpu-mem", "-1"], "memory_gb=-1.0"),
+                         (["--gpus-per-node", "0"], "gpus_per_node=0"), (["--search", "--top", "0"], "top=0")):
+        assert cli(["plan", "--model", "small", "--gpus", "2", *flags]) == 2, flags
+        assert words in capsys.readouterr().err, flags
+
+
+def test_the_issue_command_runs_with_planning_defaults(capsys):
+    """The issue's own command: train's CPU-demo batch (8 × 128, one micro-batch) would stop a pp 4 pipeline;
+    plan's defaults (one sequence of the model's context per micro-batch, 4 × pp micro-batches) and says so."""
+    assert cli(["plan", "--model", "llama3-70b", "--gpus", "512", "--gpu-mem", "80", "--parallel.tp", "8",
+                "--parallel.pp", "4", "--zero", "1", "--micro-batch", "1", "--seq", "8192"]) == 0
+    text = capsys.readouterr().out
+    assert "micro 1 × accum 16 × dp 16" in text and "--grad-accum / --global-batch not given" in text
+
+
+def test_search_ranks_fitting_layouts_and_keeps_given_dimensions(capsys):
+    common = ["plan", "--model", "small", "--gpus", "4", "--search", "--top", "3", "--seq", "256", "--micro-batch",
+              "4", "--global-batch", "16"]
+    assert cli(common) == 0
     out = capsys.readouterr().out
     assert "valid layouts for 4" in out and out.count("ZeRO-") == 3
+    assert cli([*common, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    steps = [p["time"]["step"] for p in plans]
+    assert len(plans) == 3 and steps == sorted(steps) and all(p["fits"] for p in plans)
+    assert cli([*common, "--tp", "2"]) == 0  # tp given: only tp 2 layouts
+    rows = [line for line in capsys.readouterr().out.splitlines() if "ZeRO-" in line]
+    assert rows and all("tp 2+SP" in r for r in rows)
+    assert cli(["plan", "--model", "small-moe", "--gpus", "4", "--search", "--seq", "128", "--micro-batch", "2",
+                "--global-batch", "8", "--top", "50"]) == 0
+    assert "ep 4" in capsys.readouterr().out  # MoE: expert parallel degrees are searched too
 
 
-def test_seed_model_states_figures():
-    """The seed's 7.5B at N = 64, 1T at N = 1024 and 7B figures (formulas.zero_model_states, the planner's base)."""
-    gb = 1e9
-    assert [round(formulas.zero_model_states(7.5e9, s, 64)["total"] / gb, 1) for s in range(4)] == \
-        [120.0, 31.4, 16.6, 1.9]
-    assert math.isclose(round(formulas.zero_model_states(1e12, 3, 1024)["total"] / gb, 1), 15.6)
+def test_copy_kept_is_keep_only_of_a_copy():
+    """The stage cut without copying the removed modules: the same names and shapes as keep_only(deepcopy), the
+    original untouched, and the same refusal for a ModuleList."""
+    import copy
+
+    from torch import nn
+
+    from fivefold.models.llama import Llama, get_config
+    from fivefold.models.plans import llama_stage_modules
+    from fivefold.pipeline.split import copy_kept, keep_only
+
+    model = Llama(get_config("tiny"), device="meta")
+    before = {n: p.shape for n, p in model.named_parameters()}
+    for names in llama_stage_modules(model.config, 3):
+        want = keep_only(copy.deepcopy(model), names)
+        got = copy_kept(model, names)
+        assert {n: p.shape for n, p in got.named_parameters()} == {n: p.shape for n, p in want.named_parameters()}
+        assert [n for n, _ in got.named_modules()] == [n for n, _ in want.named_modules()]
+    assert {n: p.shape for n, p in model.named_parameters()} == before
+    listed = nn.Module()
+    listed.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="ModuleList"):
+        keep_only(copy.deepcopy(listed), ["blocks.1"])
+    with pytest.raises(ValueError, match="ModuleList"):
+        copy_kept(listed, ["blocks.1"])
+    assert len(listed.blocks) == 2

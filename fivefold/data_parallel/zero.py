@@ -112,6 +112,8 @@ class ZeroDataParallel(nn.Module):
         self.qgz, self.quant_block = qgz and comm.size > 1, quant_block
         self._qgz_sends: dict[int, torch.Tensor] = {}  # qgZ: packed chunks kept alive while their all-to-all runs
         self._zeropp_gather = dict(quant_block=quant_block if qwz else None, secondary=hpz_comm)  # ZeRO-3 units
+        # ZeRO++ hpZ's group for backward gathers (None: off)
+        self.hpz_comm = hpz_comm if zero_stage == 3 and hpz_comm is not None and hpz_comm.size > 1 else None
         self.constant_buffers = constant_buffers
         self.offload_optimizer = offload_optimizer
         self.mp = mixed_precision or MixedPrecision()

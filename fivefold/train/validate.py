@@ -98,9 +98,10 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     return dataclasses.replace(plan, resume_from=resume_from, notes=tuple(notes))
 
 
-def validate_layout(cfg: Config, world_size: int) -> RunPlan:
+def validate_layout(cfg: Config, world_size: int, device_type: str | None = None) -> RunPlan:
     """The checks of `validate` that need neither data nor a run directory: numbers, the grid, the batch, the model
-    and every dimension's divisibility (what `fivefold plan` checks a layout with); the resolved plan."""
+    and every dimension's divisibility (what `fivefold plan` checks a layout with); the resolved plan.
+    ``device_type``: the device the layout is for (default: ``run.device``, "auto" meaning this machine's)."""
     t, z, p, r = cfg.train, cfg.zero, cfg.parallel, cfg.run
     for section, values in cfg.to_dict().items():  # inf or nan reach a float field from TOML or the command line
         for key, value in (values or {}).items() if isinstance(values, dict) else ():
@@ -186,8 +187,10 @@ def validate_layout(cfg: Config, world_size: int) -> RunPlan:
         schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
         llama_stage_modules(model, schedule.n_stages, cfg.pipeline.layers())  # blocks per stage, tied embeddings
         try:
-            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-            device_type = (accelerator.type if accelerator else "cpu") if r.device == "auto" else r.device.split(":")[0]
+            if device_type is None:
+                accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+                device_type = (accelerator.type if accelerator else "cpu") if r.device == "auto" else \
+                    r.device.split(":")[0]
             pipeline_overlap(cfg, model.moe is not None, dims.size, device_type)
         except ValueError as e:
             raise ConfigError(str(e)) from None

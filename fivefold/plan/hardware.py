@@ -1,0 +1,56 @@
+"""The machine a plan is for: one GPU's memory and peak FLOP/s, and its links (seed 003 §2.2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fivefold.mesh import ParallelDims
+
+__all__ = ["GB", "HARDWARE", "Hardware", "link"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links. Bandwidths are GB/s one GPU sends in one direction (what a ring's wire bytes take):
+    an H100's NVLink 4 is 450 GB/s each way — seed 003 §2.2's 900 GB/s counts both directions —, InfiniBand NDR
+    400 Gb/s = 50 GB/s per GPU. The peak is dense bf16 (set it for fp32 / TF32); ``compute_efficiency`` is the share
+    of it the model's matmuls reach, an assumption to set from your own measurements."""
+
+    name: str = "H100-80GB"
+    memory_gb: float = 80.0
+    peak_tflops: float = 989.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    gpus_per_node: int = 8
+    hbm_gbps: float = 3350.0  # the optimizer step streams its states through memory
+    compute_efficiency: float = 0.6
+
+    def check(self) -> Hardware:
+        """Raise a ValueError naming a value that cannot describe a machine; return self."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and not value > 0:
+                raise ValueError(f"hardware {f.name}={value} must be positive")
+        if self.compute_efficiency > 1:
+            raise ValueError(f"compute efficiency {self.compute_efficiency} is a fraction of the peak: at most 1")
+        return self
+
+
+HARDWARE = {
+    "h100": Hardware(),
+    "h200": Hardware(name="H200-141GB", memory_gb=141.0, hbm_gbps=4800.0),
+    "h800": Hardware(name="H800-80GB", intra_node_gbps=200.0),  # NVLink cut to 400 GB/s both ways
+    "a100": Hardware(name="A100-80GB", peak_tflops=312.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
+                     hbm_gbps=2039.0),
+}
+
+
+def link(dim: str, dims: ParallelDims, hw: Hardware, hpz: int = 1) -> tuple[str, float]:
+    """("intra-node" | "inter-node", GB/s) of `dim`'s groups: intra-node when a group's ranks lie within one node's
+    GPUs (`ParallelDims.group_span`)."""
+    if dims.group_span(dim, hpz) <= hw.gpus_per_node:
+        return "intra-node", hw.intra_node_gbps
+    return "inter-node", hw.inter_node_gbps

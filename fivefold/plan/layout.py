@@ -1,0 +1,153 @@
+"""`plan_layout`: one layout's plan — memory per pipeline rank, traffic per dimension, bubble, step time, MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from fivefold import formulas
+from fivefold.config import Config
+from fivefold.mesh import ParallelDims
+from fivefold.models.llama import Llama, LlamaConfig
+from fivefold.plan.assembly import Parts, rank_parts, resolved, stages_of
+from fivefold.plan.hardware import GB, HARDWARE, Hardware, link
+from fivefold.plan.memory import RankMemory, block_bytes, rank_memory
+from fivefold.plan.timing import step_time
+from fivefold.plan.traffic import Transfer, by_dim, rank_transfers
+from fivefold.train.validate import RunPlan, validate_layout
+
+__all__ = ["LayoutPlan", "plan_layout"]
+
+# The device a plan is for: `validate_layout` checks what it would refuse there (e.g. DualPipeV's overlap is CPU-only)
+TARGET_DEVICE = "cuda"
+
+
+@dataclass
+class LayoutPlan:
+    layout: str
+    world: int
+    dims: ParallelDims
+    model: LlamaConfig
+    model_name: str
+    params: int
+    precision: str
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    ranks: list[RankMemory]  # the pipeline ranks laid out (all, or the first and last under `search`)
+    hardware: Hardware
+    block_bytes: int  # what one block of the first stage keeps for backward
+    traffic_rank: int  # the pipeline rank whose traffic `traffic` shows (the busiest)
+    traffic: dict[str, dict[str, Any]] = field(default_factory=dict)  # dim -> ops, payload, wire, group, link
+    bubble: float | None = None
+    time: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.total for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.hardware.memory_gb * GB
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["dims"] = dataclasses.asdict(self.dims)
+        out["model"] = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "rope_scaling"}
+        out["peak_bytes"], out["fits"] = self.peak_bytes, self.fits
+        return out
+
+
+_COUNTS: dict[str, tuple[int, int]] = {}  # (a pure function of the shape; a 700B model takes seconds to build)
+
+
+def _counts(model: LlamaConfig) -> tuple[int, int]:
+    """(parameters, parameters one token goes through: embeddings excluded, top_k of an MoE layer's experts)."""
+    if repr(model) in _COUNTS:
+        return _COUNTS[repr(model)]
+    total = active = 0
+    for name, shape in Llama(model, device="meta").full_shapes().items():
+        numel = 1
+        for n in shape:
+            numel *= n
+        total += numel
+        if not name.startswith("tok_embeddings"):
+            active += numel * (model.moe.top_k / model.moe.experts if ".experts." in name else 1)
+    if model.tie_embeddings:  # one tensor under two names
+        total -= model.vocab_size * model.dim
+    _COUNTS[repr(model)] = total, int(active)
+    return _COUNTS[repr(model)]
+
+
+def _dims_table(transfers: list[Transfer], run: RunPlan, hw: Hardware) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dim, ops in by_dim(transfers).items():
+        mine = [t for t in transfers if t.dim == dim]
+        where, _ = link(dim, run.dims, hw, mine[0].group)
+        out[dim] = {"ops": ops, "payload_bytes": sum(ops.values()), "wire_bytes": sum(t.wire_bytes for t in mine),
+                    "group": mine[0].group, "link": where}
+    return out
+
+
+def plan_layout(cfg: Config, world: int, hardware: Hardware = HARDWARE["h100"], pp_ranks: tuple[int, ...] | None = None,
+                parts_cache: dict[str, dict[int, Parts]] | None = None) -> LayoutPlan:
+    """Predict memory per pipeline rank, traffic per dimension, bubble and step time of `cfg` on `world` GPUs; the
+    trainer's own checks name what does not divide (`validate_layout`, a ValueError). ``pp_ranks``: the pipeline
+    ranks to lay out (default all; `search` takes the first and the last, which hold the most). ``parts_cache``:
+    reuse the assembly across plans that differ only in the recompute mode."""
+    hardware.check()
+    run = validate_layout(cfg, world, device_type=TARGET_DEVICE)
+    cfg = resolved(cfg, run)
+    chosen = range(run.dims.pp) if pp_ranks is None else sorted({r % run.dims.pp for r in pp_ranks})
+    key = repr({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "recompute": None}})
+    parts = (parts_cache or {}).get(key) or {r: rank_parts(cfg, run, r) for r in chosen}
+    if parts_cache is not None:
+        parts_cache.clear()  # one layout at a time: `search` sends them grouped
+        parts_cache[key] = parts
+    memory = {r: rank_memory(cfg, run, r, parts[r]) for r in chosen}
+    transfers = {r: rank_transfers(cfg, run, r, parts[r]) for r in chosen}
+    time, bubble = step_time(cfg, run, hardware, parts, transfers, memory)
+    model = run.model
+    params, active = _counts(model)
+    tokens = run.global_batch * cfg.train.seq_len
+    flops = formulas.model_flops_per_token(active, model.n_layers, cfg.train.seq_len, model.dim)
+    time["tokens/s"] = tokens / time["step"]
+    time["MFU"] = flops * tokens / (time["step"] * world * hardware.peak_tflops * 1e12)
+    busiest = max(transfers, key=lambda r: sum(t.nbytes for t in transfers[r]))
+    first = next(iter(stages_of(parts[chosen[0]]).values()))
+    one_block = block_bytes(cfg, run, next(iter(first.layers.values())), cfg.train.recompute) \
+        if first.layers is not None and len(first.layers) else 0
+    return LayoutPlan(_describe(cfg, run), world, run.dims, model, cfg.model.init_from or cfg.model.preset, params,
+                      f"{cfg.precision.param} params, {cfg.precision.reduce} gradient reduction", run.micro_batch,
+                      run.grad_accum, run.global_batch, cfg.train.seq_len, list(memory.values()), hardware, one_block,
+                      busiest, _dims_table(transfers[busiest], run, hardware), bubble, time,
+                      notes=[*run.notes, *_advice(cfg, run)])
+
+
+def _advice(cfg: Config, run: RunPlan) -> list[str]:
+    notes = []
+    if run.dims.pp == 1 and run.grad_accum > 1 and not cfg.zero.defer_reduce and run.dims.size("dp_cp") > 1:
+        notes.append(f"gradients are reduced after each of the {run.grad_accum} micro-batches; --zero.defer_reduce "
+                     "true reduces once per step (ZeRO-2/3 then hold full gradients until the last micro-batch)")
+    if cfg.zero.stage == 3 and not cfg.zero.reshard_after_forward:
+        notes.append("zero.reshard_after_forward false: the units stay gathered from forward to backward (2Ψ of "
+                     "gathers instead of 3Ψ, every unit's parameters held at once)")
+    return notes
+
+
+def _describe(cfg: Config, run: RunPlan) -> str:
+    d, z = run.dims, cfg.zero
+    parts = [f"tp {d.tp}" + ("+SP" if cfg.parallel.sp and d.tp > 1 else ""), f"pp {d.pp}", f"cp {d.cp}",
+             f"dp {d.dp}", f"ZeRO-{z.stage}"]
+    if d.ep > 1:
+        parts.append(f"ep {d.ep}")
+    if d.dp_replicate > 1:
+        parts.append(f"HSDP {d.dp_replicate}×{d.size('dp_shard')}")
+    if d.pp > 1:
+        parts.append(cfg.pipeline.schedule + (f" V={cfg.pipeline.virtual}" if cfg.pipeline.virtual > 1 else ""))
+    if cfg.train.recompute != "none":
+        parts.append(f"recompute {cfg.train.recompute}")
+    return ", ".join(parts)

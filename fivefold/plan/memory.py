@@ -1,0 +1,196 @@
+"""One rank's bytes by part: model states (seed 001 §5, per flat buffer with its padding), the buffers that come and
+go during a step, and the activations kept for backward (seed 003 §12.4's accounting applied to the Llama block).
+`tests/test_plan.py` holds each against `fivefold.memory`'s measurements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fivefold import formulas
+from fivefold.config import Config
+from fivefold.models.parallelize import PipelinedModel
+from fivefold.pipeline.actions import B, F, I, Schedule, W
+from fivefold.pipeline.simulator import simulate
+from fivefold.plan.assembly import Parts, engines_of, local_numels, precision_bytes, rank_parts, resolved, stages_of
+from fivefold.train.validate import RunPlan
+
+__all__ = ["BACKWARD_ALLOCATED", "LOGITS_GRAD", "LOSS_CHUNK", "RECOMPUTED", "RankMemory", "WORKING", "W_GRADS",
+           "block_bytes", "in_flight", "rank_memory"]
+
+RECOMPUTED = "recomputed block (in its backward)"
+W_GRADS = "output gradients awaiting W"  # allocated by I passes, not by forwards
+LOGITS_GRAD = "logits gradient (head backward)"
+LOSS_CHUNK = "loss fp32 chunk (head backward)"
+WORKING = "a block's backward working set"
+BACKWARD_ALLOCATED = (RECOMPUTED, W_GRADS, LOGITS_GRAD, LOSS_CHUNK, WORKING)  # made by a backward
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's bytes (every dp / tp / cp / ep rank of it alike, dp rank 0 holding the most padding)."""
+
+    pp_rank: int
+    params: int  # parameters this rank's share of the model has, before ZeRO shards them (its stages, TP slice)
+    model_states: dict[str, int]  # params / grads / optimizer / total; host: the part of them in host memory
+    transient: dict[str, int]  # buffers alive at the backward's peak besides the model states
+    activations: dict[str, int]  # kept for backward at the peak (blocks × micro-batches in flight, ends), and the
+    # activation-sized tensors a backward makes (`BACKWARD_ALLOCATED`)
+    total: int = 0  # what the device holds at the peak: everything above but the host part
+
+    def __post_init__(self) -> None:
+        self.total = (self.model_states["total"] - self.model_states.get("host", 0) + sum(self.transient.values())
+                      + sum(self.activations.values()))
+
+
+def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
+    pb, gb = precision_bytes(cfg)
+    hpz = engine.hpz_comm.size if engine.hpz_comm is not None else 0
+    out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
+    for f in engine.flats:
+        owned = sum(b - a for _, a, b in f.segments)
+        part = formulas.flat_model_state_bytes(
+            f.layout.padded_numel, f.shard_numel, owned, len(f.segments), stage=engine.zero_stage, param_bytes=pb,
+            grad_bytes=gb, separate_master=pb != 4, hpz=hpz, offload=f.offload)
+        for k in out:
+            out[k] += part[k]
+    return out
+
+
+def _transient(engine: Any, cfg: Config, accumulating: bool, reductions: int,
+               deferred_w: bool = False) -> dict[str, int]:
+    """Buffers that come and go during a step, at the backward's peak: ZeRO-2/3's full gradient buffers (at most
+    ``inflight_buckets`` launched and one filling; all of them while gradients accumulate unreduced: ``no_sync``
+    under pp or ``defer_reduce``) and the temporaries later reduce-scatters land in; the gradient autograd makes
+    before a hook copies it into its bucket (ZeRO-1/2; stage 0 when the bucket's dtype is not the parameter's);
+    ZeRO-3's gathered units (the root, the unit in use and ``prefetch`` ahead; all without ``reshard_after_forward``)
+    and a unit's gradients before they are copied into its bucket. ``deferred_w`` (a zero-bubble schedule): a
+    ZeRO-3 unit stays gathered from its I to its W, when its last gradient arrives — every unit of the stage."""
+    z, stage = cfg.zero, engine.zero_stage
+    pb, gb = precision_bytes(cfg)
+    sizes = sorted((f.layout.padded_numel for f in engine.flats), reverse=True)
+    out: dict[str, int] = {}
+    if stage >= 2 and engine.comm.size > 1:
+        n = len(sizes) if accumulating else z.inflight_buckets + 1
+        out["gradient buckets"] = sum(sizes[:n]) * gb
+        if reductions > 1:  # a later reduction's reduce-scatter lands in a temporary added to the shard
+            shards = sorted((f.shard_numel for f in engine.flats), reverse=True)
+            out["reduce-scatter outputs"] = sum(shards[:z.inflight_buckets]) * gb
+    if stage in (1, 2) or (stage == 0 and pb != gb):
+        out["parameter gradient"] = max(p.numel() for f in engine.flats for p in f.params) * pb
+    if stage == 3 and engine.comm.size > 1:
+        units = [(module is engine.module, f.layout.padded_numel) for module, f in engine.fsdp.units]
+        root = sum(n for is_root, n in units if is_root)  # gathered around all its children
+        others = sorted((n for is_root, n in units if not is_root), reverse=True)
+        every = not z.reshard_after_forward or deferred_w
+        gathered = sum(n for _, n in units) if every else root + sum(others[:1 + z.prefetch])
+        out["gathered units"] = gathered * pb
+        out["unit gradients"] = sizes[0] * pb
+    return out
+
+
+def block_bytes(cfg: Config, run: RunPlan, block: Any, recompute: str) -> int:
+    """`formulas.activation_bytes_per_block` for one block of this rank (an MoE block with its feed-forward's)."""
+    m, t, p = run.model, cfg.train, run.dims
+    s = precision_bytes(cfg)[0]
+    seq = t.seq_len // p.cp
+    ffn = None
+    moe = m.moe if getattr(block.feed_forward, "router", None) is not None else None
+    if moe is not None and recompute != "full":
+        hidden = moe.hidden or m.ffn_hidden
+        ffn = formulas.moe_ffn_activation_bytes(run.micro_batch * seq, m.dim, moe.experts, moe.top_k, hidden,
+                                                moe.shared_experts * hidden, dtype_bytes=s)
+    return formulas.activation_bytes_per_block(
+        run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads, m.ffn_hidden, dtype_bytes=s,
+        attention=cfg.model.attention if p.cp == 1 else "sdpa", recompute=recompute, tp=p.tp,
+        sp=cfg.parallel.sp and p.tp > 1, ffn_bytes=ffn)
+
+
+def in_flight(schedule: Schedule, rank: int) -> tuple[int, int]:
+    """(whole activations, activations awaiting W) of (stage, micro-batch) pairs on `rank` when the simulated
+    schedule holds the most: a pair is whole from its F's start to its B's or I's end, then (after I) awaits its W
+    until that ends; the most is taken with a pair awaiting W worth half a whole one (the block formulas' ratio is
+    ~0.4), ties to more whole ones. The order decides, not the costs: the simulator's defaults."""
+    changes: list[tuple[float, int, int, int]] = []
+    for e in simulate(schedule).events[rank]:
+        if e.kind == F:
+            changes.append((e.start, 1, +1, 0))
+        elif e.kind == B:
+            changes.append((e.end, 0, -1, 0))
+        elif e.kind == I:
+            changes.append((e.end, 0, -1, +1))
+        elif e.kind == W:
+            changes.append((e.end, 0, 0, -1))
+    whole = pending = 0
+    best = (0, 0)
+    for _, _, d_whole, d_pending in sorted(changes):
+        whole, pending = whole + d_whole, pending + d_pending
+        if 2 * whole + pending > 2 * best[0] + best[1]:
+            best = (whole, pending)
+    return best
+
+
+def _activations(cfg: Config, run: RunPlan, parts: Parts, pp_rank: int) -> dict[str, int]:
+    """Bytes kept for backward at the peak: every block of this rank × the micro-batches its stages have in flight
+    (the simulator's count; 1 without pp), the embedding's output on the first stage (under full recompute it is
+    the first block's kept input, counted there), the head and loss on the last (× its micro-batches in flight:
+    GPipe's last stage keeps all M); and what a backward makes on top, activation-sized: with recompute the one
+    block whose discarded part lives again, the head's logits gradient, zero-bubble's output gradients awaiting W."""
+    m, t, p = run.model, cfg.train, run.dims
+    s = precision_bytes(cfg)[0]
+    seq = t.seq_len // p.cp
+    sp = cfg.parallel.sp and p.tp > 1
+    stages = stages_of(parts)
+    if isinstance(parts, PipelinedModel):
+        n_stages = parts.schedule.n_stages
+        whole, pending = in_flight(parts.schedule, pp_rank)
+    else:
+        n_stages, whole, pending = 1, 1, 0
+    blocks = [b for stage in stages.values() for b in (stage.layers.values() if stage.layers is not None else ())]
+    per_chunk = whole / len(stages)  # in flight counts (stage, micro-batch) pairs: V chunks share a rank's count
+    out: dict[str, int] = {"blocks": int(sum(block_bytes(cfg, run, b, t.recompute) for b in blocks) * per_chunk)}
+    if pending:  # zero-bubble: between I and W a block keeps only what its weight gradients need
+        moe_ffn = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
+        w = [formulas.weight_grad_pending_bytes(
+            run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads,
+            moe_ffn if getattr(b.feed_forward, "router", None) is not None else m.ffn_hidden, dtype_bytes=s, tp=p.tp)
+            for b in blocks]
+        out["blocks awaiting W"] = int(sum(x["inputs"] for x in w) * pending / len(stages))
+        out[W_GRADS] = int(sum(x["grads"] for x in w) * pending / len(stages))
+    if 0 in stages and t.recompute != "full":
+        out["embedding"] = int(run.micro_batch * (seq // p.tp if sp else seq) * m.dim * s * per_chunk)
+    if n_stages - 1 in stages:
+        out["head and loss"] = int(formulas.head_activation_bytes(run.micro_batch, seq, m.dim, m.vocab_size,
+                                                                  dtype_bytes=s, tp=p.tp, sp=sp) * max(1, per_chunk))
+        out[LOGITS_GRAD] = run.micro_batch * seq * m.vocab_size // p.tp * s
+        out[LOSS_CHUNK] = formulas.loss_chunk_bytes(run.micro_batch, seq, m.vocab_size, p.tp)
+    if blocks:
+        hidden = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
+        out[WORKING] = formulas.backward_working_bytes(run.micro_batch, seq, m.dim, max(hidden, m.ffn_hidden),
+                                                       dtype_bytes=s, tp=p.tp, sp=sp)
+    if t.recompute != "none" and blocks:
+        out[RECOMPUTED] = max(block_bytes(cfg, run, b, "none") - block_bytes(cfg, run, b, t.recompute)
+                              for b in blocks)
+    return out
+
+
+def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None) -> RankMemory:
+    """Model states, transient buffers and activations of pipeline rank `pp_rank` (its parts: `rank_parts`)."""
+    cfg = resolved(cfg, run)
+    parts = parts if parts is not None else rank_parts(cfg, run, pp_rank)
+    states = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
+    transient: dict[str, int] = {}
+    accumulating = run.dims.pp > 1 or (cfg.zero.defer_reduce and run.grad_accum > 1)
+    reductions = 1 if accumulating else run.grad_accum
+    deferred_w = isinstance(parts, PipelinedModel) and any(a.kind == W for acts in parts.schedule.actions
+                                                           for a in acts)
+    for _, engine in engines_of(parts):
+        for k, v in _engine_states(engine, cfg).items():
+            states[k] += v
+        for k, v in _transient(engine, cfg, accumulating, reductions, deferred_w).items():
+            transient[k] = transient.get(k, 0) + v
+    states["total"] = states["params"] + states["grads"] + states["optimizer"]
+    # the modules' own buffers (RoPE tables; this rank's positions under cp): not model states, held all along
+    transient["model buffers"] = sum(b.numel() * b.element_size() for m in parts.modules() for b in m.buffers())
+    held = sum(sum(n.values()) for n in local_numels(parts).values())
+    return RankMemory(pp_rank, held, states, transient, _activations(cfg, run, parts, pp_rank))
