@@ -34,11 +34,11 @@ def format_plan(plan: LayoutPlan) -> str:
         shown = {0, 1, 2, len(ranks) // 2, len(ranks) - 2, len(ranks) - 1}
         fullest = max(range(len(ranks)), key=lambda i: ranks[i].total)
         ranks = [ranks[i] for i in sorted({*shown, fullest})]
-    head = f"{'per GPU':50s}" + "".join(f"{'pp rank ' + str(r.pp_rank):>13s}" for r in ranks)
+    head = f"{'per GPU':56s}" + "".join(f"{'pp rank ' + str(r.pp_rank):>13s}" for r in ranks)
     lines += [head, "-" * len(head)]
 
     def row(label: str, values: list[float]) -> None:
-        lines.append(f"{label:50s}" + "".join(f"{v:>13,.2f}" for v in values))
+        lines.append(f"{label:56s}" + "".join(f"{v:>13,.2f}" for v in values))
 
     row("parameters held (B)", [r.params / 1e9 for r in ranks])
     for part in ("params", "grads", "optimizer"):
@@ -52,12 +52,12 @@ def format_plan(plan: LayoutPlan) -> str:
     row("total on the GPU (GB)", [r.total / GB for r in ranks])
     m, d = plan.model, plan.dims
     seed = formulas.korthikanti_block_bytes(plan.micro_batch, plan.seq_len // d.cp, m.dim, m.n_heads)
-    lines.append(f"{'one block keeps (GB)':50s}{plan.block_bytes / GB:>13,.2f}   (seed 003 §12.4's GPT block, "
+    lines.append(f"{'one block keeps (GB)':56s}{plan.block_bytes / GB:>13,.2f}   (seed 003 §12.4's GPT block, "
                  f"34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash attention: {seed / GB:,.2f} GB)")
     fits = "fits" if plan.fits else "DOES NOT FIT"
     more = f"; {len(plan.ranks)} pipeline ranks, {len(ranks)} shown, all in --json" if len(ranks) < len(plan.ranks) \
         else ""
-    lines += [f"{'GPU memory (GB)':50s}{hw.memory_gb:>13,.2f}   -> {fits} (peak {_bytes(plan.peak_bytes)}{more})", ""]
+    lines += [f"{'GPU memory (GB)':56s}{hw.memory_gb:>13,.2f}   -> {fits} (peak {_bytes(plan.peak_bytes)}{more})", ""]
     where = f" (pp rank {plan.traffic_rank}, the busiest)" if len(plan.ranks) > 1 else ""
     lines += [f"traffic per step and GPU{where}",
               f"  {'dim':16s}{'group':>7s}{'link':>12s}{'payload':>14s}{'ring wire':>14s}   collectives"]
