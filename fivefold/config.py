@@ -173,6 +173,9 @@ class RunSection:
     heartbeat_timeout_s: float = 60.0
     stall_timeout_s: float = 0.0
     collective_timeout_s: float = 1800.0  # for every process group of the run (then a collective fails)
+    # the dense peak TFLOP/s of one device in the compute dtype, for MFU (0: a table of known accelerators; on the
+    # CPU a short matmul measured with the threads each rank uses, cached in ~/.cache/fivefold)
+    peak_tflops: float = 0.0
     # per-rank trace of the last trace_steps steps -> <run dir>/trace.json (Chrome / Perfetto) and step_trace.png:
     # forward/backward/recompute spans per block, every collective (launch -> completion), the share of communication
     # hidden behind compute (printed and in metrics). Off: no hooks, no timing.

@@ -30,6 +30,15 @@ def test_trainer_end_to_end_two_workers(tmp_path):
     assert all(r["comm_payload_bytes"] == 4 * psi for r in train)
     assert all(r["comm_wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi) for r in train)
     assert (tmp_path / "e2e" / "loss.png").stat().st_size > 1000
+    # MFU (issue 17): the model's FLOPs at each logged step's speed over 2 × this CPU's measured 1-thread peak
+    tiny = records[0]["model_config"]
+    flops = train[-1]["flops_per_token"]
+    assert flops == 6 * (psi - tiny["vocab_size"] * tiny["dim"]) + 12 * tiny["n_layers"] * 64 * tiny["dim"]
+    for r in train:
+        assert 0 < r["mfu"] < 1.5 and r["achieved_tflops_per_device"] > 0
+        assert r["achieved_tflops_per_device"] == pytest.approx(r["tokens_per_s"] * flops / 2 / 1e12)
+    summary = [r for r in records if r["kind"] == "summary"]
+    assert summary and 0 < summary[0]["mfu"] < 1.5
 
 
 def test_trainer_zero3_with_accumulation(tmp_path):

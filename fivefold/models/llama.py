@@ -20,7 +20,7 @@ from fivefold.ops import Linear, recompute
 
 __all__ = ["ATTENTION_CORES", "Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RECOMPUTE_MODES",
            "RMSNorm", "RopeScaling", "TransformerBlock", "apply_rotary", "build_model", "causal_attention",
-           "count_params", "eager_attention", "get_config", "precompute_rope"]
+           "count_params", "eager_attention", "get_config", "param_counts", "precompute_rope"]
 
 
 @dataclass(frozen=True)
@@ -392,6 +392,25 @@ def build_model(config: LlamaConfig, seed: int = 0, device: str | torch.device =
                 dtype: torch.dtype = torch.float32) -> Llama:
     """Build and initialise a Llama; on ``device="meta"`` nothing is allocated or initialised."""
     return Llama(config, seed=seed, device=device, dtype=dtype)
+
+
+_COUNTS: dict[str, tuple[int, int]] = {}  # a pure function of the shape (a 700B model takes seconds to build on meta)
+
+
+def param_counts(config: LlamaConfig) -> tuple[int, int]:
+    """(parameters, parameters one token goes through — embeddings excluded, they are a lookup; top_k of an MoE
+    layer's experts): the N of `formulas.model_flops_per_token`'s 6·N."""
+    if repr(config) not in _COUNTS:
+        total = active = 0
+        for name, shape in Llama(config, device="meta").full_shapes().items():
+            numel = math.prod(shape)
+            total += numel
+            if not name.startswith("tok_embeddings"):
+                active += numel * (config.moe.top_k / config.moe.experts if ".experts." in name else 1)
+        if config.tie_embeddings:  # one tensor, listed once (as the embedding); the head's matmul with it computes
+            active += config.vocab_size * config.dim
+        _COUNTS[repr(config)] = total, int(active)
+    return _COUNTS[repr(config)]
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

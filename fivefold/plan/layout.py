@@ -9,7 +9,7 @@ from typing import Any
 from fivefold import formulas
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims
-from fivefold.models.llama import Llama, LlamaConfig
+from fivefold.models.llama import LlamaConfig, param_counts
 from fivefold.plan.assembly import Parts, rank_parts, resolved, stages_of
 from fivefold.plan.hardware import GB, HARDWARE, Hardware, link
 from fivefold.plan.memory import RankMemory, block_bytes, rank_memory
@@ -61,27 +61,6 @@ class LayoutPlan:
         return out
 
 
-_COUNTS: dict[str, tuple[int, int]] = {}  # (a pure function of the shape; a 700B model takes seconds to build)
-
-
-def _counts(model: LlamaConfig) -> tuple[int, int]:
-    """(parameters, parameters one token goes through: embeddings excluded, top_k of an MoE layer's experts)."""
-    if repr(model) in _COUNTS:
-        return _COUNTS[repr(model)]
-    total = active = 0
-    for name, shape in Llama(model, device="meta").full_shapes().items():
-        numel = 1
-        for n in shape:
-            numel *= n
-        total += numel
-        if not name.startswith("tok_embeddings"):
-            active += numel * (model.moe.top_k / model.moe.experts if ".experts." in name else 1)
-    if model.tie_embeddings:  # one tensor under two names
-        total -= model.vocab_size * model.dim
-    _COUNTS[repr(model)] = total, int(active)
-    return _COUNTS[repr(model)]
-
-
 def _dims_table(transfers: list[Transfer], run: RunPlan, hw: Hardware) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for dim, ops in by_dim(transfers).items():
@@ -111,7 +90,7 @@ def plan_layout(cfg: Config, world: int, hardware: Hardware = HARDWARE["h100"], 
     transfers = {r: rank_transfers(cfg, run, r, parts[r]) for r in chosen}
     time, bubble = step_time(cfg, run, hardware, parts, transfers, memory)
     model = run.model
-    params, active = _counts(model)
+    params, active = param_counts(model)
     tokens = run.global_batch * cfg.train.seq_len
     flops = formulas.model_flops_per_token(active, model.n_layers, cfg.train.seq_len, model.dim)
     time["tokens/s"] = tokens / time["step"]

@@ -18,13 +18,15 @@ from fivefold.checkpoint.hf import load_hf_weights
 from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta
 from fivefold.comm import CommLog, debug_collectives_requested, set_debug_step
 from fivefold.config import Config
-from fivefold.formulas import bubble_formula
+from fivefold.data_parallel.mixed_precision import MixedPrecision
+from fivefold.formulas import bubble_formula, model_flops_per_token
 from fivefold.launch import Terminated, distributed, is_torchrun_env, launch_local, resolve_device, to_device
 from fivefold.mesh import ParallelMesh
-from fivefold.models import Llama, count_params
+from fivefold.models.llama import param_counts
 from fivefold.models.parallelize import parallelize
 from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
+from fivefold.peak import device_peak_flops
 from fivefold.pipeline.runtime import SIDE_THREAD
 from fivefold.trace import StepTracer, trace_window
 from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir, restart_count, watch_sigterm
@@ -47,6 +49,7 @@ class TrainResult:
     run_dir: str | None
     model_state_mb: float
     comm_hidden_fraction: float | None = None  # run.trace: mean over ranks of the communication hidden behind compute
+    mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak (issue 17)
 
 
 def run(cfg: Config) -> TrainResult:
@@ -103,7 +106,11 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     data = TokenDataset.from_path(cfg.data.path, t.seq_len, val_fraction=cfg.data.val_fraction, seed=t.seed,
                                   max_bytes=cfg.data.max_bytes)
     model_cfg = plan.model_for(int(max(data.train_tokens.max(), data.val_tokens.max() if len(data.val_tokens) else 0)))
-    n_params = count_params(Llama(model_cfg, device="meta"))
+    n_params, active = param_counts(model_cfg)
+    # MFU (issue 17): model FLOPs per token, PaLM's 6·N + 12·n_layers·L·D, against every rank's device peak
+    flops_per_token = model_flops_per_token(active, model_cfg.n_layers, t.seq_len, model_cfg.dim)
+    peak = device_peak_flops(device, MixedPrecision.from_names(cfg.precision.param).param_dtype,
+                             cfg.run.peak_tflops) * dist.get_world_size()
     parts = parallelize(cfg, model_cfg, mesh, device)
     is_main = dist.get_rank() == 0
     checkpoints = TrainCheckpoints(cfg, mesh, parts, model_cfg, device)
@@ -169,6 +176,10 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             record.write({"kind": "train", "step": step, "loss": losses[-1], "lr": lr_at(step, cfg),
                           "grad_norm": None if grad_norm is None else grad_norm.item(), "step_time_s": dt,
                           "tokens_per_s": tokens_per_step / dt, "model_state_mb": state_mb,
+                          "flops_per_token": flops_per_token,
+                          "achieved_tflops_per_device": tokens_per_step * flops_per_token / dt
+                          / dist.get_world_size() / 1e12,
+                          "mfu": tokens_per_step * flops_per_token / dt / peak,
                           "comm_calls": traffic.calls, "comm_payload_bytes": traffic.payload_bytes,
                           "comm_wire_bytes": traffic.wire_bytes})
             moe = parts.moe_load()  # expert load of the step's last micro-batch (MoE models)
@@ -176,6 +187,7 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                 record.write({"kind": "moe", "step": step, "layers": moe})
             record.progress.update(step + 1 - record.progress.done, loss=f"{losses[-1]:.3f}",
                                    tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.0f}",
+                                   mfu=f"{tokens_per_step * flops_per_token / dt / peak:.1%}",
                                    state_MB=f"{state_mb:.1f}")
         if step in traced:  # (before evaluation and checkpoints: the trace holds training steps)
             tracer.end_step(parts.action_marks())
@@ -201,7 +213,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     losses = losses or [float("nan")]
     result = TrainResult(step + 1 if stopped else t.steps, losses[0], losses[-1], val_loss, n_params,
                          tokens_per_step / steady[len(steady) // 2],
-                         str(record.run_dir) if record.run_dir else None, state_mb)
+                         str(record.run_dir) if record.run_dir else None, state_mb,
+                         mfu=tokens_per_step * flops_per_token / steady[len(steady) // 2] / peak)
     parts.gather_timeline()  # the pipeline's measured timings, gathered once
     if parts.timeline is not None:
         s = parts.schedule

@@ -1,0 +1,83 @@
+"""The peak FLOP/s MFU is measured against (issue 17): on an accelerator, the vendor's dense peak for the compute
+dtype from a table of known devices (or ``run.peak_tflops``); on the CPU, a short matmul measured with the threads
+this process uses, cached per machine — so "MFU" on a laptop means the fraction of what its cores can do."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["DEVICE_PEAKS", "cpu_peak_flops", "device_peak_flops"]
+
+# Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the device has them and
+# fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts; PCIe ones are lower: set the override).
+DEVICE_PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (989.0, 494.5), "H100": (989.0, 494.5), "H800": (989.0, 494.5), "A100": (312.0, 156.0),
+    "A800": (312.0, 156.0), "L40S": (362.0, 183.0), "L4": (121.0, 60.0), "A10": (125.0, 62.5),
+    "RTX 4090": (165.0, 82.6), "V100": (125.0, 15.7), "MI300X": (1307.0, 653.7), "MI250X": (383.0, 95.7),
+}
+
+_CACHE = Path(os.environ.get("FIVEFOLD_CACHE", Path.home() / ".cache" / "fivefold")) / "cpu_peak.json"
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> float:
+    """Peak FLOP/s of one `device` in `dtype`: ``override_tflops`` if set; on the CPU `cpu_peak_flops`; on an
+    accelerator the table's entry for its name, or a ValueError saying to set ``run.peak_tflops``."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type == "cpu":
+        return cpu_peak_flops(torch.get_num_threads(), dtype)
+    props = getattr(torch, device.type).get_device_properties(device)
+    for fragment, (half, single) in DEVICE_PEAKS.items():
+        if fragment in props.name:
+            return (single if dtype == torch.float32 else half) * 1e12
+    raise ValueError(f"no known peak for the {device.type} device {props.name!r}: set run.peak_tflops to its dense "
+                     f"{dtype} TFLOP/s (the data sheet's, without sparsity)")
+
+
+def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """Matmul FLOP/s of this CPU with `threads` threads in `dtype`, measured once (square matmuls of 512, the best of
+    a few repeats over about ``seconds``) and cached per machine, thread count, dtype and torch version."""
+    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{threads}|{dtype}|{torch.__version__}"
+    cached = _read_cache()
+    if key in cached:
+        return float(cached[key])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 512
+        a = torch.randn(n, n, dtype=dtype, device="cpu")
+        b = torch.randn(n, n, dtype=dtype, device="cpu")
+        torch.mm(a, b)  # warm-up
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b)
+            best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
+    finally:
+        torch.set_num_threads(previous)
+    _write_cache({**_read_cache(), key: best})
+    return best
+
+
+def _read_cache() -> dict[str, float]:
+    try:
+        return json.loads(_CACHE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(values: dict[str, float]) -> None:
+    try:
+        _CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _CACHE.with_name(f"{_CACHE.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(values, indent=1))
+        os.replace(tmp, _CACHE)  # atomic: ranks probing at once each leave a whole file
+    except OSError:
+        pass  # a read-only home: measured again next time

@@ -1,0 +1,53 @@
+"""MFU's arithmetic (issue 17): model FLOPs per token by PaLM's convention, counted by hand from the shapes, and the
+CPU peak probe the trainer divides by."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from fivefold import peak
+from fivefold.formulas import model_flops_per_token
+from fivefold.models.llama import get_config, param_counts
+
+
+def _by_hand_8b(seq_len: int) -> int:
+    """Llama-3 8B: D 4096, 32 blocks, 32 heads of 128, 8 kv heads, SwiGLU hidden 14336, vocabulary 128256."""
+    d, kv, f, v, n = 4096, 8 * 128, 14336, 128256, 32
+    block = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d  # wq, wk, wv, wo, w1 w2 w3, two norms
+    active = n * block + d + v * d  # + final norm + head (the embedding is a lookup)
+    return 6 * active + 12 * n * seq_len * d
+
+
+def _by_hand_tiny_moe(seq_len: int) -> int:
+    """tiny-moe: D 128, 4 blocks, 4 heads of 32, 2 kv heads, 8 experts of hidden 256 in every block, top 2."""
+    d, kv, e, k, h, v, n = 128, 2 * 32, 8, 2, 256, 256, 4
+    attention = 2 * d * d + 2 * d * kv + 2 * d
+    moe = d * e + k * 3 * d * h  # the router, and the top-2 experts a token goes through
+    return 6 * (n * (attention + moe) + d + v * d) + 12 * n * seq_len * d
+
+
+@pytest.mark.parametrize("preset, by_hand", [("llama3-8b", _by_hand_8b), ("tiny-moe", _by_hand_tiny_moe)])
+def test_flops_per_token_by_hand(preset, by_hand):
+    config = get_config(preset)
+    _, active = param_counts(config)
+    for seq_len in (128, 8192):
+        assert model_flops_per_token(active, config.n_layers, seq_len, config.dim) == by_hand(seq_len)
+
+
+def test_cpu_peak_probe_is_positive_bounded_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(peak, "_CACHE", tmp_path / "cpu_peak.json")
+    start = time.perf_counter()
+    measured = peak.cpu_peak_flops(1, torch.float32, seconds=0.2)
+    assert 1e8 < measured < 1e13 and time.perf_counter() - start < 5.0
+    assert (tmp_path / "cpu_peak.json").exists()
+    start = time.perf_counter()
+    assert peak.cpu_peak_flops(1, torch.float32) == measured and time.perf_counter() - start < 0.1  # cached
+    assert peak.device_peak_flops(torch.device("cpu"), torch.float32, override_tflops=2.5) == 2.5e12
+
+
+def test_accelerator_peaks_come_from_the_table_or_an_override():
+    assert peak.DEVICE_PEAKS["H100"] == (989.0, 494.5)
+    assert peak.device_peak_flops(torch.device("meta"), torch.bfloat16, override_tflops=312.0) == 312e12
