@@ -274,3 +274,18 @@ def test_copy_kept_is_keep_only_of_a_copy():
     with pytest.raises(ValueError, match="ModuleList"):
         copy_kept(listed, ["blocks.1"])
     assert len(listed.blocks) == 2
+
+
+def test_keeping_zero3_units_gathered_is_recommended_when_it_fits():
+    """Issue 17 §5: DeepSpeed's default (units kept from forward to backward, 2Ψ of gathers instead of 3Ψ) is
+    suggested with the peak it would have — the plan of that layout's — and only when it fits."""
+    common = ["--zero.stage", "3", "--train.seq_len", "4096", "--train.micro_batch", "1", "--train.global_batch", "64"]
+    plan = _plan(64, "--preset", "llama3-8b", *common)
+    kept = _plan(64, "--preset", "llama3-8b", *common, "--zero.reshard_after_forward", "false")
+    note = next(n for n in plan.notes if n.startswith("--zero.reshard_after_forward false fits"))
+    assert f"peak {kept.peak_bytes / GB:,.1f} GB" in note
+    ops, kept_ops = plan.traffic["dp"]["ops"], kept.traffic["dp"]["ops"]
+    assert kept_ops["all_gather"] * 2 == ops["all_gather"] and kept_ops["reduce_scatter"] == ops["reduce_scatter"]
+    assert kept.time["step"] < plan.time["step"]
+    big = _plan(64, "--preset", "llama3-70b", *common, "--train.recompute", "full")
+    assert big.fits and not any("reshard_after_forward false fits" in n for n in big.notes)

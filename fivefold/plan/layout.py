@@ -10,7 +10,7 @@ from fivefold import formulas
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.models.llama import LlamaConfig, param_counts
-from fivefold.plan.assembly import Parts, rank_parts, resolved, stages_of
+from fivefold.plan.assembly import Parts, precision_bytes, rank_parts, resolved, stages_of
 from fivefold.plan.hardware import GB, HARDWARE, Hardware, link
 from fivefold.plan.memory import RankMemory, block_bytes, rank_memory
 from fivefold.plan.timing import step_time
@@ -103,11 +103,23 @@ def plan_layout(cfg: Config, world: int, hardware: Hardware = HARDWARE["h100"], 
                       f"{cfg.precision.param} params, {cfg.precision.reduce} gradient reduction", run.micro_batch,
                       run.grad_accum, run.global_batch, cfg.train.seq_len, list(memory.values()), hardware, one_block,
                       busiest, _dims_table(transfers[busiest], run, hardware), bubble, time,
-                      notes=[*run.notes, *_advice(cfg, run)])
+                      notes=[*run.notes, *_advice(cfg, run, hardware, memory, transfers)])
 
 
-def _advice(cfg: Config, run: RunPlan) -> list[str]:
+def _advice(cfg: Config, run: RunPlan, hardware: Hardware, memory: dict[int, RankMemory],
+            transfers: dict[int, list[Transfer]]) -> list[str]:
+    """What the plan suggests changing: reducing once per step; keeping ZeRO-3's units gathered from forward to
+    backward (DeepSpeed's default, FSDP's reshard_after_forward=False) when every unit fits beside the rest."""
     notes = []
+    z = cfg.zero
+    if z.stage == 3 and z.reshard_after_forward and run.dims.size("dp_shard") > 1:
+        kept = {r: m.total - m.transient.get("gathered units", 0) + _all_units_bytes(m, cfg) for r, m in memory.items()}
+        saved = max(sum(t.nbytes for t in moved if t.op == "all_gather" and t.phase == "backward")
+                    for moved in transfers.values())
+        if max(kept.values()) <= hardware.memory_gb * GB and saved:
+            notes.append(f"--zero.reshard_after_forward false fits (peak {max(kept.values()) / GB:,.1f} GB: every "
+                         f"unit stays gathered from its forward to its backward) and saves the backward's all-gathers, "
+                         f"{saved / GB:,.2f} GB per step and GPU (2Ψ of gathers instead of 3Ψ)")
     if run.dims.pp == 1 and run.grad_accum > 1 and not cfg.zero.defer_reduce and run.dims.size("dp_cp") > 1:
         notes.append(f"gradients are reduced after each of the {run.grad_accum} micro-batches; --zero.defer_reduce "
                      "true reduces once per step (ZeRO-2/3 then hold full gradients until the last micro-batch)")
@@ -115,6 +127,11 @@ def _advice(cfg: Config, run: RunPlan) -> list[str]:
         notes.append("zero.reshard_after_forward false: the units stay gathered from forward to backward (2Ψ of "
                      "gathers instead of 3Ψ, every unit's parameters held at once)")
     return notes
+
+
+def _all_units_bytes(memory: RankMemory, cfg: Config) -> int:
+    """Every ZeRO-3 unit of the rank gathered at once: all its parameters in the compute dtype (without padding)."""
+    return memory.params * precision_bytes(cfg)[0]
 
 
 def _describe(cfg: Config, run: RunPlan) -> str:
