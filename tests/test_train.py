@@ -13,7 +13,8 @@ from fivefold.models import build_model, get_config
 from fivefold.train.trainer import lr_at, run
 
 
-def test_trainer_end_to_end_two_workers(tmp_path):
+def test_trainer_end_to_end_two_workers(tmp_path, monkeypatch):
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path / "cache"))  # the workers measure the CPU's peak afresh
     cfg = load_config(None, ["--preset", "tiny", "--steps", "20", "--nproc", "2", "--run.out_dir", str(tmp_path),
                              "--run.name", "e2e", "--run.progress", "false", "--train.eval_every", "10",
                              "--train.seq_len", "64", "--train.lr", "3e-3"])
@@ -39,6 +40,7 @@ def test_trainer_end_to_end_two_workers(tmp_path):
         assert r["achieved_tflops_per_device"] == pytest.approx(r["tokens_per_s"] * flops / 2 / 1e12)
     summary = [r for r in records if r["kind"] == "summary"]
     assert summary and 0 < summary[0]["mfu"] < 1.5
+    assert (tmp_path / "cache" / "cpu_peak.json").exists()
 
 
 def test_trainer_zero3_with_accumulation(tmp_path):
