@@ -7,6 +7,9 @@
   counterpart and is compared with the same ZeRO-1 recipe (labelled so); stage 3 vs FSDP2
   (`fully_shard` on the units fivefold's ZeRO-3 uses by default, then the root,
   ``reshard_after_forward=True``).
+- both also run "ideal": each rank trains its own batch alone (plain model, torch AdamW, no communication), the
+  limit data parallelism approaches; every row reports step time / ideal (paired rounds) and its inverse, the
+  DP efficiency.
 - `bench_offload`: fivefold ZeRO-2/3 with ZeRO-Offload (fp32 masters, Adam state and step on the host) and with
   ZeRO-R constant buffers against the same stage without: step time, device- and host-resident bytes.
 
@@ -306,8 +309,22 @@ def build_torch_fsdp2(config: Any, spec: DPSpec, world: Comm) -> Runner:
                   info=dict(recipe="zero3", padded_params=padded))
 
 
+def build_ideal(config: Any, spec: DPSpec, world: Comm) -> Runner:
+    """The limit data parallelism approaches: this rank's batch through a plain local model and torch AdamW, no
+    communication at all (each rank trains alone: losses drift apart after step 0, so no loss comparison)."""
+    model = build_model(config, seed=spec.seed)
+    opt = _adamw(model, spec)
+    return Runner(_plain_step(model, opt.zero_grad), opt.step,
+                  notes=["ideal: one process computing one rank's batch (plain model, torch AdamW, "
+                         "zero_grad(set_to_none=True)), no communication; every rank runs it at once, as in the "
+                         "data-parallel rows, so both see the same cores and memory bandwidth"],
+                  info=dict(recipe=None))
+
+
+IDEAL = Contestant("ideal", build_ideal)
+
 DDP_CONTESTANTS = (Contestant("fivefold", build_fivefold_ddp, baseline="torch"),
-                   Contestant("torch", build_torch_ddp))
+                   Contestant("torch", build_torch_ddp), IDEAL)
 
 
 def zero_contestants(stages: Sequence[int] = (0, 1, 2, 3)) -> tuple[Contestant, ...]:
@@ -326,7 +343,7 @@ def zero_contestants(stages: Sequence[int] = (0, 1, 2, 3)) -> tuple[Contestant, 
             out += [Contestant("fivefold-z3", build, "torch-FSDP2"), Contestant("torch-FSDP2", build_torch_fsdp2)]
         else:
             raise ValueError(f"ZeRO stage {stage}: choose from 0, 1, 2, 3")
-    return tuple(out)
+    return (*out, IDEAL)
 
 
 def offload_contestants(stages: Sequence[int] = (2, 3)) -> tuple[Contestant, ...]:
@@ -371,16 +388,23 @@ def _check(impl: dict, world: int) -> list[str]:
 
 def run_dp_contest(spec: DPSpec, contestants: Sequence[Contestant], kind: str = "dp") -> dict:
     """`run_contest`, then every contestant's formula (its recipe at its padded Ψ) and mismatches."""
-    results = run_contest(kind, spec, contestants)
+    reference = IDEAL.name if any(c.name == IDEAL.name for c in contestants) else None
+    results = run_contest(kind, spec, contestants, reference=reference)
     n_params, world = results["params"], spec.world
     for impl in results["impls"]:
         impl["recipe"] = impl["info"]["recipe"]
+        if impl["recipe"] is None:  # the ideal: no formula
+            impl.update(params=n_params, padded_params=n_params, expected=None, mismatches=[])
+            continue
         impl["params"] = n_params
         padded = impl["info"].get("padded_params")
         impl["padded_params"] = n_params if padded is None else padded
         impl["expected"] = expected_for(impl["recipe"], impl["padded_params"], world)
         impl["mismatches"] = _check(impl, world)
     pairs = results["pairs"]
+    for impl in results["impls"]:  # DP efficiency: the share of the no-communication limit a layout reaches
+        if "vs_reference" in impl:
+            impl["dp_efficiency"] = 1 / impl["vs_reference"]["ratio_paired"]
     first = pairs[0] if pairs else dict(name=results["impls"][0]["name"], baseline=results["impls"][0]["name"],
                                         ratio=1.0, max_abs_loss_diff=0.0)
     results.update(
@@ -452,6 +476,9 @@ def format_table(results: dict) -> str:
     impls = results["impls"]
     out = markdown_table(time_rows(results, cpu=False))
     out += [RATIO_LEGEND + " (outside load only adds time)"]
+    if any("dp_efficiency" in r for r in impls):
+        out += ["step / ideal = paired ratio to the no-communication limit (each rank trains its own batch alone); "
+                "efficiency = ideal / step, the DP efficiency"]
 
     out += ["", f"model states per rank, MiB (max over ranks, step {results['memory_step']} between backward "
                 "and optimizer step; optimizer includes AdamW step counters; peak = the most held at any "
@@ -459,7 +486,8 @@ def format_table(results: dict) -> str:
                 "and the running hooks' locals, counted by fivefold.memory.PeakSampler for every contestant):"]
     rows = [("impl", "layout", "params", "grads", "optimizer", "total", "formula", "formula total", "Ψ padded",
              "matches", "peak in backward", "peak / formula")]
-    for r in impls:
+    formula_impls = [r for r in impls if r["recipe"] is not None]  # the ideal has no formula
+    for r in formula_impls:
         m, e, rec = r["memory"], r["expected"]["memory"], RECIPES[r["recipe"]]
         cells = [mib(m[k]) for k in (*MODEL_STATES, "total")] if m else ["-"] * 4
         peak = m.get("peak_backward") if m else None
@@ -472,7 +500,7 @@ def format_table(results: dict) -> str:
     out += ["", "communication per step and rank (payload = the collectives' full buffers; wire = ring formula):"]
     rows = [("impl", "collectives", "payload MiB", "wire MiB", "formula", "formula payload", "formula wire",
              "matches", "bytes")]
-    for r in impls:
+    for r in formula_impls:
         e, rec = r["expected"], RECIPES[r["recipe"]]
         comm_ok = not any(p.startswith("bytes") for p in r["mismatches"])
         rows.append((r["name"], ops_text(r["comm_by_op"]), mib(r["payload_bytes"]), mib(r["wire_bytes"]),

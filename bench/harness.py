@@ -187,7 +187,7 @@ def paired_ratio(t_a: torch.Tensor, t_b: torch.Tensor, block_a: list[int], block
     return statistics.median(per_round) if per_round else float("nan")
 
 
-def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | None:
+def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: str | None = None) -> dict | None:
     from fivefold.train.corpus import load_tokens
     from fivefold.train.data import TokenDataset
 
@@ -320,6 +320,12 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
         a.update(ratios, max_abs_loss_diff=float(diffs[i]))
         pairs.append(dict(name=c.name, baseline=c.baseline, note=c.baseline_note, **ratios,
                           max_abs_loss_diff=float(diffs[i])))
+    if reference is not None:  # every contestant's step time over the reference's (the no-communication limit)
+        j = index[reference]
+        for i, impl in enumerate(impls):
+            if i != j:
+                impl["vs_reference"] = dict(name=reference, ratio=impl["median_s"] / impls[j]["median_s"],
+                                            ratio_paired=paired_ratio(times[i], times[j], block_of[i], block_of[j]))
     out: dict[str, Any] = dict(impls=impls, pairs=pairs)
     if any(d[3] for d in described):
         out["memory_step"] = memory_step
@@ -327,7 +333,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant]) -> dict | Non
 
 
 def run_contest(kind: str, spec: Spec, contestants: Sequence[Contestant], min_warmup: int = 0,
-                timeout_s: float = 3600.0) -> dict:
+                timeout_s: float = 3600.0, reference: str | None = None) -> dict:
     """Time `contestants` against each other in one `launch_local` run of ``spec.world`` gloo ranks.
 
     Returns ``kind``, ``spec`` (as a dict), ``params`` (Ψ of the preset's model), ``impls`` (per
@@ -335,16 +341,20 @@ def run_contest(kind: str, spec: Spec, contestants: Sequence[Contestant], min_wa
     bytes per step by op, the global mean loss of every step, notes, info; ``memory`` and
     ``memory_per_rank`` where measured, ``records`` where reported; against its baseline ``ratio``,
     ``ratio_paired``, ``ratio_min``, ``ratio_cpu``, ``max_abs_loss_diff``), ``pairs`` (those ratios per
-    contestant with a baseline) and ``memory_step`` where memory was measured.
+    contestant with a baseline) and ``memory_step`` where memory was measured. With ``reference`` (a contestant's
+    name, e.g. the data-parallel "ideal"), every other impl also gets ``vs_reference``: its median step time over
+    the reference's (``ratio``) and the paired ratio of alternating rounds (``ratio_paired``).
     """
     if spec.steps < 1 or spec.warmup < min_warmup or spec.world < 1:
         raise ValueError(f"need steps >= 1, warmup >= {min_warmup} and world >= 1, got {spec}")
     names = [c.name for c in contestants]
     missing = [c.baseline for c in contestants if c.baseline is not None and c.baseline not in names]
+    if reference is not None and reference not in names:
+        missing.append(reference)
     if len(set(names)) != len(names) or missing:
         raise ValueError(f"contestant names must be unique and baselines among them: {names}, missing {missing}")
     config = contest_config(spec)
-    result = launch_local(_contest_worker, spec.world, spec, tuple(contestants), threads=spec.threads,
+    result = launch_local(_contest_worker, spec.world, spec, tuple(contestants), reference, threads=spec.threads,
                           timeout_s=timeout_s)[0]
     params = sum(p.numel() for p in build_model(config, device="meta").parameters() if p.requires_grad)
     return dict(kind=kind, spec=asdict(spec), params=params, **result)
@@ -386,13 +396,18 @@ def time_rows(results: dict, cpu: bool) -> list[tuple[str, ...]]:
 
     head = ("impl", "vs", "median step ms", "p25–p75 ms", "min ms", "ratio", "ratio paired", "ratio of mins")
     tail = ("tokens/s", "max |Δloss|")
-    rows = [(*head, *(("CPU ms", "CPU ratio") if cpu else ()), *tail)]
+    reference = next((r["vs_reference"]["name"] for r in results["impls"] if "vs_reference" in r), None)
+    ref_head = (f"step / {reference} (paired)", "efficiency") if reference else ()
+    rows = [(*head, *(("CPU ms", "CPU ratio") if cpu else ()), *tail, *ref_head)]
     for r in results["impls"]:
+        vs = r.get("vs_reference")
+        ref_cells = (f"{vs['ratio_paired']:.3f}", f"{1 / vs['ratio_paired']:.3f}") if vs else ("", "")
         cells = (r["name"], r["baseline"] or "", f"{r['median_s'] * 1e3:.1f}",
                  f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}",
                  opt(r, "ratio", ".3f"), opt(r, "ratio_paired", ".3f"), opt(r, "ratio_min", ".3f"))
         cpu_cells = (f"{r['cpu_median_s'] * 1e3:.0f}", opt(r, "ratio_cpu", ".3f")) if cpu else ()
-        rows.append((*cells, *cpu_cells, f"{r['tokens_per_s']:,.0f}", opt(r, "max_abs_loss_diff", ".1e")))
+        rows.append((*cells, *cpu_cells, f"{r['tokens_per_s']:,.0f}", opt(r, "max_abs_loss_diff", ".1e"),
+                     *(ref_cells if reference else ())))
     return rows
 
 

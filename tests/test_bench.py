@@ -15,7 +15,7 @@ def result() -> dict:
 
 def test_both_timed(result):
     names = [r["name"] for r in result["impls"]]
-    assert names == ["fivefold", "torch"]
+    assert names == ["fivefold", "torch", "ideal"]
     for r in result["impls"]:
         assert r["median_s"] > 0 and len(r["times_s"]) == 2 and r["tokens_per_s"] > 0
     assert result["ratio"] > 0 and result["ratio_label"] == "fivefold/torch"
@@ -24,7 +24,7 @@ def test_both_timed(result):
 def test_measured_allreduce_bytes(result):
     psi = result["params"]
     assert result["expected_payload_bytes"] == 4 * psi
-    for r in result["impls"]:
+    for r in result["impls"][:2]:
         assert r["comm_source"].startswith("measured")
         assert r["comm_constant"]
         assert r["payload_bytes"] == 4 * psi, r["name"]
@@ -32,7 +32,7 @@ def test_measured_allreduce_bytes(result):
 
 
 def test_same_loss_trajectory(result):
-    fivefold, torch_ddp = result["impls"]
+    fivefold, torch_ddp, _ = result["impls"]
     assert len(fivefold["losses"]) == 3  # warmup + timed
     assert result["max_abs_loss_diff"] <= 1e-4
     assert max(abs(a - b) for a, b in zip(fivefold["losses"], torch_ddp["losses"])) <= 1e-4
@@ -53,7 +53,8 @@ def test_cli_help(capsys):
 
 # -- ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2 ---------------------------------------
 
-ZERO_NAMES = ["fivefold-z0", "torch-DDP", "fivefold-z1", "torch-ZeRO1", "fivefold-z2", "fivefold-z3", "torch-FSDP2"]
+ZERO_NAMES = ["fivefold-z0", "torch-DDP", "fivefold-z1", "torch-ZeRO1", "fivefold-z2", "fivefold-z3", "torch-FSDP2",
+              "ideal"]
 BASELINES = {"fivefold-z0": "torch-DDP", "fivefold-z1": "torch-ZeRO1", "fivefold-z2": "torch-ZeRO1",
              "fivefold-z3": "torch-FSDP2"}
 
@@ -158,3 +159,18 @@ def test_offload_bench_same_losses_less_on_the_device():
     assert cb["buffers"] > 0 and cb["device"] == plain["device"] + cb["buffers"] and plain["host"] == 0
     assert all(p["max_abs_loss_diff"] == 0.0 for p in result["pairs"])
     assert "fivefold-z3-offload/fivefold-z3" in format_offload_table(result)
+
+
+def test_ideal_has_no_communication_and_every_row_its_efficiency(zero_result):
+    """The ideal contestant communicates nothing; every other row carries step / ideal (paired) and its inverse."""
+    impls = _impls(zero_result)
+    ideal = impls["ideal"]
+    assert ideal["payload_bytes"] == 0 and ideal["comm_calls"] == 0 and "vs_reference" not in ideal
+    assert ideal["losses"][0] == pytest.approx(impls["torch-DDP"]["losses"][0], abs=1e-6)  # step 0: same weights
+    for name in ZERO_NAMES[:-1]:
+        r = impls[name]
+        assert r["vs_reference"]["name"] == "ideal" and r["vs_reference"]["ratio_paired"] > 0
+        assert r["dp_efficiency"] == pytest.approx(1 / r["vs_reference"]["ratio_paired"])
+        assert r["vs_reference"]["ratio"] == pytest.approx(r["median_s"] / ideal["median_s"])
+    table = format_table(zero_result)
+    assert "step / ideal (paired)" in table and "| ideal" in table
