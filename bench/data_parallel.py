@@ -56,13 +56,16 @@ from fivefold.models import build_model
 
 __all__ = [
     "DDP_CONTESTANTS",
+    "IDEAL",
     "DPSpec",
     "bench_ddp",
     "bench_offload",
     "bench_zero",
     "format_offload_table",
     "format_table",
+    "run_dp_contest",
     "zero_contestants",
+    "zero_keep_contestants",
 ]
 
 
@@ -168,14 +171,16 @@ def build_fivefold_ddp(config: Any, spec: DPSpec, world: Comm) -> Runner:
 
 
 def build_fivefold_zero(config: Any, spec: DPSpec, world: Comm, stage: int = 0, offload: bool = False,
-                        constant_buffers: bool = False) -> Runner:
+                        constant_buffers: bool = False, reshard_after_forward: bool | None = None) -> Runner:
+    """``reshard_after_forward``: ZeRO-3's, overriding the spec's (None: the spec's)."""
     from fivefold.data_parallel import ZeroDataParallel
 
+    reshard = spec.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     model = build_model(config, seed=spec.seed)
     log = CommLog()
     engine = ZeroDataParallel(model, Comm(None, "dp", log), zero_stage=stage, bucket_mb=spec.bucket_mb,
                               lr=spec.lr, weight_decay=spec.weight_decay,
-                              reshard_after_forward=spec.reshard_after_forward, prefetch=spec.prefetch,
+                              reshard_after_forward=reshard, prefetch=spec.prefetch,
                               offload_optimizer=offload, constant_buffers=constant_buffers)
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
@@ -188,7 +193,7 @@ def build_fivefold_zero(config: Any, spec: DPSpec, world: Comm, stage: int = 0, 
         engine.step(None)  # also clears the gradients
 
     what = f"{len(engine.flats)} unit(s)" if stage == 3 else f"{len(engine.flats)} bucket(s)"
-    extra = f", reshard_after_forward={spec.reshard_after_forward}, prefetch={spec.prefetch}" if stage == 3 else ""
+    extra = f", reshard_after_forward={reshard}, prefetch={spec.prefetch}" if stage == 3 else ""
     extra += ", optimizer offloaded to the host" if offload else ""
     extra += ", constant buffers" if constant_buffers else ""
     return Runner(forward_backward, update, reset_comm=log.reset, comm=log_bytes(log, world.size),
@@ -197,7 +202,7 @@ def build_fivefold_zero(config: Any, spec: DPSpec, world: Comm, stage: int = 0, 
                          "AdamW on flat fp32 shards, no clipping; the step clears the gradients"],
                   memory=lambda: (model_state_bytes(engine), _scalar_state_bytes(engine.optimizer)),
                   roots=[engine], exclude=list(model.buffers()),
-                  info=dict(recipe=("ddp", "zero1", "zero2", "zero3")[stage],
+                  info=dict(recipe=("ddp", "zero1", "zero2", "zero3" if reshard else "zero3-keep")[stage],
                             padded_params=sum(f.layout.padded_numel for f in engine.flats)))
 
 
@@ -257,14 +262,16 @@ def build_torch_zero1(config: Any, spec: DPSpec, world: Comm) -> Runner:
                   roots=[ddp, opt], exclude=list(model.buffers()), info=dict(recipe="ddp+zero_optim"))
 
 
-def build_torch_fsdp2(config: Any, spec: DPSpec, world: Comm) -> Runner:
+def build_torch_fsdp2(config: Any, spec: DPSpec, world: Comm, reshard_after_forward: bool | None = None) -> Runner:
     """torch FSDP2: ``fully_shard`` on the units fivefold's ZeRO-3 uses by default (every
     TransformerBlock, the embedding and the output head, as torchtitan wraps them), then the root;
-    AdamW over DTensors."""
+    AdamW over DTensors. ``reshard_after_forward`` overrides the spec's (None: the spec's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from fivefold.data_parallel.fsdp import find_unit_modules
+
+    reshard = spec.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
 
     model = build_model(config, seed=spec.seed)
     n = world.size
@@ -275,8 +282,8 @@ def build_torch_fsdp2(config: Any, spec: DPSpec, world: Comm) -> Runner:
     padded = sum(-(-p.shape[0] // n) * n * (p.numel() // max(p.shape[0], 1)) if p.ndim else p.numel()
                  for p in model.parameters() if p.requires_grad)
     for _, unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=spec.reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = _adamw(model, spec)
     counter = OpCounter(n)
     ops = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
@@ -303,10 +310,10 @@ def build_torch_fsdp2(config: Any, spec: DPSpec, world: Comm) -> Runner:
                   comm_source="measured (wrapped dist.all_gather_single / reduce_scatter_single)",
                   notes=[f"torch FSDP2: fully_shard on the {len(units)} units of fivefold's ZeRO-3 "
                          f"({', '.join(n for n, _ in units[:2])}, ..., {units[-1][0]}) then the root, "
-                         f"reshard_after_forward={spec.reshard_after_forward}, gloo CPU mesh, AdamW over DTensor "
+                         f"reshard_after_forward={reshard}, gloo CPU mesh, AdamW over DTensor "
                          "params, zero_grad(set_to_none=True); memory from to_local() shards"],
                   memory=memory, roots=[model, opt], exclude=buffers,
-                  info=dict(recipe="zero3", padded_params=padded))
+                  info=dict(recipe="zero3" if reshard else "zero3-keep", padded_params=padded))
 
 
 def build_ideal(config: Any, spec: DPSpec, world: Comm) -> Runner:
@@ -327,8 +334,17 @@ DDP_CONTESTANTS = (Contestant("fivefold", build_fivefold_ddp, baseline="torch"),
                    Contestant("torch", build_torch_ddp), IDEAL)
 
 
-def zero_contestants(stages: Sequence[int] = (0, 1, 2, 3)) -> tuple[Contestant, ...]:
-    """fivefold stages with their torch counterparts, each counterpart once."""
+def zero_keep_contestants() -> tuple[Contestant, ...]:
+    """ZeRO-3 keeping every unit gathered from its forward to its backward (``reshard_after_forward=False``: one
+    all-gather per step, 2Ψ of traffic instead of 3Ψ), fivefold's and FSDP2's."""
+    return (Contestant("fivefold-z3-keep", functools.partial(build_fivefold_zero, stage=3, reshard_after_forward=False),
+                       "torch-FSDP2-keep"),
+            Contestant("torch-FSDP2-keep", functools.partial(build_torch_fsdp2, reshard_after_forward=False)))
+
+
+def zero_contestants(stages: Sequence[int] = (0, 1, 2, 3), keep: bool = False) -> tuple[Contestant, ...]:
+    """fivefold stages with their torch counterparts, each counterpart once; ``keep``: also ZeRO-3 with the gathered
+    units kept for backward (`zero_keep_contestants`)."""
     out: list[Contestant] = []
     for stage in stages:
         build = functools.partial(build_fivefold_zero, stage=stage)
@@ -343,6 +359,8 @@ def zero_contestants(stages: Sequence[int] = (0, 1, 2, 3)) -> tuple[Contestant, 
             out += [Contestant("fivefold-z3", build, "torch-FSDP2"), Contestant("torch-FSDP2", build_torch_fsdp2)]
         else:
             raise ValueError(f"ZeRO stage {stage}: choose from 0, 1, 2, 3")
+    if keep:
+        out += zero_keep_contestants()
     return (*out, IDEAL)
 
 
@@ -439,7 +457,7 @@ def bench_zero(preset: str = "small", world: int = 2, steps: int = 48, warmup: i
                micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 16,
                threads: int = 1, lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
                stages: Sequence[int] = (0, 1, 2, 3), reshard_after_forward: bool = True,
-               prefetch: int = 1) -> dict:
+               prefetch: int = 1, keep: bool = False) -> dict:
     """fivefold `ZeroDataParallel` stages 0-3 vs torch DDP / DDP+ZeroRedundancyOptimizer / FSDP2.
 
     One launch, all contestants interleaved. Both sides use AdamW with the engine's parameter
@@ -453,7 +471,7 @@ def bench_zero(preset: str = "small", world: int = 2, steps: int = 48, warmup: i
                   micro_batch=micro_batch, seq_len=seq_len, bucket_mb=bucket_mb, lr=lr,
                   weight_decay=weight_decay, decay_groups=True, reshard_after_forward=reshard_after_forward,
                   prefetch=prefetch, seed=seed, threads=threads)
-    return run_dp_contest(spec, zero_contestants(stages), "zero")
+    return run_dp_contest(spec, zero_contestants(stages, keep), "zero")
 
 
 def bench_offload(preset: str = "small", world: int = 2, steps: int = 24, warmup: int = 3,

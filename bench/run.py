@@ -4,6 +4,7 @@
     python bench/run.py ddp --preset tiny --steps 10 --json out.json
     python bench/run.py zero                      # ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2
     python bench/run.py zero --stages 0,3         # a subset (each fivefold stage brings its counterpart)
+    python bench/run.py zero --stages 3 --keep    # + ZeRO-3 with the gathered units kept for backward (2Ψ, not 3Ψ)
     python bench/run.py zeropp                    # ZeRO-3 with qwZ / qgZ / hpZ vs plain ZeRO-3: bytes and time
     python bench/run.py offload                   # ZeRO-2/3 with optimizer offload / constant buffers vs without
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
@@ -15,6 +16,8 @@
                                                   # kept, peak, step time; seq 1024, eager and sdpa attention
     python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
+    python bench/run.py scaling                   # DDP (world 2, 4), ZeRO-3 (+ kept), TP 2 at ~10M/40M/125M:
+                                                  # fivefold/torch, step/ideal, MFU (docs/benchmarks.md)
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -58,6 +61,7 @@ from bench.expert_parallel import (  # noqa: E402
 )
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
+from bench.scaling import ScaleSpec, bench_scaling, format_scaling_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
 from bench.zeropp import ZeroPPSpec, bench_zeropp, format_zeropp_table  # noqa: E402
 
@@ -67,7 +71,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
     "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
-    "recompute": ("recompute",),
+    "recompute": ("recompute",), "scaling": ("scaling",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -97,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     zero_opts = argparse.ArgumentParser(add_help=False)
     zero_opts.add_argument("--stages", default=None, help="comma-separated ZeRO stages to run (0,1,2,3)")
     zero_opts.add_argument("--prefetch", type=int, default=None, help=f"fivefold ZeRO-3 prefetch depth ({d.prefetch})")
+    zero_opts.add_argument("--keep", action="store_true",
+                           help="also ZeRO-3 keeping the gathered units from forward to backward (fivefold's "
+                                "zero.reshard_after_forward false vs FSDP2's reshard_after_forward=False)")
     zpp = ZeroPPSpec()
     zeropp_opts = argparse.ArgumentParser(add_help=False)
     zeropp_opts.add_argument("--world", type=int, default=None, help=f"number of gloo ranks ({zpp.world})")
@@ -135,6 +142,10 @@ def _parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("recompute", parents=[common, micro],
                         help="activation recompute none/full/selective and torch's: memory and step time")
     rc.add_argument("--cores", default=None, help="comma-separated attention cores (eager,sdpa)")
+    sc = sub.add_parser("scaling", parents=[common, micro],
+                        help="DDP / ZeRO-3 / TP 2 at three model sizes: fivefold/torch, step/ideal, MFU")
+    sc.add_argument("--presets", default=None, help="comma-separated model presets (small,bench-40m,bench-120m)")
+    sc.add_argument("--worlds", default=None, help="comma-separated DDP worlds (2,4)")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -166,7 +177,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
     cp_common = {k: v for k, v in common.items() if k != "seq_len"}  # cp runs each of --seq-lens
     every: dict[str, tuple[Callable[[], dict], Callable[[dict], str]]] = {
         "ddp": (lambda: bench_ddp(**common, **dp), format_table),
-        "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero), format_table),
+        "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero, keep=bool(opt.get("keep"))),
+                 format_table),
         "zeropp": (lambda: bench_zeropp(ZeroPPSpec(**common, **_given(
             world=opt.get("world"), micro_batch=opt.get("micro_batch"), dtype=opt.get("dtype"),
             quant_block=opt.get("quant_block"), hpz=opt.get("hpz")))), format_zeropp_table),
@@ -184,6 +196,12 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             micro_batch=opt.get("micro_batch"),
             cores=tuple(c.strip() for c in opt["cores"].split(",")) if opt.get("cores") else None))),
             format_recompute_table),
+        "scaling": (lambda: bench_scaling(ScaleSpec(**_given(
+            steps=args.steps, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
+            micro_batch=opt.get("micro_batch"),
+            presets=tuple(p.strip() for p in opt["presets"].split(",")) if opt.get("presets") else None,
+            worlds=tuple(int(w) for w in opt["worlds"].split(",")) if opt.get("worlds") else None))),
+            format_scaling_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),

@@ -51,6 +51,11 @@ RECIPES: dict[str, dict[str, Any]] = {
     "zero3": dict(label="ZeRO-3", memory_formula="16Ψ/N",
                   memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])), comm={"all_gather": 2, "reduce_scatter": 1},
                   comm_formula="AG 2Ψ + RS Ψ"),
+    # ZeRO-3 keeping each unit gathered from its forward to its backward (zero.reshard_after_forward false, DeepSpeed's
+    # default when parameters are reused soon): one all-gather per step; the gathered units are held meanwhile
+    "zero3-keep": dict(label="ZeRO-3, kept for backward", memory_formula="16Ψ/N",
+                       memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])), comm={"all_gather": 1, "reduce_scatter": 1},
+                       comm_formula="AG Ψ + RS Ψ"),
     # torch's ZeRO-1 recipe: DDP's all-reduce, then every parameter broadcast by its owner
     "ddp+zero_optim": dict(label="ZeRO-1 (DDP+ZeroRedundancyOptimizer)", memory_formula="4Ψ+4Ψ+8Ψ/N",
                            memory=((4, False), (4, False), (8, True)), comm={"all_reduce": 1, "broadcast": 1},

@@ -54,16 +54,16 @@ def test_cli_help(capsys):
 # -- ZeRO 0-3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2 ---------------------------------------
 
 ZERO_NAMES = ["fivefold-z0", "torch-DDP", "fivefold-z1", "torch-ZeRO1", "fivefold-z2", "fivefold-z3", "torch-FSDP2",
-              "ideal"]
+              "fivefold-z3-keep", "torch-FSDP2-keep", "ideal"]
 BASELINES = {"fivefold-z0": "torch-DDP", "fivefold-z1": "torch-ZeRO1", "fivefold-z2": "torch-ZeRO1",
-             "fivefold-z3": "torch-FSDP2"}
+             "fivefold-z3": "torch-FSDP2", "fivefold-z3-keep": "torch-FSDP2-keep"}
 
 
 @pytest.fixture(scope="module")
 def zero_result() -> dict:
     from bench.data_parallel import bench_zero
 
-    return bench_zero(preset="tiny", world=2, steps=2, warmup=1, repeats=2, micro_batch=2, seq_len=16)
+    return bench_zero(preset="tiny", world=2, steps=2, warmup=1, repeats=2, micro_batch=2, seq_len=16, keep=True)
 
 
 def _impls(result: dict) -> dict[str, dict]:
@@ -101,6 +101,21 @@ def test_zero_fivefold_bytes_equal_formulas(zero_result):
     fsdp = impls["torch-FSDP2"]
     assert {op: b for op, (_, b) in fsdp["comm_by_op"].items()} == {
         "all_gather": 8 * fsdp["padded_params"], "reduce_scatter": 4 * fsdp["padded_params"]}
+
+
+def test_zero3_kept_for_backward_moves_2psi_and_computes_the_same(zero_result):
+    """reshard_after_forward false: one all-gather per step (Ψ, not 2Ψ), the same model states and losses as ZeRO-3,
+    and the same bytes as FSDP2 with reshard_after_forward=False."""
+    impls = _impls(zero_result)
+    keep, z3, fsdp_keep = impls["fivefold-z3-keep"], impls["fivefold-z3"], impls["torch-FSDP2-keep"]
+    psi = keep["padded_params"]
+    assert keep["recipe"] == fsdp_keep["recipe"] == "zero3-keep" and not keep["mismatches"], keep["mismatches"]
+    assert {op: b for op, (_, b) in keep["comm_by_op"].items()} == {"all_gather": 4 * psi, "reduce_scatter": 4 * psi}
+    assert keep["payload_bytes"] * 3 == z3["payload_bytes"] * 2
+    assert {op: b for op, (_, b) in fsdp_keep["comm_by_op"].items()} == {
+        "all_gather": 4 * fsdp_keep["padded_params"], "reduce_scatter": 4 * fsdp_keep["padded_params"]}
+    assert keep["memory"]["total"] == z3["memory"]["total"]
+    assert keep["losses"] == z3["losses"]
 
 
 def test_zero_fivefold_memory_equals_formula(zero_result):

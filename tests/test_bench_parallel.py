@@ -18,6 +18,7 @@ from bench.pipeline import PP_PAIRS, PPSpec, bench_pp
 from bench.tensor_parallel import TPSpec, bench_tp
 from fivefold.formulas import ring_attention_p2p_elements, tp_comm_formula
 from fivefold.models import get_config
+from fivefold.models.llama import Llama
 
 LOSS_TOL = 1e-4
 TP_SPEC = TPSpec(preset="tiny", steps=2, warmup=1, repeats=2, batch=2, seq_len=32)
@@ -237,3 +238,32 @@ def test_debug_collectives_bench_times_both_modes():
     assert set(results["median_s_per_call"]) == {"off", "debug"}
     assert all(v[1] > 0 for v in results["median_s_per_call"].values())
     assert "debug µs/call" in format_debug_table(results)
+
+
+def test_scaling_bench_rows_and_mfu_arithmetic():
+    """One size, DDP at world 2, ZeRO-3 (+ kept) and TP 2: every row present, formulas matched, and MFU = the step's
+    model FLOPs / (step time × the cores' peak), recomputed here from the formula by hand."""
+    from bench.scaling import ScaleSpec, bench_scaling, format_scaling_table
+
+    spec = ScaleSpec(presets=("tiny",), worlds=(2,), steps=1, warmup=1, repeats=1, micro_batch=2, tp_batch=4,
+                     seq_len=16)
+    results = bench_scaling(spec)
+    (size,) = results["sizes"]
+    rows = {(r["layout"], r["name"]): r for r in size["rows"]}
+    assert set(rows) == {("DDP", "fivefold"), ("DDP", "torch"), ("DDP", "ideal"), ("ZeRO-3", "fivefold-z3"),
+                         ("ZeRO-3", "torch-FSDP2"), ("ZeRO-3", "fivefold-z3-keep"), ("ZeRO-3", "torch-FSDP2-keep"),
+                         ("TP 2", "fivefold-TP"), ("TP 2", "torch-TP")}
+    assert all(not r["mismatches"] for r in size["rows"])
+    c = get_config("tiny")
+    assert not c.tie_embeddings
+    n = sum(math.prod(s) for name, s in Llama(c, device="meta").full_shapes().items()
+            if not name.startswith("tok_embeddings"))
+    flops = 6 * n + 12 * c.n_layers * 16 * c.dim
+    assert size["flops_per_token"] == flops
+    ddp, tp = rows[("DDP", "fivefold")], rows[("TP 2", "fivefold-TP")]
+    assert ddp["mfu"] == pytest.approx(2 * 2 * 16 * flops / ddp["median_s"] / (2 * results["core_peak_flops"]))
+    assert tp["mfu"] == pytest.approx(4 * 16 * flops / tp["median_s"] / (2 * results["core_peak_flops"]))
+    assert rows[("ZeRO-3", "fivefold-z3-keep")]["payload_bytes"] * 3 == rows[("ZeRO-3", "fivefold-z3")][
+        "payload_bytes"] * 2
+    assert rows[("DDP", "fivefold")]["vs_ideal"] > 0 and rows[("DDP", "ideal")]["payload_bytes"] == 0
+    assert "fivefold-z3-keep" in format_scaling_table(results)

@@ -48,7 +48,11 @@ def test_expected_communication():
     assert z3["by_op"] == {"all_gather": 8 * PSI, "reduce_scatter": 4 * PSI} and z3["payload_bytes"] == 12 * PSI
     assert z3["wire_bytes"] == pytest.approx(1.5 * ddp["wire_bytes"])
     assert expected_for("ddp+zero_optim", PSI, N)["by_op"] == {"all_reduce": 4 * PSI, "broadcast": 4 * PSI}
-    assert set(RECIPES) == {"ddp", "zero1", "zero2", "zero3", "ddp+zero_optim"}
+    # keeping the gathered units from forward to backward drops the backward's all-gather: 2Ψ of traffic, not 3Ψ
+    keep = expected_for("zero3-keep", PSI, N)
+    assert keep["by_op"] == {"all_gather": 4 * PSI, "reduce_scatter": 4 * PSI} and keep["memory"] == z3["memory"]
+    assert keep["wire_bytes"] == pytest.approx(ddp["wire_bytes"])
+    assert set(RECIPES) == {"ddp", "zero1", "zero2", "zero3", "zero3-keep", "ddp+zero_optim"}
 
 
 def test_hsdp_memory_follows_the_shard_degree_and_traffic_splits_by_sub_dimension():

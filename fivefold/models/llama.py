@@ -101,6 +101,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=256),  # ~0.85M
     "small": LlamaConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024, max_seq_len=512),  # ~9.6M
     "medium": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=1024),  # ~76M
+    # the scaling table's larger sizes (docs/benchmarks.md; "small" is its ~10M)
+    "bench-40m": LlamaConfig(dim=640, n_layers=9, n_heads=10, n_kv_heads=2, ffn_hidden=1792, max_seq_len=512),  # ~40M
+    "bench-120m": LlamaConfig(dim=1024, n_layers=11, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
+                              max_seq_len=512),  # ~125M
     # Llama-MoE: 8 experts of hidden 256, top-2, in every block (~3.4M parameters)
     "tiny-moe": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=256,
                             moe=MoEConfig(experts=8, top_k=2)),
