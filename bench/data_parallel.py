@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from bench.harness import (
+    CPU_LEGEND,
     RATIO_LEGEND,
     Contestant,
     Runner,
@@ -492,8 +493,8 @@ def format_table(results: dict) -> str:
     """Markdown tables of a `bench_ddp` / `bench_zero` result (time, model states, bytes) with the settings below."""
     spec, world = results["spec"], results["spec"]["world"]
     impls = results["impls"]
-    out = markdown_table(time_rows(results, cpu=False))
-    out += [RATIO_LEGEND + " (outside load only adds time)"]
+    out = markdown_table(time_rows(results, cpu=True))
+    out += [RATIO_LEGEND + " (outside load only adds time)", CPU_LEGEND]
     if any("dp_efficiency" in r for r in impls):
         out += ["step / ideal = paired ratio to the no-communication limit (each rank trains its own batch alone); "
                 "efficiency = ideal / step, the DP efficiency"]

@@ -208,6 +208,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
     n = len(runners)
     times = torch.zeros(n, total, dtype=torch.float64)
     cpu = torch.zeros(n, total, dtype=torch.float64)  # process CPU time of the step (all threads)
+    kernel = torch.zeros(n, total, dtype=torch.float64)  # the part of it spent in the kernel (gloo's TCP transport)
     losses = torch.zeros(n, total, dtype=torch.float64)
     has_loss = torch.zeros(n, total, dtype=torch.float64)
     comm: list[list[CommBytes]] = [[CommBytes() for _ in range(total)] for _ in range(n)]
@@ -229,9 +230,10 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
             # the sampler walks the model states after every operator, which is slow.
             sample = s == memory_step and s < spec.warmup and bool(runner.roots)
             sampler = PeakSampler(runner.roots, runner.exclude) if sample else contextlib.nullcontext()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, k0 = time.perf_counter(), time.process_time(), os.times().system
             loss = runner.forward_backward(x, y, sampler)
             elapsed, cpu_elapsed = time.perf_counter() - t0, time.process_time() - c0
+            kernel_elapsed = os.times().system - k0
             if s == memory_step and runner.memory is not None:  # not timed; ranks realign after it
                 states, counters = runner.memory()
                 memory[i] = dict(params=states.params, grads=states.grads, optimizer=states.optimizer,
@@ -239,13 +241,14 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
                                  device=states.device, step_counters=counters,
                                  peak_backward=sampler.peak if sample else None)
                 world_comm.barrier()
-            t1, c1 = time.perf_counter(), time.process_time()
+            t1, c1, k1 = time.perf_counter(), time.process_time(), os.times().system
             runner.update()
             if loss is not None:  # reading it is also a device sync point: the time covers the whole step
                 losses[i, s] = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
                 has_loss[i, s] = 1.0
             times[i, s] = elapsed + time.perf_counter() - t1
             cpu[i, s] = cpu_elapsed + time.process_time() - c1
+            kernel[i, s] = kernel_elapsed + os.times().system - k1
             runner.after()
             comm[i][s] = runner.comm()
             if runner.records is not None:
@@ -270,6 +273,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
             diffs[i] = (losses[i] - losses[index[c.baseline]]).abs().amax()
     world_comm.all_reduce(diffs, op=ReduceOp.MAX)
     world_comm.all_reduce(cpu)
+    world_comm.all_reduce(kernel)
     world_comm.all_reduce(losses)
     world_comm.all_reduce(has_loss)
     mean_losses = losses / has_loss.clamp(min=1)
@@ -296,6 +300,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
             median_s=median, p25_s=q[0], p75_s=q[2], min_s=min(timed),
             tokens_per_s=spec.rows(info) * spec.seq_len / median, times_s=timed,
             cpu_median_s=statistics.median(cpu[i, spec.warmup:].tolist()),
+            kernel_median_s=statistics.median(kernel[i, spec.warmup:].tolist()),
             comm_calls=last.calls, payload_bytes=last.payload_bytes, wire_bytes=last.wire_bytes,
             comm_by_op=last.by_op, comm_constant=all(asdict(b) == asdict(last) for b in step_comm),
             comm_source=source, losses=mean_losses[i].tolist(), notes=notes, info=info)
@@ -365,7 +370,8 @@ def run_contest(kind: str, spec: Spec, contestants: Sequence[Contestant], min_wa
 OP_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC"}
 RATIO_LEGEND = ("ratio = median / median of the counterpart; paired = median over rounds of the ratio of the two "
                 "back-to-back block medians; ratio of mins = best step / best step")
-CPU_LEGEND = "CPU = median process CPU time of a step (all threads) summed over ranks"
+CPU_LEGEND = ("CPU = median process CPU time of a step (all threads) summed over ranks, in brackets the part spent in "
+              "the kernel (on one machine: mostly gloo's TCP loopback transport)")
 
 
 def mib(b: float) -> str:
@@ -405,7 +411,9 @@ def time_rows(results: dict, cpu: bool) -> list[tuple[str, ...]]:
         cells = (r["name"], r["baseline"] or "", f"{r['median_s'] * 1e3:.1f}",
                  f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}",
                  opt(r, "ratio", ".3f"), opt(r, "ratio_paired", ".3f"), opt(r, "ratio_min", ".3f"))
-        cpu_cells = (f"{r['cpu_median_s'] * 1e3:.0f}", opt(r, "ratio_cpu", ".3f")) if cpu else ()
+        cpu_text = f"{r['cpu_median_s'] * 1e3:.0f}" + (f" ({r['kernel_median_s'] * 1e3:.0f})"
+                                                        if r.get("kernel_median_s") is not None else "")
+        cpu_cells = (cpu_text, opt(r, "ratio_cpu", ".3f")) if cpu else ()
         rows.append((*cells, *cpu_cells, f"{r['tokens_per_s']:,.0f}", opt(r, "max_abs_loss_diff", ".1e"),
                      *(ref_cells if reference else ())))
     return rows
