@@ -15,6 +15,7 @@
                                                   # kept, peak, step time; seq 1024, eager and sdpa attention
     python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
+    python bench/run.py compile                   # train.compile: compiled vs eager blocks in DDP, ZeRO-3, tp 2, pp 2
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -38,6 +39,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
+from bench.compile import CompileSpec, bench_compile, format_compile_table  # noqa: E402
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import (  # noqa: E402
     DPSpec,
@@ -67,7 +69,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
     "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
-    "recompute": ("recompute",),
+    "recompute": ("recompute",), "compile": ("compile",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -135,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("recompute", parents=[common, micro],
                         help="activation recompute none/full/selective and torch's: memory and step time")
     rc.add_argument("--cores", default=None, help="comma-separated attention cores (eager,sdpa)")
+    co = sub.add_parser("compile", parents=[common],
+                        help="train.compile: torch.compile'd blocks vs eager ones, per layout (step time, first step)")
+    co.add_argument("--layouts", default=None, help="comma-separated: ddp,zero3,tp2,pp2 (all)")
+    co.add_argument("--world", type=int, default=None, help=f"gloo ranks ({CompileSpec().world})")
+    co.add_argument("--batch", type=int, default=None, help=f"sequences per step ({CompileSpec().batch})")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -184,6 +191,10 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             micro_batch=opt.get("micro_batch"),
             cores=tuple(c.strip() for c in opt["cores"].split(",")) if opt.get("cores") else None))),
             format_recompute_table),
+        "compile": (lambda: bench_compile(CompileSpec(**common, **_given(
+            world=opt.get("world"), batch=opt.get("batch"),
+            layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
+            format_compile_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
