@@ -18,6 +18,7 @@
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
     python bench/run.py scaling                   # DDP (world 2, 4), ZeRO-3 (+ kept), TP 2 at ~10M/40M/125M:
                                                   # fivefold/torch, step/ideal, MFU (docs/benchmarks.md)
+    python bench/run.py compile                   # train.compile: compiled vs eager blocks in DDP, ZeRO-3, tp 2, pp 2
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -41,6 +42,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
+from bench.compile import CompileSpec, bench_compile, format_compile_table  # noqa: E402
 from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
 from bench.data_parallel import (  # noqa: E402
     DPSpec,
@@ -71,7 +73,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
     "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
-    "recompute": ("recompute",), "scaling": ("scaling",),
+    "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -146,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="DDP / ZeRO-3 / TP 2 at three model sizes: fivefold/torch, step/ideal, MFU")
     sc.add_argument("--presets", default=None, help="comma-separated model presets (small,bench-40m,bench-120m)")
     sc.add_argument("--worlds", default=None, help="comma-separated DDP worlds (2,4)")
+    co = sub.add_parser("compile", parents=[common],
+                        help="train.compile: torch.compile'd blocks vs eager ones, per layout (step time, first step)")
+    co.add_argument("--layouts", default=None, help="comma-separated: ddp,zero3,tp2,pp2 (all)")
+    co.add_argument("--world", type=int, default=None, help=f"gloo ranks ({CompileSpec().world})")
+    co.add_argument("--batch", type=int, default=None, help=f"sequences per step ({CompileSpec().batch})")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -202,6 +209,10 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             presets=tuple(p.strip() for p in opt["presets"].split(",")) if opt.get("presets") else None,
             worlds=tuple(int(w) for w in opt["worlds"].split(",")) if opt.get("worlds") else None))),
             format_scaling_table),
+        "compile": (lambda: bench_compile(CompileSpec(**common, **_given(
+            world=opt.get("world"), batch=opt.get("batch"),
+            layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
+            format_compile_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),

@@ -16,8 +16,9 @@ import os
 import threading
 import traceback
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -257,6 +258,34 @@ class P2PBatch:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+
+
+_EAGER_REGIONS: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []  # (what `call` runs, the function)
+
+
+def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, a function that issues collectives from inside a model's forward (TP's f / g and SP, ring attention,
+    expert all-to-alls): a compiled block (``train.compile``) must call it, not trace it — the collectives go through
+    the process groups and the `CommLog` at run time, in the same order on every rank, and their autograd functions
+    run eagerly with their own backward. `compile_eager_regions` (called when blocks are compiled) makes every such
+    function a graph break for torch.compile; until then the wrapper just calls `fn` (importing torch's compiler
+    costs start-up time no run without compile should pay)."""
+    impl = [fn]
+    _EAGER_REGIONS.append((impl, fn))
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return impl[0](*args, **kwargs)
+
+    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    return call
+
+
+def compile_eager_regions() -> None:
+    """Every `eager_region` from now on runs outside compiled graphs (torch.compiler.disable: dynamo stops before the
+    call and skips everything it calls). Once per process; harmless to code that is not compiled."""
+    for impl, fn in _EAGER_REGIONS:
+        if impl[0] is fn:
+            impl[0] = torch.compiler.disable(fn, reason="fivefold: collectives run eagerly (comm.eager_region)")
 
 
 class Comm:

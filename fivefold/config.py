@@ -91,6 +91,9 @@ class TrainSection:
     # activation recompute (seed 003 §12): none | full (each block keeps only its input and runs again in backward) |
     # selective (the attention core runs again: its L×L or fused-kernel tensors and K/V repeats are not kept)
     recompute: str = "none"
+    # torch.compile each transformer block's computation (inductor: C++ on the CPU, triton on GPUs); the ZeRO-3 hooks,
+    # pipeline sends and TP / SP collectives stay outside the compiled graphs (README: train.compile)
+    compile: bool = False
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8
 

@@ -118,7 +118,9 @@ def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x Wᵀ + b; under `recording_weight_grads` its weight gradients wait in the store."""
-    store = _recording.get()
+    # A compiled block (train.compile) never records: validate refuses compile with the zero-bubble schedules, and
+    # dynamo cannot read a ContextVar (it would break the graph at every linear).
+    store = None if torch.compiler.is_compiling() else _recording.get()
     if store is None or not (torch.is_grad_enabled() and x.requires_grad):
         # nothing to defer to: without a gradient path through x there is no I pass to split off (the first
         # layer of a stage fed raw inputs), so the weight gradient is computed by the one backward there is

@@ -125,6 +125,11 @@ BAD = [
     (["--zero", "3", "--zero.hpz", "4"], 4,
      "zero.hpz=4 must divide the data-parallel group, dp × cp = 4, and be smaller"),
     (["--preset", "tiny-moe", "--zero", "3", "--zero.hpz", "2"], 4, "zero.hpz with an MoE model is not supported"),
+    # train.compile (tests/test_compile.py: what it composes with)
+    (["--train.compile", "true", "--train.recompute", "selective"], 2,
+     "train.compile=true: train.recompute=selective recomputes the attention core inside the block"),
+    (["--train.compile", "true", "--parallel.pp", "2", "--pipeline.schedule", "zb-h1", "--train.grad_accum", "2"], 2,
+     "pipeline.schedule=zb-h1 defers weight gradients (W) past the input gradients"),
 ]
 
 

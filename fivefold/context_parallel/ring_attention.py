@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fivefold.comm import Comm
+from fivefold.comm import Comm, eager_region
 from fivefold.context_parallel.layout import SequenceLayout
 
 __all__ = ["KERNELS", "RingAttention", "default_kernel", "ring_attention"]
@@ -185,6 +185,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
+@eager_region
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: SequenceLayout,
                    causal: bool = True, kernel: str | None = None) -> torch.Tensor:
     """Attention of this rank's queries q [B, H, L/C, d] over the whole sequence, whose keys and values k, v

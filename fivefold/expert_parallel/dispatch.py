@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from fivefold.comm import Comm
+from fivefold.comm import Comm, eager_region
 
 __all__ = ["AllToAllExperts", "GlobalBalance", "all_to_all"]
 
@@ -56,6 +56,7 @@ class AllToAllExperts:
         self.backward_comm = backward_comm or comm
         self.per_rank = n_experts // comm.size
 
+    @eager_region
     def __call__(self, run: Callable[[torch.Tensor, list[int], int], torch.Tensor], tokens: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
         """`tokens` sorted by global expert id, `counts` [E] rows per expert -> the experts' outputs, same order.
@@ -81,6 +82,7 @@ class GlobalBalance:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
+    @eager_region
     def __call__(self, counts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         both = torch.cat([counts, tokens.reshape(1)])
         self.comm.all_reduce(both, tag="moe_balance")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -257,14 +258,34 @@ class TransformerBlock(nn.Module):
         self.feed_forward = (MoEFeedForward(c.dim, c.ffn_hidden, c.moe, device=device, dtype=dtype)
                              if c.is_moe_block(index) else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype))
         self.recompute_all = False  # full recompute: keep only the block's input; all of it runs again in backward
+        self.compiled: Callable[..., torch.Tensor] | None = None  # `compile_body`: the torch.compile'd `_forward`
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        body = self._forward if self.compiled is None else self.compiled
         if self.recompute_all:  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
-            return recompute(self._forward, x, cos, sin)
-        return self._forward(x, cos, sin)
+            return recompute(body, x, cos, sin)
+        return body(x, cos, sin)
+
+    def compile_body(self) -> None:
+        """Compile the block's computation (`_forward`), not the module call: ``nn.Module.compile`` would trace
+        `_call_impl` with the hooks others put on the block (ZeRO-3's gather/free, the step tracer), which stay eager
+        here, as do `forward`'s recompute wrapper and whatever runs between blocks (pipeline sends, the head's loss).
+        Lazy: the first call compiles (torch's inductor; C++ on the CPU), the blocks share the graph (their parameters
+        are its inputs). An MoE block compiles its attention half only: routing sizes the experts' inputs by the data
+        (dynamo cannot trace it), so the MoE feed-forward stays eager."""
+        if isinstance(self.feed_forward, MoEFeedForward):
+            attention_half = torch.compile(self._attention_half)
+            self.compiled = lambda x, cos, sin: self._feed_forward_half(attention_half(x, cos, sin))
+        else:
+            self.compiled = torch.compile(self._forward)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return self._feed_forward_half(self._attention_half(x, cos, sin))
+
+    def _attention_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.attention_norm(x), cos, sin)
+
+    def _feed_forward_half(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
     def set_recompute(self, mode: str) -> None:
@@ -331,6 +352,12 @@ class Llama(nn.Module):
         """Activation recompute in every block (`RECOMPUTE_MODES`); returns self."""
         for block in self.layers.values() if self.layers is not None else ():
             block.set_recompute(mode)
+        return self
+
+    def compile_blocks(self) -> Llama:
+        """torch.compile each block's computation (`TransformerBlock.compile_body`); returns self."""
+        for block in self.layers.values() if self.layers is not None else ():
+            block.compile_body()
         return self
 
     def set_attention(self, core: str) -> Llama:

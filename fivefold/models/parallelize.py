@@ -5,13 +5,15 @@ each (its groups declaring their `Placement` for the global norm), the loss and,
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from fivefold.comm import Comm, Placement
+from fivefold.comm import Comm, Placement, compile_eager_regions
 from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
@@ -24,6 +26,7 @@ from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.moe import MoEFeedForward
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
+from fivefold.pipeline.actions import Schedule, W
 from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
 from fivefold.pipeline.simulator import Timeline
@@ -31,7 +34,8 @@ from fivefold.pipeline.split import copy_kept
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
 
-__all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "is_expert", "is_tp_sharded",
+__all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "check_compile_supported",
+           "compile_blockers", "is_expert", "is_tp_sharded",
            "parallelize", "pipeline_forward_backward", "pipeline_overlap", "set_aux_grad_scale", "tp_loss"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -91,6 +95,9 @@ def _set_activations(model: Llama, cfg: Config) -> None:
     (``train.recompute``), inside each block: under ZeRO-3 the recomputation runs while the block's unit is gathered
     for its backward, and TP / SP / ring / expert collectives run again in backward in the same order on every rank."""
     model.set_attention(cfg.model.attention).set_recompute(cfg.train.recompute)
+    if cfg.train.compile:  # each block's computation; the hooks around the blocks and the collectives stay eager
+        compile_eager_regions()
+        model.compile_blocks()
 
 
 def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
@@ -295,6 +302,7 @@ class WholeModel(_Parts):
 
     def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
         super().__init__(cfg, mesh, device)
+        check_compile_supported(cfg, device.type)
         model = Llama(model_cfg, device="meta")  # nothing allocated: the engines materialise this rank's share
         _set_activations(model, cfg)
         self.loss_fn = _shard(model, cfg, mesh)
@@ -371,6 +379,33 @@ def check_pipeline_supported(cfg: Config) -> None:
                          "per engine); use bf16 or fp32")
 
 
+def compile_blockers(cfg: Config, device_type: str, schedule: Schedule | None = None) -> list[str]:
+    """Why ``train.compile`` cannot compile this layout's blocks (empty: it can); ``schedule``: the pipeline's (pp >
+    1). Under compile TP / SP, ring attention and expert exchanges are graph breaks (`comm.eager_region`), ZeRO-3's
+    hooks and pipeline sends sit outside the blocks, and full recompute wraps the compiled block; what is left:"""
+    blockers = []
+    if cfg.train.recompute == "selective":
+        blockers.append("train.recompute=selective recomputes the attention core inside the block, and torch.compile "
+                        "cannot trace fivefold's checkpoint there: use train.recompute full (the compiled block is "
+                        "recomputed whole) or none")
+    if schedule is not None and any(a.kind == W for acts in schedule.actions for a in acts):
+        blockers.append(f"pipeline.schedule={schedule.name} defers weight gradients (W) past the input gradients, "
+                        "but a compiled block's backward computes both at once: use pipeline.schedule 1f1b, gpipe or "
+                        "interleaved")
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX", "g++")
+        if shutil.which(cxx) is None:
+            blockers.append(f"on the CPU torch's inductor compiles C++ with {cxx}, which is not on PATH: install it "
+                            "or set CXX to a C++ compiler")
+    return blockers
+
+
+def check_compile_supported(cfg: Config, device_type: str, schedule: Schedule | None = None) -> None:
+    """`compile_blockers` as one error (also checked by `train.validate` before any process starts)."""
+    if cfg.train.compile and (blockers := compile_blockers(cfg, device_type, schedule)):
+        raise ValueError("train.compile=true: " + "; ".join(blockers) + "; or set train.compile false")
+
+
 class PipelinedModel(_Parts):
     """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation micro-batches."""
 
@@ -380,6 +415,7 @@ class PipelinedModel(_Parts):
         p, pp = cfg.pipeline, mesh.comm("pp")
         self.pp = pp
         self.schedule = build_schedule(p.schedule, pp.size, cfg.train.grad_accum, p.virtual)
+        check_compile_supported(cfg, device.type, self.schedule)
         stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
                               device="meta", layers_per_stage=p.layers())
         for stage in stages.values():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.comm import Comm
+from fivefold.comm import Comm, eager_region
 
 SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 
@@ -86,21 +86,25 @@ def all_reduce_grad_hook(comm: Comm, tag: str):
     return hook
 
 
+@eager_region
 def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward (entry of a column-parallel region)."""
     return _CopyToTP.apply(x, comm)
 
 
+@eager_region
 def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """g: all-reduce forward, identity backward (exit of a row-parallel region)."""
     return _ReduceFromTP.apply(x, comm)
 
 
+@eager_region
 def gather_from_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """SP entry: [B, L/T, D] -> [B, L, D] by all-gather; backward reduce-scatters."""
     return _GatherFromSP.apply(x, comm)
 
 
+@eager_region
 def scatter_to_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """SP exit: partial sums [B, L, D] -> this rank's reduced [B, L/T, D]; backward all-gathers."""
     return _ScatterToSP.apply(x, comm)

@@ -22,7 +22,12 @@ from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
 from fivefold.models.llama import ATTENTION_CORES, RECOMPUTE_MODES
 from fivefold.models.moe import MoEConfig
-from fivefold.models.parallelize import OVERLAP_CHOICES, check_pipeline_supported, pipeline_overlap
+from fivefold.models.parallelize import (
+    OVERLAP_CHOICES,
+    check_compile_supported,
+    check_pipeline_supported,
+    pipeline_overlap,
+)
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
@@ -187,15 +192,24 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
         schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
         llama_stage_modules(model, schedule.n_stages, cfg.pipeline.layers())  # blocks per stage, tied embeddings
         try:
-            if device_type is None:
-                accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-                device_type = (accelerator.type if accelerator else "cpu") if r.device == "auto" else \
-                    r.device.split(":")[0]
+            device_type = device_type or _device_type(r.device)
             pipeline_overlap(cfg, model.moe is not None, dims.size, device_type)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    try:
+        check_compile_supported(cfg, device_type or _device_type(r.device), schedule if dims.pp > 1 else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model, None, tuple(notes))
+
+
+def _device_type(device: str) -> str:
+    """The device type ``run.device`` names ("auto": this machine's accelerator, else the CPU)."""
+    if device != "auto":
+        return device.split(":")[0]
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator else "cpu"
 
 
 def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:

@@ -1,0 +1,156 @@
+"""``train.compile``: each transformer block's computation compiled by torch.compile (inductor's C++ backend on the
+CPU) trains like the eager blocks in every layout — DDP, ZeRO-3 (with full recompute too: the unit gathered again, the
+compiled block run again in backward), tp 2 (its collectives graph breaks), pp 2 (1F1B) — and really runs compiled
+code; what cannot compile is refused before any process starts, naming the key to change.
+
+One spawn (world 2) runs every layout eager and compiled; compiling dominates (the blocks share one graph per
+layout kind, and inductor's on-disk cache serves repeats)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from dist_utils import run_workers
+
+from fivefold.comm import CommLog
+from fivefold.config import Config, ConfigError, load_config
+from fivefold.train.validate import validate_layout
+
+SEQ, ROWS, MICRO, STEPS = 32, 4, 2, 2
+# Adam divides by |g| + eps: at eps 1e-8 a gradient entry of ~1e-7 turns a last-bit difference between the compiled
+# and the eager kernels (another summation order) into a visible update difference; 1e-4 bounds it (test_zero.py).
+EPS = 1e-4
+LAYOUTS = {  # name: (mesh dims, ZeRO stage, recompute, preset)
+    "ddp": (dict(dp=2), 0, "none", "tiny"),
+    "zero3": (dict(dp=2), 3, "none", "tiny"),
+    "zero3-full-recompute": (dict(dp=2), 3, "full", "tiny"),
+    "tp2": (dict(tp=2), 0, "none", "tiny"),
+    "pp2": (dict(pp=2), 0, "none", "tiny"),
+    "cp2": (dict(cp=2), 0, "none", "tiny"),  # ring attention: a graph break inside the attention
+    "moe-ep2": (dict(dp=2, ep=2), 0, "none", "tiny-moe"),  # the attention half compiled, the experts eager
+}
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(900 + step)
+    return (torch.randint(0, 256, (ROWS, SEQ), generator=g), torch.randint(0, 256, (ROWS, SEQ), generator=g))
+
+
+def _compiled_in_graph(out: torch.Tensor, limit: int = 64) -> bool:
+    """Whether the autograd graph behind a block's output reaches a compiled region's backward within `limit` nodes
+    (ZeRO-3's and the tracer's identity markers may sit in between)."""
+    todo, seen = [out.grad_fn], 0
+    while todo and seen < limit:
+        fn = todo.pop(0)
+        if fn is None:
+            continue
+        if "CompiledFunction" in type(fn).__name__:
+            return True
+        seen += 1
+        todo += [nxt for nxt, _ in fn.next_functions]
+    return False
+
+
+def _train(name: str, compiled: bool) -> dict:
+    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.models import get_config
+    from fivefold.models.parallelize import parallelize
+
+    dims, stage, recompute, preset = LAYOUTS[name]
+    cfg = Config()
+    cfg.zero.stage, cfg.train.recompute, cfg.train.compile = stage, recompute, compiled
+    cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
+    cfg.parallel.cp, cfg.parallel.ep, cfg.pipeline.schedule = dims.get("cp", 1), dims.get("ep", 1), "1f1b"
+    mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
+    parts = parallelize(cfg, get_config(preset), mesh, "cpu")
+    seen: list[bool] = []
+    for module in parts.modules():
+        block = next(iter(module.layers))
+        block.register_forward_hook(lambda m, args, out: seen.append(_compiled_in_graph(out)))
+    dp = mesh.comm("dp")
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.chunk(dp.size)[dp.rank] for t in _batch(step))
+        loss = parts.forward_backward(list(zip(x.chunk(MICRO), y.chunk(MICRO))))
+        parts.step(1.0)
+        losses.append(parts.global_loss(loss).item())
+    return dict(losses=losses, state=parts.full_state_dict(), compiled_blocks=seen)
+
+
+def _worker() -> dict:
+    return {name: {mode: _train(name, mode == "compiled") for mode in ("eager", "compiled")} for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def results():
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler for inductor's CPU backend (validate refuses train.compile here)")
+    return run_workers(_worker, 2)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_blocks_train_like_eager_ones(results, name):
+    for rank, res in enumerate(results):
+        eager, compiled = res[name]["eager"], res[name]["compiled"]
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6), f"rank {rank}"
+        assert compiled["state"].keys() == eager["state"].keys()
+        for pname, want in eager["state"].items():
+            torch.testing.assert_close(compiled["state"][pname], want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, p=pname: f"rank {r} {name} {p}: {m}")
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if LAYOUTS[n][3] == "tiny"])
+def test_every_layout_trains_the_same_model(results, name):
+    """The compiled layouts' losses equal eager DDP's (each eager layout equals the single-process model: the
+    layouts' own tests)."""
+    want = results[0]["ddp"]["eager"]["losses"]
+    for res in results:
+        assert res[name]["compiled"]["losses"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_blocks_really_ran_compiled(results, name):
+    for res in results:
+        assert res[name]["compiled"]["compiled_blocks"] and all(res[name]["compiled"]["compiled_blocks"])
+        assert res[name]["eager"]["compiled_blocks"] and not any(res[name]["eager"]["compiled_blocks"])
+
+
+REFUSED = [
+    (["--train.recompute", "selective"], "train.recompute=selective"),
+    (["--parallel.pp", "2", "--pipeline.schedule", "zb-h1", "--train.grad_accum", "2"], "pipeline.schedule=zb-h1"),
+    (["--parallel.pp", "2", "--pipeline.schedule", "dualpipev", "--train.grad_accum", "4"],
+     "pipeline.schedule=dualpipev"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", REFUSED)
+def test_what_cannot_compile_is_refused_naming_the_key(overrides, key):
+    cfg = load_config(None, ["--model.preset", "tiny", "--train.compile", "true", *overrides])
+    for device in ("cpu", "cuda"):  # `fivefold plan` checks a layout for its target device
+        with pytest.raises(ConfigError, match="train.compile=true") as err:
+            validate_layout(cfg, 2, device)
+        assert key in str(err.value) and "train.compile false" in str(err.value)
+    cfg.train.compile = False
+    validate_layout(cfg, 2, "cpu")  # the same layout without compile is fine
+
+
+def test_no_cpp_compiler_is_refused_on_the_cpu_only(monkeypatch):
+    cfg = load_config(None, ["--model.preset", "tiny", "--train.compile", "true"])
+    validate_layout(cfg, 2, "cpu")
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with pytest.raises(ConfigError, match="no-such-c\\+\\+-compiler, which is not on PATH"):
+        validate_layout(cfg, 2, "cpu")
+    validate_layout(cfg, 2, "cuda")  # triton, not C++: nothing to check here
+
+
+def test_compile_off_keeps_torch_compiler_out_of_the_import_path():
+    import subprocess
+    import sys
+
+    code = ("import sys, fivefold.train.trainer, fivefold.models.parallelize, fivefold.tensor_parallel, "
+            "fivefold.context_parallel, fivefold.expert_parallel; print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
