@@ -497,7 +497,10 @@ def format_table(results: dict) -> str:
     out += [RATIO_LEGEND + " (outside load only adds time)", CPU_LEGEND]
     if any("dp_efficiency" in r for r in impls):
         out += ["step / ideal = paired ratio to the no-communication limit (each rank trains its own batch alone); "
-                "efficiency = ideal / step, the DP efficiency"]
+                "efficiency = ideal / step, the DP efficiency; ideal CPU / CPU = the efficiency a layout could reach "
+                "if all its communication were hidden but its CPU work (gloo's reductions and copies, the kernel's "
+                "TCP transport, hooks) still had to fit on cores the ranks keep busy: the bound on a machine with no "
+                "idle core"]
 
     out += ["", f"model states per rank, MiB (max over ranks, step {results['memory_step']} between backward "
                 "and optimizer step; optimizer includes AdamW step counters; peak = the most held at any "

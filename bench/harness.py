@@ -330,7 +330,8 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
         for i, impl in enumerate(impls):
             if i != j:
                 impl["vs_reference"] = dict(name=reference, ratio=impl["median_s"] / impls[j]["median_s"],
-                                            ratio_paired=paired_ratio(times[i], times[j], block_of[i], block_of[j]))
+                                            ratio_paired=paired_ratio(times[i], times[j], block_of[i], block_of[j]),
+                                            cpu_ratio=impl["cpu_median_s"] / impls[j]["cpu_median_s"])
     out: dict[str, Any] = dict(impls=impls, pairs=pairs)
     if any(d[3] for d in described):
         out["memory_step"] = memory_step
@@ -348,7 +349,8 @@ def run_contest(kind: str, spec: Spec, contestants: Sequence[Contestant], min_wa
     ``ratio_paired``, ``ratio_min``, ``ratio_cpu``, ``max_abs_loss_diff``), ``pairs`` (those ratios per
     contestant with a baseline) and ``memory_step`` where memory was measured. With ``reference`` (a contestant's
     name, e.g. the data-parallel "ideal"), every other impl also gets ``vs_reference``: its median step time over
-    the reference's (``ratio``) and the paired ratio of alternating rounds (``ratio_paired``).
+    the reference's (``ratio``), the paired ratio of alternating rounds (``ratio_paired``) and its median CPU time
+    over the reference's (``cpu_ratio``).
     """
     if spec.steps < 1 or spec.warmup < min_warmup or spec.world < 1:
         raise ValueError(f"need steps >= 1, warmup >= {min_warmup} and world >= 1, got {spec}")
@@ -403,11 +405,12 @@ def time_rows(results: dict, cpu: bool) -> list[tuple[str, ...]]:
     head = ("impl", "vs", "median step ms", "p25–p75 ms", "min ms", "ratio", "ratio paired", "ratio of mins")
     tail = ("tokens/s", "max |Δloss|")
     reference = next((r["vs_reference"]["name"] for r in results["impls"] if "vs_reference" in r), None)
-    ref_head = (f"step / {reference} (paired)", "efficiency") if reference else ()
+    ref_head = (f"step / {reference} (paired)", "efficiency", f"{reference} CPU / CPU") if reference else ()
     rows = [(*head, *(("CPU ms", "CPU ratio") if cpu else ()), *tail, *ref_head)]
     for r in results["impls"]:
         vs = r.get("vs_reference")
-        ref_cells = (f"{vs['ratio_paired']:.3f}", f"{1 / vs['ratio_paired']:.3f}") if vs else ("", "")
+        ref_cells = ((f"{vs['ratio_paired']:.3f}", f"{1 / vs['ratio_paired']:.3f}", f"{1 / vs['cpu_ratio']:.3f}")
+                     if vs else ("", "", ""))
         cells = (r["name"], r["baseline"] or "", f"{r['median_s'] * 1e3:.1f}",
                  f"{r['p25_s'] * 1e3:.1f}–{r['p75_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}",
                  opt(r, "ratio", ".3f"), opt(r, "ratio_paired", ".3f"), opt(r, "ratio_min", ".3f"))
