@@ -10,6 +10,7 @@ gets a `CommTiming`: launch and completion on the rank's `DeviceClock`, and when
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -270,22 +271,37 @@ def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
     run eagerly with their own backward. `compile_eager_regions` (called when blocks are compiled) makes every such
     function a graph break for torch.compile; until then the wrapper just calls `fn` (importing torch's compiler
     costs start-up time no run without compile should pay)."""
-    impl = [fn]
+    impl = [_disabled(fn) if _EAGER_REGIONS_ON else fn]
     _EAGER_REGIONS.append((impl, fn))
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return impl[0](*args, **kwargs)
 
-    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    return call
+    return functools.update_wrapper(call, fn)
+
+
+_EAGER_REGIONS_ON = False
+
+
+def _disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # (torch.compiler.disable's ``reason`` keyword is newer than the torch 2.6 fivefold supports: not passed)
+    return torch.compiler.disable(fn)
 
 
 def compile_eager_regions() -> None:
-    """Every `eager_region` from now on runs outside compiled graphs (torch.compiler.disable: dynamo stops before the
-    call and skips everything it calls). Once per process; harmless to code that is not compiled."""
+    """Every `eager_region`, those defined later included, runs outside compiled graphs from now on
+    (torch.compiler.disable: dynamo stops before the call and skips everything it calls). Once per process; harmless
+    to code that is not compiled."""
+    global _EAGER_REGIONS_ON
+    _EAGER_REGIONS_ON = True
     for impl, fn in _EAGER_REGIONS:
         if impl[0] is fn:
-            impl[0] = torch.compiler.disable(fn, reason="fivefold: collectives run eagerly (comm.eager_region)")
+            impl[0] = _disabled(fn)
+
+
+def eager_regions_on() -> bool:
+    """Whether `compile_eager_regions` ran in this process."""
+    return _EAGER_REGIONS_ON
 
 
 class Comm:

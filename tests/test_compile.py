@@ -25,6 +25,9 @@ SEQ, ROWS, MICRO, STEPS = 32, 4, 2, 2
 EPS = 1e-4
 LAYOUTS = {  # name: (mesh dims, ZeRO stage, recompute, preset)
     "ddp": (dict(dp=2), 0, "none", "tiny"),
+    # more blocks than dynamo's recompile limit (8): were a block's identity guarded, the later ones would fall back
+    # to eager silently (every block's output is checked, and a hit limit raises: fail_on_recompile_limit_hit)
+    "ddp-12-blocks": (dict(dp=2), 0, "none", "tiny-12"),
     "zero3": (dict(dp=2), 3, "none", "tiny"),
     "zero3-full-recompute": (dict(dp=2), 3, "full", "tiny"),
     "tp2": (dict(tp=2), 0, "none", "tiny"),
@@ -65,11 +68,12 @@ def _train(name: str, compiled: bool) -> dict:
     cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
     cfg.parallel.cp, cfg.parallel.ep, cfg.pipeline.schedule = dims.get("cp", 1), dims.get("ep", 1), "1f1b"
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
-    parts = parallelize(cfg, get_config(preset), mesh, "cpu")
+    model_cfg = get_config("tiny", n_layers=12) if preset == "tiny-12" else get_config(preset)
+    parts = parallelize(cfg, model_cfg, mesh, "cpu")
     seen: list[bool] = []
     for module in parts.modules():
-        block = next(iter(module.layers))
-        block.register_forward_hook(lambda m, args, out: seen.append(_compiled_in_graph(out)))
+        for block in module.layers:
+            block.register_forward_hook(lambda m, args, out: seen.append(_compiled_in_graph(out)))
     dp = mesh.comm("dp")
     losses = []
     for step in range(STEPS):
@@ -81,6 +85,10 @@ def _train(name: str, compiled: bool) -> dict:
 
 
 def _worker() -> dict:
+    import torch._dynamo.config
+
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # (torch >= 2.7)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     return {name: {mode: _train(name, mode == "compiled") for mode in ("eager", "compiled")} for name in LAYOUTS}
 
 
@@ -138,12 +146,49 @@ def test_what_cannot_compile_is_refused_naming_the_key(overrides, key):
 
 
 def test_no_cpp_compiler_is_refused_on_the_cpu_only(monkeypatch):
+    import sys
+
     cfg = load_config(None, ["--model.preset", "tiny", "--train.compile", "true"])
+    monkeypatch.setenv("CXX", sys.executable)  # some program on PATH: this machine need not have g++
     validate_layout(cfg, 2, "cpu")
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(ConfigError, match="no-such-c\\+\\+-compiler, which is not on PATH"):
         validate_layout(cfg, 2, "cpu")
-    validate_layout(cfg, 2, "cuda")  # triton, not C++: nothing to check here
+    validate_layout(cfg, 2, "cuda")  # triton: a C compiler (CC), not CXX
+    monkeypatch.setenv("CC", "no-such-c-compiler")
+    with pytest.raises(ConfigError, match="triton builds its kernel launchers with a C compiler"):
+        validate_layout(cfg, 2, "cuda")
+
+
+def test_a_compiled_block_copy_runs_its_own_parameters():
+    """`copy.deepcopy` of a compiled block keeps it compiled and computing with the copy's weights (the compiled
+    function is the class's, given `self` at each call), and compiling without the eager regions is refused."""
+    import copy
+
+    from fivefold import comm
+    from fivefold.models import get_config
+    from fivefold.models.llama import Llama
+
+    model = Llama(get_config("tiny", n_layers=1), seed=0)
+    block = model.layers[0]
+    saved = comm._EAGER_REGIONS_ON
+    comm._EAGER_REGIONS_ON = False
+    try:
+        with pytest.raises(RuntimeError, match="compile_eager_regions"):
+            block.compile_body()
+    finally:
+        comm._EAGER_REGIONS_ON = saved
+    comm.compile_eager_regions()
+    block.compile_body()
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2.0)
+    assert twin.compiled and twin._compiled_forward.__self__ is twin
+    x = torch.randn(1, 8, 128)
+    cos, sin = model.rope_cos, model.rope_sin
+    torch.testing.assert_close(twin(x, cos, sin), twin._forward(x, cos, sin), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(twin(x, cos, sin), block(x, cos, sin))
 
 
 def test_compile_off_keeps_torch_compiler_out_of_the_import_path():

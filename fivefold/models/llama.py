@@ -258,10 +258,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = (MoEFeedForward(c.dim, c.ffn_hidden, c.moe, device=device, dtype=dtype)
                              if c.is_moe_block(index) else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype))
         self.recompute_all = False  # full recompute: keep only the block's input; all of it runs again in backward
-        self.compiled: Callable[..., torch.Tensor] | None = None  # `compile_body`: the torch.compile'd `_forward`
+        self.compiled = False  # `compile_body`: run the torch.compile'd `_forward`
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        body = self._forward if self.compiled is None else self.compiled
+        body = self._compiled_forward if self.compiled else self._forward
         if self.recompute_all:  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
             return recompute(body, x, cos, sin)
         return body(x, cos, sin)
@@ -273,11 +273,18 @@ class TransformerBlock(nn.Module):
         Lazy: the first call compiles (torch's inductor; C++ on the CPU), the blocks share the graph (their parameters
         are its inputs). An MoE block compiles its attention half only: routing sizes the experts' inputs by the data
         (dynamo cannot trace it), so the MoE feed-forward stays eager."""
+        from fivefold.comm import eager_regions_on
+
+        if not eager_regions_on():  # else dynamo would trace into the collectives and the CommLog
+            raise RuntimeError("compile_body: call fivefold.comm.compile_eager_regions() first (parallelize does): "
+                               "the collectives inside a block must run eagerly")
+        self.compiled = True
+
+    def _compiled_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The unbound methods, compiled once per process and given `self`: a copied block runs its own parameters.
         if isinstance(self.feed_forward, MoEFeedForward):
-            attention_half = torch.compile(self._attention_half)
-            self.compiled = lambda x, cos, sin: self._feed_forward_half(attention_half(x, cos, sin))
-        else:
-            self.compiled = torch.compile(self._forward)
+            return self._feed_forward_half(_compiled_method("_attention_half")(self, x, cos, sin))
+        return _compiled_method("_forward")(self, x, cos, sin)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self._feed_forward_half(self._attention_half(x, cos, sin))
@@ -294,6 +301,16 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"recompute={mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
         self.recompute_all = mode == "full"
         self.attention.recompute_core = mode == "selective"
+
+
+_COMPILED_METHODS: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _compiled_method(name: str) -> Callable[..., torch.Tensor]:
+    """``torch.compile(TransformerBlock.<name>)``, made once per process (every block shares its graphs)."""
+    if name not in _COMPILED_METHODS:
+        _COMPILED_METHODS[name] = torch.compile(getattr(TransformerBlock, name))
+    return _COMPILED_METHODS[name]
 
 
 class Blocks(nn.ModuleDict):

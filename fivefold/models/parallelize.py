@@ -397,6 +397,11 @@ def compile_blockers(cfg: Config, device_type: str, schedule: Schedule | None = 
         if shutil.which(cxx) is None:
             blockers.append(f"on the CPU torch's inductor compiles C++ with {cxx}, which is not on PATH: install it "
                             "or set CXX to a C++ compiler")
+    elif device_type == "cuda":
+        cc = os.environ.get("CC")
+        if not (shutil.which(cc) if cc else any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
+            blockers.append(f"on GPUs triton builds its kernel launchers with a C compiler ({cc or 'cc, gcc or clang'}"
+                            "), which is not on PATH: install one or set CC")
     return blockers
 
 
