@@ -168,6 +168,16 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # -- the timing loop -----------------------------------------------------------------------------------
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (fresh pages mapped in: what a freed-and-reallocated large buffer
+    costs on the CPU); 0 where ``resource`` is missing."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def blocks(steps: int, repeats: int) -> list[int]:
     """Sizes of the alternating blocks ``steps`` timed steps are split into."""
     repeats = max(1, min(repeats, steps))
@@ -209,6 +219,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
     times = torch.zeros(n, total, dtype=torch.float64)
     cpu = torch.zeros(n, total, dtype=torch.float64)  # process CPU time of the step (all threads)
     kernel = torch.zeros(n, total, dtype=torch.float64)  # the part of it spent in the kernel (gloo's TCP transport)
+    faults = torch.zeros(n, total, dtype=torch.float64)  # minor page faults (fresh pages mapped in) during the step
     losses = torch.zeros(n, total, dtype=torch.float64)
     has_loss = torch.zeros(n, total, dtype=torch.float64)
     comm: list[list[CommBytes]] = [[CommBytes() for _ in range(total)] for _ in range(n)]
@@ -230,7 +241,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
             # the sampler walks the model states after every operator, which is slow.
             sample = s == memory_step and s < spec.warmup and bool(runner.roots)
             sampler = PeakSampler(runner.roots, runner.exclude) if sample else contextlib.nullcontext()
-            t0, c0, k0 = time.perf_counter(), time.process_time(), os.times().system
+            t0, c0, k0, f0 = time.perf_counter(), time.process_time(), os.times().system, _minor_faults()
             loss = runner.forward_backward(x, y, sampler)
             elapsed, cpu_elapsed = time.perf_counter() - t0, time.process_time() - c0
             kernel_elapsed = os.times().system - k0
@@ -249,6 +260,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
             times[i, s] = elapsed + time.perf_counter() - t1
             cpu[i, s] = cpu_elapsed + time.process_time() - c1
             kernel[i, s] = kernel_elapsed + os.times().system - k1
+            faults[i, s] = _minor_faults() - f0  # (includes the untimed memory measurement on that step)
             runner.after()
             comm[i][s] = runner.comm()
             if runner.records is not None:
@@ -274,6 +286,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
     world_comm.all_reduce(diffs, op=ReduceOp.MAX)
     world_comm.all_reduce(cpu)
     world_comm.all_reduce(kernel)
+    world_comm.all_reduce(faults)
     world_comm.all_reduce(losses)
     world_comm.all_reduce(has_loss)
     mean_losses = losses / has_loss.clamp(min=1)
@@ -301,6 +314,7 @@ def _contest_worker(spec: Spec, contestants: Sequence[Contestant], reference: st
             tokens_per_s=spec.rows(info) * spec.seq_len / median, times_s=timed,
             cpu_median_s=statistics.median(cpu[i, spec.warmup:].tolist()),
             kernel_median_s=statistics.median(kernel[i, spec.warmup:].tolist()),
+            minor_faults=statistics.median(faults[i, spec.warmup:].tolist()),
             comm_calls=last.calls, payload_bytes=last.payload_bytes, wire_bytes=last.wire_bytes,
             comm_by_op=last.by_op, comm_constant=all(asdict(b) == asdict(last) for b in step_comm),
             comm_source=source, losses=mean_losses[i].tolist(), notes=notes, info=info)
@@ -373,7 +387,8 @@ OP_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "bro
 RATIO_LEGEND = ("ratio = median / median of the counterpart; paired = median over rounds of the ratio of the two "
                 "back-to-back block medians; ratio of mins = best step / best step")
 CPU_LEGEND = ("CPU = median process CPU time of a step (all threads) summed over ranks, in brackets the part spent in "
-              "the kernel (on one machine: mostly gloo's TCP loopback transport)")
+              "the kernel (gloo's TCP loopback transport, and mapping in fresh pages); page faults = the median minor "
+              "page faults of a step summed over ranks (freed large buffers allocated again)")
 
 
 def mib(b: float) -> str:
@@ -406,7 +421,9 @@ def time_rows(results: dict, cpu: bool) -> list[tuple[str, ...]]:
     tail = ("tokens/s", "max |Δloss|")
     reference = next((r["vs_reference"]["name"] for r in results["impls"] if "vs_reference" in r), None)
     ref_head = (f"step / {reference} (paired)", "efficiency", f"{reference} CPU / CPU") if reference else ()
-    rows = [(*head, *(("CPU ms", "CPU ratio") if cpu else ()), *tail, *ref_head)]
+    faults = cpu and any(r.get("minor_faults") is not None for r in results["impls"])
+    rows = [(*head, *(("CPU ms", "CPU ratio") if cpu else ()), *(("page faults",) if faults else ()), *tail,
+             *ref_head)]
     for r in results["impls"]:
         vs = r.get("vs_reference")
         ref_cells = ((f"{vs['ratio_paired']:.3f}", f"{1 / vs['ratio_paired']:.3f}", f"{1 / vs['cpu_ratio']:.3f}")
@@ -417,7 +434,8 @@ def time_rows(results: dict, cpu: bool) -> list[tuple[str, ...]]:
         cpu_text = f"{r['cpu_median_s'] * 1e3:.0f}" + (f" ({r['kernel_median_s'] * 1e3:.0f})"
                                                         if r.get("kernel_median_s") is not None else "")
         cpu_cells = (cpu_text, opt(r, "ratio_cpu", ".3f")) if cpu else ()
-        rows.append((*cells, *cpu_cells, f"{r['tokens_per_s']:,.0f}", opt(r, "max_abs_loss_diff", ".1e"),
+        fault_cells = (f"{r['minor_faults']:,.0f}" if r.get("minor_faults") is not None else "",) if faults else ()
+        rows.append((*cells, *cpu_cells, *fault_cells, f"{r['tokens_per_s']:,.0f}", opt(r, "max_abs_loss_diff", ".1e"),
                      *(ref_cells if reference else ())))
     return rows
 

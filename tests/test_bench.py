@@ -188,5 +188,7 @@ def test_ideal_has_no_communication_and_every_row_its_efficiency(zero_result):
         assert r["dp_efficiency"] == pytest.approx(1 / r["vs_reference"]["ratio_paired"])
         assert r["vs_reference"]["ratio"] == pytest.approx(r["median_s"] / ideal["median_s"])
         assert r["vs_reference"]["cpu_ratio"] == pytest.approx(r["cpu_median_s"] / ideal["cpu_median_s"])
+    assert all(r["minor_faults"] >= 0 and 0 <= r["kernel_median_s"] <= r["cpu_median_s"] for r in impls.values())
     table = format_table(zero_result)
     assert "step / ideal (paired)" in table and "ideal CPU / CPU" in table and "| ideal" in table
+    assert "page faults" in table
