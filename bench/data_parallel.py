@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -458,7 +458,7 @@ def bench_zero(preset: str = "small", world: int = 2, steps: int = 48, warmup: i
                micro_batch: int = 4, seq_len: int = 128, bucket_mb: float = 25.0, repeats: int = 16,
                threads: int = 1, lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
                stages: Sequence[int] = (0, 1, 2, 3), reshard_after_forward: bool = True,
-               prefetch: int = 1, keep: bool = False) -> dict:
+               prefetch: int = 1, keep: bool = False, only: Sequence[str] | None = None) -> dict:
     """fivefold `ZeroDataParallel` stages 0-3 vs torch DDP / DDP+ZeroRedundancyOptimizer / FSDP2.
 
     One launch, all contestants interleaved. Both sides use AdamW with the engine's parameter
@@ -467,12 +467,22 @@ def bench_zero(preset: str = "small", world: int = 2, steps: int = 48, warmup: i
     ranks; ``memory_per_rank``), ``comm_by_op``, ``expected`` (the formula's memory and bytes for its
     ``recipe`` at its padded Ψ), ``mismatches`` (empty when measured == formula), and for fivefold
     contestants ``ratio`` and ``max_abs_loss_diff`` against the torch counterpart (``pairs`` lists them).
+    ``only``: run just these contestants (by name; one alone: its own processes, no other model's memory around —
+    a baseline not among them is dropped).
     """
     spec = DPSpec(preset=preset, world=world, steps=steps, warmup=warmup, repeats=repeats,
                   micro_batch=micro_batch, seq_len=seq_len, bucket_mb=bucket_mb, lr=lr,
                   weight_decay=weight_decay, decay_groups=True, reshard_after_forward=reshard_after_forward,
                   prefetch=prefetch, seed=seed, threads=threads)
-    return run_dp_contest(spec, zero_contestants(stages, keep), "zero")
+    contestants = zero_contestants(stages, keep)
+    if only:
+        unknown = sorted(set(only) - {c.name for c in contestants})
+        if unknown:
+            raise ValueError(f"--only {', '.join(unknown)}: not among {', '.join(c.name for c in contestants)} "
+                             "(--stages and --keep choose those)")
+        contestants = tuple(replace(c, baseline=c.baseline if c.baseline in only else None)
+                            for c in contestants if c.name in only)
+    return run_dp_contest(spec, contestants, "zero")
 
 
 def bench_offload(preset: str = "small", world: int = 2, steps: int = 24, warmup: int = 3,
@@ -502,6 +512,8 @@ def format_table(results: dict) -> str:
                 "TCP transport, hooks) still had to fit on cores the ranks keep busy: the bound on a machine with no "
                 "idle core"]
 
+    if not any(r["recipe"] is not None for r in impls):  # the ideal alone: no model states or bytes to check
+        return "\n".join(out)
     out += ["", f"model states per rank, MiB (max over ranks, step {results['memory_step']} between backward "
                 "and optimizer step; optimizer includes AdamW step counters; peak = the most held at any "
                 "operator of that step's backward, every storage reachable from the wrapper and optimizer "

@@ -129,8 +129,11 @@ def _parser() -> argparse.ArgumentParser:
 
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("ddp", parents=[common, micro, dp_opts], help="fivefold DDP vs torch DistributedDataParallel")
-    sub.add_parser("zero", parents=[common, micro, dp_opts, zero_opts],
-                   help="fivefold ZeRO 0/1/2/3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2")
+    zp = sub.add_parser("zero", parents=[common, micro, dp_opts, zero_opts],
+                        help="fivefold ZeRO 0/1/2/3 vs torch DDP / ZeroRedundancyOptimizer / FSDP2")
+    zp.add_argument("--only", default=None,
+                    help="comma-separated contestant names to run, e.g. fivefold-z3 (alone: its own processes, no "
+                         "other contestant's memory around)")
     sub.add_parser("zeropp", parents=[common, micro, zeropp_opts],
                    help="fivefold ZeRO-3 with ZeRO++ qwZ / qgZ / hpZ vs plain ZeRO-3 (bytes, time, hpZ memory)")
     sub.add_parser("offload", parents=[common, micro, dp_opts, zero_opts],
@@ -184,7 +187,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
     cp_common = {k: v for k, v in common.items() if k != "seq_len"}  # cp runs each of --seq-lens
     every: dict[str, tuple[Callable[[], dict], Callable[[dict], str]]] = {
         "ddp": (lambda: bench_ddp(**common, **dp), format_table),
-        "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero, keep=bool(opt.get("keep"))),
+        "zero": (lambda: bench_zero(**common, **dp, stages=stages, **zero, keep=bool(opt.get("keep")),
+                                    only=tuple(n.strip() for n in opt["only"].split(",")) if opt.get("only") else None),
                  format_table),
         "zeropp": (lambda: bench_zeropp(ZeroPPSpec(**common, **_given(
             world=opt.get("world"), micro_batch=opt.get("micro_batch"), dtype=opt.get("dtype"),

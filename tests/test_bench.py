@@ -192,3 +192,19 @@ def test_ideal_has_no_communication_and_every_row_its_efficiency(zero_result):
     table = format_table(zero_result)
     assert "step / ideal (paired)" in table and "ideal CPU / CPU" in table and "| ideal" in table
     assert "page faults" in table
+
+
+def test_zero_only_runs_the_named_contestants_alone():
+    """``only``: just those contestants, a baseline not among them dropped; an unknown name is refused up front."""
+    from bench.data_parallel import bench_zero
+
+    with pytest.raises(ValueError, match="--only fivefold-z9: not among"):
+        bench_zero(preset="tiny", stages=(3,), only=("fivefold-z9",))
+    result = bench_zero(preset="tiny", world=2, steps=1, warmup=1, repeats=1, micro_batch=2, seq_len=16, stages=(3,),
+                        keep=True, only=("fivefold-z3-keep",))
+    (impl,) = result["impls"]
+    assert impl["name"] == "fivefold-z3-keep" and impl["baseline"] is None and not result["pairs"]
+    assert not impl["mismatches"], impl["mismatches"]
+    ideal = bench_zero(preset="tiny", world=2, steps=1, warmup=1, repeats=1, micro_batch=2, seq_len=16, stages=(3,),
+                       only=("ideal",))
+    assert "| ideal" in format_table(ideal)
