@@ -108,10 +108,11 @@ def value_bound(terms: int, scale: float | torch.Tensor, dtype: torch.dtype = to
 
 
 def assert_values_close(got: torch.Tensor | float, want: torch.Tensor | float, terms: int, msg: str = "",
-                        scale: float | torch.Tensor | None = None) -> None:
-    """Rule 1, with the reference's own scale unless told (e.g. the largest gradient of the whole model)."""
+                        scale: float | torch.Tensor | None = None, dtype: torch.dtype | None = None) -> None:
+    """Rule 1, with the reference's own scale unless told (e.g. the largest gradient of the whole model) and the
+    reference's dtype unless told (the dtype the compared side computes in, when it is the lower one)."""
     want = torch.as_tensor(want)
-    dtype = want.dtype if want.is_floating_point() else torch.float32
+    dtype = dtype or (want.dtype if want.is_floating_point() else torch.float32)
     value_bound(terms, want if scale is None else scale, dtype).assert_holds(got, want, msg)
 
 
