@@ -63,6 +63,7 @@ SHADOW_RUNS = 2  # rule 2: perturbed re-runs of a training reference (independen
 WORKERS, TWO_THREADS, OTHER = "workers", "two-threads", "other"  # the kernel paths a reference can run on
 # Parametrise a training-equality test with this: its reference on the workers' kernels, and (marked) on another.
 KERNELS = [WORKERS, pytest.param(OTHER, marks=pytest.mark.other_kernels)]
+ALL_KERNELS = [WORKERS, *(pytest.param(k, marks=pytest.mark.other_kernels) for k in (TWO_THREADS, OTHER))]
 OTHER_KERNELS_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "FIVEFOLD_REFERENCE_THREADS": "2"}
 
 
