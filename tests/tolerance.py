@@ -13,7 +13,7 @@ onto another kernel path (`ATEN_CPU_CAPABILITY=default`: no SIMD kernels in ATen
 processor-independent GEMM; 2 threads), as another processor would: the tests marked `other_kernels` check that
 the bound below holds there too, so the suite does not depend on the processor it runs on.
 
-**The bound.** Derived, not read off a run (docs/design.md, "Test tolerances"). u is the dtype's unit roundoff.
+**The bound.** Derived, not read off a run (docs/testing.md). u is the dtype's unit roundoff.
 
 1. *One sum in another order.* Two orders of the same n-term sum differ by at most 2·γ_n·Σ|x_i| (γ_n ≈ n·u,
    Higham, *Accuracy and Stability of Numerical Algorithms*, §4.2), and — rounding errors taken as independent
