@@ -100,9 +100,19 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def reference_training(steps: int, opt_kind: str, grad_accum: int = 1, **model_kw) -> list[dict[str, torch.Tensor]]:
-    """Single-process training on the full global batch; parameters after every step."""
+def initial_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's state as the workers draw it, for a reference to start from: torch's CPU random kernels draw other
+    values on another kernel path (tests/tolerance.py's OTHER), so a reference there must not draw its own."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_training(steps: int, opt_kind: str, grad_accum: int = 1, init: dict[str, torch.Tensor] | None = None,
+                       **model_kw) -> list[dict[str, torch.Tensor]]:
+    """Single-process training on the full global batch from `init` (else the model's own draw); parameters after
+    every step. A training reference for `tolerance.reference(reference_training, ..., terms=n)`."""
     model = build_toy(**model_kw)
+    if init is not None:
+        model.load_state_dict(init)
     opt = make_optimizer(opt_kind, [p for p in model.parameters() if p.requires_grad])
     history = []
     for step in range(steps):

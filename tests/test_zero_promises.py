@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import build_toy, lm_loss, run_workers, toy_batch
+from dist_utils import build_toy, initial_state, lm_loss, run_workers, toy_batch
+from tolerance import KERNELS, WORKERS, assert_within, reference
 from torch import nn
 
 from fivefold.comm import Comm, CommLog
@@ -187,13 +188,16 @@ def _masters_after_wrapping(comm: Comm) -> dict:
 
 
 FP16_STEPS, FP16_LR = 3, 0.5
+FP16_TOKENS = 12 * 5  # the global batch's tokens, summed into a weight gradient
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _fp16_zero3_run(comm: Comm) -> list[dict[str, torch.Tensor]]:
-    """ZeRO-3, fp16 compute, loss scale 1 (no scaling), SGD: full fp32 states after every step."""
+def _half_zero3_run(comm: Comm, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """ZeRO-3, 16-bit compute (fp16: loss scale 1, no scaling), SGD: full fp32 states after every step."""
+    scaler = DynamicLossScaler(init_scale=1.0) if dtype == torch.float16 else None
     engine = ZeroDataParallel(build_toy(), comm, zero_stage=3, units=[nn.Linear], lr=FP16_LR,
-                              mixed_precision=MixedPrecision(torch.float16), optimizer_class=torch.optim.SGD,
-                              loss_scaler=DynamicLossScaler(init_scale=1.0))
+                              mixed_precision=MixedPrecision(dtype), optimizer_class=torch.optim.SGD,
+                              loss_scaler=scaler)
     history = []
     for step in range(FP16_STEPS):
         x, y = toy_batch(step)
@@ -203,17 +207,18 @@ def _fp16_zero3_run(comm: Comm) -> list[dict[str, torch.Tensor]]:
     return history
 
 
-def _fp16_reference(world: int) -> list[dict[str, torch.Tensor]]:
-    """Standard mixed precision, by hand: fp32 master weights, an fp16 copy for forward and backward
-    (each rank's slice), fp16 gradients averaged in fp32, fp32 SGD update."""
+def _half_reference(world: int, init: dict[str, torch.Tensor], dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """Standard mixed precision, by hand: fp32 master weights (from the workers' initial state), a 16-bit copy for
+    forward and backward (each rank's slice), its gradients averaged in fp32, fp32 SGD update."""
     master = build_toy()
+    master.load_state_dict(init)
     trainable = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     optimizer = torch.optim.SGD([p for _, p in trainable], lr=FP16_LR)
     history = []
     for step in range(FP16_STEPS):
         compute = build_toy()
         compute.load_state_dict(master.state_dict())
-        compute.half()
+        compute.to(dtype)
         grads = {n: torch.zeros_like(p) for n, p in trainable}
         x, y = toy_batch(step)
         for xs, ys in zip(x.chunk(world), y.chunk(world)):
@@ -225,8 +230,8 @@ def _fp16_reference(world: int) -> list[dict[str, torch.Tensor]]:
             p.grad = grads[n]
         optimizer.step()
         state = {k: v.detach().clone() for k, v in master.state_dict().items()}
-        state["frozen.weight"] = state["frozen.weight"].half()  # frozen: held in the compute dtype
-        state["frozen.bias"] = state["frozen.bias"].half()
+        state["frozen.weight"] = state["frozen.weight"].to(dtype)  # frozen: held in the compute dtype
+        state["frozen.bias"] = state["frozen.bias"].to(dtype)
         history.append(state)
     return history
 
@@ -272,7 +277,8 @@ def _worker() -> dict:
     return dict(peak={name: _peak_run(layout, comm) for name, layout in PEAK_LAYOUTS.items()},
                 fsdp2_peak=_fsdp2_peak(comm),
                 overlap={stage: _overlap(stage, comm) for stage in (2, 3)},
-                masters=_masters_after_wrapping(comm), fp16=_fp16_zero3_run(comm), devices=_device_checks(comm))
+                masters=_masters_after_wrapping(comm), devices=_device_checks(comm),
+                half={name: _half_zero3_run(comm, dtype) for name, dtype in HALF_DTYPES.items()})
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
@@ -379,15 +385,22 @@ def test_master_weights_equal_the_original_fp32_bit_for_bit(results, model_name,
         assert any(not torch.equal(w.to(torch_dtype).float(), w) for w in m["original"].values())  # rounding bites
 
 
-def test_fp16_zero3_matches_standard_mixed_precision(results):
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("half", list(HALF_DTYPES))
+def test_16_bit_zero3_matches_standard_mixed_precision(results, half, kernels):
     n, res = results
-    want = _fp16_reference(n)
+    # tests/tolerance.py rule 1's n: on the workers' kernels the reference repeats every rank's 16-bit forward and
+    # backward op for op, so only the average over the n ranks (in fp32) is summed in another order; another kernel
+    # path also reorders the 16-bit compute's own sums (the global batch's tokens, at that dtype's roundoff).
+    dtype = HALF_DTYPES[half]
+    terms, bound_dtype = (n, torch.float32) if kernels == WORKERS else (FP16_TOKENS, dtype)
+    want, bounds = reference(_half_reference, n, initial_state(build_toy()), dtype, kernels=kernels, terms=terms,
+                             dtype=bound_dtype)
     for rank, per_rank in enumerate(res):
-        for step, (got, ref) in enumerate(zip(per_rank["fp16"], want)):
+        assert len(per_rank["half"][half]) == len(want) == FP16_STEPS
+        for step, (got, ref) in enumerate(zip(per_rank["half"][half], want)):
             assert got.keys() == ref.keys()
-            for name in ref:
-                torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-5,
-                                           msg=f"rank {rank} step {step} {name}")
+            assert_within(got, ref, bounds[step], f"rank {rank} step {step}")
 
 
 def test_comm_refuses_a_tensor_on_another_device(results):
