@@ -318,3 +318,28 @@ def test_training_with_cp_equals_single_process(model_results, name, kernels):
                 dim = run["tp_dims"].get(pname)
                 expected = full if dim is None else full.chunk(2, dim)[run["tp_rank"]]
                 history_bounds[step][pname].assert_holds(value, expected, f"rank {rank} step {step} {pname}")
+
+
+def _wrapped_after_cp_worker() -> dict:
+    """A model given to context parallel first and to a data-parallel wrapper after (the order a user may pick):
+    the wrapper's initial broadcast must leave each rank's RoPE rows, the positions it holds, alone."""
+    from fivefold.context_parallel import apply_context_parallel
+    from fivefold.data_parallel import DDP, ZeroDataParallel
+    from fivefold.models import build_model
+    from fivefold.models.plans import LLAMA_CP_PLAN
+
+    comm = Comm(None, "cp", CommLog())
+    layout, seq = SequenceLayout("zigzag", comm.size), 16
+    out = {}
+    for name, wrap in (("zero0", lambda m: ZeroDataParallel(m, comm, zero_stage=0)), ("ddp", lambda m: DDP(m, comm))):
+        model = build_model(_model_config(), seed=0)
+        full = model.rope_cos.clone()
+        apply_context_parallel(model, comm, layout, seq, LLAMA_CP_PLAN)
+        wrap(model)
+        out[name] = torch.equal(model.rope_cos, full.index_select(0, layout.positions(comm.rank, seq, full.device)))
+    return out
+
+
+def test_a_data_parallel_wrapper_keeps_each_ranks_rope_rows():
+    for rank, res in enumerate(run_workers(_wrapped_after_cp_worker, 2)):
+        assert res == {"zero0": True, "ddp": True}, rank

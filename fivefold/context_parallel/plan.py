@@ -40,4 +40,5 @@ def apply_context_parallel(model: nn.Module, comm: Comm, layout: SequenceLayout,
         model.register_buffer(name, table.index_select(0, layout.positions(comm.rank, seq_len, table.device)),
                               persistent=False)
     model.cp_layout = layout
+    model.rank_local_buffers = frozenset(plan.position_tables)  # a data-parallel wrapper must not broadcast them
     return model

@@ -21,8 +21,11 @@ def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 
                            message_bytes: int = 32 * 2**20) -> None:
     """Make every rank's parameters and buffers equal to the source rank's, in place. Small tensors of one dtype and
     device travel together in messages of at most `message_bytes`, a larger one alone: never a second copy of the
-    model. Meta tensors and the parameters named in `skip` (materialised later, the same on every rank) are left."""
-    named = [*module.named_parameters(), *module.named_buffers()]
+    model. Meta tensors, the parameters named in `skip` (materialised later, the same on every rank) and the buffers a
+    module lists in ``rank_local_buffers`` (context parallel's RoPE rows, each rank its own positions) are left."""
+    rank_local = {f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
+                  for b in getattr(m, "rank_local_buffers", ())}
+    named = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n not in rank_local)]
     tensors = [t.detach() for n, t in named if n not in skip and t.device.type != "meta"]
     messages: list[list[torch.Tensor]] = []
     size = 0
