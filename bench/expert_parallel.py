@@ -164,11 +164,13 @@ def build_dualpipev_moe(config: Any, spec: EPOverlapSpec, world: Comm, overlap: 
     mesh = ParallelMesh(ParallelDims(pp=spec.pp, dp=spec.ep, ep=spec.ep), "cpu", log)
     parts = parallelize(cfg, config, mesh, "cpu")
     dp, M = mesh.comm("dp"), spec.microbatches
+    holds_loss = parts.schedule.stage_to_rank[-1] == mesh.comm("pp").rank  # the others return a 0 for the metrics
 
-    def step(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
+    def step(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor | None:
         x, y = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
         with during_backward:
-            return parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+            loss = parts.forward_backward(list(zip(x.chunk(M), y.chunk(M))))
+        return loss if holds_loss else None  # (the harness averages over the ranks that hold a loss)
 
     how = "side by side (the forward in a second thread)" if parts.overlap else "one after the other"
     return Runner(step, update=lambda: parts.step(1.0), reset_comm=log.reset, comm=log_bytes(log, world.size),
