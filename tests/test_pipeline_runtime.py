@@ -301,10 +301,15 @@ def _empty_stage_worker() -> list:
     return history
 
 
+@pytest.fixture(scope="module")
+def empty_stage_results():
+    return run_workers(_empty_stage_worker, 3)
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_pipeline_stage_without_parameters_trains_like_single_process(kernels):
+def test_pipeline_stage_without_parameters_trains_like_single_process(empty_stage_results, kernels):
     ref, bounds = reference(_ppdp_reference, kernels=kernels, terms=PPDP_TERMS)
-    results = run_workers(_empty_stage_worker, 3)
+    results = empty_stage_results
     assert not results[1][0], "the middle stage holds no parameters"
     for rank, history in enumerate(results):
         for step, got in enumerate(history):
@@ -336,9 +341,14 @@ def _mesh3d_worker() -> dict:
 CFG_3D = get_config("tiny", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=16)
 
 
+@pytest.fixture(scope="module")
+def mesh3d_results():
+    return run_workers(_mesh3d_worker, 8)
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_pp2_dp2_tp2_sp_training_matches_single_process(kernels):
-    results = run_workers(_mesh3d_worker, 8)
+def test_pp2_dp2_tp2_sp_training_matches_single_process(mesh3d_results, kernels):
+    results = mesh3d_results
     ref, bounds = reference(_ppdp_reference, 3, CFG_3D, kernels=kernels, terms=PPDP_TERMS)
     for step in range(3):
         for rank, res in enumerate(results):
