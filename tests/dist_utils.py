@@ -123,3 +123,35 @@ def reference_training(steps: int, opt_kind: str, grad_accum: int = 1, init: dic
         opt.step()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return history
+
+
+def trainer_reference(model_cfg, batch, steps: int, micro: int, dp: int, lr: float, eps: float) -> dict:
+    """Single-process training of a fivefold model as the trainer configures it (AdamW with its decay groups,
+    clipping 1.0) on `batch(step)`, global micro-batch i = every dp rank's i-th (as an MoE's balancing sees it):
+    the losses and the final parameters. For `tolerance.reference` (batch: a module-level function)."""
+    from fivefold.config import Config
+    from fivefold.models.llama import Llama
+    from fivefold.models.parallelize import set_aux_grad_scale
+
+    t = Config().train
+    net = Llama(model_cfg, seed=t.seed)
+    decay = [p for n, p in net.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
+    no_decay = [p for p in net.parameters() if all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(t.beta1, t.beta2), eps=eps)
+    set_aux_grad_scale([net], 1.0 / micro)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        total = 0.0
+        for i in range(micro):
+            xi = torch.cat([xr.chunk(micro)[i] for xr in x.chunk(dp)])
+            yi = torch.cat([yr.chunk(micro)[i] for yr in y.chunk(dp)])
+            loss = F.cross_entropy(net(xi).flatten(0, 1), yi.flatten()) / micro
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    return dict(losses=losses, final={n: p.detach().clone() for n, p in net.named_parameters()})

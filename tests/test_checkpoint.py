@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from dist_utils import run_workers
+from dist_utils import run_workers, trainer_reference
 from tolerance import KERNELS, assert_within, reference
 
 from fivefold.checkpoint import Pieces, row_major_boxes
@@ -116,34 +115,8 @@ def _model_config(model: dict):
 
 
 def _reference(model: dict, dp: int) -> dict:
-    """Single-process training of all STEPS as `_parts` configures it (AdamW, its groups, clipping 1.0), global
-    micro-batch i = every dp rank's i-th (as an MoE's balancing sees it): the losses and the final parameters."""
-    from fivefold.config import Config
-    from fivefold.models.llama import Llama
-    from fivefold.models.parallelize import set_aux_grad_scale
-
-    t = Config().train
-    net = Llama(_model_config(model), seed=t.seed)
-    decay = [p for n, p in net.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
-    no_decay = [p for p in net.parameters() if all(p is not d for d in decay)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, betas=(t.beta1, t.beta2), eps=EPS)
-    set_aux_grad_scale([net], 1.0 / M)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        total = 0.0
-        for i in range(M):
-            xi = torch.cat([xr.chunk(M)[i] for xr in x.chunk(dp)])
-            yi = torch.cat([yr.chunk(M)[i] for yr in y.chunk(dp)])
-            loss = F.cross_entropy(net(xi).flatten(0, 1), yi.flatten()) / M
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        losses.append(total)
-    return dict(losses=losses, final={n: p.detach().clone() for n, p in net.named_parameters()})
+    """Single-process training of all STEPS as `_parts` configures it: the losses and the final parameters."""
+    return trainer_reference(_model_config(model), _batch, STEPS, M, dp, 1e-2, EPS)
 
 
 def _train(parts, mesh, first: int, last: int, save_at: int | None = None, path: Path | None = None) -> list[float]:

@@ -14,8 +14,7 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
-from dist_utils import run_workers
+from dist_utils import run_workers, trainer_reference
 from tolerance import KERNELS, assert_values_close, reference
 
 from fivefold.comm import CommLog
@@ -57,33 +56,9 @@ def _model_config(preset: str):
 
 
 def _reference(preset: str, dp: int) -> dict:
-    """Single-process training as every layout trains (the config's AdamW and groups, clipping 1.0, global
-    micro-batch i = every dp rank's i-th, as an MoE's balancing sees it): the losses and the final parameters."""
-    from fivefold.models.llama import Llama
-    from fivefold.models.parallelize import set_aux_grad_scale
-
-    t = Config().train
-    model = Llama(_model_config(preset), seed=t.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
-    no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=EPS)
-    set_aux_grad_scale([model], 1.0 / MICRO)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        total = 0.0
-        for i in range(MICRO):
-            xi = torch.cat([xr.chunk(MICRO)[i] for xr in x.chunk(dp)])
-            yi = torch.cat([yr.chunk(MICRO)[i] for yr in y.chunk(dp)])
-            loss = F.cross_entropy(model(xi).flatten(0, 1), yi.flatten()) / MICRO
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(total)
-    return dict(losses=losses, state={n: p.detach().clone() for n, p in model.named_parameters()})
+    """Single-process training as every layout trains: the losses and the final parameters ("state")."""
+    out = trainer_reference(_model_config(preset), _batch, STEPS, MICRO, dp, Config().train.lr, EPS)
+    return dict(losses=out["losses"], state=out["final"])
 
 
 def _trained_reference(name: str, kernels: str) -> tuple[dict, dict]:
