@@ -1,12 +1,16 @@
 """Command line: ``fivefold train [--config run.toml] [--section.key value ...]``, ``fivefold plan --gpus N ...``
 (what a layout costs, before renting GPUs), ``fivefold bench`` and ``fivefold export``. ``train`` defaults to the
-small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks)."""
+small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks). Every error is one
+line; the exit codes are the EXIT_* constants below (0 done, 1 failed, 2 refused before starting, 75 stopped early
+with a checkpoint, 143 stopped by a signal without one)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -25,32 +29,54 @@ def _train(argv: list[str]) -> int:
     parser.epilog = ("--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
                      "PATH; --overwrite: start over in a run directory that already holds a run")
     args, overrides = parser.parse_known_args(argv)
+    import logging
+
     import torch.multiprocessing as mp
 
-    from fivefold.launch import Terminated
+    # torch's spawn logs "Terminating process N via signal SIGTERM" for the other workers once one has failed:
+    # the failure is said below, once
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+    from fivefold.launch import Terminated, lost_worker_reason
     from fivefold.train.trainer import run
     from fivefold.watchdog import Stalled
 
     try:
         cfg = load_config(args.config, overrides)
-        run(cfg)
+        result = run(cfg)
     except Terminated as e:
         print(f"fivefold train: {e}", file=sys.stderr)
-        return 128 + 15  # the shell's code for a process ended by SIGTERM
+        return EXIT_TERMINATED
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fivefold train: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except mp.ProcessRaisedException as e:  # a worker's error, its traceback printed above: the error itself, once
-        last = [line for line in str(e).splitlines() if line.strip()][-1]
-        print(f"fivefold train: error in a worker: {last}", file=sys.stderr)
-        return 1
+        print(f"fivefold train: error in a worker: {worker_error(e)}", file=sys.stderr)
+        return EXIT_FAILED
     except mp.ProcessExitedException as e:
-        print(f"fivefold train: error: a worker was lost: {e}", file=sys.stderr)
-        return 1
+        print(f"fivefold train: error: {lost_worker_reason(e)}", file=sys.stderr)
+        return EXIT_FAILED
     except Stalled as e:
         print(f"fivefold train: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"fivefold train: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    # under torchrun every rank returns a result; a rank that stopped early with a checkpoint says so in its code
+    return EXIT_STOPPED if getattr(result, "stopped", None) else EXIT_DONE
+
+
+def worker_error(e: BaseException) -> str:
+    """The last line of a worker's traceback, with fivefold's own exception classes' module path dropped."""
+    last = [line for line in str(e).splitlines() if line.strip()][-1]
+    return re.sub(r"^fivefold(\.\w+)+\.(\w+): ", r"\2: ", last)
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line: what failed, the path, the errno's name."""
+    name = errno.errorcode.get(e.errno or 0)
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{' (' + name + ')' if name else ''}{where}"
 
 
 def _bench(argv: list[str]) -> int:
@@ -75,15 +101,27 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--to", required=True, help="output directory")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights' dtype (fp32)")
     parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (2048 MiB)")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="read a checkpoint whose metadata only DCP's pickle holds (another DCP program's or an "
+                             "older fivefold's): a pickle can run code, so only one from a source you trust")
     args = parser.parse_args(argv)
     from fivefold.checkpoint.hf import export_checkpoint
     from fivefold.data_parallel.mixed_precision import parse_dtype
 
     try:
-        summary = export_checkpoint(args.run, args.to, parse_dtype(args.dtype), int(args.max_shard_mb * 2**20))
+        if not args.max_shard_mb > 0 or args.max_shard_mb == float("inf"):
+            raise ValueError(f"--max-shard-mb {args.max_shard_mb:g}: give a positive size in MiB (e.g. 2048)")
+        to = Path(args.to)
+        if to.exists() and not to.is_dir():
+            raise ValueError(f"--to {to} is a file: give a directory (it is created if missing)")
+        summary = export_checkpoint(args.run, to, parse_dtype(args.dtype), int(args.max_shard_mb * 2**20),
+                                    trust=args.trust_checkpoint)
     except (ValueError, FileNotFoundError) as e:
         print(f"fivefold export: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except OSError as e:
+        print(f"fivefold export: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> {args.to}: "
           f"{', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
           f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)")
@@ -192,6 +230,13 @@ def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Confi
                      "virtual stages) so the pipeline fills")
     return notes
 
+
+# Exit codes of `fivefold train` (and export / plan where they apply), documented in the README.
+EXIT_DONE = 0  # every step of train.steps done
+EXIT_FAILED = 1  # the run failed: a worker's error, a lost or stalled worker, an I/O error
+EXIT_CONFIG = 2  # refused before anything started: the config, data, a checkpoint, a locked run directory
+EXIT_STOPPED = 75  # stopped early WITH a checkpoint (SIGTERM, SIGINT, run.exit_after): continue with --resume
+EXIT_TERMINATED = 128 + 15  # stopped by a signal before the workers could save (the shell's SIGTERM code)
 
 COMMANDS = {"train": _train, "plan": _plan, "bench": _bench, "export": _export}
 

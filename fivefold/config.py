@@ -184,6 +184,9 @@ class RunSection:
     # hidden behind compute (printed and in metrics). Off: no hooks, no timing.
     trace: bool = False
     trace_steps: int = 2
+    # before spawning, the planner's memory model predicts every local rank's peak: a run that would not fit in this
+    # machine's free memory (host RAM on the CPU, device memory on accelerators) is refused; false: start it anyway
+    check_memory: bool = True
 
 
 @dataclass
@@ -192,6 +195,10 @@ class CheckpointSection:
     keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
     async_save: bool = False  # copy the state to host memory and write it in the background
     dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
+    on_error: str = "stop"  # a failed save (disk full, ...): stop the run, or warn and train on
+    # load a checkpoint whose metadata only DCP's pickle holds (another DCP program's, or an older fivefold's):
+    # reading a pickle can run code the file carries, so only a checkpoint from a source you trust (--trust-checkpoint)
+    trust: bool = False
 
 
 @dataclass
@@ -221,8 +228,9 @@ class Config:
 
 ALIASES = {"zero": "zero.stage", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
            "steps": "train.steps", "preset": "model.preset", "device": "run.device", "resume": "run.resume",
-           "overwrite": "run.overwrite", "init-from": "model.init_from"}
-FLAGS = {"resume": "latest", "overwrite": "true"}  # short flags that may stand without a value: their value then
+           "overwrite": "run.overwrite", "init-from": "model.init_from", "trust-checkpoint": "checkpoint.trust"}
+# short flags that may stand without a value: their value then
+FLAGS = {"resume": "latest", "overwrite": "true", "trust-checkpoint": "true"}
 
 
 class ConfigError(ValueError):
@@ -251,6 +259,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     args = typing.get_args(tp)
     optional = (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args
     base = next((a for a in args if a is not type(None)), tp) if optional else tp
+    if isinstance(value, str) and optional and base is str and value == "":
+        raise ConfigError(f"{key} is empty: give a value, or leave {key} out for its default")
     if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
         return None
     if value is None:
@@ -316,8 +326,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults, then the TOML file (if any), then command-line overrides."""
     cfg = Config()
     if path is not None:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"--config {path}: {e.strerror or e}"
+                              + (" (a directory, not a TOML file)" if isinstance(e, IsADirectoryError) else "")) \
+                from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config {path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {path} is not valid TOML: {e}") from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 _set(cfg, ALIASES.get(section, section), values)

@@ -113,7 +113,7 @@ class Watchdog:
         frozen = [r for r, b in beats.items() if now - b["time"] > self.heartbeat_s]
         if frozen:
             return "; ".join(f"rank {r} (pid {beats[r]['pid']}) has not answered for {now - beats[r]['time']:.0f} s "
-                             f"(stopped or frozen) at step {beats[r]['step']}, last collective "
+                             f"(stopped or frozen) {_in_step(beats[r])}, last collective "
                              f"{_describe(beats[r]['collective'])}" for r in frozen)
         if len(beats) < self.nproc:
             missing = sorted(set(range(self.nproc)) - set(beats))
@@ -133,6 +133,12 @@ class Watchdog:
         return None
 
 
+def _in_step(beat: dict[str, Any]) -> str:
+    """Where a rank is, 1-based as the progress bar counts: the heartbeat carries the steps it has finished."""
+    done = beat.get("step")
+    return "before its first step" if done is None else f"in step {done + 1} ({done} finished)"
+
+
 def _describe(c: dict[str, Any] | None) -> str:
     if not c:
         return "none yet"
@@ -140,5 +146,5 @@ def _describe(c: dict[str, Any] | None) -> str:
 
 
 def _where(beats: dict[int, dict[str, Any]]) -> str:
-    return "; ".join(f"rank {r} at step {b['step']}, last collective {_describe(b['collective'])}"
+    return "; ".join(f"rank {r} {_in_step(b)}, last collective {_describe(b['collective'])}"
                      for r, b in sorted(beats.items()))

@@ -36,6 +36,7 @@ from fivefold.checkpoint.manager import (
     read_checkpoint_meta,
     verify_files,
 )
+from fivefold.cli import EXIT_STOPPED
 
 MODEL = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16, vocab_size=32)
 MOE_MODEL = dict(MODEL, moe=dict(experts=4, top_k=2))
@@ -519,8 +520,8 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_sa
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_to_the_launcher_stops_every_worker_with_a_checkpoint(calm_run, sig):
     """A job's time limit (SIGTERM) or Ctrl-C (SIGINT) to `fivefold train` reaches the workers, which finish the
-    step, save and exit 0, leaving no temporary directory; `--resume` then completes the run with the parameters
-    of the run that was never stopped."""
+    step, save and exit 75 (stopped early with a checkpoint), leaving no temporary directory; `--resume` then
+    completes the run with the parameters of the run that was never stopped."""
     tmp_path = calm_run
     name = f"stopped-{sig.name}"
     scratch = tmp_path / f"tmp-{sig.name}"  # the launcher's own temporary directories go here
@@ -537,7 +538,7 @@ def test_a_stop_signal_to_the_launcher_stops_every_worker_with_a_checkpoint(calm
             proc.send_signal(sig)
             break
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == EXIT_STOPPED, out  # stopped early with a checkpoint: not "done" (0)
     assert f"{sig.name}: stopped after" in out and "Traceback" not in out, out
     ckpt = complete_checkpoints(tmp_path / name / "checkpoints")[-1]  # (an interval one may come before)
     meta = read_checkpoint_meta(ckpt)

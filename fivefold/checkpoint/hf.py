@@ -22,8 +22,10 @@ from fivefold.checkpoint.state import training_state
 from fivefold.comm import Comm
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.models.llama import LlamaConfig, RopeScaling
+from fivefold.paths import PathOutside, inside
 
-__all__ = ["HF_CONFIG", "config_from_hf", "config_to_hf", "export_checkpoint", "hf_name", "load_hf_weights"]
+__all__ = ["HF_CONFIG", "check_hf_weights", "config_from_hf", "config_to_hf", "export_checkpoint", "hf_name",
+           "load_hf_weights"]
 
 HF_CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -68,7 +70,32 @@ def config_to_hf(c: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
-    """An HF ``config.json`` (Llama) as a `LlamaConfig`; what fivefold's Llama cannot express is an error."""
+    """An HF ``config.json`` (Llama) as a `LlamaConfig`; what fivefold's Llama cannot express is an error, and so is
+    a value of the wrong type (naming its key) or a size beyond `check_model_bounds` (naming config.json's key)."""
+    import math
+
+    from fivefold.models.llama import check_model_bounds
+
+    def label(key: str, where: dict[str, Any]) -> str:
+        if where is d:
+            return key
+        return f"{'rope_parameters' if where is d.get('rope_parameters') else 'rope_scaling'}.{key}"
+
+    def integer(key: str, default: Any = None, where: dict[str, Any] = d) -> int:
+        value = where.get(key, default)
+        if value is None:
+            raise CheckpointError(f"no {label(key, where)!r} (a Llama config.json has it)")
+        # JSON integers (4096.0 too); not true/false, which Python would count as 1/0, nor "4096"
+        if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+            raise CheckpointError(f"{label(key, where)}={value!r} is not an integer")
+        return int(value)
+
+    def number(key: str, default: float, where: dict[str, Any] = d) -> float:
+        value = where.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise CheckpointError(f"{label(key, where)}={value!r} is not a finite number")
+        return float(value)
+
     problems = []
     if d.get("model_type", "llama") != "llama":
         problems.append(f"model_type={d.get('model_type')!r} (only llama)")
@@ -81,36 +108,62 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
         problems.append(f"pretraining_tp={d['pretraining_tp']} (1 only)")
     # transformers < 5 writes rope_theta and rope_scaling; 5 writes both into rope_parameters
     scaling = d.get("rope_parameters") or d.get("rope_scaling")
-    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    if scaling is not None and not isinstance(scaling, dict):
+        raise CheckpointError(f"rope_scaling / rope_parameters={scaling!r} is not an object")
+    theta = number("rope_theta", number("rope_theta", 10000.0), where=d.get("rope_parameters") or {})
     rope = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
-            rope = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                               float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+            for key in ("factor", "low_freq_factor", "high_freq_factor"):
+                if key not in scaling:
+                    raise CheckpointError(f"no {label(key, scaling)!r} (llama3 scaling needs it)")
+            rope = RopeScaling(number("factor", 0, scaling), number("low_freq_factor", 0, scaling),
+                               number("high_freq_factor", 0, scaling),
+                               integer("original_max_position_embeddings", where=scaling))
         elif kind != "default":
             problems.append(f"rope_scaling type {kind!r} (llama3 only)")
     if problems:
         raise CheckpointError("this Hugging Face model cannot be expressed by fivefold's Llama: " + "; ".join(problems))
-    heads = int(d["num_attention_heads"])
-    head_dim = d.get("head_dim")
-    return LlamaConfig(
-        vocab_size=int(d["vocab_size"]), dim=int(d["hidden_size"]), n_layers=int(d["num_hidden_layers"]),
-        n_heads=heads, n_kv_heads=int(d.get("num_key_value_heads") or heads), ffn_hidden=int(d["intermediate_size"]),
-        max_seq_len=int(d.get("max_position_embeddings", 2048)), rope_theta=float(theta),
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_head_dim=int(head_dim) if head_dim and int(head_dim) != int(d["hidden_size"]) // heads else None,
-        rope_scaling=rope).validate()
+    tie = d.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"tie_word_embeddings={tie!r} is not true or false")
+    heads, dim = integer("num_attention_heads"), integer("hidden_size")
+    head_dim = integer("head_dim") if d.get("head_dim") else None
+    config = LlamaConfig(
+        vocab_size=integer("vocab_size"), dim=dim, n_layers=integer("num_hidden_layers"), n_heads=heads,
+        n_kv_heads=integer("num_key_value_heads") if d.get("num_key_value_heads") else heads,
+        ffn_hidden=integer("intermediate_size"), max_seq_len=integer("max_position_embeddings", 2048),
+        rope_theta=theta, norm_eps=number("rms_norm_eps", 1e-6), tie_embeddings=tie,
+        attention_head_dim=head_dim if head_dim and heads > 0 and head_dim != dim // heads else None,
+        rope_scaling=rope)
+    # absurd sizes first (a damaged file), named as config.json names them
+    check_model_bounds(config, names={"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+                                      "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+                                      "ffn_hidden": "intermediate_size", "max_seq_len": "max_position_embeddings",
+                                      "attention_head_dim": "head_dim"})
+    return config.validate()
 
 
 def read_hf_config(directory: str | Path) -> LlamaConfig:
+    """`config_from_hf` of ``directory``/config.json; every error is a `CheckpointError` naming the file."""
     path = Path(directory) / HF_CONFIG
     try:
-        return config_from_hf(json.loads(path.read_text()))
+        text = path.read_text()
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a Hugging Face model directory (no {HF_CONFIG})") from None
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{path} is not a Llama config ({e!r})") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory named config.json, no permission, not text
+        raise CheckpointError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} is not a Llama config (a JSON object), but a {type(d).__name__}")
+    try:
+        return config_from_hf(d)
+    except ValueError as e:  # CheckpointError, ConfigError (sizes), LlamaConfig.validate's ValueError
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 # -- out --------------------------------------------------------------------------------------------------------
@@ -133,20 +186,24 @@ def _llama_config(d: dict[str, Any]) -> LlamaConfig:
 
 
 def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32,
-                      max_shard_bytes: int = 2 << 30) -> dict[str, Any]:
+                      max_shard_bytes: int = 2 << 30, trust: bool = False) -> dict[str, Any]:
     """Write the model of the fivefold checkpoint ``source`` (a checkpoint, a run's checkpoint folder or a run
     directory: its latest) as HF Llama safetensors in ``out_dir``: shards of at most ``max_shard_bytes`` (with
     ``model.safetensors.index.json`` when more than one) and ``config.json``. One process; it holds one shard and
-    one parameter at a time, each read from DCP alone. Returns a summary (files, bytes, peak held bytes)."""
+    one parameter at a time, each read from DCP alone. Returns a summary (files, bytes, peak held bytes). A
+    checkpoint whose metadata only DCP's pickle holds needs ``trust`` (`UntrustedCheckpoint`)."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
+
+    from fivefold.checkpoint.manager import check_loadable
+    from fivefold.checkpoint.metadata import SafeReader
 
     src = find_checkpoint(source)
     meta = read_checkpoint_meta(src)
     problems = verify_files(src, meta)  # sizes and SHA-256 of every file, before anything is exported
     if problems:
         raise CheckpointError(f"checkpoint {src} is damaged: " + "; ".join(problems[:5]))
+    check_loadable(src, trust)
     cfg = _llama_config(meta["model"])
     hf_config = config_to_hf(cfg, dtype)
     out = Path(out_dir)
@@ -154,7 +211,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     names = [(n, s) for n, s in _model_parameters(meta) if not (cfg.tie_embeddings and n == "output.weight")]
     for n, _ in names:
         hf_name(n)  # every name maps, before anything is written
-    reader = FileSystemReader(src)
+    reader = SafeReader(src, trust)
     shards: list[dict[str, torch.Tensor]] = [{}]
     held = peak = 0
     files: list[tuple[str, list[str]]] = []
@@ -207,13 +264,48 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it."""
     index = directory / INDEX
     if index.is_file():
-        return {k: directory / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index} is damaged (no weight_map object)") from None
+        try:
+            return {k: inside(directory, f, f"the weight file of {k!r} in {index}") for k, f in weight_map.items()}
+        except PathOutside as e:
+            raise CheckpointError(str(e)) from None
     single = directory / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{directory} has neither model.safetensors nor {INDEX}")
     from safetensors import safe_open
     with _opened(safe_open, single) as f:
         return {k: single for k in f.keys()}
+
+
+def check_hf_weights(directory: str | Path, config: LlamaConfig) -> None:
+    """Before any worker starts: every tensor of ``config``'s model is in the directory's safetensors files with
+    its shape (only the files' headers are read). Raises `CheckpointError` naming the first problem."""
+    from safetensors import safe_open
+
+    from fivefold.models.llama import Llama
+
+    directory = Path(directory)
+    where = _weight_files(directory)
+    by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, p in Llama(config, device="meta").named_parameters():
+        hf = hf_name(name)
+        if hf not in where:
+            raise CheckpointError(f"{directory} has no tensor {hf!r} (for {name}): the weights are not those of its "
+                                  f"{HF_CONFIG}")
+        by_file.setdefault(where[hf], []).append((hf, tuple(p.shape)))
+    for path, items in by_file.items():
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing ({INDEX} names it)")
+        with _opened(safe_open, path) as f:
+            for hf, shape in items:
+                have = tuple(f.get_slice(hf).get_shape())
+                if have != shape:
+                    raise CheckpointError(f"{path.name}: {hf} is {have}, but {HF_CONFIG} makes it {shape}")
 
 
 class _opened:

@@ -4,12 +4,13 @@ Saving, each rectangle becomes a ``WriteItem`` at its global offsets; DCP's coor
 replicas (dp under ZeRO-0, tp for replicated weights, ep_dp for experts, dp_replicate under HSDP) write at the same
 offsets and checks that the chunks neither overlap nor leave a hole. Loading, each rectangle asks DCP for its
 overlap with whatever chunks the writer's layout left (`create_read_items_for_chunk_list`), so any layout reads any
-other's checkpoint, each rank reading only its slices. Plain tensors and other objects in the state dict keep DCP's
-default handling.
+other's checkpoint, each rank reading only its slices. Plain tensors in the state dict keep DCP's default handling;
+objects are read with ``torch.load(weights_only=True)``, never DCP's full unpickling.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -85,8 +86,15 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
                                is_coordinator)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        super().load_bytes(read_item, value)  # an object is replaced, not filled: hand it to the caller's dict too
-        self.caller_state_dict[read_item.dest_index.fqn] = self.state_dict[read_item.dest_index.fqn]
+        # DCP's default unpickles objects with weights_only=False (any code the file carries would run): tensors,
+        # numbers and plain containers only. An object is replaced, not filled: hand it to the caller's dict too.
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointMismatch(f"object {read_item.dest_index.fqn!r} holds more than tensors, numbers and "
+                                     "plain containers, which fivefold never saves; refused unread "
+                                     f"({str(e).splitlines()[0]})") from None
+        self.state_dict[read_item.dest_index.fqn] = self.caller_state_dict[read_item.dest_index.fqn] = obj
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None

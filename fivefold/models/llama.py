@@ -14,14 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.config import ConfigError
 from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
 from fivefold.ops import Linear, recompute
 
 __all__ = ["ATTENTION_CORES", "Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RECOMPUTE_MODES",
-           "RMSNorm", "RopeScaling", "TransformerBlock", "apply_rotary", "build_model", "causal_attention",
-           "count_params", "eager_attention", "get_config", "param_counts", "precompute_rope"]
+           "MAX_PARAMS", "MODEL_LIMITS", "RMSNorm", "RopeScaling", "TransformerBlock", "apply_rotary", "build_model",
+           "causal_attention", "check_model_bounds", "count_params", "eager_attention", "get_config", "param_counts",
+           "precompute_rope"]
 
 
 @dataclass(frozen=True)
@@ -442,23 +444,72 @@ def build_model(config: LlamaConfig, seed: int = 0, device: str | torch.device =
     return Llama(config, seed=seed, device=device, dtype=dtype)
 
 
-_COUNTS: dict[str, tuple[int, int]] = {}  # a pure function of the shape (a 700B model takes seconds to build on meta)
-
-
 def param_counts(config: LlamaConfig) -> tuple[int, int]:
     """(parameters, parameters one token goes through — embeddings excluded, they are a lookup; top_k of an MoE
-    layer's experts): the N of `formulas.model_flops_per_token`'s 6·N."""
-    if repr(config) not in _COUNTS:
-        total = active = 0
-        for name, shape in Llama(config, device="meta").full_shapes().items():
-            numel = math.prod(shape)
-            total += numel
-            if not name.startswith("tok_embeddings"):
-                active += numel * (config.moe.top_k / config.moe.experts if ".experts." in name else 1)
-        if config.tie_embeddings:  # one tensor, listed once (as the embedding); the head's matmul with it computes
-            active += config.vocab_size * config.dim
-        _COUNTS[repr(config)] = total, int(active)
-    return _COUNTS[repr(config)]
+    layer's experts): the N of `formulas.model_flops_per_token`'s 6·N. Counted from the shapes `Llama` gives its
+    parameters (`full_shapes`), by arithmetic: no module is built, so a 700B or a 10,000-block shape costs nothing
+    (`tests/test_fits.py` holds it to the meta model's count)."""
+    c = config
+    d, hd = c.dim, c.head_dim
+    attention = 2 * d * c.n_heads * hd + 2 * d * c.n_kv_heads * hd  # wq and wo; wk and wv
+    block = attention + 2 * d  # + attention_norm, ffn_norm
+    dense_ffn = 3 * d * c.ffn_hidden  # SwiGLU: w1, w3, w2
+    n_moe = c.n_layers // c.moe.every if c.moe is not None else 0  # blocks every - 1, 2·every - 1, ... (is_moe_block)
+    embedding = c.vocab_size * d
+    total = embedding + c.n_layers * block + (c.n_layers - n_moe) * dense_ffn + d  # + the final norm
+    total += 0 if c.tie_embeddings else embedding  # the head (tied: the embedding's tensor, counted once)
+    active = total - embedding + (embedding if c.tie_embeddings else 0)  # the head's matmul uses a tied tensor too
+    if c.moe is not None:
+        expert = 3 * d * (c.moe.hidden or c.ffn_hidden)  # one expert's SwiGLU
+        router = d * c.moe.experts
+        shared = expert * c.moe.shared_experts  # one SwiGLU of shared_experts × hidden, every token through it
+        total += n_moe * (router + c.moe.experts * expert + shared)
+        # a token goes through top_k of the experts (E experts × top_k / E: an integer, no float sum to round)
+        active += n_moe * (router + c.moe.top_k * expert + shared)
+    return total, active
+
+
+# Limits on a model's shape, checked before anything is built (`check_model_bounds`). Each lies far above every
+# published model (so none is refused) and far below what would make the model's construction or the memory
+# check's arithmetic hang: a value beyond one is a typo or a damaged config.json, not a model to train.
+MODEL_LIMITS: dict[str, tuple[int, str]] = {
+    "vocab_size": (2**24, "64× the largest published vocabulary (Gemma 3's 262,144)"),
+    "dim": (2**20, "40× the widest published model (Megatron-LM's 1T configuration: 25,600; Llama-3.1-405B: "
+                   "16,384)"),
+    "n_layers": (10_000, "10× the deepest trained transformer (DeepNet's 1,000 layers; Llama-3.1-405B: 126)"),
+    "n_heads": (2**16, "400× the most heads published (Megatron-LM's 1T configuration: 160; Llama-3.1-405B: 128)"),
+    "n_kv_heads": (2**16, "as n_heads"),
+    "ffn_hidden": (2**22, "57× the widest published feed-forward (PaLM-540B's 73,728)"),
+    "max_seq_len": (2**24, "4× the longest Llama-architecture context published (Llama-3-8B-Gradient-4194k's "
+                           "4,194,304; Llama-4-Scout: 10,485,760)"),
+    "attention_head_dim": (2**16, "256× the widest published head (Gemma's 256)"),
+    "moe.experts": (2**14, "32× the most routed experts published (Qwen3-Next's 512; DeepSeek-V3: 256)"),
+    "moe.hidden": (2**22, "as ffn_hidden"),
+    "moe.shared_experts": (2**14, "as moe.experts"),
+}
+MAX_PARAMS = 2**50  # 1.1e15: ~700× the largest published (Switch-C's 1.6T; Kimi-K2's 1.0T)
+
+
+def check_model_bounds(config: LlamaConfig, names: dict[str, str] | None = None) -> None:
+    """Raise `ConfigError` (one line) if a size of `config` exceeds `MODEL_LIMITS` or its parameters `MAX_PARAMS`:
+    before any module is built, so a typo (``--model.n_layers 100000``) or an absurd config.json is refused at once
+    instead of hanging in construction. ``names``: how the caller spells a field (config.json's keys), default
+    ``model.<field>``. Only sizes: `LlamaConfig.validate` checks the rest."""
+    names = names or {}
+    values = {f: getattr(config, f) for f in MODEL_LIMITS if not f.startswith("moe.")}
+    if config.moe is not None:
+        values.update({f"moe.{f}": getattr(config.moe, f) for f in ("experts", "hidden", "shared_experts")})
+    for field, value in values.items():
+        limit, why = MODEL_LIMITS[field]
+        if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise ConfigError(f"{names.get(field, 'model.' + field)}={value:,} exceeds {limit:,}, {why}: a typo? "
+                              "(this limit guards against sizes no machine could train)")
+    if all(isinstance(v, int) and v > 0 for v in (config.vocab_size, config.dim, config.n_layers, config.n_heads,
+                                                   config.n_kv_heads, config.ffn_hidden)):
+        total = param_counts(config)[0]
+        if total > MAX_PARAMS:
+            raise ConfigError(f"the model has {total:.2e} parameters, more than {MAX_PARAMS:.1e} (~700× the largest "
+                              "published, Switch-C's 1.6e12): a typo in its sizes?")
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

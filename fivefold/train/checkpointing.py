@@ -20,10 +20,12 @@ from fivefold.checkpoint import training_state
 from fivefold.checkpoint.manager import (
     Checkpointer,
     CheckpointError,
+    CheckpointSaveError,
     complete_checkpoints,
     find_checkpoint,
     read_checkpoint_meta,
 )
+from fivefold.checkpoint.metadata import read_safe_metadata
 from fivefold.config import Config
 from fivefold.mesh import MESH_DIMS, ParallelMesh
 
@@ -135,6 +137,8 @@ class TrainCheckpoints:
             mesh.own(self.ckpt._group)
         # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce, no device sync.
         self.control = mesh.own(dist.new_group(backend="gloo"))
+        self._pending_reason: str | None = None  # why the background save in flight was started
+        self.warnings: list[str] = []  # failed saves under checkpoint.on_error=warn, for the trainer to say
         watch_sigterm()
 
     def stop_requested(self) -> str | None:
@@ -158,9 +162,12 @@ class TrainCheckpoints:
             return "interval"
         return None
 
-    def save(self, steps_done: int, reason: str) -> float:
-        """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited for it."""
+    def save(self, steps_done: int, reason: str) -> float | None:
+        """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited for it, or None
+        when it failed and ``checkpoint.on_error`` is warn (`warning` says why). A failed save of a stop (SIGTERM,
+        exit_after) always raises: the run cannot claim a checkpoint it does not have."""
         t0 = time.perf_counter()
+        self._finish_pending()
         state = training_state(self.parts.engines.values(), self.mesh.comm("tp")).state_dict
         state[f"rng.rank{dist.get_rank()}"] = {"cpu": torch.get_rng_state(),
                                                "accelerator": _accelerator_rng(self.device)}
@@ -170,8 +177,26 @@ class TrainCheckpoints:
         meta = {"steps_done": steps_done, "reason": reason, "layout": layout(self.cfg, self.mesh),
                 "model": self.model_config, "preset": self.cfg.model.preset, "config": self.cfg.to_dict(),
                 "saved_at": time.time()}
-        self.ckpt.save(steps_done, state, meta)
+        try:
+            self.ckpt.save(steps_done, state, meta)
+        except CheckpointSaveError as e:
+            self._failed(e, reason)
+            return None
+        self._pending_reason = reason
         return time.perf_counter() - t0
+
+    def _finish_pending(self) -> None:
+        """Wait for a background save; its failure is handled as that save's (`_failed`)."""
+        reason, self._pending_reason = self._pending_reason, None
+        try:
+            self.ckpt.wait()
+        except CheckpointSaveError as e:
+            self._failed(e, reason or "interval")
+
+    def _failed(self, error: CheckpointSaveError, reason: str) -> None:
+        if self.cfg.checkpoint.on_error == "stop" or reason in ("SIGTERM", "SIGINT", "exit_after"):
+            raise error
+        self.warnings.append(f"fivefold: warning: {error}; training goes on (checkpoint.on_error=warn)")
 
     def restore(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had done."""
@@ -180,7 +205,8 @@ class TrainCheckpoints:
         check_model_matches(path, meta, self.model_config)
         Checkpointer.verify(path)  # before anything of it is read
         ours = layout(self.cfg, self.mesh)
-        elementwise, scalars = Checkpointer.saved_optimizer_keys(path)
+        trust = self.cfg.checkpoint.trust
+        elementwise, scalars = Checkpointer.saved_optimizer_keys(path, trust)
         ts = training_state(self.parts.engines.values(), self.mesh.comm("tp"), scalars, elementwise)
         state = ts.state_dict
         same_layout = meta.get("layout") == ours
@@ -188,9 +214,9 @@ class TrainCheckpoints:
         if same_layout:  # RNG streams belong to ranks: only the same layout continues them
             state[rng_key] = None
         scalers = [e.loss_scaler for e in self.parts.engines.values() if e.loss_scaler is not None]
-        if scalers and "loss_scaler" in _saved_keys(path):
+        if scalers and "loss_scaler" in _saved_keys(path, trust):
             state["loss_scaler"] = None
-        Checkpointer.load(path, state, verified=True)
+        Checkpointer.load(path, state, verified=True, trust=trust)
         ts.after_load(self.parts.engines.values())
         if same_layout:
             torch.set_rng_state(state[rng_key]["cpu"])
@@ -201,13 +227,15 @@ class TrainCheckpoints:
         return int(meta["steps_done"])
 
     def close(self) -> None:
-        self.ckpt.wait()
-        unwatch_sigterm()
+        """Finish a background save (its failure raises, or under on_error=warn adds to `warnings`)."""
+        try:
+            self._finish_pending()
+        finally:
+            unwatch_sigterm()
 
 
-def _saved_keys(path: Path) -> set[str]:
-    import torch.distributed.checkpoint as dcp
-    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+def _saved_keys(path: Path, trust: bool) -> set[str]:
+    return set(read_safe_metadata(path, trust).state_dict_metadata)
 
 
 def _accelerator_rng(device: torch.device) -> Any:

@@ -29,9 +29,17 @@ from fivefold.optim.lr import lr_at
 from fivefold.peak import device_peak_flops
 from fivefold.pipeline.runtime import SIDE_THREAD
 from fivefold.trace import StepTracer, trace_window
-from fivefold.train.checkpointing import TrainCheckpoints, checkpoint_root, clear_run_dir, restart_count, watch_sigterm
+from fivefold.train.checkpointing import (
+    TrainCheckpoints,
+    checkpoint_root,
+    clear_run_dir,
+    restart_count,
+    run_dir,
+    watch_sigterm,
+)
 from fivefold.train.data import TokenDataset
 from fivefold.train.metrics import RunRecord
+from fivefold.train.run_lock import RunDirLocked, RunLock
 from fivefold.train.validate import RunPlan, validate
 from fivefold.watchdog import Stalled, report_step, watch_comm_log
 
@@ -50,17 +58,49 @@ class TrainResult:
     model_state_mb: float
     comm_hidden_fraction: float | None = None  # run.trace: mean over ranks of the communication hidden behind compute
     mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak (issue 17)
+    stopped: str | None = None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
 
 
 def run(cfg: Config) -> TrainResult:
-    """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo)."""
+    """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo). The run directory
+    is locked for the run's life (`RunLock`: under torchrun by rank 0)."""
     if is_torchrun_env():
         with distributed(resolve_device(cfg.run.device), timeout_s=cfg.run.collective_timeout_s):
-            return train(cfg, validate(cfg, dist.get_world_size()))
+            lock = _lock_on_rank0(cfg)
+            try:
+                return train(cfg, validate(cfg, dist.get_world_size()))
+            finally:
+                lock.release()
     if cfg.run.device not in ("auto", "cpu"):
         raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
-    plan = validate(cfg, cfg.run.nproc)  # every error here, before any process starts
+    validate(cfg, cfg.run.nproc)  # every error here, before any directory is made or any process starts
+    with RunLock(*locked_dirs(cfg)):
+        return _launch(cfg, validate(cfg, cfg.run.nproc))  # (again, under the lock: what the directory holds now)
+
+
+def locked_dirs(cfg: Config) -> list[Path]:
+    """The directories a run writes: its run directory, and its checkpoint directory when that is elsewhere."""
+    return [run_dir(cfg), checkpoint_root(cfg)] if cfg.checkpoint.dir else [run_dir(cfg)]
+
+
+def _lock_on_rank0(cfg: Config) -> RunLock:
+    """Rank 0 takes the run's lock; every rank raises `RunDirLocked` if it could not (collective)."""
+    lock, problem = RunLock(*locked_dirs(cfg)), [None]
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except (RunDirLocked, OSError) as e:
+            problem[0] = str(e)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise RunDirLocked(problem[0])
+    return lock
+
+
+def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
+    """Spawn the workers (restarting them after a lost one, `run.max_restarts` times); the run directory is
+    locked."""
     if cfg.run.overwrite and plan.resume_from is None:  # here, once: a restart must not find the old run's files
         clear_run_dir(cfg)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False))
@@ -200,6 +240,12 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         reason = checkpoints.due(step + 1, step + 1 - start)
         if reason is not None:
             waited = checkpoints.save(step + 1, reason)
+            for warning in checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
+                record.write({"kind": "error", "step": step, "error": "checkpoint not saved", "message": warning})
+                record.say(warning)
+            checkpoints.warnings.clear()
+            if waited is None:
+                continue
             record.write({"kind": "checkpoint", "step": step, "steps_done": step + 1, "reason": reason,
                           "seconds": waited, "async": cfg.checkpoint.async_save})
             since += waited  # saving is not training time
@@ -209,12 +255,14 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                            f"{checkpoint_root(cfg)}; continue with --resume")
                 break
     checkpoints.close()  # a background save finishes
+    for warning in checkpoints.warnings:
+        record.say(warning)
     steady = sorted(intervals[1:] or intervals) or [float("nan")]  # (a run stopped before its first log step)
     losses = losses or [float("nan")]
     result = TrainResult(step + 1 if stopped else t.steps, losses[0], losses[-1], val_loss, n_params,
                          tokens_per_step / steady[len(steady) // 2],
                          str(record.run_dir) if record.run_dir else None, state_mb,
-                         mfu=tokens_per_step * flops_per_token / steady[len(steady) // 2] / peak)
+                         mfu=tokens_per_step * flops_per_token / steady[len(steady) // 2] / peak, stopped=stopped)
     parts.gather_timeline()  # the pipeline's measured timings, gathered once
     if parts.timeline is not None:
         s = parts.schedule

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from fivefold.checkpoint.hf import read_hf_config
-from fivefold.checkpoint.manager import read_checkpoint_meta
+from fivefold.checkpoint.hf import check_hf_weights, read_hf_config
+from fivefold.checkpoint.manager import check_loadable, read_checkpoint_meta
 from fivefold.comm import P2P_SEMANTICS
 from fivefold.config import Config, ConfigError, resolve_batch
 from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.mesh import ParallelDims
 from fivefold.models import LlamaConfig, get_config
-from fivefold.models.llama import ATTENTION_CORES, RECOMPUTE_MODES
+from fivefold.models.llama import ATTENTION_CORES, RECOMPUTE_MODES, check_model_bounds
 from fivefold.models.moe import MoEConfig
 from fivefold.models.parallelize import (
     OVERLAP_CHOICES,
@@ -29,12 +29,15 @@ from fivefold.models.parallelize import (
     pipeline_overlap,
 )
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.paths import PathOutside, one_component
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
 from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
 from fivefold.train.corpus import binary_share, check_source
 
-__all__ = ["RunPlan", "validate", "validate_layout"]
+__all__ = ["ON_ERROR", "RunPlan", "validate", "validate_layout"]
+
+ON_ERROR = ("stop", "warn")  # checkpoint.on_error: what a failed save does to the run
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,32 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         share = binary_share(cfg.data.path)
     except FileNotFoundError as e:  # a ValueError like every other config problem
         raise ConfigError(f"data.path: {e}") from None
+    except OSError as e:  # unreadable: a permission, a directory where a file was expected
+        raise ConfigError(f"data.path={cfg.data.path!r} cannot be read: {e.strerror or e}"
+                          + (f" ({e.filename})" if e.filename else "")) from None
     notes = list(plan.notes)
+    notes += _check_memory(cfg, plan, world_size)
     if share is not None and share[0] > 0.1:
         notes.append(f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or random "
                      "data?); training proceeds on its bytes")
+    if cfg.model.init_from:
+        try:
+            check_hf_weights(cfg.model.init_from, plan.model)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+    try:
+        one_component(r.name, "run.name")
+    except PathOutside as e:
+        raise ConfigError(str(e)) from None
     _check_out_dir(Path(r.out_dir) / r.name)
     c = cfg.checkpoint
+    if c.dir:
+        _check_out_dir(Path(c.dir), "checkpoint.dir")
+    if c.on_error not in ON_ERROR:
+        raise ConfigError(f"checkpoint.on_error={c.on_error!r}: choose {' or '.join(ON_ERROR)}")
+    if r.overwrite and r.resume:
+        raise ConfigError(f"run.overwrite and run.resume={r.resume!r} contradict each other: --overwrite starts over "
+                          "(deleting the run's checkpoints), --resume continues it; give one")
     _non_negative(**{"checkpoint.interval": c.interval, "checkpoint.keep": c.keep, "run.exit_after": r.exit_after,
                      "run.max_restarts": r.max_restarts, "run.stall_timeout_s": r.stall_timeout_s})
     _positive(**{"run.heartbeat_timeout_s": r.heartbeat_timeout_s, "run.collective_timeout_s": r.collective_timeout_s})
@@ -90,6 +113,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         resume_from = check_run_dir(cfg)
         meta = read_checkpoint_meta(resume_from) if resume_from is not None else {}
         if resume_from is not None:
+            check_loadable(resume_from, c.trust)  # its metadata readable without running anything it holds
             check_layout_fields(resume_from, meta)
             # the model's tensors (the vocabulary may still grow with the data: the workers check it)
             check_model_matches(resume_from, meta, {k: v for k, v in dataclasses.asdict(plan.model).items()
@@ -156,6 +180,7 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
         notes.append(f"model.max_seq_len raised from {model.max_seq_len} to train.seq_len={t.seq_len} (longer RoPE "
                      "tables; no parameter changes)")
         model = dataclasses.replace(model, max_seq_len=t.seq_len).validate()
+    check_model_bounds(model)  # absurd sizes (the raised max_seq_len too) before anything is built
     if dims.tp > 1:
         check_divisible(model, LLAMA_TP_PLAN, dims.tp)
     if p.cp_layout not in LAYOUTS:
@@ -203,6 +228,35 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
             raise ConfigError(str(e)) from None
 
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model, None, tuple(notes))
+
+
+def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:
+    """A run this machine's memory cannot hold is refused before any worker starts (`plan.fits.check_fits`); under
+    torchrun every rank checks its own node or device and all raise if one does (one raising alone would leave the
+    others waiting in their first collective)."""
+    from fivefold.launch import is_torchrun_env
+    from fivefold.plan.fits import check_fits  # (here: fivefold.plan imports this module)
+
+    if not is_torchrun_env():  # `run` spawns world_size CPU workers on this host
+        return check_fits(cfg, plan, world_size, "cpu")
+    import torch.distributed as dist
+
+    rank, local = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
+    n_local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device_type = _device_type(cfg.run.device)
+    problem, notes = None, []
+    try:
+        notes = (check_fits(cfg, plan, 1, device_type, ranks=[rank], workers_started=True)
+                 if device_type != "cpu" else
+                 check_fits(cfg, plan, n_local, "cpu", ranks=range(rank - local, rank - local + n_local),
+                            workers_started=True))
+    except ConfigError as e:
+        problem = str(e)
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise ConfigError(next(p for p in problems if p))
+    return notes
 
 
 def _device_type(device: str) -> str:
@@ -324,13 +378,14 @@ def _check_data(cfg: Config) -> None:
                           + (" or set train.eval_every 0" if cfg.train.eval_every > 0 else ""))
 
 
-def _check_out_dir(run_dir: Path) -> None:
+def _check_out_dir(run_dir: Path, key: str = "run.out_dir") -> None:
+    what = "run directory" if key == "run.out_dir" else key
     for parent in [run_dir, *run_dir.parents]:
         if parent.exists():
             if not parent.is_dir():
-                raise ConfigError(f"run directory {str(run_dir)!r} cannot be created: {str(parent)!r} is a file; "
-                                  "choose another run.out_dir or run.name")
+                raise ConfigError(f"{what} {str(run_dir)!r} cannot be created: {str(parent)!r} is a file; "
+                                  f"choose another {key}" + (" or run.name" if key == "run.out_dir" else ""))
             if not os.access(parent, os.W_OK):
-                raise ConfigError(f"run directory {str(run_dir)!r} cannot be created: {str(parent)!r} is not "
-                                  "writable; choose another run.out_dir")
+                raise ConfigError(f"{what} {str(run_dir)!r} cannot be created: {str(parent)!r} is not "
+                                  f"writable; choose another {key}")
             return
