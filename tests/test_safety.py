@@ -378,6 +378,23 @@ def test_config_and_checkpoint_dir_problems_are_one_line(tmp_path, capsys):
         assert message in err and err.count("\n") == 1, err
 
 
+def test_an_unreadable_data_file_is_one_line_before_spawning(tmp_path, capsys, monkeypatch):
+    """(As root every file is readable: the permission is taken away where fivefold asks for it.)"""
+    from fivefold.train import corpus
+
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_text("hello " * 4000)
+    (data / "b.txt").write_text("world " * 4000)
+    if os.geteuid() != 0:
+        (data / "b.txt").chmod(0)
+    else:
+        monkeypatch.setattr(corpus.os, "access", lambda p, mode: Path(p).name != "b.txt")
+    assert main(["train", *TINY, "--run.out_dir", str(tmp_path / "runs"), "--data", str(data)]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "cannot be read" in err and "b.txt" in err and err.count("\n") == 1, err
+
+
 def test_export_refuses_bad_sizes_and_targets_in_one_line(stopped_run, tmp_path, capsys):
     ckpt = complete_checkpoints(stopped_run / "base" / "checkpoints")[-1]
     (tmp_path / "a-file").write_text("x")

@@ -6,8 +6,9 @@ This module owns three things. `predict_rank` is `memory.rank_memory` without it
 flat buffers, ZeRO-3 units and stage cuts off the trainer's own `parallelize` run on the meta device, which builds
 every module (seconds for a 405B shape, ~40 s for DeepSeek-V3's, minutes for 10,000 blocks); here the same buffers
 come from arithmetic on the model's shape — the bucket rule of `buckets.assign_buckets`, the padding and optimizer
-segments of `FlatParam`, the units of `fsdp.find_unit_modules` — and the same formulas (`formulas`, `block_bytes`,
-`in_flight`) price them, into the same `RankMemory` (`tests/test_fits.py` holds it equal to `rank_memory`).
+segments of `FlatParam`, the units of `fsdp.find_unit_modules` — and the same functions price them (`formulas`;
+`memory.activation_bytes` the activations, of the blocks by kind; `in_flight`), into the same `RankMemory`
+(`tests/test_fits.py` holds it equal to `rank_memory`).
 `available_memory` reads what this machine can give (host: MemAvailable and the cgroup's room; a device:
 ``mem_get_info``). The advice tries the layout changes the memory model says fit.
 
@@ -22,7 +23,6 @@ import os
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from types import SimpleNamespace
 
 from fivefold import formulas
 from fivefold.config import Config, ConfigError
@@ -33,16 +33,7 @@ from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.split import split_layers
 from fivefold.plan.assembly import precision_bytes, resolved
 from fivefold.plan.hardware import GB
-from fivefold.plan.memory import (
-    LOGITS_GRAD,
-    LOSS_CHUNK,
-    RECOMPUTED,
-    W_GRADS,
-    WORKING,
-    RankMemory,
-    block_bytes,
-    in_flight,
-)
+from fivefold.plan.memory import RankMemory, activation_bytes, in_flight
 from fivefold.train.validate import RunPlan, validate_layout
 
 __all__ = ["PROCESS_BASELINE", "ROPE_BUILD_BYTES", "Available", "available_memory", "check_fits", "predict_rank"]
@@ -273,47 +264,6 @@ def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int, rank: i
     return in_flight(build_schedule(schedule, pp, min(micro_batches, cap), virtual), rank)
 
 
-def _block(moe: bool) -> SimpleNamespace:
-    """What `block_bytes` reads of a block: whether its feed-forward routes (an MoE one)."""
-    return SimpleNamespace(feed_forward=SimpleNamespace(router=True if moe else None))
-
-
-def _activations(cfg: Config, run: RunPlan, stage_ids: list[int], n_stages: int, n_blocks: tuple[int, int],
-                 whole: int, pending: int) -> dict[str, int]:
-    """`memory._activations` for a rank holding `stage_ids` with ``n_blocks`` (dense, MoE) blocks among them."""
-    m, t, p = run.model, cfg.train, run.dims
-    s = precision_bytes(cfg)[0]
-    seq = t.seq_len // p.cp
-    sp = cfg.parallel.sp and p.tp > 1
-    kinds = [(moe, n) for moe, n in zip((False, True), n_blocks) if n]
-    per_chunk = whole / len(stage_ids)
-    out: dict[str, int] = {"blocks": int(sum(block_bytes(cfg, run, _block(moe), t.recompute) * n for moe, n in kinds)
-                                         * per_chunk)}
-    if pending:
-        moe_ffn = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
-        w = [(formulas.weight_grad_pending_bytes(run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads,
-                                                 moe_ffn if moe else m.ffn_hidden, dtype_bytes=s, tp=p.tp), n)
-             for moe, n in kinds]
-        out["blocks awaiting W"] = int(sum(x["inputs"] * n for x, n in w) * pending / len(stage_ids))
-        out[W_GRADS] = int(sum(x["grads"] * n for x, n in w) * pending / len(stage_ids))
-    if 0 in stage_ids and t.recompute != "full":
-        out["embedding"] = int(run.micro_batch * (seq // p.tp if sp else seq) * m.dim * s * per_chunk)
-    if n_stages - 1 in stage_ids:
-        out["head and loss"] = int(formulas.head_activation_bytes(run.micro_batch, seq, m.dim, m.vocab_size,
-                                                                  dtype_bytes=s, tp=p.tp, sp=sp) * max(1, per_chunk))
-        out[LOGITS_GRAD] = run.micro_batch * seq * m.vocab_size // p.tp * s
-        out[LOSS_CHUNK] = formulas.loss_chunk_bytes(run.micro_batch, seq, m.vocab_size, p.tp)
-    if kinds:
-        hidden = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
-        out[WORKING] = formulas.backward_working_bytes(run.micro_batch, seq, m.dim, max(hidden, m.ffn_hidden),
-                                                       dtype_bytes=s, tp=p.tp, sp=sp)
-    if t.recompute != "none" and kinds:
-        out[RECOMPUTED] = max(block_bytes(cfg, run, _block(moe), "none") - block_bytes(cfg, run, _block(moe),
-                                                                                         t.recompute)
-                              for moe, _ in kinds)
-    return out
-
-
 def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     """`memory.rank_memory(cfg, run, pp_rank)` computed from the model's shape: nothing is built, a 405B or a
     10,000-block shape costs milliseconds. The same `RankMemory`, part for part."""
@@ -346,7 +296,8 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     transient["model buffers"] = len(stage_ids) * 2 * rows * m.head_dim * 4
     held = _held(m, dims, stage_ids, n_stages, ranges)
     return RankMemory(pp_rank, held, states, transient,
-                      _activations(cfg, run, stage_ids, n_stages, (n_dense, n_moe), whole, pending))
+                      activation_bytes(cfg, run, stage_ids, n_stages, ((False, n_dense), (True, n_moe)), whole,
+                                       pending))
 
 
 def _held(m: LlamaConfig, dims: ParallelDims, stage_ids: list[int], n_stages: int, ranges: list[range]) -> int:

@@ -4,6 +4,7 @@ go during a step, and the activations kept for backward (seed 003 §12.4's accou
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from fivefold.plan.assembly import Parts, engines_of, local_numels, precision_by
 from fivefold.train.validate import RunPlan
 
 __all__ = ["BACKWARD_ALLOCATED", "LOGITS_GRAD", "LOSS_CHUNK", "RECOMPUTED", "RankMemory", "WORKING", "W_GRADS",
-           "block_bytes", "in_flight", "rank_memory"]
+           "activation_bytes", "block_bytes", "in_flight", "kind_bytes", "rank_memory"]
 
 RECOMPUTED = "recomputed block (in its backward)"
 W_GRADS = "output gradients awaiting W"  # allocated by I passes, not by forwards
@@ -89,13 +90,23 @@ def _transient(engine: Any, cfg: Config, accumulating: bool, reductions: int,
     return out
 
 
+def _is_moe(block: Any) -> bool:
+    """Whether a block's feed-forward routes (an MoE block)."""
+    return getattr(block.feed_forward, "router", None) is not None
+
+
 def block_bytes(cfg: Config, run: RunPlan, block: Any, recompute: str) -> int:
     """`formulas.activation_bytes_per_block` for one block of this rank (an MoE block with its feed-forward's)."""
+    return kind_bytes(cfg, run, _is_moe(block), recompute)
+
+
+def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
+    """`block_bytes` of a dense block or (``is_moe``) an MoE one, told by its kind instead of its module."""
     m, t, p = run.model, cfg.train, run.dims
     s = precision_bytes(cfg)[0]
     seq = t.seq_len // p.cp
     ffn = None
-    moe = m.moe if getattr(block.feed_forward, "router", None) is not None else None
+    moe = m.moe if is_moe else None
     if moe is not None and recompute != "full":
         hidden = moe.hidden or m.ffn_hidden
         ffn = formulas.moe_ffn_activation_bytes(run.micro_batch * seq, m.dim, moe.experts, moe.top_k, hidden,
@@ -131,15 +142,8 @@ def in_flight(schedule: Schedule, rank: int) -> tuple[int, int]:
 
 
 def _activations(cfg: Config, run: RunPlan, parts: Parts, pp_rank: int) -> dict[str, int]:
-    """Bytes kept for backward at the peak: every block of this rank × the micro-batches its stages have in flight
-    (the simulator's count; 1 without pp), the embedding's output on the first stage (under full recompute it is
-    the first block's kept input, counted there), the head and loss on the last (× its micro-batches in flight:
-    GPipe's last stage keeps all M); and what a backward makes on top, activation-sized: with recompute the one
-    block whose discarded part lives again, the head's logits gradient, zero-bubble's output gradients awaiting W."""
-    m, t, p = run.model, cfg.train, run.dims
-    s = precision_bytes(cfg)[0]
-    seq = t.seq_len // p.cp
-    sp = cfg.parallel.sp and p.tp > 1
+    """`activation_bytes` of this rank's parts: its stages' blocks by kind, the micro-batches in flight (the
+    simulator's count; 1 without pp)."""
     stages = stages_of(parts)
     if isinstance(parts, PipelinedModel):
         n_stages = parts.schedule.n_stages
@@ -147,30 +151,49 @@ def _activations(cfg: Config, run: RunPlan, parts: Parts, pp_rank: int) -> dict[
     else:
         n_stages, whole, pending = 1, 1, 0
     blocks = [b for stage in stages.values() for b in (stage.layers.values() if stage.layers is not None else ())]
-    per_chunk = whole / len(stages)  # in flight counts (stage, micro-batch) pairs: V chunks share a rank's count
-    out: dict[str, int] = {"blocks": int(sum(block_bytes(cfg, run, b, t.recompute) for b in blocks) * per_chunk)}
+    n_moe = sum(1 for b in blocks if _is_moe(b))
+    return activation_bytes(cfg, run, list(stages), n_stages, ((False, len(blocks) - n_moe), (True, n_moe)),
+                            whole, pending)
+
+
+def activation_bytes(cfg: Config, run: RunPlan, stage_ids: Collection[int], n_stages: int,
+                     kinds: Iterable[tuple[bool, int]], whole: int, pending: int) -> dict[str, int]:
+    """Bytes kept for backward at the peak by a rank holding stages `stage_ids` (of `n_stages`) with blocks of
+    `kinds` ((is_moe, count) pairs) among them, `whole` (stage, micro-batch) pairs in flight and `pending` awaiting
+    W (`in_flight`): every block × the micro-batches its stages have in flight, the embedding's output on the first
+    stage (under full recompute it is the first block's kept input, counted there), the head and loss on the last
+    (× its micro-batches in flight: GPipe's last stage keeps all M); and what a backward makes on top,
+    activation-sized: with recompute the one block whose discarded part lives again, the head's logits gradient,
+    zero-bubble's output gradients awaiting W. `memory.rank_memory` and `fits.predict_rank` both price with it."""
+    m, t, p = run.model, cfg.train, run.dims
+    s = precision_bytes(cfg)[0]
+    seq = t.seq_len // p.cp
+    sp = cfg.parallel.sp and p.tp > 1
+    kinds = [(moe, n) for moe, n in kinds if n]
+    per_chunk = whole / len(stage_ids)  # in flight counts (stage, micro-batch) pairs: V chunks share a rank's count
+    out: dict[str, int] = {"blocks": int(sum(kind_bytes(cfg, run, moe, t.recompute) * n for moe, n in kinds)
+                                         * per_chunk)}
     if pending:  # zero-bubble: between I and W a block keeps only what its weight gradients need
         moe_ffn = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
-        w = [formulas.weight_grad_pending_bytes(
-            run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads,
-            moe_ffn if getattr(b.feed_forward, "router", None) is not None else m.ffn_hidden, dtype_bytes=s, tp=p.tp)
-            for b in blocks]
-        out["blocks awaiting W"] = int(sum(x["inputs"] for x in w) * pending / len(stages))
-        out[W_GRADS] = int(sum(x["grads"] for x in w) * pending / len(stages))
-    if 0 in stages and t.recompute != "full":
+        w = [(formulas.weight_grad_pending_bytes(run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads,
+                                                 moe_ffn if moe else m.ffn_hidden, dtype_bytes=s, tp=p.tp), n)
+             for moe, n in kinds]
+        out["blocks awaiting W"] = int(sum(x["inputs"] * n for x, n in w) * pending / len(stage_ids))
+        out[W_GRADS] = int(sum(x["grads"] * n for x, n in w) * pending / len(stage_ids))
+    if 0 in stage_ids and t.recompute != "full":
         out["embedding"] = int(run.micro_batch * (seq // p.tp if sp else seq) * m.dim * s * per_chunk)
-    if n_stages - 1 in stages:
+    if n_stages - 1 in stage_ids:
         out["head and loss"] = int(formulas.head_activation_bytes(run.micro_batch, seq, m.dim, m.vocab_size,
                                                                   dtype_bytes=s, tp=p.tp, sp=sp) * max(1, per_chunk))
         out[LOGITS_GRAD] = run.micro_batch * seq * m.vocab_size // p.tp * s
         out[LOSS_CHUNK] = formulas.loss_chunk_bytes(run.micro_batch, seq, m.vocab_size, p.tp)
-    if blocks:
+    if kinds:
         hidden = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
         out[WORKING] = formulas.backward_working_bytes(run.micro_batch, seq, m.dim, max(hidden, m.ffn_hidden),
                                                        dtype_bytes=s, tp=p.tp, sp=sp)
-    if t.recompute != "none" and blocks:
-        out[RECOMPUTED] = max(block_bytes(cfg, run, b, "none") - block_bytes(cfg, run, b, t.recompute)
-                              for b in blocks)
+    if t.recompute != "none" and kinds:
+        out[RECOMPUTED] = max(kind_bytes(cfg, run, moe, "none") - kind_bytes(cfg, run, moe, t.recompute)
+                              for moe, _ in kinds)
     return out
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sysconfig
 from collections.abc import Iterable
@@ -231,13 +232,22 @@ def binary_share(path: str | None, sample_bytes: int = 1 << 16) -> tuple[float, 
     return None
 
 
+def _readable(files: list[Path]) -> None:
+    """Every file the workers will read can be read (else a `PermissionError` naming it, before they start)."""
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise PermissionError(errno.EACCES, "not readable (permission denied)", str(f))
+
+
 def _checked_tokens(p: Path, max_bytes: int | None) -> int:
     cap = max_bytes if max_bytes is not None else float("inf")
     if p.is_dir():
         files = [f for f in _folder_text_files(p) if f.stat().st_size]
         if not files:
             raise ValueError(f"empty corpus: folder {str(p)!r} contains no non-empty text files")
+        _readable(files)
         return int(min(sum(f.stat().st_size for f in files) + len(SEPARATOR) * (len(files) - 1), cap))
+    _readable([p])
     size = p.stat().st_size
     if size == 0:
         raise ValueError(f"empty corpus: file {str(p)!r} is empty")

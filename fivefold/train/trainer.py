@@ -20,7 +20,15 @@ from fivefold.comm import CommLog, debug_collectives_requested, set_debug_step
 from fivefold.config import Config
 from fivefold.data_parallel.mixed_precision import MixedPrecision
 from fivefold.formulas import bubble_formula, model_flops_per_token
-from fivefold.launch import Terminated, distributed, is_torchrun_env, launch_local, resolve_device, to_device
+from fivefold.launch import (
+    Terminated,
+    distributed,
+    is_torchrun_env,
+    launch_local,
+    lost_worker_reason,
+    resolve_device,
+    to_device,
+)
 from fivefold.mesh import ParallelMesh
 from fivefold.models.llama import param_counts
 from fivefold.models.parallelize import parallelize
@@ -116,14 +124,15 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
         except (mp.ProcessExitedException, Stalled) as e:  # a worker lost (killed, crashed) or stuck: no Python error
             if attempt == cfg.run.max_restarts:
                 raise
+            why = lost_worker_reason(e) if isinstance(e, mp.ProcessExitedException) else str(e)
             # this run's own latest checkpoint, else where it started from (a --resume PATH), else the start
             latest = complete_checkpoints(checkpoint_root(cfg))
             resume = "latest" if latest else first_resume
             if latest and read_checkpoint_meta(latest[-1]).get("steps_done", 0) >= cfg.train.steps:
-                print(f"fivefold: {e} after the last checkpoint ({latest[-1]}, all {cfg.train.steps} steps); "
+                print(f"fivefold: {why} after the last checkpoint ({latest[-1]}, all {cfg.train.steps} steps); "
                       "nothing left to restart", flush=True)
                 raise
-            print(f"fivefold: {e}; restart {attempt + 1} of {cfg.run.max_restarts} from "
+            print(f"fivefold: {why}; restart {attempt + 1} of {cfg.run.max_restarts} from "
                   f"{latest[-1] if latest else resume or 'the start (no checkpoint yet)'}", flush=True)
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=resume, overwrite=not resume))
             plan = validate(cfg, cfg.run.nproc)
