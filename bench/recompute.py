@@ -3,12 +3,12 @@ activations dominate the model states, with torch's own full recompute (`apply_a
 `checkpoint_wrapper` around every block) as the reference.
 
 One process (the cost is per rank and needs no peer), one model per contestant built from the same seed, the same
-batches, timed in alternating blocks (paired ratios against ``none``). Per contestant: the activations the forward
-keeps for backward (`fivefold.memory.block_activation_bytes` on the whole model: storages it allocated that are still
-alive when it returns) next to `formulas.activation_bytes_per_block` × blocks, the process's peak resident memory
-above its size before a forward + backward (Linux VmHWM; large blocks come from mmap so that freed memory leaves the
-count), and the median step time (forward, backward, AdamW). Both attention cores: ``eager`` keeps the L×L
-probabilities (the seed's 5·B·L²·H term, what selective recompute is for), ``sdpa``'s fused kernel keeps none.
+batches, timed in alternating blocks (paired ratios against ``none``). Per contestant: the activations the forward keeps
+for backward (`fivefold.memory.block_activation_bytes` on the whole model: storages it allocated that are still alive
+when it returns) next to `formulas.activation_bytes_per_block` × blocks, the process's peak resident memory above its
+size before a forward + backward (Linux VmHWM; large blocks come from mmap so that freed memory leaves the count), and
+the median step time (forward, backward, AdamW). Both attention cores: ``eager`` keeps the L×L probabilities (the
+activation formula's 5·B·L²·H term, what selective recompute is for), ``sdpa``'s fused kernel keeps none.
 """
 
 from __future__ import annotations

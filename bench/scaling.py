@@ -1,4 +1,5 @@
-"""How the cost grows with the work (issue 17): fivefold against torch, and against the machine, at three model sizes.
+"""How the cost grows with the work (docs/benchmarks.md#scaling-10m-40m-and-125m-parameters): fivefold against torch,
+and against the machine, at three model sizes.
 
 Per size (presets ``small`` ≈10M, ``bench-40m`` ≈40M, ``bench-120m`` ≈125M parameters), one launch each of:
 

@@ -1,4 +1,4 @@
-"""ZeRO++ contestants (seed 003 §6): fivefold ZeRO-3 with qwZ / qgZ / hpZ against plain ZeRO-3.
+"""ZeRO++ contestants (docs/design.md#zero-qwz-qgz-hpz): fivefold ZeRO-3 with qwZ / qgZ / hpZ against plain ZeRO-3.
 
 Every contestant is `ZeroDataParallel(zero_stage=3)` on the same model, data and AdamW; they differ only in the
 ZeRO++ switches. Bytes per step and rank come from each contestant's `CommLog`, by op *and* mesh dimension (hpZ's
@@ -42,7 +42,8 @@ from fivefold.models import build_model
 
 __all__ = ["DEEPSPEED_NOTE", "ZeroPPSpec", "bench_zeropp", "format_zeropp_table", "zeropp_contestants"]
 
-# What was found when trying DeepSpeed's ZeRO++ as a counterpart on this CPU/gloo machine (see README).
+# What was found when trying DeepSpeed's ZeRO++ as a counterpart on this CPU/gloo machine (see
+# docs/layouts.md#zero-qwz-qgz-hpz).
 DEEPSPEED_NOTE = (
     "DeepSpeed's ZeRO++ is not a contestant: with deepspeed 0.19.8 on this CPU/gloo machine (DS_ACCELERATOR=cpu), "
     "zero_quantized_weights and zero_quantized_gradients fail at start-up ('This op had not been implemented on CPU "

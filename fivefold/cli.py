@@ -128,7 +128,7 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-# `fivefold plan`'s own short flags (besides train's): the issue's spelling of the common layout knobs
+# `fivefold plan`'s own short flags (besides train's): short spellings of the common layout knobs
 PLAN_FLAGS = {"model": "model.preset", "gpus": None, "seq": "train.seq_len", "micro-batch": "train.micro_batch",
               "global-batch": "train.global_batch", "grad-accum": "train.grad_accum", "recompute": "train.recompute",
               "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
@@ -231,7 +231,7 @@ def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Confi
     return notes
 
 
-# Exit codes of `fivefold train` (and export / plan where they apply), documented in the README.
+# Exit codes of `fivefold train` (and export / plan where they apply), documented in docs/reliability.md#exit-codes.
 EXIT_DONE = 0  # every step of train.steps done
 EXIT_FAILED = 1  # the run failed: a worker's error, a lost or stalled worker, an I/O error
 EXIT_CONFIG = 2  # refused before anything started: the config, data, a checkpoint, a locked run directory

@@ -1,8 +1,8 @@
 """Every collective fivefold issues goes through this module.
 
 `Comm` binds one process group to its mesh dimension ("dp", "tp", ...) and a `CommLog` recording each call's payload
-and ring-wire bytes per rank (`formulas.ring_wire_bytes`; seed 001 §communication, seed 003 §NCCL primitives), which
-tests and `fivefold plan` check against DESIGN.md. Every tensor must be on the device the backend serves: gloo
+and ring-wire bytes per rank (`formulas.ring_wire_bytes`; docs/design.md#collectives-on-a-ring), which tests and
+`fivefold plan` check against the formulas. Every tensor must be on the device the backend serves: gloo
 quietly takes a CPU scalar where NCCL raises, so CPU CI would never see it; `Comm` checks each tensor, and
 `Comm.scalar` makes the small ones (norms, flags, metrics). While the log has a clock (`run.trace`), each record also
 gets a `CommTiming`: launch and completion on the rank's `DeviceClock`, and when its caller was blocked waiting.

@@ -88,11 +88,12 @@ class TrainSection:
     # non-finite gradient; one host sync per step. fp16 skips such a step instead (loss scaling).
     check_finite: bool = True
     seed: int = 0
-    # activation recompute (seed 003 §12): none | full (each block keeps only its input and runs again in backward) |
-    # selective (the attention core runs again: its L×L or fused-kernel tensors and K/V repeats are not kept)
+    # activation recompute (docs/design.md#activation-memory): none | full (each block keeps only its input and runs
+    # again in backward) | selective (the attention core runs again: its L×L or fused-kernel tensors and K/V repeats are
+    # not kept)
     recompute: str = "none"
     # torch.compile each transformer block's computation (inductor: C++ on the CPU, triton on GPUs); the ZeRO-3 hooks,
-    # pipeline sends and TP / SP collectives stay outside the compiled graphs (README: train.compile)
+    # pipeline sends and TP / SP collectives stay outside the compiled graphs (docs/layouts.md#per-block-torchcompile)
     compile: bool = False
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8
@@ -116,8 +117,8 @@ class ZeroSection:
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
     inflight_buckets: int = 1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
-    # ZeRO++ (seed 003 §6): qwz: ZeRO-3 parameter all-gathers in block-wise int8 (the stored weights keep their dtype);
-    # qgz: ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32;
+    # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz): qwz: ZeRO-3 parameter all-gathers in block-wise int8 (the stored weights
+    # keep their dtype); qgz: ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32;
     # hpz: ZeRO-3 keeps a secondary copy of each unit split over this many consecutive dp ranks (e.g. a node) and
     # gathers backward weights inside them (0 or 1: off; it must divide dp × cp and be smaller)
     qwz: bool = False

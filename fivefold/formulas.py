@@ -1,4 +1,4 @@
-"""The formulas fivefold is checked against (DESIGN.md "The numbers the code must reproduce"), pure Python.
+"""The formulas fivefold is checked against (docs/design.md, every section with a formula), pure Python.
 
 Tests, `bench/` and `fivefold plan` compute here what should happen; `fivefold.memory` and `comm.CommLog` measure
 what does. Ψ = parameter count, N = data-parallel degree, P = pipeline ranks, M = micro-batches, V = model chunks
@@ -16,7 +16,7 @@ __all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "STAGE_SHARDS", "activation_
            "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text",
            "weight_grad_pending_bytes", "zero3_gather_bytes", "zero_grad_reduce_bytes", "zero_model_states"]
 
-# -- collectives on a ring (seed 001 §5.5, seed 003 §2.1 / §16) ------------------------------------------
+# -- collectives on a ring (docs/design.md#collectives-on-a-ring) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
 _WIRE_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                 "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
@@ -30,11 +30,11 @@ def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
     return _WIRE_FACTOR[op](group_size) * payload_bytes
 
 
-# -- data parallel and ZeRO (seed 001 §5.1-5.5; fp32 AdamW: parameters 4Ψ, gradients 4Ψ, m and v 8Ψ) ----
+# -- data parallel and ZeRO (docs/design.md#model-state-memory; fp32 AdamW: parameters 4Ψ, gradients 4Ψ, m and v 8Ψ) ---
 
 MODEL_STATES = ("params", "grads", "optimizer")
 
-# Which model states a ZeRO stage shards over the N data-parallel ranks: (params, grads, optimizer) (seed 001 §5.1-5.4)
+# Which model states a ZeRO stage shards over the N data-parallel ranks: (params, grads, optimizer)
 STAGE_SHARDS: dict[int, tuple[bool, bool, bool]] = {0: (False, False, False), 1: (False, False, True),
                                                     2: (False, True, True), 3: (True, True, True)}
 
@@ -67,10 +67,10 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 def zero_model_states(params: float, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
                       optimizer_bytes: int = 12) -> dict[str, float]:
-    """Model-state bytes per rank of ZeRO-``stage`` over ``dp`` ranks (seed 001 §5: Ψ = ``params``; mixed-precision
-    Adam by default, 2Ψ + 2Ψ + KΨ with K = 12 for the fp32 master, m and v; fp32 training: 4, 4, 8), by part and in
-    total. The seed's numbers: 7.5B at N = 64 → 120 / 31.4 / 16.6 / 1.88 GB for stages 0-3; 1T at N = 1024 with
-    ZeRO-3 → 15.6 GB."""
+    """Model-state bytes per rank of ZeRO-``stage`` over ``dp`` ranks (docs/design.md#model-state-memory:
+    Ψ = ``params``; mixed-precision Adam by default, 2Ψ + 2Ψ + KΨ with K = 12 for the fp32 master, m and v; fp32
+    training: 4, 4, 8), by part and in total. The ZeRO paper's numbers (docs/design.md#reference-figures): 7.5B at
+    N = 64 → 120 / 31.4 / 16.6 / 1.88 GB for stages 0-3; 1T at N = 1024 with ZeRO-3 → 15.6 GB."""
     if stage not in STAGE_SHARDS:
         raise ValueError(f"zero stage {stage}: choose 0, 1, 2 or 3")
     parts = {name: nbytes * params / (dp if sharded else 1) for name, nbytes, sharded
@@ -91,7 +91,8 @@ def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:
 
 
 def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) -> dict[str, Any]:
-    """HSDP (seed 003 §5.5): ZeRO-``stage`` (1-3) inside shard groups of ``shard`` ranks N_s, ``replicate`` R copies.
+    """HSDP (docs/design.md#hsdp): ZeRO-``stage`` (1-3) inside shard groups of ``shard`` ranks N_s, ``replicate`` R
+    copies.
 
     Model states per rank: the stage's formula with N = N_s (ZeRO-3: 16Ψ/N_s, e.g. 2Ψ at N_s = 8), whatever R.
     Payload bytes per step and rank by sub-dimension (fp32, as `expected_for`): over ``dp_shard`` the stage's own
@@ -108,7 +109,7 @@ def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) ->
                 payload_bytes={dim: sum(ops.values()) for dim, ops in by_dim.items()})
 
 
-# -- ZeRO++ (seed 003 §6; Wang et al. 2023): quantised collectives and the hierarchical partition -----------------
+# -- ZeRO++ (Wang et al. 2023; docs/design.md#zero-qwz-qgz-hpz): quantised collectives and the hierarchical partition --
 # Bytes are payloads as `CommLog` records them (an all-gather's output, a reduce-scatter's / all-to-all's input) for
 # flat buffers already padded to a multiple of N (ZeRO's shards).
 
@@ -138,7 +139,7 @@ def hpz_secondary_bytes(padded_numels: list[int], hpz: int, dtype_bytes: int) ->
     return sum(n // hpz * dtype_bytes for n in padded_numels)
 
 
-# -- tensor and sequence parallel (seed 003 §7.2, §8.2) --------------------------------------------------
+# -- tensor and sequence parallel (docs/design.md#tensor-and-sequence-parallelism) -------------------------------------
 
 class ModelShape(Protocol):
     """What the TP formula needs of a model config (`fivefold.models.LlamaConfig` has it)."""
@@ -149,7 +150,7 @@ class ModelShape(Protocol):
 
 def tp_comm_formula(config: ModelShape, batch: int, seq_len: int, sequence_parallel: bool,
                     dtype_bytes: int = 4, recompute: str = "none") -> dict[str, int]:
-    """Payload bytes per step and rank of fivefold's TP plan, by op (seed 003 §7.2 / §8.2).
+    """Payload bytes per step and rank of fivefold's TP plan, by op (same section).
 
     Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS. Plus the
     embedding's exit (forward AR; SP: RS forward, AG backward), the head's entry (backward AR; SP: AG forward, RS
@@ -176,7 +177,7 @@ def tp_comm_formula_text(sequence_parallel: bool) -> str:
     return "AG (4n+2)·BLD + RS (4n+2)·BLD + AR 3·BL + (2n+1)·D"
 
 
-# -- pipeline bubble (seed 003 §9.1-9.4) ------------------------------------------------------------------
+# -- pipeline bubble (docs/design.md#pipeline-schedules) ---------------------------------------------------------------
 
 def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
     """Textbook bubble fraction (idle share of P ranks over one step) of schedule ``name``; exact in the
@@ -206,20 +207,20 @@ def pipeline_idle(name: str, P: int, F: float, B: float, W: float, FB: float | N
     raise ValueError(f"no idle formula for schedule {name!r}; known: gpipe, 1f1b, zb-h1, dualpipev")
 
 
-# -- context parallel (seed 003 §10.1) ------------------------------------------------------------------
+# -- context parallel (docs/design.md#context-parallelism) -------------------------------------------------------------
 def ring_attention_p2p_elements(batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp: int) -> dict[str, int]:
     """Elements one rank sends per attention layer with ring attention over `cp` ranks: its K and V shard
-    (2·B·(L/C)·H_kv·d, the seed's 2·L·D/C scaled by H_kv/H for GQA) C-1 times in forward; in backward the shards
+    (2·B·(L/C)·H_kv·d, the textbook 2·L·D/C scaled by H_kv/H for GQA) C-1 times in forward; in backward the shards
     go around again (C-1) and each shard's dK/dV accumulator travels with them and then home (C)."""
     shard = 2 * batch * (seq_len // cp) * n_kv_heads * head_dim
     return {"forward_kv": shard * (cp - 1), "backward_kv": shard * (cp - 1),
             "backward_dkv": shard * cp if cp > 1 else 0}
 
 
-# -- activation memory (seed 003 §12.4, Korthikanti et al. 2023 Table 2) ------------------------------------------
+# -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) -----------------------------
 
 def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) -> int:
-    """The seed's formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm, MHA, GeLU MLP of 4D,
+    """Korthikanti et al.'s formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm, MHA, GeLU MLP of 4D,
     dropout masks) in fp16, every activation saved. `activation_bytes_per_block` applies the same accounting to
     fivefold's Llama block."""
     return 34 * batch * seq_len * dim + 5 * batch * seq_len ** 2 * n_heads
@@ -228,9 +229,10 @@ def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) ->
 def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
                                *, dtype_bytes: int = 4, attention: str = "sdpa", recompute: str = "none",
                                tp: int = 1, sp: bool = False, ffn_bytes: int | None = None) -> int:
-    """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved tensors apart
-    from its input, plus its output, the next block's input), counted tensor by tensor as Korthikanti et al. do for
-    the GPT block of seed 003 §12.4 (`korthikanti_block_bytes`); `fivefold.memory.block_activation_bytes` measures it.
+    """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved tensors apart from
+    its input, plus its output, the next block's input), counted tensor by tensor as Korthikanti et al. do for the GPT
+    block (`korthikanti_block_bytes`; docs/design.md#activation-memory); `fivefold.memory.block_activation_bytes`
+    measures it.
 
     With s = ``dtype_bytes`` and F = ``ffn_hidden``, no recompute:
       attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the norm's output = the
@@ -277,14 +279,14 @@ def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int,
 def flat_model_state_bytes(padded: int, shard: int, owned: int, segments: int, *, stage: int, param_bytes: int,
                            grad_bytes: int, separate_master: bool, hpz: int = 0,
                            offload: bool = False) -> dict[str, int]:
-    """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under ZeRO-3) whose shard
-    is ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not padding), in ``segments`` optimizer
-    tensors: seed 001 §5's 2Ψ + 2Ψ + KΨ per buffer, with the padding and the per-tensor `step` counters the formula
-    leaves out. Parameters: the full buffer (stages 0-2) or the shard (3), plus hpZ's 1/``hpz`` secondary copy;
-    gradients: the full buffer (0-1; ZeRO-1 reduces into it) or the shard (2-3), in the reduce dtype; optimizer: the
-    fp32 master shard when the parameters are not fp32 (else the shard itself is the master), Adam's m and v over
-    the owned elements, 4 bytes of `step` per tensor. ``offload``: the master is a host buffer of its own and the
-    fp32 gradient shard has a host copy; ``host`` says how many of the bytes live there."""
+    """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under ZeRO-3) whose shard is
+    ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not padding), in ``segments`` optimizer
+    tensors: the 2Ψ + 2Ψ + KΨ of docs/design.md#model-state-memory per buffer, with the padding and the per-tensor
+    `step` counters the formula leaves out. Parameters: the full buffer (stages 0-2) or the shard (3), plus hpZ's
+    1/``hpz`` secondary copy; gradients: the full buffer (0-1; ZeRO-1 reduces into it) or the shard (2-3), in the reduce
+    dtype; optimizer: the fp32 master shard when the parameters are not fp32 (else the shard itself is the master),
+    Adam's m and v over the owned elements, 4 bytes of `step` per tensor. ``offload``: the master is a host buffer of
+    its own and the fp32 gradient shard has a host copy; ``host`` says how many of the bytes live there."""
     params = (shard if stage == 3 else padded) * param_bytes + (padded // hpz * param_bytes if hpz > 1 else 0)
     grads = (shard if stage >= 2 else padded) * grad_bytes
     master = shard * 4 if separate_master or offload else 0

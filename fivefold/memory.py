@@ -1,7 +1,8 @@
-"""Measured model-state memory of one rank (seed 001: parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12), counting
-each *unique storage* once (a gradient viewing a bucket counts it, padding included) to check DESIGN.md's formulas:
+"""Measured model-state memory of one rank (parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12), counting each
+*unique storage* once (a gradient viewing a bucket counts it, padding included) to check the formulas of
+docs/design.md#model-state-memory:
 `model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what is reachable;
-`block_activation_bytes` follows what blocks allocate in a forward and keep (seed 003 §12.4's activations).
+`block_activation_bytes` follows what blocks allocate in a forward and keep (docs/design.md#activation-memory).
 Besides the three model states an engine may report ``buffers`` (ZeRO-R's constant communication buffers: pools and
 gather slots, counted there whoever borrows them) and which of its storages live on the host (``host``: ZeRO-Offload's
 masters, optimizer state and host gradient copies), so ``device`` = what the accelerator holds."""

@@ -1,9 +1,9 @@
-"""The process grid ``world = pp × dp × cp × tp`` (DESIGN.md; tp innermost, so TP peers share a node) as a torch
-`DeviceMesh`, derived groups and per-dimension `Comm`s. Gradients reduce over ``dp_cp`` (a cp rank holds a slice of
-the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different experts, reduced over ``ep_dp``.
-HSDP (seed 003 §5.5) splits dp_cp the same way: ``dp_shard`` blocks of consecutive dp_cp ranks (dp/dp_replicate dp
-rows with all their cp ranks, torchtitan's dp_shard_cp) shard the model, ``dp_replicate`` (the same place in every
-block) holds identical shards."""
+"""The process grid ``world = pp × dp × cp × tp`` (docs/design.md#the-mesh; tp innermost, so TP peers share a node) as a
+torch `DeviceMesh`, derived groups and per-dimension `Comm`s. Gradients reduce over ``dp_cp`` (a cp rank holds a slice
+of the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different experts, reduced over ``ep_dp``. HSDP
+(docs/design.md#hsdp) splits dp_cp the same way: ``dp_shard`` blocks of consecutive dp_cp ranks (dp/dp_replicate dp rows
+with all their cp ranks, torchtitan's dp_shard_cp) shard the model, ``dp_replicate`` (the same place in every block)
+holds identical shards."""
 
 from __future__ import annotations
 

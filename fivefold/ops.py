@@ -1,9 +1,10 @@
-"""`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (seed 003 §14; Qi et al. 2023) can split backward
+"""`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (Qi et al. 2023) can split backward
 into I (input gradient) and W (weight gradients, deferred into bubbles): under `recording_weight_grads` I only queues
 (x, grad_out), and `WeightGradStore.run` (W) later hands dW, db to autograd, so accumulation and DP hooks fire then.
-`recompute(fn, *args)`: activation checkpointing (seed 003 §12.1-12.2) that keeps the same recording state, and tells
-a watcher (`watch_recompute`: the tracer) when a recomputation runs. Backward markers shared by ZeRO-3's unit hooks and
-the tracer: `call_in_backward` (an identity whose backward calls a hook first), `in_backward`."""
+`recompute(fn, *args)`: activation checkpointing (docs/design.md#activation-memory) that keeps the same recording
+state, and tells a watcher (`watch_recompute`: the tracer) when a recomputation runs. Backward markers shared by
+ZeRO-3's unit hooks and the tracer: `call_in_backward` (an identity whose backward calls a hook first),
+`in_backward`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The peak FLOP/s MFU is measured against (issue 17): on an accelerator, the vendor's dense peak for the compute
-dtype from a table of known devices (or ``run.peak_tflops``); on the CPU, a short matmul measured with the threads
-this process uses, cached per machine — so "MFU" on a laptop means the fraction of what its cores can do."""
+"""The peak FLOP/s MFU is measured against (docs/design.md#flops-and-mfu): on an accelerator, the vendor's dense peak
+for the compute dtype from a table of known devices (or ``run.peak_tflops``); on the CPU, a short matmul measured with
+the threads this process uses, cached per machine — so "MFU" on a laptop means the fraction of what its cores can do."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ LAYOUTS: dict[str, list[str]] = {
 
 
 # Layouts whose whole memory (every storage alive, model states to activations) is also measured over a third step.
-# Not "pp2 dp2 zb-h1 z3": zero-bubble under ZeRO-3 measured up to 15 % above its plan on the last stage (README).
+# Not "pp2 dp2 zb-h1 z3": zero-bubble under ZeRO-3 measured up to 15 % above its plan on the last stage (docs/plan.md).
 WHOLE = ("dp4 z0 bf16", "dp4 z3", "tp2 sp dp2 z3 full", "cp2 dp2 z2", "pp2 tp2 gpipe z0", "pp2 dp2 1f1b z2",
          "pp2 dp2 dualpipev z1", "moe ep4 dp4 z3 selective")
 

@@ -91,6 +91,7 @@ def result() -> dict:
     return bench_ddp(**DDP_SPEC)
 
 
+@pytest.mark.multiprocess
 def test_both_timed(result):
     names = [r["name"] for r in result["impls"]]
     assert names == ["fivefold", "torch", "ideal"]
@@ -99,6 +100,7 @@ def test_both_timed(result):
     assert result["ratio"] > 0 and result["ratio_label"] == "fivefold/torch"
 
 
+@pytest.mark.multiprocess
 def test_measured_allreduce_bytes(result):
     psi = result["params"]
     assert result["expected_payload_bytes"] == 4 * psi
@@ -109,6 +111,7 @@ def test_measured_allreduce_bytes(result):
         assert r["wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_same_loss_trajectory(result, kernels):
     fivefold, torch_ddp, _ = result["impls"]
@@ -119,6 +122,7 @@ def test_same_loss_trajectory(result, kernels):
     assert result["max_abs_loss_diff"] <= pair_loss_bound(want, bounds)
 
 
+@pytest.mark.multiprocess
 def test_table(result):
     table = format_table(result)
     assert "fivefold/torch" in table and "| fivefold" in table and "| torch" in table
@@ -151,6 +155,7 @@ def _impls(result: dict) -> dict[str, dict]:
     return {r["name"]: r for r in result["impls"]}
 
 
+@pytest.mark.multiprocess
 def test_zero_every_contestant_timed(zero_result):
     assert [r["name"] for r in zero_result["impls"]] == ZERO_NAMES
     for r in zero_result["impls"]:
@@ -160,6 +165,7 @@ def test_zero_every_contestant_timed(zero_result):
     assert all(p["ratio"] > 0 for p in zero_result["pairs"])
 
 
+@pytest.mark.multiprocess
 def test_zero_fivefold_bytes_equal_formulas(zero_result):
     world, impls = 2, _impls(zero_result)
     for stage in range(4):
@@ -184,6 +190,7 @@ def test_zero_fivefold_bytes_equal_formulas(zero_result):
         "all_gather": 8 * fsdp["padded_params"], "reduce_scatter": 4 * fsdp["padded_params"]}
 
 
+@pytest.mark.multiprocess
 def test_zero3_kept_for_backward_moves_2psi_and_computes_the_same(zero_result):
     """reshard_after_forward false: one all-gather per step (Ψ, not 2Ψ), the same model states and losses as ZeRO-3,
     and the same bytes as FSDP2 with reshard_after_forward=False."""
@@ -199,6 +206,7 @@ def test_zero3_kept_for_backward_moves_2psi_and_computes_the_same(zero_result):
     assert keep["losses"] == z3["losses"]
 
 
+@pytest.mark.multiprocess
 def test_zero_fivefold_memory_equals_formula(zero_result):
     world, impls = 2, _impls(zero_result)
     for stage in range(4):
@@ -218,6 +226,7 @@ def test_zero_fivefold_memory_equals_formula(zero_result):
         impls["torch-FSDP2"]["memory"]["total"] - impls["torch-FSDP2"]["memory"]["step_counters"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_zero_losses_match_torch(zero_result, kernels):
     impls = _impls(zero_result)
@@ -228,6 +237,7 @@ def test_zero_losses_match_torch(zero_result, kernels):
         assert impls[name]["max_abs_loss_diff"] <= pair_loss_bound(want, bounds), name
 
 
+@pytest.mark.multiprocess
 def test_zero_table(zero_result):
     table = format_table(zero_result)
     for name in ZERO_NAMES:
@@ -245,6 +255,7 @@ def test_cli_zero_help(capsys):
 
 # -- ZeRO-Offload and constant buffers vs the plain engine ------------------------------------------
 
+@pytest.mark.multiprocess
 def test_offload_bench_same_losses_less_on_the_device():
     """One stage keeps it short: the offloaded engine holds only parameters and gradients on the device (its
     optimizer state and masters on the host), the pooled one its constant buffers besides; the math is the same."""
@@ -260,6 +271,7 @@ def test_offload_bench_same_losses_less_on_the_device():
     assert "fivefold-z3-offload/fivefold-z3" in format_offload_table(result)
 
 
+@pytest.mark.multiprocess
 def test_ideal_has_no_communication_and_every_row_its_efficiency(zero_result):
     """The ideal contestant communicates nothing; every other row carries step / ideal (paired) and its inverse."""
     impls = _impls(zero_result)
@@ -278,6 +290,7 @@ def test_ideal_has_no_communication_and_every_row_its_efficiency(zero_result):
     assert "page faults" in table
 
 
+@pytest.mark.multiprocess
 def test_zero_only_runs_the_named_contestants_alone():
     """``only``: just those contestants, a baseline not among them dropped; an unknown name is refused up front."""
     from bench.data_parallel import bench_zero

@@ -71,6 +71,7 @@ def _assert_losses_agree(results: dict, want: dict, bounds: dict) -> None:
         assert p["max_abs_loss_diff"] <= pair_loss_bound(want, bounds), p
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_tp_every_contestant_and_losses_agree(tp_results, kernels):
     impls = _by_name(tp_results)
@@ -83,6 +84,7 @@ def test_tp_every_contestant_and_losses_agree(tp_results, kernels):
                                                  lr=s.lr, weight_decay=s.weight_decay))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_tp_bytes_equal_formula(tp_results, sp):
     impls = _by_name(tp_results)
@@ -105,6 +107,7 @@ def test_tp_bytes_equal_formula(tp_results, sp):
         assert theirs == formula
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_pp_every_contestant_losses_and_bubble(pp_results, kernels):
     impls = _by_name(pp_results)
@@ -125,6 +128,7 @@ def test_pp_every_contestant_losses_and_bubble(pp_results, kernels):
             assert kinds == ({"F", "I", "W"} if "zb-h1" in name or "ZeroBubble" in name else {"F", "B"}), name
 
 
+@pytest.mark.multiprocess
 def test_pp_fivefold_p2p_volume(pp_results):
     """Rank 0 moves one activation and one gradient per micro-batch across each stage boundary it sits on (P = 2:
     every boundary between ranks; DualPipeV's middle boundary stays on rank 1)."""
@@ -147,6 +151,7 @@ def cp_run():
     return bench_cp(CP_SPEC)["runs"][0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_cp_ring_equals_allgather_and_sends_the_formula(cp_run, kernels):
     run = cp_run
@@ -170,6 +175,7 @@ def ep_results():
     return bench_ep(EPSpec(**EP_SPEC))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_ep_bench_halves_expert_memory_and_matches_the_replicated_losses(ep_results, kernels):
     from bench.expert_parallel import EPSpec
@@ -191,6 +197,7 @@ def ep_overlap_results():
     return bench_ep_overlap(EPOverlapSpec(**EP_OVERLAP_SPEC))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_ep_overlap_bench_runs_units_side_by_side_with_the_same_losses(ep_overlap_results, kernels):
     from bench.expert_parallel import EPOverlapSpec, format_ep_overlap_table
@@ -207,6 +214,7 @@ def test_ep_overlap_bench_runs_units_side_by_side_with_the_same_losses(ep_overla
     assert "units overlapped per step" in format_ep_overlap_table(results)
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_bench_measures_save_load_and_a_bounded_export():
     from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table
 
@@ -217,6 +225,7 @@ def test_checkpoint_bench_measures_save_load_and_a_bounded_export():
     assert "save, async: training blocked" in format_checkpoint_table(results)
 
 
+@pytest.mark.multiprocess
 def test_recompute_bench_keeps_what_the_formula_says_and_trains_alike():
     from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table
 
@@ -232,6 +241,7 @@ def test_recompute_bench_keeps_what_the_formula_says_and_trains_alike():
     assert "torch-full" in format_recompute_table(results)
 
 
+@pytest.mark.multiprocess
 def test_main_prints_tables(tp_results, pp_results, monkeypatch, capsys):
     """The command line, on the results above (no further launch)."""
     seen = {}
@@ -287,6 +297,7 @@ def test_all_runs_every_dimension(monkeypatch, capsys):
     assert all(f"## {kind}" in out and f"table of {kind}" in out for kind in ("ddp", "zero", "tp", "pp", "cp", "ep"))
 
 
+@pytest.mark.multiprocess
 def test_debug_collectives_bench_times_both_modes():
     from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table
 
@@ -296,6 +307,7 @@ def test_debug_collectives_bench_times_both_modes():
     assert "debug µs/call" in format_debug_table(results)
 
 
+@pytest.mark.multiprocess
 def test_scaling_bench_rows_and_mfu_arithmetic():
     """One size, DDP at world 2, ZeRO-3 (+ kept) and TP 2: every row present, formulas matched, and MFU = the step's
     model FLOPs / (step time × the cores' peak), recomputed here from the formula by hand."""

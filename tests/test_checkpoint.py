@@ -242,6 +242,7 @@ def resharding(tmp_path_factory):
     return saved, loads, other, root
 
 
+@pytest.mark.multiprocess
 def test_same_layout_resume_is_bitwise_exact(resharding):
     saved, _, _, _ = resharding
     for rank in saved:
@@ -260,6 +261,7 @@ def _assert_trains_like(losses: list[float], final: dict | None, want: dict, bou
         assert_within(final, want["final"], bounds["final"], msg)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("layout", [n for n, _, _ in LOADS_2] + ["zero1-dp3"])
 def test_checkpoint_of_zero3_dp2_tp2_continues_under_another_layout(resharding, layout, kernels):
@@ -269,6 +271,7 @@ def test_checkpoint_of_zero3_dp2_tp2_continues_under_another_layout(resharding, 
     _assert_trains_like(loads[layout]["losses"], loads[layout]["final"], want, bounds, layout)
 
 
+@pytest.mark.multiprocess
 def test_every_parameter_is_stored_once_under_its_global_name_and_shape(resharding):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -284,6 +287,7 @@ def test_every_parameter_is_stored_once_under_its_global_name_and_shape(reshardi
         assert tuple(md[f"optim.exp_avg.{name}"].size) == tuple(p.shape)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_moe_checkpoint_with_experts_over_ep_loads_with_experts_replicated(resharding, kernels):
     _, _, other, _ = resharding
@@ -293,6 +297,7 @@ def test_moe_checkpoint_with_experts_over_ep_loads_with_experts_replicated(resha
         _assert_trains_like(res["moe"]["resumed"], None, want, bounds, f"rank {rank} resumed replicated")
 
 
+@pytest.mark.multiprocess
 def test_another_model_shape_and_a_damaged_file_are_named(resharding):
     _, _, other, _ = resharding
     for rank in other:
@@ -300,6 +305,7 @@ def test_another_model_shape_and_a_damaged_file_are_named(resharding):
         assert "does not match its SHA-256" in rank["errors"]["damaged"] and "__1_" in rank["errors"]["damaged"]
 
 
+@pytest.mark.multiprocess
 def test_truncated_files_and_half_written_checkpoints(resharding, tmp_path):
     _, _, _, root = resharding
     ckpt = tmp_path / "step-00000003"
@@ -370,6 +376,7 @@ def trainer_runs(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.multiprocess
 def test_async_saves_during_training_equal_sync_saves(trainer_runs):
     for step in (4, 6):
         a = _final_params(trainer_runs / "full" / "checkpoints" / f"step-{step:08d}")
@@ -379,6 +386,7 @@ def test_async_saves_during_training_equal_sync_saves(trainer_runs):
         "step-00000002", "step-00000004", "step-00000006"]  # keep 0: all
 
 
+@pytest.mark.multiprocess
 def test_fp16_resume_carries_the_loss_scaler_and_is_exact(trainer_runs):
     assert _train_losses(trainer_runs / "fp16-stopped") == _train_losses(trainer_runs / "fp16-full")
     a = _final_params(trainer_runs / "fp16-full" / "checkpoints" / "step-00000006")
@@ -387,6 +395,7 @@ def test_fp16_resume_carries_the_loss_scaler_and_is_exact(trainer_runs):
     assert "loss_scaler" in _saved_objects(trainer_runs / "fp16-stopped" / "checkpoints" / "step-00000002")
 
 
+@pytest.mark.multiprocess
 def test_exit_after_then_resume_equals_the_uninterrupted_run_bitwise(trainer_runs):
     full, stopped = trainer_runs / "full", trainer_runs / "stopped"
     assert _train_losses(stopped) == _train_losses(full)  # every step once: the resumed run appended
@@ -400,6 +409,7 @@ def test_exit_after_then_resume_equals_the_uninterrupted_run_bitwise(trainer_run
     assert [r["start_step"] for r in records if r["kind"] == "config"] == [0, 4]
 
 
+@pytest.mark.multiprocess
 def test_keep_last_k_and_the_latest_pointer(trainer_runs):
     root = trainer_runs / "full" / "checkpoints"
     assert [p.name for p in complete_checkpoints(root)] == ["step-00000004", "step-00000006"]  # keep 2 of 3
@@ -409,6 +419,7 @@ def test_keep_last_k_and_the_latest_pointer(trainer_runs):
     assert meta["steps_done"] == 6 and meta["layout"]["dp"] == 2 and verify_files(root / "step-00000006", meta) == []
 
 
+@pytest.mark.multiprocess
 def test_run_directory_rules(trainer_runs):
     from fivefold.train.validate import validate
 
@@ -474,6 +485,7 @@ def calm_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("launcher", ["local"])
 def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_same(calm_run, launcher):
     """SIGKILL one worker mid-run under ``--run.max_restarts 1``: every worker restarts from the latest checkpoint
@@ -517,6 +529,7 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint_and_finishes_the_sa
     assert steps == list(range(30))  # the lost attempt's records after its checkpoint were dropped
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_to_the_launcher_stops_every_worker_with_a_checkpoint(calm_run, sig):
     """A job's time limit (SIGTERM) or Ctrl-C (SIGINT) to `fivefold train` reaches the workers, which finish the
@@ -550,6 +563,7 @@ def test_a_stop_signal_to_the_launcher_stops_every_worker_with_a_checkpoint(calm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.multiprocess
 def test_a_worker_restarted_by_torchrun_resumes_from_latest(trainer_runs, monkeypatch):
     from fivefold.train.validate import validate
 
@@ -566,6 +580,7 @@ def test_resume_keeps_a_bad_config_out(tmp_path):
         validate(dataclasses.replace(_cfg(tmp_path, "x", "--checkpoint.interval", "-1")), 2)
 
 
+@pytest.mark.multiprocess
 def test_the_restart_loop_resumes_from_this_runs_latest_else_from_where_it_started(trainer_runs, monkeypatch):
     """The local launcher's restart decision, with the workers faked: a worker lost before this run wrote a
     checkpoint restarts from the --resume PATH it began with; a lost one after restarts from the run's own latest;

@@ -121,6 +121,7 @@ def results():
     return run_workers(_worker, 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_compiled_blocks_train_like_eager_ones(results, name, kernels):
@@ -136,6 +137,7 @@ def test_compiled_blocks_train_like_eager_ones(results, name, kernels):
             bounds["state"][pname].assert_holds(compiled["state"][pname], want, f"rank {rank} {name} {pname}")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if LAYOUTS[n][3] == "tiny"])
 def test_every_layout_trains_the_same_model(results, name, kernels):
@@ -146,6 +148,7 @@ def test_every_layout_trains_the_same_model(results, name, kernels):
             bounds["losses"][step].assert_holds(got, want["losses"][step], f"rank {rank} {name} loss {step}")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_blocks_really_ran_compiled(results, name):
     for res in results:
@@ -187,6 +190,7 @@ def test_no_cpp_compiler_is_refused_on_the_cpu_only(monkeypatch):
         validate_layout(cfg, 2, "cuda")
 
 
+@pytest.mark.multiprocess
 def test_a_compiled_block_copy_runs_its_own_parameters():
     """`copy.deepcopy` of a compiled block keeps it compiled and computing with the copy's weights (the compiled
     function is the class's, given `self` at each call), and compiling without the eager regions is refused."""
@@ -218,6 +222,7 @@ def test_a_compiled_block_copy_runs_its_own_parameters():
     assert not torch.allclose(twin(x, cos, sin), block(x, cos, sin))
 
 
+@pytest.mark.multiprocess
 def test_compile_off_keeps_torch_compiler_out_of_the_import_path():
     import subprocess
     import sys

@@ -1,4 +1,5 @@
-"""Context parallel (issue 11): ring attention against full attention, the sequence layouts, the p2p volume.
+"""Context parallel (docs/design.md#context-parallelism): ring attention against full attention, the sequence
+layouts, the p2p volume.
 
 One spawn per world size (cp = 2 and 4) runs every case: zig-zag and contiguous layouts, causal and not, GQA
 (4 query heads on 2 kv heads) and plain multi-head, each block computed by either kernel (CPU flash, portable
@@ -110,6 +111,7 @@ def ring_results(request):
     return request.param, run_workers(_worker, request.param)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_ring_attention_equals_full_attention(ring_results, case, kernels):
@@ -122,6 +124,7 @@ def test_ring_attention_equals_full_attention(ring_results, case, kernels):
                             scale=None if name == "out" else _grad_scale(want))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_each_rank_sends_the_formula_volume(ring_results, case):
     cp, results = ring_results
@@ -133,6 +136,7 @@ def test_each_rank_sends_the_formula_volume(ring_results, case):
         assert got["total"] == {"cp_kv": want["forward_kv"] + want["backward_kv"], "cp_dkv": want["backward_dkv"]}, rank
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
 def test_ring_attention_in_bf16_under_nccl_semantics(ring_results, kernel):
     """bf16 inputs, batches completing as one work (NCCL): as close to fp32 attention as bf16 SDPA is — within twice
@@ -153,6 +157,7 @@ def test_ring_attention_in_bf16_under_nccl_semantics(ring_results, kernel):
                                                 f"one bf16 rounding {rounding:.2e}")
 
 
+@pytest.mark.multiprocess
 def test_a_sequence_of_another_length_is_refused(ring_results):
     _, results = ring_results
     assert all("context parallel was set up for sequences of 32 tokens" in r["wrong_length"] for r in results)
@@ -206,6 +211,7 @@ def _memory_worker() -> int:
     return _saved_bytes(ring_attention, q, k, v, comm, layout)
 
 
+@pytest.mark.multiprocess
 def test_saved_activations_fall_as_one_over_cp():
     from fivefold.models.llama import causal_attention
 
@@ -300,6 +306,7 @@ def _reference_training() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, history
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", [n for runs in MODEL_RUNS.values() for n, _, _ in runs])
 def test_training_with_cp_equals_single_process(model_results, name, kernels):
@@ -340,6 +347,7 @@ def _wrapped_after_cp_worker() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_data_parallel_wrapper_keeps_each_ranks_rope_rows():
     for rank, res in enumerate(run_workers(_wrapped_after_cp_worker, 2)):
         assert res == {"zero0": True, "ddp": True}, rank

@@ -15,6 +15,8 @@ from tolerance import KERNELS, assert_values_close, assert_within, reference
 from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import DDP
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 5
 TINY_BUCKET_MB = 1e-9  # every parameter is its own bucket
 HUGE_BUCKET_MB = 1e3  # one bucket

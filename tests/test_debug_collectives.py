@@ -5,8 +5,11 @@ DDP and under ZeRO-3 — instead of a hang or a silent pairing. Off, nothing is 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_workers
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 MODEL = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16, vocab_size=32)
 

@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 12), the MoE layer: ep = 2 and 4 against the single-process layer.
+"""Expert parallelism (docs/design.md#expert-parallelism), the MoE layer: ep = 2 and 4 against the single-process layer.
 
 Every rank builds the same layer (same seed) and keeps only its experts; each routes its own tokens. The
 single-process reference runs the whole layer on each rank's tokens in turn. Outputs, input gradients, the
@@ -98,6 +98,7 @@ def _layer_reference(case: str, world: int) -> dict:
     return dict(per_rank=per_rank, expert_sum=expert_sum, grad_scale=max(float(g.abs().max()) for g in grads))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("case", CASES)
 def test_moe_layer_with_ep_equals_single_process(ep_results, case, kernels):
@@ -123,6 +124,7 @@ def test_moe_layer_with_ep_equals_single_process(ep_results, case, kernels):
         assert sum(w["dropped"] for w in want["per_rank"]) > 0, "the capacity case must drop something"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CASES)
 def test_all_to_all_payload_equals_the_formula(ep_results, case):
     world, results = ep_results
@@ -304,6 +306,7 @@ def moe_training_reference(dp: int, M: int = M, model: dict | None = None, kerne
     return reference(_moe_reference, dp, M, model, kernels=kernels, terms=MOE_TERMS, **moe)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", [n for runs in TRAIN_RUNS.values() for n, _, _ in runs])
 def test_moe_training_with_ep_equals_single_process(moe_training, name, kernels):

@@ -1,4 +1,4 @@
-"""`fivefold.formulas` at known values (DESIGN.md "The numbers the code must reproduce"); no processes.
+"""`fivefold.formulas` at known values (docs/design.md#reference-figures); no processes.
 
 `ring_wire_bytes` is tested in test_config_mesh, `bubble_formula` in test_pipeline_schedules."""
 
@@ -41,7 +41,7 @@ def test_expected_communication():
     wire = (N - 1) / N
     ddp, z1, z2, z3 = (expected_for(r, PSI, N) for r in ("ddp", "zero1", "zero2", "zero3"))
     assert ddp["by_op"] == {"all_reduce": 4 * PSI} and ddp["wire_bytes"] == pytest.approx(2 * wire * 4 * PSI)
-    # ZeRO-1/2 move what DDP moves (RS + AG = AR on the wire); ZeRO-3 1.5× (seed 001 §5.5).
+    # ZeRO-1/2 move what DDP moves (RS + AG = AR on the wire); ZeRO-3 1.5× (docs/design.md#data-parallel-traffic).
     for z in (z1, z2):
         assert z["by_op"] == {"reduce_scatter": 4 * PSI, "all_gather": 4 * PSI}
         assert z["wire_bytes"] == pytest.approx(ddp["wire_bytes"])
@@ -56,7 +56,7 @@ def test_expected_communication():
 
 
 def test_hsdp_memory_follows_the_shard_degree_and_traffic_splits_by_sub_dimension():
-    # seed 003 §5.5: 1024 GPUs as 128 ZeRO-3 groups of 8 hold 16Ψ/8 = 2Ψ each (fp32 here: 16 bytes per element)
+    # docs/design.md#hsdp: 1024 GPUs as 128 ZeRO-3 groups of 8 hold 16Ψ/8 = 2Ψ each (fp32 here: 16 bytes per element)
     z3 = hsdp_expected(3, 8 * PSI, 8, 128)
     assert z3["memory"] == expected_for("zero3", 8 * PSI, 8)["memory"] and z3["memory"]["total"] == 16 * PSI
     assert z3["by_dim"] == {"dp_shard": {"all_gather": 8 * 8 * PSI, "reduce_scatter": 4 * 8 * PSI},
@@ -78,7 +78,7 @@ def test_tp_formula_sp_moves_the_same_activation_volume():
     assert tp == {"all_reduce": ((4 * 3 + 2) * bld + 3 * B * L) * 4}
     assert sp["all_gather"] == sp["reduce_scatter"] == (4 * 3 + 2) * bld * 4
     assert sp["all_reduce"] == (3 * B * L + (2 * 3 + 1) * 16) * 4
-    # An all-gather + reduce-scatter pair puts an all-reduce's bytes on the wire (seed 003 §8.2).
+    # An all-gather + reduce-scatter pair puts an all-reduce's bytes on the wire (docs/design.md#collectives-on-a-ring).
     activations = (4 * 3 + 2) * bld * 4
     pair = ring_wire_bytes("all_gather", activations, N) + ring_wire_bytes("reduce_scatter", activations, N)
     assert pair == pytest.approx(ring_wire_bytes("all_reduce", activations, N))
@@ -86,8 +86,9 @@ def test_tp_formula_sp_moves_the_same_activation_volume():
 
 
 def test_model_states_reproduce_the_seeds_numbers():
-    """Seed 001: 7.5B parameters over N_d = 64 with mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 / 1.88 GB for
-    DDP / ZeRO-1 / ZeRO-2 / ZeRO-3; 1T over 1024 with ZeRO-3: 15.6 GB; seed 003: a 7B model's Adam states 112 GB."""
+    """The ZeRO paper's numbers: 7.5B parameters over N_d = 64 with mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 /
+    1.88 GB for DDP / ZeRO-1 / ZeRO-2 / ZeRO-3; 1T over 1024 with ZeRO-3: 15.6 GB; a 7B model's Adam states 112 GB
+    (docs/design.md#reference-figures)."""
     gb = 1e9
     totals = [zero_model_states(7.5e9, stage, 64)["total"] / gb for stage in range(4)]
     assert [round(t, 2) for t in totals] == [120.0, 31.41, 16.64, 1.88]

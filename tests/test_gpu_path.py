@@ -1,4 +1,4 @@
-"""The GPU path, checked on a machine without one (issue 10).
+"""The GPU path, checked on a machine without one (docs/gpus.md).
 
 1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at once, nothing is
    sent) and the `meta` device standing in for CUDA — tensors with shapes and dtypes but no storage, on a device that
@@ -156,6 +156,7 @@ def dry_runs():
         return {key: f.result(timeout=300) for key, f in futures.items()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_training_step_runs_on_an_accelerator_without_host_syncs(dry_runs, name):
     for (layout, rank), r in dry_runs.items():

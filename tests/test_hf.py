@@ -119,6 +119,7 @@ def _train_and_save(root: str) -> dict:
     return parts.full_state_dict()
 
 
+@pytest.mark.multiprocess
 def test_export_writes_hf_llama_that_transformers_runs_with_the_same_logits(tmp_path):
     params = run_workers(_train_and_save, 2, str(tmp_path / "ckpt"))[0]
     small = export_checkpoint(tmp_path / "ckpt", tmp_path / "one")
@@ -168,6 +169,7 @@ def _load_worker(directory: str) -> dict:
     return dict(params=out, read=read)
 
 
+@pytest.mark.multiprocess
 def test_a_transformers_model_loads_into_zero3_dp2_tp2_reading_only_each_ranks_share(tmp_path):
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).eval()
@@ -199,6 +201,7 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
         read_hf_config(tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_train_init_from_a_hf_model_then_export_gives_its_weights_back(tmp_path):
     """`fivefold train --model.init_from DIR` (the shape from config.json, the weights read per rank), one step at
     a learning rate of 1e-30 (no fp32 weight moves) with a checkpoint, `fivefold export` of the run: the weights

@@ -1,4 +1,4 @@
-"""HSDP (seed 003 §5.5): ZeRO-1/2/3 inside shard groups, each reduced shard all-reduced across the replicas.
+"""HSDP (docs/design.md#hsdp): ZeRO-1/2/3 inside shard groups, each reduced shard all-reduced across the replicas.
 
 One spawn of 4 processes (dp 4 = dp_replicate 2 × dp_shard 2) runs everything; the parent builds the single-process
 references. The engine on the toy model (odd sizes: padding, a tied pair, a frozen layer) and a tiny Llama is held to
@@ -23,6 +23,8 @@ from torch import nn
 
 from fivefold.comm import CommLog
 from fivefold.formulas import hsdp_expected
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS, LR, WD, CLIP = 4, 1e-2, 0.1, 0.5
 ROWS = 16  # splits into 4 dp ranks × 2 micro-batches

@@ -82,6 +82,7 @@ def _other_interface() -> str | None:
     return None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("inherited", ["none", "other-interface"])
 def test_launcher_and_workers_listen_on_loopback_only(inherited, monkeypatch):
     """The launcher's store and every worker's gloo listen on loopback; also when the shell left GLOO_SOCKET_IFNAME
@@ -120,6 +121,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
+@pytest.mark.multiprocess
 def test_a_launch_removes_the_directories_of_dead_launchers_only(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = _dead_pid()
@@ -260,6 +262,7 @@ def _die_counted_as_oom(counter: str, pid_file: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("counted", [True, False])
 def test_a_worker_killed_in_a_real_launch(tmp_path, monkeypatch, counted):
     counter = _fake_cgroup(tmp_path, monkeypatch, 2)

@@ -1,5 +1,6 @@
-"""Each rank materialises only its share of the model (issue 10): `parallelize` builds on the meta device and the
-ZeRO engine fills this rank's TP slice / pipeline stages / ZeRO shard from the seeded initial values.
+"""Each rank materialises only its share of the model (docs/design.md#mechanisms): `parallelize` builds on the
+meta device and the ZeRO engine fills this rank's TP slice / pipeline stages / ZeRO shard from the seeded initial
+values.
 
 Checked in one spawn of two gloo ranks, per layout:
 - values: every parameter equals the seeded single-process init (`Llama(config, seed)`) bit for bit — the fp32
@@ -22,6 +23,8 @@ import pytest
 import torch
 from dist_utils import run_workers
 from torch import nn
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 CONFIG = dict(vocab_size=4096, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=1536, max_seq_len=64)
 SEED = 7

@@ -80,6 +80,7 @@ def _stride(shape: tuple[int, ...], i: int) -> int:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_is_in_the_groups_of_its_coordinates(groups, layout):
     dims = LAYOUTS[layout].resolve(8)
@@ -100,6 +101,7 @@ def test_ep_must_divide_dp_times_cp():
     assert ParallelDims(dp=-1, cp=2, ep=4).resolve(8).dp == 4
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_layout_without_processes_matches_the_groups(groups, layout):
     """`ParallelDims.derived_rank` / `group_span` (what `fivefold plan` uses, no process group) against the real

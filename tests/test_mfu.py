@@ -1,5 +1,5 @@
-"""MFU's arithmetic (issue 17): model FLOPs per token by PaLM's convention, counted by hand from the shapes, and the
-CPU peak probe the trainer divides by."""
+"""MFU's arithmetic (docs/design.md#flops-and-mfu): model FLOPs per token by PaLM's convention, counted by hand
+from the shapes, and the CPU peak probe the trainer divides by."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def test_flops_per_token_by_hand(preset, by_hand):
         assert model_flops_per_token(active, config.n_layers, seq_len, config.dim) == by_hand(seq_len)
 
 
+@pytest.mark.multiprocess
 def test_cpu_peak_probe_is_positive_bounded_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(peak, "_CACHE", tmp_path / "cpu_peak.json")
     start = time.perf_counter()

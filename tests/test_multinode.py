@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 ARGS = ["--preset", "tiny", "--steps", "4", "--run.progress", "false", "--run.plot", "false", "--train.eval_every",
         "0", "--train.global_batch", "8", "--train.seq_len", "64", "--checkpoint.interval", "4", "--zero", "1"]

@@ -50,6 +50,7 @@ def _guard_worker() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_nan_in_one_ranks_gradient_stops_every_rank_before_the_step_naming_the_parameter():
     results = run_workers(_guard_worker, 2)
     for zero in (1, 3):
@@ -67,6 +68,7 @@ def _strict(line: str) -> dict:
     return json.loads(line, parse_constant=refuse)
 
 
+@pytest.mark.multiprocess
 def test_a_diverging_run_exits_non_zero_with_valid_metrics_and_its_last_checkpoint_intact(tmp_path, capsys):
     from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta, verify_files
     from fivefold.cli import main

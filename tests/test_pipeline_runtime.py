@@ -24,6 +24,8 @@ from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.runtime import PipelineRuntime
 from fivefold.pipeline.simulator import Timeline
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 CFG = get_config("tiny", n_layers=8, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8, vocab_size=17)
 SEQ = 6
 P2P = ("buffered", "rendezvous")

@@ -10,8 +10,9 @@ and 4 with selective recompute) for two steps. On every rank the plan laid out f
   engines during that step, and not loosely (at least 60 % of it; 0.76-1.00 measured);
 - activations within 15 % of what the forwards keep (`memory.block_activation_bytes`; pipelines: the most alive
   at once over a step, `memory.peak_activation_bytes`).
-Then the seeds' numbers through the planner: the DESIGN.md model-state table at N = 64, Llama 3 405B's layouts of
-seed 003 §13.1 fitting 80 GB (and not without recompute), the TP, SP, PP and CP volumes, the bubble formula.
+Then the published numbers through the planner: the model-state table of docs/design.md#model-state-memory at
+N = 64, Llama 3 405B's layouts of docs/design.md#reference-figures fitting 80 GB (and not without recompute), the
+TP, SP, PP and CP volumes, the bubble formula.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def _traffic(measured_rank: dict) -> dict[str, dict[str, int]]:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(plan_layouts.LAYOUTS))
 def test_model_states_equal_the_measured_bytes(measured, planned, name):
     for rank, res in enumerate(measured):
@@ -73,6 +75,7 @@ def test_model_states_equal_the_measured_bytes(measured, planned, name):
         assert got == want, f"rank {rank}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(plan_layouts.LAYOUTS))
 def test_traffic_per_dimension_equals_the_comm_log(measured, planned, name):
     ep_means: dict[str, list[int]] = {}
@@ -89,6 +92,7 @@ def test_traffic_per_dimension_equals_the_comm_log(measured, planned, name):
         assert sum(ep_means["ep"]) == sum(ep_means["plan"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(plan_layouts.LAYOUTS))
 def test_transient_peak_bounds_the_measured_peak(measured, planned, name):
     for rank, res in enumerate(measured):
@@ -100,6 +104,7 @@ def test_transient_peak_bounds_the_measured_peak(measured, planned, name):
         assert peak >= 0.6 * bound, f"rank {rank}: the bound is loose: measured {peak}, planned {bound}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", plan_layouts.WHOLE)
 def test_the_whole_peak_is_the_planned_total(measured, planned, name):
     """Every storage alive during a step (`PeakSampler(allocations=True)`: the engines' and whatever an operator
@@ -113,6 +118,7 @@ def test_the_whole_peak_is_the_planned_total(measured, planned, name):
         assert 0.6 * total <= got <= 1.05 * total, f"rank {rank}: measured {got}, planned {total}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(plan_layouts.LAYOUTS))
 def test_activations_within_15_percent(measured, planned, name):
     for rank, res in enumerate(measured):
@@ -131,8 +137,8 @@ def _plan(world: int, *overrides: str, pp_ranks=None, hardware: Hardware = HARDW
 
 @pytest.mark.parametrize("stage", range(4))
 def test_model_states_follow_the_design_table_at_n64(stage):
-    """DESIGN.md's 16Ψ / 4Ψ + 12Ψ/N / 2Ψ + 14Ψ/N / 16Ψ/N (bf16, K = 12) for Llama-3 8B at N = 64: the planner's
-    bytes are the table's for Ψ = its padded flat buffers, plus AdamW's 4-byte step counters."""
+    """16Ψ / 4Ψ + 12Ψ/N / 2Ψ + 14Ψ/N / 16Ψ/N (docs/design.md#model-state-memory; bf16, K = 12) for Llama-3 8B at
+    N = 64: the planner's bytes are the table's for Ψ = its padded flat buffers, plus AdamW's 4-byte step counters."""
     plan = _plan(64, "--preset", "llama3-8b", "--zero.stage", str(stage), "--train.micro_batch", "1")
     states = plan.ranks[0].model_states
     psi = plan.params
@@ -143,8 +149,9 @@ def test_model_states_follow_the_design_table_at_n64(stage):
 
 
 def test_llama3_405b_layouts_of_seed_003_fit_in_80gb_with_full_recompute():
-    """Seed 003 §13.1: TP 8 × PP 16 × DP 128 at 8K and TP 8 × CP 16 × PP 16 × DP 8 at 128K on 16,384 GPUs (ZeRO-1,
-    SP, bf16, one sequence per micro-batch, 16 micro-batches); full recompute makes both fit, none does not."""
+    """docs/design.md#reference-figures: TP 8 × PP 16 × DP 128 at 8K and TP 8 × CP 16 × PP 16 × DP 8 at 128K on 16,384
+    GPUs (ZeRO-1, SP, bf16, one sequence per micro-batch, 16 micro-batches); full recompute makes both fit, none does
+    not."""
     common = ["--preset", "llama3-405b", "--parallel.tp", "8", "--parallel.sp", "true", "--parallel.pp", "16",
               "--zero.stage", "1", "--train.micro_batch", "1", "--train.grad_accum", "16"]
     short = _plan(16384, *common, "--train.seq_len", "8192", "--train.recompute", "full", pp_ranks=(0, -1))
@@ -278,7 +285,7 @@ def test_copy_kept_is_keep_only_of_a_copy():
 
 
 def test_keeping_zero3_units_gathered_is_recommended_when_it_fits():
-    """Issue 17 §5: DeepSpeed's default (units kept from forward to backward, 2Ψ of gathers instead of 3Ψ) is
+    """DeepSpeed's default (units kept from forward to backward, 2Ψ of gathers instead of 3Ψ) is
     suggested with the peak it would have — the plan of that layout's — and only when it fits."""
     common = ["--zero.stage", "3", "--train.seq_len", "4096", "--train.micro_batch", "1", "--train.global_batch", "64"]
     plan = _plan(64, "--preset", "llama3-8b", *common)

@@ -1,12 +1,12 @@
 """Activation recompute (`train.recompute` none | full | selective): training unchanged, activations as predicted.
 
 Single process: each block's activation bytes, measured by the allocator (`memory.block_activation_bytes`), against
-`formulas.activation_bytes_per_block` (seed 003 §12.4's accounting applied to the Llama block) for both attention cores,
-fp32 and bf16; gradients bit-equal to no recompute. One spawn of 4 ranks trains the layouts whose collectives run again
-inside a recomputation — ZeRO-3 with tp 2 + SP, pp 2 zero-bubble with ZeRO-3, cp 2 ring attention, MoE over ep 2 — in
-each mode: full and selective must equal none bit for bit (none itself is checked against single-process training in
-each dimension's own tests), the tp traffic must follow `tp_comm_formula(recompute=)` and the per-rank activations
-under tp 2 + SP the formula's SP variant.
+`formulas.activation_bytes_per_block` (docs/design.md#activation-memory, applied to the Llama block) for both
+attention cores, fp32 and bf16; gradients bit-equal to no recompute. One spawn of 4 ranks trains the layouts whose
+collectives run again inside a recomputation — ZeRO-3 with tp 2 + SP, pp 2 zero-bubble with ZeRO-3, cp 2 ring
+attention, MoE over ep 2 — in each mode: full and selective must equal none bit for bit (none itself is checked
+against single-process training in each dimension's own tests), the tp traffic must follow
+`tp_comm_formula(recompute=)` and the per-rank activations under tp 2 + SP the formula's SP variant.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ def layout_results():
     return run_workers(_layout_worker, 4)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_recompute_trains_exactly_like_none(layout_results, layout, mode):
@@ -169,6 +170,7 @@ def test_recompute_trains_exactly_like_none(layout_results, layout, mode):
                 assert torch.equal(g[pname], w[pname]), f"rank {rank} step {step} {pname}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
 @pytest.mark.parametrize("run_name", ["zero3-dp2-tp2-sp", "tp2-sp", "tp2"])
 def test_tp_traffic_with_recompute_matches_the_formula(layout_results, run_name, mode):
@@ -183,6 +185,7 @@ def test_tp_traffic_with_recompute_matches_the_formula(layout_results, run_name,
         assert run["tp_bytes"] == want, f"rank {rank}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", RECOMPUTE_MODES)
 @pytest.mark.parametrize("run_name", ["tp2-sp", "tp2"])
 def test_tp_rank_activations_match_the_formula(layout_results, run_name, mode):

@@ -71,6 +71,7 @@ def stopped_run(tmp_path_factory) -> Path:
 
 # -- loading never unpickles -----------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_a_pickle_in_dcp_metadata_never_runs_and_export_reads_the_json(stopped_run, tmp_path):
     ckpt = _copy_run(stopped_run / "base", tmp_path / "run")
     marker = tmp_path / "pwned"
@@ -81,6 +82,7 @@ def test_a_pickle_in_dcp_metadata_never_runs_and_export_reads_the_json(stopped_r
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_with_only_dcps_pickle_is_refused_unless_trusted(stopped_run, tmp_path, capsys):
     """Another DCP user's checkpoint (or an older fivefold's) carries only the pickle: refused before any worker
     starts, naming --trust-checkpoint; trusted, a benign one loads (export and resume)."""
@@ -102,6 +104,7 @@ def test_a_checkpoint_with_only_dcps_pickle_is_refused_unless_trusted(stopped_ru
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_a_pickle_in_a_saved_object_never_runs(stopped_run, tmp_path):
     """The RNG state is an object DCP unpickles with weights_only=False by default: crafted, the resume is refused
     in one line and the payload does not run."""
@@ -127,6 +130,7 @@ def test_a_pickle_in_a_saved_object_never_runs(stopped_run, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_damaged_or_escaping_json_metadata_is_refused(stopped_run, tmp_path, capsys):
     ckpt = _copy_run(stopped_run / "base", tmp_path / "run")
     md = json.loads((ckpt / DCP_METADATA).read_text())
@@ -139,6 +143,7 @@ def test_damaged_or_escaping_json_metadata_is_refused(stopped_run, tmp_path, cap
 
 # -- paths stay inside ------------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_latest_may_only_name_a_step_directory_of_its_own_root(stopped_run, tmp_path, capsys):
     ckpt = _copy_run(stopped_run / "base", tmp_path / "run")
     other = _copy_run(stopped_run / "base", tmp_path / "elsewhere")
@@ -156,6 +161,7 @@ def test_latest_may_only_name_a_step_directory_of_its_own_root(stopped_run, tmp_
     assert complete_checkpoints(root) == []
 
 
+@pytest.mark.multiprocess
 def test_manifest_names_outside_the_checkpoint_are_not_read(stopped_run, tmp_path, capsys):
     ckpt = _copy_run(stopped_run / "base", tmp_path / "run")
     meta = json.loads((ckpt / CHECKPOINT_META).read_text())
@@ -229,6 +235,7 @@ def test_init_from_without_weights_or_with_a_damaged_header_is_refused_before_sp
 
 # -- one run per directory --------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_a_second_run_or_resume_on_a_running_directory_is_refused_naming_the_holder(stopped_run, tmp_path, capsys):
     import socket
 
@@ -256,6 +263,7 @@ def test_a_second_run_or_resume_on_a_running_directory_is_refused_naming_the_hol
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(12))
 
 
+@pytest.mark.multiprocess
 def test_the_lock_dies_with_its_holder(tmp_path):
     from fivefold.train.run_lock import RunDirLocked, RunLock
 
@@ -291,6 +299,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.mark.multiprocess
 def test_a_save_onto_a_full_disk_stops_in_one_line_or_warns_and_trains_on(tiny_disk, tmp_path):
     stop = _train(tmp_path, "stop", "--steps", "4", "--checkpoint.interval", "2", "--checkpoint.dir", str(tiny_disk))
     assert stop.returncode == EXIT_FAILED
@@ -326,6 +335,7 @@ def _enospc_worker(root: str) -> str:
     return "saved"
 
 
+@pytest.mark.multiprocess
 def test_a_write_that_hits_enospc_removes_its_partial_and_says_so(tiny_disk):
     messages = run_workers(_enospc_worker, 2, str(tiny_disk))
     for m in messages:
@@ -395,6 +405,7 @@ def test_an_unreadable_data_file_is_one_line_before_spawning(tmp_path, capsys, m
     assert "cannot be read" in err and "b.txt" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.multiprocess
 def test_export_refuses_bad_sizes_and_targets_in_one_line(stopped_run, tmp_path, capsys):
     ckpt = complete_checkpoints(stopped_run / "base" / "checkpoints")[-1]
     (tmp_path / "a-file").write_text("x")

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism (seed 003 §7-8) against single-process PyTorch.
+"""Tensor and sequence parallelism (docs/design.md#tensor-and-sequence-parallelism) against single-process PyTorch.
 
 One spawn per world size:
 - world 2: every parallel layer at tp 2; the whole tiny Llama at tp 2 (without SP, with SP, tied
@@ -32,6 +32,8 @@ from fivefold.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 SEQ = 1  # activations are [batch, sequence, hidden]
 
@@ -618,7 +620,7 @@ def test_communication_per_block(world2, sp):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Activation memory (seed 003 §8.3)
+# 5. Activation memory (docs/design.md#activation-memory)
 def _activation_info(r: int, a: dict) -> str:
     return (f"rank {r} saved-activation bytes of one forward: single process {a['single']}, tp {a['tp']}, "
             f"tp+sp {a['tp_sp']}; A_out(tp) = {a['tp']['norm']}, A_out(tp+sp) = {a['tp_sp']['norm']}")
@@ -635,7 +637,7 @@ def test_sequence_parallel_splits_the_norm_activations(world2):
 
 
 def test_sequence_parallel_total_activation_drop(world2):
-    """Seed 003 §8.3: A_in/T is untouched and the total drops by A_out·(T-1)/T."""
+    """docs/design.md#activation-memory: A_in/T is untouched and the total drops by A_out·(T-1)/T."""
     t = len(world2)
     for r, res in enumerate(world2):
         tp, sp = res["activations"]["tp"], res["activations"]["tp_sp"]

@@ -69,7 +69,7 @@ def _violations(got: dict, want: dict, bounds: dict) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("kernels", [WORKERS, TWO_THREADS, OTHER])
+@pytest.mark.parametrize("kernels", [WORKERS, TWO_THREADS, pytest.param(OTHER, marks=pytest.mark.multiprocess)])
 def test_the_reference_on_any_kernel_path_is_within_its_bounds(kernels):
     """The same training on other threads or kernels reorders sums and nothing else: inside the bounds."""
     want, bounds = reference(_train, terms=TERMS)
@@ -136,6 +136,7 @@ def test_reference_kernels_are_the_workers_and_are_restored():
     assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == before
 
 
+@pytest.mark.multiprocess
 def test_the_other_kernel_path_really_is_another():
     """Its process runs MKL's compatible GEMM on two threads and, on an AVX-512 processor, ATen's AVX2 kernels."""
     native = torch.backends.cpu.get_cpu_capability()

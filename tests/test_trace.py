@@ -144,6 +144,7 @@ def _micro(name: str) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # the trainer's output
 
+@pytest.mark.multiprocess
 def test_files_written_only_when_tracing(traced):
     out_dir, results, traces = traced
     for name in RUNS:
@@ -155,6 +156,7 @@ def test_files_written_only_when_tracing(traced):
     assert (out_dir / "pp" / "timeline.png").exists()  # the pipeline picture stays; its actions are in trace.json
 
 
+@pytest.mark.multiprocess
 def test_off_means_no_hooks_and_no_timing(traced):
     _, results, _ = traced
     for res in results:
@@ -168,6 +170,7 @@ def test_off_means_no_hooks_and_no_timing(traced):
         assert [any(r[-1] for r in step) for step in ddp] == [s in _traced_steps() for s in range(STEPS)]
 
 
+@pytest.mark.multiprocess
 def test_chrome_trace_structure(traced):
     _, _, traces = traced
     for name, trace in traces.items():
@@ -189,6 +192,7 @@ def test_chrome_trace_structure(traced):
         assert {e["args"]["step"] for e in _x_events(trace)} == set(_traced_steps())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "off"])
 def test_forward_and_backward_span_per_block(traced, name):
     _, _, traces = traced
@@ -216,6 +220,7 @@ def test_forward_and_backward_span_per_block(traced, name):
                 assert min(s for s, _ in bwd[block]) >= min(e for _, e in fwd[block])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "off"])
 def test_every_collective_of_the_traced_steps(traced, name):
     """Each traced step's CommLog records (op, dim, bytes, tag, seq) are exactly its collective events."""
@@ -233,6 +238,7 @@ def test_every_collective_of_the_traced_steps(traced, name):
             assert all(e["args"]["completed"] for e in events)
 
 
+@pytest.mark.multiprocess
 def test_ddp_buckets_reduce_during_backward(traced):
     _, _, traces = traced
     trace = traces["ddp"]
@@ -245,6 +251,7 @@ def test_ddp_buckets_reduce_during_backward(traced):
             assert len(early) >= len(buckets) - 1, "bucket all-reduces must start while backward still runs"
 
 
+@pytest.mark.multiprocess
 def test_zero3_gathers_per_unit_with_prefetch(traced):
     _, _, traces = traced
     trace = traces["zero3"]
@@ -266,6 +273,7 @@ def test_zero3_gathers_per_unit_with_prefetch(traced):
             assert first < fwd["layers.0"][1]
 
 
+@pytest.mark.multiprocess
 def test_tp_collectives_inside_block_spans_and_blocking(traced):
     _, _, traces = traced
     trace = traces["tp_sp"]
@@ -284,6 +292,7 @@ def test_tp_collectives_inside_block_spans_and_blocking(traced):
                 assert w["ts"] == pytest.approx(e["ts"]) and w["dur"] == pytest.approx(e["dur"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["pp", "pp_coalesced"])
 def test_pipeline_actions_and_p2p_in_the_one_trace(traced, name):
     _, _, traces = traced
@@ -300,6 +309,7 @@ def test_pipeline_actions_and_p2p_in_the_one_trace(traced, name):
                            for e in _x_events(trace, rank, step, "pipeline") if e["args"]["kind"] == "F")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "off"])
 def test_hidden_fraction_printed_figures_match_the_file(traced, name):
     out_dir, _, traces = traced

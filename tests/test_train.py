@@ -13,6 +13,7 @@ from fivefold.models import build_model, get_config
 from fivefold.train.trainer import lr_at, run
 
 
+@pytest.mark.multiprocess
 def test_trainer_end_to_end_two_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path / "cache"))  # the workers measure the CPU's peak afresh
     cfg = load_config(None, ["--preset", "tiny", "--steps", "20", "--nproc", "2", "--run.out_dir", str(tmp_path),
@@ -31,7 +32,8 @@ def test_trainer_end_to_end_two_workers(tmp_path, monkeypatch):
     assert all(r["comm_payload_bytes"] == 4 * psi for r in train)
     assert all(r["comm_wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * 4 * psi) for r in train)
     assert (tmp_path / "e2e" / "loss.png").stat().st_size > 1000
-    # MFU (issue 17): the model's FLOPs at each logged step's speed over 2 × this CPU's measured 1-thread peak
+    # MFU (docs/design.md#flops-and-mfu): the model's FLOPs at each logged step's speed over 2 × this CPU's
+    # measured 1-thread peak
     tiny = records[0]["model_config"]
     flops = train[-1]["flops_per_token"]
     assert flops == 6 * (psi - tiny["vocab_size"] * tiny["dim"]) + 12 * tiny["n_layers"] * 64 * tiny["dim"]
@@ -43,6 +45,7 @@ def test_trainer_end_to_end_two_workers(tmp_path, monkeypatch):
     assert (tmp_path / "cache" / "cpu_peak.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_trainer_zero3_with_accumulation(tmp_path):
     cfg = load_config(None, ["--preset", "tiny", "--steps", "10", "--zero", "3", "--run.out_dir", str(tmp_path),
                              "--run.name", "z3", "--run.progress", "false", "--train.eval_every", "10",
@@ -93,6 +96,7 @@ def test_model_state_bytes_fp32_adam_is_16_psi():
     assert m.optimizer == 8 * psi + 4 * n_tensors  # exp_avg + exp_avg_sq, plus a scalar fp32 step each
 
 
+@pytest.mark.multiprocess
 def test_trainer_pipeline_tensor_data_parallel(tmp_path):
     """pp 2 × dp 1 × tp 2 with ZeRO-1 and the zero-bubble schedule: trains, and writes the measured
     timeline (PNG + Chrome trace) with its bubble next to the formula."""

@@ -107,7 +107,7 @@ BAD = [
     (["--train.lr", "inf"], 2, "train.lr=inf must be a finite number"),
     (["--train.lr", "nan"], 2, "train.lr=nan must be a finite number"),
     (["--train.grad_clip", "-inf"], 2, "train.grad_clip=-inf must be a finite number"),
-    # ZeRO++ (seed 003 §6)
+    # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz)
     (["--zero", "2", "--zero.qwz", "true"], 2, "zero.qwz quantises ZeRO-3's parameter all-gathers: set zero.stage 3"),
     (["--zero", "1", "--zero.qgz", "true"], 2, "zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3"),
     (["--zero", "3", "--zero.qwz", "true", "--zero.quant_block", "8"], 2, "zero.quant_block=8: use at least 16"),

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fivefold.watchdog import Watchdog
 
 
@@ -50,6 +52,7 @@ def _workers(pid: int) -> list[int]:
     return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
+@pytest.mark.multiprocess
 def test_a_stopped_worker_stops_the_job_naming_it(tmp_path):
     cli = [sys.executable, "-c", "from fivefold.cli import main; raise SystemExit(main())", "train", "--preset",
            "tiny", "--steps", "500", "--nproc", "2", "--run.out_dir", str(tmp_path), "--run.progress", "false",
@@ -93,6 +96,7 @@ def _timeouts_worker() -> list[str]:
     return [str(g._get_backend(torch.device("cpu")).options._timeout) for g in groups]
 
 
+@pytest.mark.multiprocess
 def test_one_collective_timeout_for_every_group_of_the_run():
     from dist_utils import run_workers
     for timeouts in run_workers(_timeouts_worker, 2):

@@ -21,6 +21,8 @@ from fivefold.data_parallel import DDP, MixedPrecision, ShardedOptimizer, ZeroDa
 from fivefold.memory import model_state_bytes
 from fivefold.models import build_model, get_config
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 5
 LR, WD, CLIP = 1e-2, 0.1, 0.5  # CLIP is below the toy model's gradient norm (≈1.4): clipping is active
 SMALL_BUCKET_MB = 64 * 4 / 2**20  # a few parameters per bucket
@@ -522,7 +524,7 @@ def test_model_state_bytes_match_formula(memory_results, stage, dtype):
         optim = psi_padded * master / shards + 8 * owned + 4 * r["n_master"]  # + a 4-byte `step` per tensor
         m = r["measured"]
         assert (m.params, m.grads, m.optimizer) == (params + frozen * p_bytes, grads, optim)
-        if dtype == "bf16":  # the DESIGN.md table (K = 12) with Ψ = padded count, up to unowned padding
+        if dtype == "bf16":  # docs/design.md#model-state-memory (K = 12) with Ψ = padded count, up to unowned padding
             formula = {0: 16 * psi_padded, 1: 4 * psi_padded + 12 * psi_padded / n,
                        2: 2 * psi_padded + 14 * psi_padded / n, 3: 16 * psi_padded / n}[stage]
             padding_state = 8 * (psi_padded / shards - owned)

@@ -1,4 +1,4 @@
-"""ZeRO-Offload (seed 003 §4.4) and ZeRO-R constant buffers (seed 001 §5.6) against the plain engine.
+"""ZeRO-Offload and ZeRO-R constant buffers (docs/design.md#offload-and-constant-buffers) against the plain engine.
 
 1. Same results: every stage with ``offload_optimizer``, ``constant_buffers`` and both equals the plain engine bit for
    bit over five steps (fp32 and bf16 on the CPU: the same math on other buffers) — with accumulation, ``no_sync``,
@@ -33,6 +33,8 @@ from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.memory import PeakSampler, model_state_bytes, reachable_storage_bytes
 from fivefold.models.llama import TransformerBlock
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS = 5  # constant buffers: ZeRO-3 watches two steps, gathers into slots from the third
 VARIANTS = {"plain": {}, "offload": dict(offload_optimizer=True), "cb": dict(constant_buffers=True),

@@ -323,6 +323,7 @@ def _climb_bound(name: str, r: dict, n: int) -> float:
     return 4 * sum(r["padded"]) / n + _in_flight_allowance(name, r)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["ddp", "z0", "z1", "z2", "z3", "z3-unused"])
 def test_peak_during_backward_within_formula_plus_in_flight(results, name):
     n, res = results
@@ -338,6 +339,7 @@ def test_peak_during_backward_within_formula_plus_in_flight(results, name):
             assert r["peak"] == bound  # nothing beyond the formula, ever
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["z2", "z3"])
 def test_sharded_gradients_do_not_pile_up_block_by_block(results, name):
     """From block to block the count grows only by the gradient shards, where the unbounded control
@@ -350,6 +352,7 @@ def test_sharded_gradients_do_not_pile_up_block_by_block(results, name):
         assert control["peak"] > _peak_bound(name, control, n)
 
 
+@pytest.mark.multiprocess
 def test_zero3_peak_is_not_above_fsdp2_on_the_same_units(results):
     """torch FSDP2 (`fully_shard` on the same units, measured the same way in the same worker) is the
     reference: fivefold's ZeRO-3 must not need more at the peak."""
@@ -358,6 +361,7 @@ def test_zero3_peak_is_not_above_fsdp2_on_the_same_units(results):
         assert per_rank["peak"]["z3"]["peak"] <= per_rank["fsdp2_peak"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_reduce_scatter_overlaps_and_frees_during_backward(results, stage):
     _, res = results
@@ -368,6 +372,7 @@ def test_reduce_scatter_overlaps_and_frees_during_backward(results, stage):
         assert o["first_completed"] < o["last_ready"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("model_name", ["toy", "llama"])
 @pytest.mark.parametrize("stage", range(4))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -385,6 +390,7 @@ def test_master_weights_equal_the_original_fp32_bit_for_bit(results, model_name,
         assert any(not torch.equal(w.to(torch_dtype).float(), w) for w in m["original"].values())  # rounding bites
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("half", list(HALF_DTYPES))
 def test_16_bit_zero3_matches_standard_mixed_precision(results, half, kernels):
@@ -403,6 +409,7 @@ def test_16_bit_zero3_matches_standard_mixed_precision(results, half, kernels):
             assert_within(got, ref, bounds[step], f"rank {rank} step {step}")
 
 
+@pytest.mark.multiprocess
 def test_comm_refuses_a_tensor_on_another_device(results):
     _, res = results
     for per_rank in res:

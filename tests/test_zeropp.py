@@ -1,4 +1,4 @@
-"""ZeRO++ (seed 003 §6; Wang et al. 2023): qwZ, qgZ and hpZ against plain ZeRO-3 and the formulas.
+"""ZeRO++ (docs/design.md#zero-qwz-qgz-hpz; Wang et al. 2023): qwZ, qgZ and hpZ against plain ZeRO-3 and the formulas.
 
 One spawn at world 2 (qwZ / qgZ: bytes per step against `formulas`, 30 training steps against the unquantised run,
 qgZ's reduced gradient within its per-block bound, every rank gathering the same dequantised weights) and one at world
@@ -233,6 +233,7 @@ def test_a_non_finite_gradient_stays_non_finite_after_quantisation():
 
 # -- qwZ / qgZ -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["qwz", "qgz", "qwz+qgz"])
 def test_quantised_training_stays_within_tolerance_of_unquantised(world2, name):
     plain, quant = world2[0]["long"]["plain"]["losses"], world2[0]["long"][name]["losses"]
@@ -242,6 +243,7 @@ def test_quantised_training_stays_within_tolerance_of_unquantised(world2, name):
     assert quant != plain  # quantisation did happen
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype, name, rate", [("fp32", "long", 4), ("bf16", "bytes", 2)])
 def test_qwz_qgz_bytes_per_step_drop_by_the_formula(world2, dtype, name, rate):
     for res in world2:
@@ -264,6 +266,7 @@ def test_qwz_qgz_bytes_per_step_drop_by_the_formula(world2, dtype, name, rate):
         assert all(d == torch.int8 for o, _, _, d in quant["records"][step] if o in ("all_gather", "all_to_all"))
 
 
+@pytest.mark.multiprocess
 def test_qgz_works_for_zero2(world2):
     for res in world2:
         plain, quant = res["bytes"]["zero2"], res["bytes"]["zero2 qgz"]
@@ -273,6 +276,7 @@ def test_qgz_works_for_zero2(world2):
         assert abs(quant["losses"][1] - plain["losses"][1]) < 1e-2 * plain["losses"][1]
 
 
+@pytest.mark.multiprocess
 def test_qgz_reduced_gradient_is_within_the_per_block_bound(world2):
     worst = 0.0
     for res in world2:
@@ -284,6 +288,7 @@ def test_qgz_reduced_gradient_is_within_the_per_block_bound(world2):
     assert 0.05 < worst  # the bound is not vacuous: errors of that order do occur
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_qwz_keeps_stored_weights_and_every_rank_gathers_the_same(world2, dtype):
     a, b = (res["qwz_gather"][dtype] for res in world2)
@@ -304,12 +309,14 @@ def test_qwz_keeps_stored_weights_and_every_rank_gathers_the_same(world2, dtype)
 
 # -- hpZ -----------------------------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_hpz_groups_are_consecutive_ranks(world4):
     for rank, res in enumerate(world4):
         size, group_rank, members = res["hpz_group"]
         assert size == 2 and group_rank == rank % 2 and members == [rank - rank % 2, rank - rank % 2 + 1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name, reference", [("hpz", "plain"), ("qwz+hpz", "qwz")])
 def test_hpz_gives_the_same_results_as_without_it(world4, name, reference):
     for res in world4:
@@ -321,6 +328,7 @@ def test_hpz_gives_the_same_results_as_without_it(world4, name, reference):
                 assert torch.equal(mine[k], theirs[k]), f"step {step} {k}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["hpz", "qwz+hpz"])
 def test_hpz_backward_gathers_stay_inside_the_group(world4, name):
     for res in world4:
@@ -336,6 +344,7 @@ def test_hpz_backward_gathers_stay_inside_the_group(world4, name):
                                                                        2 * zero3_gather_bytes(units, 4, 4))
 
 
+@pytest.mark.multiprocess
 def test_hpz_never_gathers_from_a_stale_copy(world4):
     for res in world4:
         stale = res["stale"]
@@ -346,6 +355,7 @@ def test_hpz_never_gathers_from_a_stale_copy(world4):
             assert torch.equal(stale["full"][r * shard:(r + 1) * shard], other["stale"]["local"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype, width", [("fp32", 4), ("bf16", 2)])
 def test_hpz_secondary_copy_memory_matches_the_formula(world4, dtype, width):
     for res in world4:
@@ -357,6 +367,7 @@ def test_hpz_secondary_copy_memory_matches_the_formula(world4, dtype, width):
 
 # -- the trainer ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_trainer_runs_qwz_qgz_and_logs_the_quantised_bytes(tmp_path):
     import json
 
@@ -381,6 +392,7 @@ def test_trainer_runs_qwz_qgz_and_logs_the_quantised_bytes(tmp_path):
     assert result.final_loss < result.first_loss
 
 
+@pytest.mark.multiprocess
 def test_zeropp_bench_counts_the_formulas_bytes(capsys):
     from bench.run import main
     from bench.zeropp import ZeroPPSpec, bench_zeropp, format_zeropp_table
@@ -447,6 +459,7 @@ def composed():
     return run_workers(_composed_worker, 4)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", COMPOSED)
 def test_zeropp_composes_with_pp_tp_cp_moe_and_hsdp(composed, name):
     """qwZ / qgZ within the quantised tolerance of the same layout without them; hpZ alone bit-equal."""

@@ -62,8 +62,10 @@ LAMBDA = 4.0  # the probabilistic bound's confidence parameter (rule 1)
 SHADOW_RUNS = 2  # rule 2: perturbed re-runs of a training reference (independent sign patterns)
 WORKERS, TWO_THREADS, OTHER = "workers", "two-threads", "other"  # the kernel paths a reference can run on
 # Parametrise a training-equality test with this: its reference on the workers' kernels, and (marked) on another.
-KERNELS = [WORKERS, pytest.param(OTHER, marks=pytest.mark.other_kernels)]
-ALL_KERNELS = [WORKERS, *(pytest.param(k, marks=pytest.mark.other_kernels) for k in (TWO_THREADS, OTHER))]
+# OTHER's reference runs in a process of its own: `multiprocess` too.
+_OTHER_PARAM = pytest.param(OTHER, marks=[pytest.mark.other_kernels, pytest.mark.multiprocess])
+KERNELS = [WORKERS, _OTHER_PARAM]
+ALL_KERNELS = [WORKERS, pytest.param(TWO_THREADS, marks=pytest.mark.other_kernels), _OTHER_PARAM]
 # The other path: MKL's processor-independent GEMM (another blocking, other summation orders), two threads, and on an
 # AVX-512 processor ATen's AVX2 kernels (other vector widths in every reduction). Not ATen's scalar kernels: those
 # also change what torch's random number generators draw, and a reference should differ in its sums, not its inputs.

@@ -1,7 +1,8 @@
-"""How a sequence is split over the cp group (seed 003 §10). The sequence is cut into equal chunks; a rank holds
-some of them, in order. Causal attention makes later chunks costlier (a query attends to every key before it), so
-`zigzag` gives rank i chunks i and 2C-1-i of 2C: every rank then does the same work (Llama 3's CP, Megatron-LM).
-`contiguous` (rank i holds chunk i of C) is the textbook layout, kept for tests and non-causal attention."""
+"""How a sequence is split over the cp group (docs/design.md#context-parallelism). The sequence is cut into equal
+chunks; a rank holds some of them, in order. Causal attention makes later chunks costlier (a query attends to every key
+before it), so `zigzag` gives rank i chunks i and 2C-1-i of 2C: every rank then does the same work (Llama 3's CP,
+Megatron-LM). `contiguous` (rank i holds chunk i of C) is the textbook layout, kept for tests and non-causal
+attention."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Ring attention (seed 003 §10.1; Liu et al. 2024): attention over a sequence split across the cp group.
+"""Ring attention (Liu et al. 2024; docs/design.md#context-parallelism): attention over a sequence split across the cp
+group.
 
 Each rank keeps its queries; the keys and values travel around the ring (rank r sends to r+1, receives from r-1),
 the next transfer in flight while the current block is computed, C-1 transfers in all. Blocks of (query chunk, key
@@ -11,7 +12,7 @@ by a kernel: torch's fused flash-attention on CPU (a block's kv heads expanded f
 Backward is blockwise from the saved output and log-sum-exp (FlashAttention's rule, no forward recomputation
 beyond each block's scores): keys and values go around the ring again, and each kv shard's gradient accumulator
 travels with it, every rank adding its part; after C steps it arrives back at the owner (C transfers).
-Per rank and step a transfer is 2·B·(L/C)·H_kv·d elements: ≈ 2·L·D/C·(C-1) per direction over a forward, the seed's
+Per rank and step a transfer is 2·B·(L/C)·H_kv·d elements: ≈ 2·L·D/C·(C-1) per direction over a forward, the textbook
 volume scaled by H_kv/H for GQA (`formulas.ring_attention_p2p_elements`).
 """
 

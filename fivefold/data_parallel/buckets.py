@@ -1,15 +1,15 @@
 """Flat padded buffers and the bucketed gradient reducer: the one implementation behind DDP and ZeRO.
 
-Seed 000 (DP): gradients are bucketed in reverse registration order (the order backward produces them); a
-post-accumulate-grad hook marks a parameter ready and the bucket's collective launches asynchronously with its last
-gradient, overlapping the rest of backward. Buckets launch in index order so every rank issues the same collectives
+DP (docs/design.md#one-training-step): gradients are bucketed in reverse registration order (the order backward produces
+them); a post-accumulate-grad hook marks a parameter ready and the bucket's collective launches asynchronously with its
+last gradient, overlapping the rest of backward. Buckets launch in index order so every rank issues the same collectives
 in the same order; the collective itself (all-reduce for DDP, reduce-scatter for ZeRO) is a strategy passed in.
-``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the
-bound during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
+``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the bound
+during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
 
-Seed 001 §5.6 (ZeRO-R, constant-size buffers C_B): with a `BufferPool` the temporary full gradient buffers of
-ZeRO-2/3 (and the reduce-scatter outputs that need one) are fixed-size buffers allocated once and handed from bucket
-to bucket, so after warm-up a step allocates none and the allocator does not fragment around them.
+ZeRO-R's constant-size buffers C_B (docs/design.md#offload-and-constant-buffers): with a `BufferPool` the temporary full
+gradient buffers of ZeRO-2/3 (and the reduce-scatter outputs that need one) are fixed-size buffers allocated once and
+handed from bucket to bucket, so after warm-up a step allocates none and the allocator does not fragment around them.
 """
 
 from __future__ import annotations

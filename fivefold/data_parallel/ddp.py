@@ -1,6 +1,6 @@
 """DDP: replicated parameters, gradients averaged by bucketed all-reduce overlapped with backward.
 
-Seed 000 (naive DP -> bucketed overlap), DESIGN.md's DDP row: 16Ψ bytes per rank, one all-reduce of Ψ per step
+DDP (docs/design.md#data-parallel-traffic): 16Ψ bytes per rank, one all-reduce of Ψ per step
 (ring wire 2(N-1)/N · Ψ · bytes). Buckets and hooks live in `buckets.py`; here only what a full bucket does.
 """
 

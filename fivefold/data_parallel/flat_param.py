@@ -1,18 +1,19 @@
 """`FlatParam`: a bucket's (ZeRO-0/1/2) or unit's (ZeRO-3) parameters as views of one flat buffer.
 
-Seed 000/001 (ZeRO): every rank owns a contiguous 1/N shard of each buffer (padded to a multiple of N), keeps fp32
-master weights and optimizer state only for it and receives only its shard of the averaged gradient. Parameters
-are ordered by optimizer group (one segment per group in a shard). ``full``: the whole buffer in compute dtype,
-parameters are views into it; ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and gathers
-into it again, so tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view of
-a gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time.
-``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host buffer of its own
-(pinned on an accelerator; never ``local``, even for fp32), updated on the host and copied back by `write_back`.
+ZeRO (docs/design.md#model-state-memory): every rank owns a contiguous 1/N shard of each buffer (padded to a multiple of
+N), keeps fp32 master weights and optimizer state only for it and receives only its shard of the averaged gradient.
+Parameters are ordered by optimizer group (one segment per group in a shard). ``full``: the whole buffer in compute
+dtype, parameters are views into it; ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and
+gathers into it again, so tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a
+view of a gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time. ``local``
+is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host buffer of its own (pinned on an
+accelerator; never ``local``, even for fp32), updated on the host and copied back by `write_back`.
 
-ZeRO++ (seed 003 §6) changes only how a ZeRO-3 gather travels (`_start_gather`): qwZ (``quant_block``) all-gathers
-every shard as block-wise int8 (`quantize`) and dequantises into ``full``, the stored shards keeping their dtype;
-hpZ (``secondary``, a `Comm` over a few consecutive ranks, e.g. a node) keeps this rank's slice of each forward
-gather as ``secondary`` and gathers a backward's weights from those slices inside that group alone.
+ZeRO++ (docs/design.md#zero-qwz-qgz-hpz) changes only how a ZeRO-3 gather travels (`_start_gather`): qwZ
+(``quant_block``) all-gathers every shard as block-wise int8 (`quantize`) and dequantises into ``full``, the stored
+shards keeping their dtype; hpZ (``secondary``, a `Comm` over a few consecutive ranks, e.g. a node) keeps this rank's
+slice of each forward gather as ``secondary`` and gathers a backward's weights from those slices inside that group
+alone.
 """
 
 from __future__ import annotations

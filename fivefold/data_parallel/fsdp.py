@@ -1,18 +1,18 @@
 """ZeRO-3 / FSDP: parameters live as shards; a unit is gathered just before use and freed after.
 
-Seed 000 (ZeRO-3 flow): 2Ψ all-gather + Ψ reduce-scatter per step, memory 16Ψ/N (DESIGN.md). This module owns
+ZeRO-3: 2Ψ all-gather + Ψ reduce-scatter per step, memory 16Ψ/N (docs/design.md#data-parallel-traffic). This module owns
 *when* units are gathered and freed: the forward pre-hook gathers and prefetches the next ``prefetch`` units in
 recorded forward order; the post-hook frees (``reshard_after_forward``) and wraps the outputs (`ops.call_in_backward`)
 so that their backward gathers again and prefetches in backward order. With ``after_unit_backward`` the inputs are
 wrapped too, so the engine learns a unit's backward is over even if a parameter got no gradient (as FSDP2 does).
 
-Constant buffers (seed 001 §5.6, ZeRO-R C_B; `GatherSlots`): instead of re-growing each unit's own storage for every
-gather, units gather into a few slots allocated once. Autograd keeps views of a unit's gathered parameters from its
-forward until its backward, so a unit must always gather into the same slot, and two units may share one only if
-they are never gathered at the same time: the first two steps are watched (storage of their own, as without the
-pool; the second one prefetches along the recorded orders), then units that were never gathered together share a
-slot. A later gather into a slot another gathered unit holds raises instead of overwriting it.
-A forward that runs inside a backward (activation recompute of a whole unit) only makes sure the unit is gathered.
+Constant buffers (ZeRO-R C_B, docs/design.md#offload-and-constant-buffers; `GatherSlots`): instead of re-growing each
+unit's own storage for every gather, units gather into a few slots allocated once. Autograd keeps views of a unit's
+gathered parameters from its forward until its backward, so a unit must always gather into the same slot, and two units
+may share one only if they are never gathered at the same time: the first two steps are watched (storage of their own,
+as without the pool; the second one prefetches along the recorded orders), then units that were never gathered together
+share a slot. A later gather into a slot another gathered unit holds raises instead of overwriting it. A forward that
+runs inside a backward (activation recompute of a whole unit) only makes sure the unit is gathered.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""HSDP's second reduction (seed 003 §5.5): ZeRO shards inside a shard group, and each bucket's reduced gradient shard
-is then all-reduced across the replicate groups, which hold the same shard.
+"""HSDP's second reduction (docs/design.md#hsdp): ZeRO shards inside a shard group, and each bucket's reduced gradient
+shard is then all-reduced across the replicate groups, which hold the same shard.
 
 Per step and rank, Ψ padded parameters, N_s = shard degree, R = replicas: over ``dp_shard`` the stage's traffic (ZeRO-3:
 all-gather 2Ψ + reduce-scatter Ψ; ZeRO-1/2: reduce-scatter Ψ + all-gather Ψ), over ``dp_replicate`` an all-reduce of

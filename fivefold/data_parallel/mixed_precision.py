@@ -1,8 +1,9 @@
 """Mixed-precision policy and dynamic loss scaling.
 
-Seed 001 (ZeRO paper §3, mixed-precision Adam): 16-bit parameters and gradients (2Ψ + 2Ψ), fp32 master weights
-plus Adam's m and v in the (sharded) optimizer (KΨ, K = 12). fp16 needs loss scaling: a step whose gradients
-overflowed on any rank is skipped and the scale halved; it doubles after `growth_interval` clean steps.
+Mixed-precision Adam (the ZeRO paper's accounting, docs/design.md#model-state-memory): 16-bit parameters and gradients
+(2Ψ + 2Ψ), fp32 master weights plus Adam's m and v in the (sharded) optimizer (KΨ, K = 12). fp16 needs loss scaling: a
+step whose gradients overflowed on any rank is skipped and the scale halved; it doubles after `growth_interval` clean
+steps.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""ZeRO-Offload (seed 003 §4.4): the fp32 master shard and the optimizer state live in host memory and the optimizer
-step runs there; each step the gradient shard travels to the host and the updated shard back to the device.
+"""ZeRO-Offload (docs/design.md#offload-and-constant-buffers): the fp32 master shard and the optimizer state live in
+host memory and the optimizer step runs there; each step the gradient shard travels to the host and the updated shard
+back to the device.
 
 This module owns the host side's buffers and copies, device-agnostic: on an accelerator the host buffers are pinned
 and the copies asynchronous (one wait on the device before the host reads what arrived); on the CPU the same code

@@ -1,4 +1,5 @@
-"""Block-wise symmetric int8 quantisation for ZeRO++'s quantised collectives (seed 003 §6.1 qwZ, §6.3 qgZ).
+"""Block-wise symmetric int8 quantisation for ZeRO++'s quantised collectives qwZ and qgZ
+(docs/design.md#zero-qwz-qgz-hpz).
 
 Rows of ``n`` elements (one rank's shard of a flat buffer, or one destination's chunk of a gradient bucket) are cut
 into blocks of ``block`` elements, the last block of a row maybe shorter: a block never straddles two ranks' shards,

@@ -1,15 +1,15 @@
 """`ShardedOptimizer`: any elementwise torch optimizer stepping only this rank's shard.
 
-Seed 000 (ZeRO-1): "for AdamW, knowing part of the gradient is enough to compute that part's first and second
-moments and update that part of the parameters", so an optimizer over the fp32 master shard is exact with state
+ZeRO-1 (docs/design.md#mechanisms): for AdamW, knowing part of the gradient is enough to compute that part's first and
+second moments and update that part of the parameters, so an optimizer over the fp32 master shard is exact with state
 KΨ/N; non-elementwise ones (Muon, Adafactor) are refused. Used standalone after DDP (like ZeroRedundancyOptimizer)
 or by the ZeRO engine. A step: unscale (fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan
 skip every rank agrees on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
 
-Offloaded flats (`FlatParam.offload`, seed 003 §4.4): the norm and the clipping still run on the device gradient
-shards (the global-norm collectives stay on the group's device); then the clipped fp32 shards are copied to the
-host (`offload.copy_to_host`), the inner optimizer — whose parameters are the host masters — steps there, and
-`write_back` copies the result to the device.
+Offloaded flats (`FlatParam.offload`, docs/design.md#offload-and-constant-buffers): the norm and the clipping still run
+on the device gradient shards (the global-norm collectives stay on the group's device); then the clipped fp32 shards are
+copied to the host (`offload.copy_to_host`), the inner optimizer — whose parameters are the host masters — steps there,
+and `write_back` copies the result to the device.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`ZeroDataParallel`: one data-parallel engine for ZeRO stages 0, 1, 2 and 3 (FSDP).
 
-DESIGN.md / seed 001 table, Ψ parameters, N ranks, mixed-precision Adam (K = 12):
+The stages (docs/design.md#model-state-memory, docs/design.md#data-parallel-traffic), Ψ parameters, N ranks,
+mixed-precision Adam (K = 12):
 
 | stage | what is sharded            | model states / rank | collectives per step                       |
 |-------|----------------------------|---------------------|--------------------------------------------|
@@ -16,15 +17,15 @@ gradient; inside it full gradients accumulate unreduced until the first one outs
 HSDP (``replicate``, stages 1-3): ``comm`` is the shard group (N = its size in the table), and each bucket's reduced
 shard is all-reduced over ``replicate`` after its reduce-scatter (`hsdp.ReplicaReduce`); the mean divides by both.
 
-ZeRO++ (seed 003 §6, Wang et al. 2023), each switchable: ``qwz`` (ZeRO-3 gathers in block-wise int8, `FlatParam`),
-``qgz`` (ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32 here:
+ZeRO++ (Wang et al. 2023; docs/design.md#zero-qwz-qgz-hpz), each switchable: ``qwz`` (ZeRO-3 gathers in block-wise int8,
+`FlatParam`), ``qgz`` (ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32 here:
 `_launch_quantized`), ``hpz_comm`` (ZeRO-3 backward gathers inside a smaller group, from a secondary copy).
 
-``constant_buffers`` (ZeRO-R C_B, seed 001 §5.6): temporary full gradient buffers come from a `BufferPool`,
-reduce-scatters land in a gradient-shard buffer kept for the run (or a pooled one when a micro-step adds to it), and
-ZeRO-3 units gather into shared slots (`fsdp.GatherSlots`): after warm-up a step allocates none of them.
-``offload_optimizer`` (ZeRO-Offload, seed 003 §4.4): fp32 masters and optimizer state on the host, the optimizer step
-there (`offload`, `ShardedOptimizer`); the device keeps the compute parameters and gradients.
+``constant_buffers`` (ZeRO-R C_B, docs/design.md#offload-and-constant-buffers): temporary full gradient buffers come
+from a `BufferPool`, reduce-scatters land in a gradient-shard buffer kept for the run (or a pooled one when a micro-step
+adds to it), and ZeRO-3 units gather into shared slots (`fsdp.GatherSlots`): after warm-up a step allocates none of
+them. ``offload_optimizer`` (ZeRO-Offload, same section): fp32 masters and optimizer state on the host, the optimizer
+step there (`offload`, `ShardedOptimizer`); the device keeps the compute parameters and gradients.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Expert parallelism's token exchange (seed 003 §11): the experts of an MoE layer are split over the ep group
-(rank r holds experts [r·E/ep, (r+1)·E/ep)); each rank routes its own tokens, sends every (token, expert) row to
-the rank holding the expert, and gets the outputs back in the order it sent them.
+"""Expert parallelism's token exchange (docs/design.md#expert-parallelism): the experts of an MoE layer are split over
+the ep group (rank r holds experts [r·E/ep, (r+1)·E/ep)); each rank routes its own tokens, sends every (token, expert)
+row to the rank holding the expert, and gets the outputs back in the order it sent them.
 
 Per layer and forward: one all-to-all of the E per-expert row counts (so every rank knows what it will receive),
 the dispatch all-to-all of the rows (uneven splits), the experts on what arrived (grouped by expert across the

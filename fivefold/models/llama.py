@@ -187,8 +187,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The same attention written out: softmax(q kᵀ / √d + causal mask) v. Its backward keeps the [B, H, L, L]
-    probabilities, the quadratic term of the activation formula (seed 003 §12.4) that a fused kernel avoids and
-    selective recompute drops; for kernels without a fused path, and to measure that term."""
+    probabilities, the quadratic term of the activation formula (docs/design.md#activation-memory) that a fused kernel
+    avoids and selective recompute drops; for kernels without a fused path, and to measure that term."""
     n_heads, n_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
     if n_kv_heads != n_heads:
         k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward (seed 003 §11) as plain single-process PyTorch.
+"""Mixture-of-experts feed-forward (docs/design.md#expert-parallelism) as plain single-process PyTorch.
 
 A router scores every token against E experts (softmax, or sigmoid as DeepSeek-V3), keeps the top k (optionally
 renormalised to sum to 1), and the token's output is the weighted sum of those experts' SwiGLU outputs (plus shared

@@ -342,12 +342,12 @@ OVERLAP_CHOICES = ("off", "on")
 
 
 def pipeline_overlap(cfg: Config, moe: bool, size: Callable[[str], int], device_type: str) -> tuple[bool, str]:
-    """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime` ``overlap``), and
-    why (not). A unit's forward runs in a second thread beside the backward; that is safe only when the two passes
-    never call one process group at once: expert all-to-alls (the backward's get their own group) and the dp × cp
-    load-balancing sum (forward only; the engines' backward hooks issue nothing during a pipeline step, which runs
-    under `no_sync`) are; TP's collectives, ring attention's messages and ZeRO-3's gathers are not.
-    Off by default: the second thread needs a core of its own to gain anything (README: measured slower on 2 cores
+    """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime` ``overlap``), and why
+    (not). A unit's forward runs in a second thread beside the backward; that is safe only when the two passes never
+    call one process group at once: expert all-to-alls (the backward's get their own group) and the dp × cp
+    load-balancing sum (forward only; the engines' backward hooks issue nothing during a pipeline step, which runs under
+    `no_sync`) are; TP's collectives, ring attention's messages and ZeRO-3's gathers are not. Off by default: the second
+    thread needs a core of its own to gain anything (docs/benchmarks.md#expert-parallelism: measured slower on 2 cores
     shared by 4 ranks); ``moe`` says whether there are expert all-to-alls to hide."""
     choice = cfg.pipeline.overlap
     if choice not in OVERLAP_CHOICES:

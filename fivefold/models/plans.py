@@ -1,7 +1,8 @@
 """Where each part of fivefold's Llama goes under each dimension, as data applied by `models.parallelize`:
-`LLAMA_TP_PLAN` (seed 003 §7-8: heads split, wo and w2 row-parallel, embedding and head vocab-parallel, norms
-replicated), `LLAMA_CP_PLAN` (§10: ring attention in every block, RoPE tables by position) and
-`llama_stage_modules` (§9: contiguous blocks, the embedding first, the norm and head last)."""
+`LLAMA_TP_PLAN` (heads split, wo and w2 row-parallel, embedding and head vocab-parallel, norms replicated),
+`LLAMA_CP_PLAN` (ring attention in every block, RoPE tables by position) and `llama_stage_modules` (contiguous
+blocks, the embedding first, the norm and head last) — docs/design.md#tensor-and-sequence-parallelism,
+#context-parallelism and #pipeline-schedules."""
 
 from __future__ import annotations
 

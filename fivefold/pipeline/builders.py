@@ -34,8 +34,9 @@ def _one_stage_per_rank(name: str, V: int) -> None:
 
 
 def gpipe(P: int, M: int, V: int = 1) -> Schedule:
-    """GPipe (Huang et al. 2019; seed 003 §9.2): all M forwards, then all M backwards in reverse order (the stack
-    order of the stored activations). Every rank holds M micro-batches at the turn; bubble (P-1)/(M+P-1)."""
+    """GPipe (Huang et al. 2019; docs/design.md#pipeline-schedules): all M forwards, then all M backwards in reverse
+    order (the stack order of the stored activations). Every rank holds M micro-batches at the turn; bubble
+    (P-1)/(M+P-1)."""
     name = "gpipe"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
@@ -46,7 +47,7 @@ def gpipe(P: int, M: int, V: int = 1) -> Schedule:
 
 
 def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
-    """1F1B (PipeDream-flush / Megatron, seed 003 §9.5): rank r warms up with P-1-r forwards, then runs (F, B)
+    """1F1B (PipeDream-flush / Megatron): rank r warms up with P-1-r forwards, then runs (F, B)
     pairs, then the last P-1-r backwards. Rank r holds at most P-r micro-batches; bubble as GPipe."""
     name = "1f1b"
     _check_sizes(name, P, M, V)
@@ -64,7 +65,7 @@ def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
 
 
 def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
-    """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC 2021; seed 003 §9.4): rank r holds chunks r, P + r, ...;
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC 2021): rank r holds chunks r, P + r, ...;
     micro-batches pass them in groups of P (M % P == 0, as in Megatron). Warm-up ``2·(P-1-r) + (V-1)·P`` forwards,
     also for M == P (Megatron runs all forwards first there: same makespan, more memory). Bubble (P-1)/(V·M+P-1)."""
     name = "interleaved"
@@ -135,7 +136,7 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
 
 
 def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
-    """DualPipeV (DeepSeek's single-copy, V-shaped DualPipe; seed 003 §14; torch's ``ScheduleDualPipeV``): 2P
+    """DualPipeV (DeepSeek's single-copy, V-shaped DualPipe; torch's ``ScheduleDualPipeV``): 2P
     stages, rank r holds stage r (chunk 0, going down) and stage 2P-1-r (chunk 1, coming back up), so the first and
     the last stage share rank 0 and stages P-1, P meet on the last rank without communication. Per rank, in DeepSeek's
     eight phases: 2(P-1-r) chunk-0 forwards; r+1 pairs (F0, F1); P-1-r (I1, W1, F1), zero-bubble; the main

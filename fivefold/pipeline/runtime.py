@@ -1,4 +1,4 @@
-"""Executes any lowered pipeline schedule on this rank's stages (seed 003 §9 / §14).
+"""Executes any lowered pipeline schedule on this rank's stages (docs/design.md#pipeline-schedules).
 
 Each comm batch is one `batch_isend_irecv`; each compute runs one stage on one micro-batch, the last stage dividing
 the loss by M (gradients of the mean loss). With ``overlap``, a schedule's overlapped units (DualPipeV's (F, B)

@@ -1,6 +1,6 @@
-"""Cutting a model into pipeline stages by module names (torchtitan style; seed 003 §9); imports no model. A stage is
-the model with every module not named for it removed (`keep_only`), so parameters keep their single-process names and
-the model's own forward, which skips absent parts, runs the stage."""
+"""Cutting a model into pipeline stages by module names (torchtitan style; docs/design.md#pipeline-schedules); imports
+no model. A stage is the model with every module not named for it removed (`keep_only`), so parameters keep their
+single-process names and the model's own forward, which skips absent parts, runs the stage."""
 
 from __future__ import annotations
 

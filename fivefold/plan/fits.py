@@ -217,7 +217,8 @@ def _top(flats: Iterable[tuple[int, int]], n: int) -> int:
 
 
 def _states(e: _Engine, cfg: Config) -> dict[str, int]:
-    """`memory._engine_states`: seed 001 §5 per flat buffer (`formulas.flat_model_state_bytes`)."""
+    """`memory._engine_states`: docs/design.md#model-state-memory per flat buffer
+    (`formulas.flat_model_state_bytes`)."""
     pb, gb = precision_bytes(cfg)
     out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
     for f, count in e.flats:

@@ -1,5 +1,5 @@
-"""One rank's bytes by part: model states (seed 001 §5, per flat buffer with its padding), the buffers that come and
-go during a step, and the activations kept for backward (seed 003 §12.4's accounting applied to the Llama block).
+"""One rank's bytes by part: model states (per flat buffer with its padding, docs/design.md#model-state-memory), the
+buffers that come and go during a step, and the activations kept for backward (docs/design.md#activation-memory).
 `tests/test_plan.py` holds each against `fivefold.memory`'s measurements."""
 
 from __future__ import annotations

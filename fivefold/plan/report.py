@@ -52,8 +52,9 @@ def format_plan(plan: LayoutPlan) -> str:
     row("total on the GPU (GB)", [r.total / GB for r in ranks])
     m, d = plan.model, plan.dims
     seed = formulas.korthikanti_block_bytes(plan.micro_batch, plan.seq_len // d.cp, m.dim, m.n_heads)
-    lines.append(f"{'one block keeps (GB)':56s}{plan.block_bytes / GB:>13,.2f}   (seed 003 §12.4's GPT block, "
-                 f"34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash attention: {seed / GB:,.2f} GB)")
+    lines.append(f"{'one block keeps (GB)':56s}{plan.block_bytes / GB:>13,.2f}   (the GPT block of "
+                 f"docs/design.md#activation-memory, 34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash attention: "
+                 f"{seed / GB:,.2f} GB)")
     fits = "fits" if plan.fits else "DOES NOT FIT"
     more = f"; {len(plan.ranks)} pipeline ranks, {len(ranks)} shown, all in --json" if len(ranks) < len(plan.ranks) \
         else ""
@@ -76,7 +77,7 @@ def format_plan(plan: LayoutPlan) -> str:
               f" + optimizer {_seconds(tm['optimizer'])}",
               f"throughput ≈ {tm['tokens/s']:,.0f} tokens/s, MFU ≈ {tm['MFU']:.1%} (links one way per GPU: "
               f"intra-node {hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s; an estimate, "
-              "see README)"]
+              "see docs/plan.md)"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """What one rank sends per step, by mesh dimension and collective, as `CommLog` records it (an all-gather's output, a
-reduce-scatter's or all-to-all's input, a send's tensor): ZeRO's collectives (seed 001 §5.5, seed 003 §4.3, ZeRO++
-§6, HSDP §5.5) from the engines' flat buffers, TP/SP (§7.2, §8.2), ring attention (§10.1), expert all-to-alls
-(§11.2), pipeline messages (§9.6) and the gradient norm's scalars. Each entry also says when in the step it travels
+reduce-scatter's or all-to-all's input, a send's tensor): ZeRO's collectives (with ZeRO++ and HSDP) from the engines'
+flat buffers, TP/SP, ring attention, expert all-to-alls, pipeline messages and the gradient norm's scalars —
+docs/design.md#data-parallel-traffic and the sections after it. Each entry also says when in the step it travels
 (`PHASES`), for the step-time estimate. `tests/test_plan.py` holds the totals against `CommLog`, byte for byte."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The conjugate communication operators of TP and SP (Megatron, seed 003 §7-8), each backward its partner's
-forward. Per block TP costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces each with an
-all-gather and a reduce-scatter of the same volume."""
+"""The conjugate communication operators of TP and SP (Megatron, docs/design.md#tensor-and-sequence-parallelism), each
+backward its partner's forward. Per block TP costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces each
+with an all-gather and a reduce-scatter of the same volume."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Tensor-parallel layers (Megatron, seed 003 §7), each holding this rank's slice of a weight: column-parallel splits
-output features, row-parallel input features (partial outputs summed by the exit), the embedding vocabulary rows.
-Each is built *from* the full module (`from_linear`): every rank initialises the whole weight from the model's seed
-and keeps its slice, so TP and single-process runs start from identical weights."""
+"""Tensor-parallel layers (Megatron, docs/design.md#tensor-and-sequence-parallelism), each holding this rank's slice of
+a weight: column-parallel splits output features, row-parallel input features (partial outputs summed by the exit), the
+embedding vocabulary rows. Each is built *from* the full module (`from_linear`): every rank initialises the whole weight
+from the model's seed and keeps its slice, so TP and single-process runs start from identical weights."""
 
 from __future__ import annotations
 

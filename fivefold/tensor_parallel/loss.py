@@ -1,5 +1,5 @@
-"""Cross-entropy over a vocabulary split across the tp group (seed 003 §7), and the single-process loss as its T = 1
-case (`models.loss`): one implementation.
+"""Cross-entropy over a vocabulary split across the tp group (docs/design.md#tensor-and-sequence-parallelism), and the
+single-process loss as its T = 1 case (`models.loss`): one implementation.
 
 The full logits never exist on one rank, and no fp32 copy of this rank's [N, V/T] logits is made either: rows are
 read in chunks of about `CHUNK_ELEMENTS`, each upcast to fp32 for its max, sum of exponentials and (in backward) its

@@ -1,4 +1,5 @@
-"""A tensor-parallel plan is data (module-name patterns -> typed styles), applied by `shard_by_plan` (seed 003 §7-8).
+"""A tensor-parallel plan is data (module-name patterns -> typed styles), applied by `shard_by_plan`
+(docs/design.md#tensor-and-sequence-parallelism).
 `Colwise` splits output features; `Rowwise` input features (its bias, added once after the exit, is replicated);
 `VocabEmbedding` / `VocabHead` the vocabulary; `RegionEntry` is one entry operator shared by a region's column layers
 (2 entries + 2 exits per block); `Norm` stays replicated, its weight gradient all-reduced under SP (a partial sum).

@@ -1,6 +1,6 @@
 """The training loop of one rank (`train`) and the launcher of all ranks (`run`, which validates first). A step
-(DESIGN.md data flow): forward + backward per micro-batch (reduced during backward) -> global norm and clipping ->
-AdamW with warmup + cosine LR."""
+(docs/design.md#one-training-step): forward + backward per micro-batch (reduced during backward) -> global norm and
+clipping -> AdamW with warmup + cosine LR."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class TrainResult:
     run_dir: str | None
     model_state_mb: float
     comm_hidden_fraction: float | None = None  # run.trace: mean over ranks of the communication hidden behind compute
-    mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak (issue 17)
+    mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak
     stopped: str | None = None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
 
 
@@ -156,7 +156,8 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
                                   max_bytes=cfg.data.max_bytes)
     model_cfg = plan.model_for(int(max(data.train_tokens.max(), data.val_tokens.max() if len(data.val_tokens) else 0)))
     n_params, active = param_counts(model_cfg)
-    # MFU (issue 17): model FLOPs per token, PaLM's 6·N + 12·n_layers·L·D, against every rank's device peak
+    # MFU (docs/design.md#flops-and-mfu): model FLOPs per token, PaLM's 6·N + 12·n_layers·L·D, against every rank's
+    # device peak
     flops_per_token = model_flops_per_token(active, model_cfg.n_layers, t.seq_len, model_cfg.dim)
     peak = device_peak_flops(device, MixedPrecision.from_names(cfg.precision.param).param_dtype,
                              cfg.run.peak_tflops) * dist.get_world_size()

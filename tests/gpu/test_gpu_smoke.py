@@ -17,8 +17,9 @@ import torch
 from fivefold.launch import launch_local, resolve_device
 
 ACCELERATOR = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-pytestmark = pytest.mark.skipif(ACCELERATOR is None or torch.accelerator.device_count() < 2,
-                                reason="needs two accelerators (run on a GPU machine: pytest -s tests/gpu)")
+pytestmark = [pytest.mark.skipif(ACCELERATOR is None or torch.accelerator.device_count() < 2,
+                                 reason="needs two accelerators (run on a GPU machine: pytest -s tests/gpu)"),
+              pytest.mark.multiprocess]  # (it spawns one worker per device)
 
 STEPS, LR, WD, CLIP, EPS, SEQ, M = 4, 1e-2, 0.1, 0.5, 1e-4, 16, 4
 LAYOUTS = {  # name: (dims, config overrides)
