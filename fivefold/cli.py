@@ -20,14 +20,21 @@ from fivefold.config import ALIASES, ConfigError, load_config
 
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="fivefold train", add_help=True,
+        prog="fivefold train",
+        add_help=True,
         description="Train a Llama-style model (dp / ZeRO / tp / sp / pp). Every config key can be overridden as "
-                    "--section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
-                    + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()))
-    parser.add_argument("--config", help="TOML file with sections [model] [parallel] [zero] [train] [data] "
-                                         "[precision] [pipeline] [run] [checkpoint]")
-    parser.epilog = ("--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
-                     "PATH; --overwrite: start over in a run directory that already holds a run")
+        "--section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
+        + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()),
+    )
+    parser.add_argument(
+        "--config",
+        help="TOML file with sections [model] [parallel] [zero] [train] [data] "
+        "[precision] [pipeline] [run] [checkpoint]",
+    )
+    parser.epilog = (
+        "--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
+        "PATH; --overwrite: start over in a run directory that already holds a run"
+    )
     args, overrides = parser.parse_known_args(argv)
     import logging
 
@@ -50,7 +57,9 @@ def _train(argv: list[str]) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fivefold train: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    except mp.ProcessRaisedException as e:  # a worker's error, its traceback printed above: the error itself, once
+    except (
+        mp.ProcessRaisedException
+    ) as e:  # a worker's error, its traceback printed above: the error itself, once
         print(f"fivefold train: error in a worker: {worker_error(e)}", file=sys.stderr)
         return EXIT_FAILED
     except mp.ProcessExitedException as e:
@@ -83,11 +92,17 @@ def _bench(argv: list[str]) -> int:
     """ddp | zero | tp | pp | parallel | all: a source checkout's ``bench/run.py`` (not in the installed package)."""
     root = Path(fivefold.__file__).resolve().parent.parent
     if not (root / "bench" / "run.py").is_file():
-        print("fivefold bench: the benchmarks ship with the source checkout (bench/ next to the fivefold package), "
-              f"not with an installed package; none found in {root}. Clone the repository and run `fivefold bench` "
-              "from an editable install (pip install -e .) or `python bench/run.py` there.", file=sys.stderr)
+        print(
+            "fivefold bench: the benchmarks ship with the source checkout (bench/ next to the fivefold package), "
+            f"not with an installed package; none found in {root}. Clone the repository and run `fivefold bench` "
+            "from an editable install (pip install -e .) or `python bench/run.py` there.",
+            file=sys.stderr,
+        )
         return 2
-    sys.path[:] = [str(root), *(p for p in sys.path if p != str(root))]  # this checkout's `bench` first
+    sys.path[:] = [
+        str(root),
+        *(p for p in sys.path if p != str(root)),
+    ]  # this checkout's `bench` first
     from bench.run import main as bench_main
 
     return bench_main(argv)
@@ -95,44 +110,77 @@ def _bench(argv: list[str]) -> int:
 
 def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="fivefold export", description="Write a run's model as Hugging Face Llama safetensors + config.json "
-                                            "(one parameter at a time, never the whole model in memory).")
-    parser.add_argument("run", help="a run directory (its latest checkpoint), its checkpoints folder, or a checkpoint")
+        prog="fivefold export",
+        description="Write a run's model as Hugging Face Llama safetensors + config.json "
+        "(one parameter at a time, never the whole model in memory).",
+    )
+    parser.add_argument(
+        "run",
+        help="a run directory (its latest checkpoint), its checkpoints folder, or a checkpoint",
+    )
     parser.add_argument("--to", required=True, help="output directory")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights' dtype (fp32)")
-    parser.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (2048 MiB)")
-    parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="read a checkpoint whose metadata only DCP's pickle holds (another DCP program's or an "
-                             "older fivefold's): a pickle can run code, so only one from a source you trust")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights' dtype (fp32)"
+    )
+    parser.add_argument(
+        "--max-shard-mb", type=float, default=2048.0, help="largest safetensors file (2048 MiB)"
+    )
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="read a checkpoint whose metadata only DCP's pickle holds (another DCP program's or an "
+        "older fivefold's): a pickle can run code, so only one from a source you trust",
+    )
     args = parser.parse_args(argv)
     from fivefold.checkpoint.hf import export_checkpoint
     from fivefold.data_parallel.mixed_precision import parse_dtype
 
     try:
         if not args.max_shard_mb > 0 or args.max_shard_mb == float("inf"):
-            raise ValueError(f"--max-shard-mb {args.max_shard_mb:g}: give a positive size in MiB (e.g. 2048)")
+            raise ValueError(
+                f"--max-shard-mb {args.max_shard_mb:g}: give a positive size in MiB (e.g. 2048)"
+            )
         to = Path(args.to)
         if to.exists() and not to.is_dir():
             raise ValueError(f"--to {to} is a file: give a directory (it is created if missing)")
-        summary = export_checkpoint(args.run, to, parse_dtype(args.dtype), int(args.max_shard_mb * 2**20),
-                                    trust=args.trust_checkpoint)
+        summary = export_checkpoint(
+            args.run,
+            to,
+            parse_dtype(args.dtype),
+            int(args.max_shard_mb * 2**20),
+            trust=args.trust_checkpoint,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"fivefold export: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as e:
         print(f"fivefold export: error: {os_error_line(e)}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> {args.to}: "
-          f"{', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
-          f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)")
+    print(
+        f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> {args.to}: "
+        f"{', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
+        f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)"
+    )
     return 0
 
 
 # `fivefold plan`'s own short flags (besides train's): short spellings of the common layout knobs
-PLAN_FLAGS = {"model": "model.preset", "gpus": None, "seq": "train.seq_len", "micro-batch": "train.micro_batch",
-              "global-batch": "train.global_batch", "grad-accum": "train.grad_accum", "recompute": "train.recompute",
-              "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
-              "dp": "parallel.dp", "schedule": "pipeline.schedule", "virtual": "pipeline.virtual"}
+PLAN_FLAGS = {
+    "model": "model.preset",
+    "gpus": None,
+    "seq": "train.seq_len",
+    "micro-batch": "train.micro_batch",
+    "global-batch": "train.global_batch",
+    "grad-accum": "train.grad_accum",
+    "recompute": "train.recompute",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "cp": "parallel.cp",
+    "ep": "parallel.ep",
+    "dp": "parallel.dp",
+    "schedule": "pipeline.schedule",
+    "virtual": "pipeline.virtual",
+}
 
 
 def _plan(argv: list[str]) -> int:
@@ -141,29 +189,49 @@ def _plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="fivefold plan",
         description="Predict per-GPU memory (model states, transient buffers, activations), communication per step "
-                    "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search "
-                    "ranks every layout that fits. Layout and model as for `fivefold train` (--config, --section.key "
-                    "value), plus the short flags below. Without --config the defaults are for GPUs, not train's CPU "
-                    "demo: bf16 parameters with fp32 gradient reduction (torchtitan's), one sequence per micro-batch "
-                    "of the model's context length, 4 × pp × virtual micro-batches under pp.",
-        epilog="short flags: " + ", ".join(f"--{k} (= {v})" for k, v in PLAN_FLAGS.items() if v) + "; --sp (= "
-               "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 --pp 4 "
-               "--zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective")
+        "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search "
+        "ranks every layout that fits. Layout and model as for `fivefold train` (--config, --section.key "
+        "value), plus the short flags below. Without --config the defaults are for GPUs, not train's CPU "
+        "demo: bf16 parameters with fp32 gradient reduction (torchtitan's), one sequence per micro-batch "
+        "of the model's context length, 4 × pp × virtual micro-batches under pp.",
+        epilog="short flags: "
+        + ", ".join(f"--{k} (= {v})" for k, v in PLAN_FLAGS.items() if v)
+        + "; --sp (= "
+        "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 --pp 4 "
+        "--zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective",
+    )
     parser.add_argument("--config", help="a train TOML file: its layout, model and batch")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
-    parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE), help="GPU preset (default h100)")
+    parser.add_argument(
+        "--hardware", default="h100", choices=sorted(HARDWARE), help="GPU preset (default h100)"
+    )
     parser.add_argument("--gpu-mem", type=float, help="GB per GPU (overrides the preset)")
-    parser.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s per GPU in the compute dtype")
-    parser.add_argument("--efficiency", type=float, help="fraction of the peak the matmuls reach (default 0.6)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="peak dense TFLOP/s per GPU in the compute dtype"
+    )
+    parser.add_argument(
+        "--efficiency", type=float, help="fraction of the peak the matmuls reach (default 0.6)"
+    )
     parser.add_argument("--intra-gbps", type=float, help="GB/s per GPU inside a node (NVLink)")
-    parser.add_argument("--inter-gbps", type=float, help="GB/s per GPU across nodes (InfiniBand / RoCE)")
-    parser.add_argument("--gpus-per-node", type=int, help="GPUs sharing the intra-node link (default 8)")
-    parser.add_argument("--search", action="store_true",
-                        help="rank every valid layout for --gpus that fits (tp, pp, cp, dp, ep, ZeRO stage and "
-                             "recompute given on the command line stay fixed)")
-    parser.add_argument("--top", type=int, default=10, help="layouts shown by --search (10; at least 1)")
+    parser.add_argument(
+        "--inter-gbps", type=float, help="GB/s per GPU across nodes (InfiniBand / RoCE)"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, help="GPUs sharing the intra-node link (default 8)"
+    )
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every valid layout for --gpus that fits (tp, pp, cp, dp, ep, ZeRO stage and "
+        "recompute given on the command line stay fixed)",
+    )
+    parser.add_argument(
+        "--top", type=int, default=10, help="layouts shown by --search (10; at least 1)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--sp", action="store_true", help="sequence parallel (= --parallel.sp true)")
+    parser.add_argument(
+        "--sp", action="store_true", help="sequence parallel (= --parallel.sp true)"
+    )
     args, rest = parser.parse_known_args(argv)
     # bf16 unless a TOML file or the command line says otherwise
     overrides = [] if args.config else ["--precision.param", "bf16"]
@@ -171,7 +239,11 @@ def _plan(argv: list[str]) -> int:
     while i < len(rest):
         key = rest[i][2:].split("=", 1)[0] if rest[i].startswith("--") else ""
         if key in PLAN_FLAGS and PLAN_FLAGS[key]:
-            value = rest[i].split("=", 1)[1] if "=" in rest[i] else (rest[i + 1] if i + 1 < len(rest) else "")
+            value = (
+                rest[i].split("=", 1)[1]
+                if "=" in rest[i]
+                else (rest[i + 1] if i + 1 < len(rest) else "")
+            )
             overrides += [f"--{PLAN_FLAGS[key]}", value]
             i += 1 if "=" in rest[i] else 2
         else:
@@ -180,11 +252,20 @@ def _plan(argv: list[str]) -> int:
     if args.sp:
         overrides += ["--parallel.sp", "true"]
     hw = HARDWARE[args.hardware]
-    changes = {"memory_gb": args.gpu_mem, "peak_tflops": args.peak_tflops, "compute_efficiency": args.efficiency,
-               "intra_node_gbps": args.intra_gbps, "inter_node_gbps": args.inter_gbps,
-               "gpus_per_node": args.gpus_per_node}
+    changes = {
+        "memory_gb": args.gpu_mem,
+        "peak_tflops": args.peak_tflops,
+        "compute_efficiency": args.efficiency,
+        "intra_node_gbps": args.intra_gbps,
+        "inter_node_gbps": args.inter_gbps,
+        "gpus_per_node": args.gpus_per_node,
+    }
     hw = dataclasses.replace(hw, **{k: v for k, v in changes.items() if v is not None})
-    given = {ALIASES.get(a[2:].split("=")[0], a[2:].split("=")[0]) for a in overrides if a.startswith("--")}
+    given = {
+        ALIASES.get(a[2:].split("=")[0], a[2:].split("=")[0])
+        for a in overrides
+        if a.startswith("--")
+    }
     try:
         hw.check()
         if args.gpus <= 0:
@@ -192,22 +273,38 @@ def _plan(argv: list[str]) -> int:
         cfg = load_config(args.config, [*overrides, "--run.nproc", str(args.gpus)])
         notes = [] if args.config else _plan_defaults(cfg, given)
         if args.search:
+
             def progress(done: int, total: int) -> None:
                 if not args.json and sys.stderr.isatty():
-                    print(f"\rplanning layout {done}/{total}", end="" if done < total else "\n", file=sys.stderr)
+                    print(
+                        f"\rplanning layout {done}/{total}",
+                        end="" if done < total else "\n",
+                        file=sys.stderr,
+                    )
 
-            plans, valid, fitting = search(cfg, args.gpus, hw, args.top, progress, fixed=given & set(SEARCHED))
+            plans, valid, fitting = search(
+                cfg, args.gpus, hw, args.top, progress, fixed=given & set(SEARCHED)
+            )
             for p in plans:
                 p.notes[:0] = notes
-            print(json.dumps([p.to_dict() for p in plans], indent=1) if args.json
-                  else format_search(plans, valid, fitting, args.gpus, hw))
+            print(
+                json.dumps([p.to_dict() for p in plans], indent=1)
+                if args.json
+                else format_search(plans, valid, fitting, args.gpus, hw)
+            )
         else:
             plan = plan_layout(cfg, args.gpus, hw)
             plan.notes[:0] = notes
             print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        hint = (" (fivefold plan's own flags: --gpus, --model, --seq, --micro-batch, --global-batch, --grad-accum, "
-                "--tp, --pp, --cp, --ep, --sp, --recompute; see fivefold plan --help)") if "unknown" in str(e) else ""
+        hint = (
+            (
+                " (fivefold plan's own flags: --gpus, --model, --seq, --micro-batch, --global-batch, --grad-accum, "
+                "--tp, --pp, --cp, --ep, --sp, --recompute; see fivefold plan --help)"
+            )
+            if "unknown" in str(e)
+            else ""
+        )
         print(f"fivefold plan: error: {e}{hint}", file=sys.stderr)
         return 2
     return 0
@@ -226,17 +323,25 @@ def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Confi
         cfg.train.micro_batch = 1
     if cfg.parallel.pp > 1 and not given & {"train.grad_accum", "train.global_batch"}:
         cfg.train.grad_accum = 4 * cfg.parallel.pp * cfg.pipeline.virtual
-        notes.append(f"--grad-accum / --global-batch not given: {cfg.train.grad_accum} micro-batches (4 × pp × "
-                     "virtual stages) so the pipeline fills")
+        notes.append(
+            f"--grad-accum / --global-batch not given: {cfg.train.grad_accum} micro-batches (4 × pp × "
+            "virtual stages) so the pipeline fills"
+        )
     return notes
 
 
 # Exit codes of `fivefold train` (and export / plan where they apply), documented in docs/reliability.md#exit-codes.
 EXIT_DONE = 0  # every step of train.steps done
 EXIT_FAILED = 1  # the run failed: a worker's error, a lost or stalled worker, an I/O error
-EXIT_CONFIG = 2  # refused before anything started: the config, data, a checkpoint, a locked run directory
-EXIT_STOPPED = 75  # stopped early WITH a checkpoint (SIGTERM, SIGINT, run.exit_after): continue with --resume
-EXIT_TERMINATED = 128 + 15  # stopped by a signal before the workers could save (the shell's SIGTERM code)
+EXIT_CONFIG = (
+    2  # refused before anything started: the config, data, a checkpoint, a locked run directory
+)
+EXIT_STOPPED = (
+    75  # stopped early WITH a checkpoint (SIGTERM, SIGINT, run.exit_after): continue with --resume
+)
+EXIT_TERMINATED = (
+    128 + 15
+)  # stopped by a signal before the workers could save (the shell's SIGTERM code)
 
 COMMANDS = {"train": _train, "plan": _plan, "bench": _bench, "export": _export}
 
@@ -246,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"fivefold: unknown command '{argv[0]}'", file=sys.stderr)
-        print("usage: fivefold {" + ",".join(COMMANDS) + "} [options]   (fivefold COMMAND --help)", file=sys.stderr)
+        print(
+            "usage: fivefold {" + ",".join(COMMANDS) + "} [options]   (fivefold COMMAND --help)",
+            file=sys.stderr,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

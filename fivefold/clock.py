@@ -27,7 +27,9 @@ class DeviceClock:
 
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        accelerator = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
         self.device_events = accelerator is not None and device.type == accelerator.type
 
     def mark(self) -> Mark:

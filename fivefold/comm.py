@@ -52,12 +52,18 @@ class CommTiming:
     waiter: str = ""
 
     def finished(self, mark: Mark, host_clock: bool) -> None:
-        if self.end is None or (host_clock and mark < self.end):  # (events: the first one recorded stands)
+        if self.end is None or (
+            host_clock and mark < self.end
+        ):  # (events: the first one recorded stands)
             self.end = mark
 
     def blocked(self, start: Mark, end: Mark, host_clock: bool) -> None:
         if self.wait_start is None:
-            self.wait_start, self.wait_end, self.waiter = start, end, threading.current_thread().name
+            self.wait_start, self.wait_end, self.waiter = (
+                start,
+                end,
+                threading.current_thread().name,
+            )
         self.finished(end, host_clock)
 
 
@@ -104,7 +110,9 @@ class CommRecord:
     wire_bytes: float
     group_size: int
     tag: str = ""  # free-form label from the caller, e.g. "bucket3"
-    timing: CommTiming | None = field(default=None, compare=False)  # only while the log has a clock (tracing)
+    timing: CommTiming | None = field(
+        default=None, compare=False
+    )  # only while the log has a clock (tracing)
 
 
 @dataclass
@@ -147,10 +155,15 @@ def _mismatch_message(dim: str, prints: list) -> str:
 
     def show(rank: int, p: tuple) -> str:
         op, _, shapes, dtypes, seq, step, tag, site = p
-        return (f"rank {rank}: {op}{' ' + tag if tag else ''} call {seq} at step {step}, shapes {list(shapes)} "
-                f"{'/'.join(dtypes)}, from {site}")
-    return (f"collectives over '{dim}' disagree (debug.collectives): {show(0, first)}; {show(other, prints[other])}. "
-            "Every rank must issue the same collectives in the same order")
+        return (
+            f"rank {rank}: {op}{' ' + tag if tag else ''} call {seq} at step {step}, shapes {list(shapes)} "
+            f"{'/'.join(dtypes)}, from {site}"
+        )
+
+    return (
+        f"collectives over '{dim}' disagree (debug.collectives): {show(0, first)}; {show(other, prints[other])}. "
+        "Every rank must issue the same collectives in the same order"
+    )
 
 
 @dataclass
@@ -162,20 +175,41 @@ class CommLog:
     # Tracing (`trace.StepTracer`) sets a clock: each record then gets a CommTiming. None: no timing call at all.
     clock: DeviceClock | None = None
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)
-    _unfinished: list[TimedWork] = field(default_factory=list, repr=False)  # CPU works without a callback
+    _unfinished: list[TimedWork] = field(
+        default_factory=list, repr=False
+    )  # CPU works without a callback
 
     def next_seq(self) -> int:
         """A tick of the rank-local clock shared by records and other traced events."""
         return next(self._counter)
 
-    def record(self, op: str, dim: str, tensor: torch.Tensor, group_size: int, tag: str = "",
-               numel: int | None = None) -> CommTiming | None:
+    def record(
+        self,
+        op: str,
+        dim: str,
+        tensor: torch.Tensor,
+        group_size: int,
+        tag: str = "",
+        numel: int | None = None,
+    ) -> CommTiming | None:
         """Log one call (about to be issued); its timing (launch marked now) if the log has a clock."""
         n = tensor.numel() if numel is None else numel
         payload = n * tensor.element_size()
         timing = CommTiming(self.clock.mark()) if self.clock is not None else None
-        self.records.append(CommRecord(self.next_seq(), op, dim, tensor.dtype, n, payload,
-                                       ring_wire_bytes(op, payload, group_size), group_size, tag, timing))
+        self.records.append(
+            CommRecord(
+                self.next_seq(),
+                op,
+                dim,
+                tensor.dtype,
+                n,
+                payload,
+                ring_wire_bytes(op, payload, group_size),
+                group_size,
+                tag,
+                timing,
+            )
+        )
         return timing
 
     def timed(self, work, timings: list[CommTiming]):
@@ -187,8 +221,13 @@ class CommLog:
         timed = TimedWork(work, timings, clock)
         if not clock.device_events:
             try:
-                work.get_future().add_done_callback(lambda _: [t.finished(clock.mark(), True) for t in timings])
-            except (RuntimeError, AttributeError):  # gloo's p2p works have no future (nor do stand-in works)
+                work.get_future().add_done_callback(
+                    lambda _: [t.finished(clock.mark(), True) for t in timings]
+                )
+            except (
+                RuntimeError,
+                AttributeError,
+            ):  # gloo's p2p works have no future (nor do stand-in works)
                 self._unfinished.append(timed)
         return timed
 
@@ -201,11 +240,17 @@ class CommLog:
         self.records.clear()
         self._unfinished.clear()
 
-    def totals(self, op: str | None = None, dim: str | None = None, dims: Sequence[str] | None = None) -> CommTotals:
+    def totals(
+        self, op: str | None = None, dim: str | None = None, dims: Sequence[str] | None = None
+    ) -> CommTotals:
         """Totals of the records of `op` (any if None) over `dim`, or any of `dims` (all if both are None)."""
         t = CommTotals()
         for r in self.records:
-            if (op is None or r.op == op) and (dim is None or r.dim == dim) and (dims is None or r.dim in dims):
+            if (
+                (op is None or r.op == op)
+                and (dim is None or r.dim == dim)
+                and (dims is None or r.dim in dims)
+            ):
                 t.calls += 1
                 t.numel += r.numel
                 t.payload_bytes += r.payload_bytes
@@ -232,7 +277,11 @@ def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
     if ":" in backend:
         pairs = dict(part.strip().split(":", 1) for part in backend.split(","))
     else:
-        pairs = {dev: name for dev, name in dist.Backend.default_device_backend_map.items() if name == backend}
+        pairs = {
+            dev: name
+            for dev, name in dist.Backend.default_device_backend_map.items()
+            if name == backend
+        }
     return {dev: name for dev, name in pairs.items() if dev == "cpu" or name != "gloo"}
 
 
@@ -246,7 +295,9 @@ class P2PBatch:
     def __init__(self, works: Sequence, n_ops: int) -> None:
         works = [w for w in works if w is not None]
         if n_ops and len(works) not in (1, n_ops):
-            raise RuntimeError(f"batch_isend_irecv returned {len(works)} works for {n_ops} ops (expected 1 or {n_ops})")
+            raise RuntimeError(
+                f"batch_isend_irecv returned {len(works)} works for {n_ops} ops (expected 1 or {n_ops})"
+            )
         self.works, self.n_ops = works, n_ops
 
     @property
@@ -261,7 +312,9 @@ class P2PBatch:
             w.wait()
 
 
-_EAGER_REGIONS: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []  # (what `call` runs, the function)
+_EAGER_REGIONS: list[
+    tuple[list[Callable[..., Any]], Callable[..., Any]]
+] = []  # (what `call` runs, the function)
 
 
 def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -309,9 +362,14 @@ class Comm:
     work handle. ``device`` is where this group's tensors live (a tensor elsewhere is refused before anything is
     sent); by default it follows the backend (a "cpu:gloo,cuda:nccl" group makes scalars on CUDA)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, dim: str = "world",
-                 log: CommLog | None = None, device: torch.device | str | None = None,
-                 fingerprints: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        dim: str = "world",
+        log: CommLog | None = None,
+        device: torch.device | str | None = None,
+        fingerprints: dist.ProcessGroup | None = None,
+    ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         # debug mode (`debug_collectives`): a gloo group over the same ranks where every collective's fingerprint is
         # compared before it is issued; None: off, and nothing is computed
@@ -336,7 +394,11 @@ class Comm:
         """A new 0-d tensor holding `value` on this group's device for a collective (norm, flag, metric); dtype:
         `value`'s if it is a tensor, else fp32."""
         if isinstance(value, torch.Tensor):
-            return value.detach().to(device=self.device, dtype=dtype or value.dtype, copy=True).reshape(())
+            return (
+                value.detach()
+                .to(device=self.device, dtype=dtype or value.dtype, copy=True)
+                .reshape(())
+            )
         return torch.tensor(value, dtype=dtype or torch.float32, device=self.device)
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
@@ -346,7 +408,8 @@ class Comm:
                 raise RuntimeError(
                     f"{op} over '{self.dim}': a tensor of shape {tuple(t.shape)} is on {t.device}, but this group's "
                     f"collectives run on {self.device} ({dist.get_backend(self.group)}); create it there "
-                    f"(Comm.scalar for a scalar, device=comm.device) or move it with .to(comm.device)")
+                    f"(Comm.scalar for a scalar, device=comm.device) or move it with .to(comm.device)"
+                )
 
     def _agree(self, op: str, tensors: tuple[torch.Tensor, ...], tag: str) -> None:
         """Debug mode: every rank of the group compares this call's fingerprint — op, mesh dim, shapes (not for an
@@ -355,9 +418,22 @@ class Comm:
         self._seq += 1
         site = _call_site()
         shapes = () if op == "all_to_all" else tuple(tuple(t.shape) for t in tensors)
-        print_ = (op, self.dim, shapes, tuple(str(t.dtype) for t in tensors), self._seq, _DEBUG["step"], tag, site)
-        digest = int.from_bytes(hashlib.blake2b(repr(print_).encode(), digest_size=8).digest(), "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64, device="cpu")  # the gloo side group: CPU by design
+        print_ = (
+            op,
+            self.dim,
+            shapes,
+            tuple(str(t.dtype) for t in tensors),
+            self._seq,
+            _DEBUG["step"],
+            tag,
+            site,
+        )
+        digest = int.from_bytes(
+            hashlib.blake2b(repr(print_).encode(), digest_size=8).digest(), "little", signed=True
+        )
+        mine = torch.tensor(
+            [digest], dtype=torch.int64, device="cpu"
+        )  # the gloo side group: CPU by design
         every = torch.empty(self.size, dtype=torch.int64, device="cpu")
         _all_gather_flat(every, mine, group=self._side)
         if bool((every != digest).any()):
@@ -365,7 +441,9 @@ class Comm:
             dist.all_gather_object(prints, print_, group=self._side)
             raise CollectiveMismatch(_mismatch_message(self.dim, prints))
 
-    def _record(self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None) -> CommTiming | None:
+    def _record(
+        self, op: str, tensor: torch.Tensor, tag: str, numel: int | None = None
+    ) -> CommTiming | None:
         if self.log.enabled:
             return self.log.record(op, self.dim, tensor, self.size, tag, numel)
         return None
@@ -383,48 +461,113 @@ class Comm:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
-                   tag: str = ""):
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+        tag: str = "",
+    ):
         self._check("all_reduce", tensor)
         if self._side is not None:
             self._agree("all_reduce", (tensor,), tag)
         timing = self._record("all_reduce", tensor, tag)
-        return self._issued(timing, dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op)
+        return self._issued(
+            timing, dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op
+        )
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: dist.ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+        tag: str = "",
+    ):
         """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`, gets its shard."""
         self._check("reduce_scatter", output, input)
         if self._side is not None:
-            self._agree("reduce_scatter", (output, input,), tag)
+            self._agree(
+                "reduce_scatter",
+                (
+                    output,
+                    input,
+                ),
+                tag,
+            )
         timing = self._record("reduce_scatter", input, tag)
-        return self._issued(timing, _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op),
-                            async_op)
+        return self._issued(
+            timing,
+            _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op),
+            async_op,
+        )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+    ):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may be its slice)."""
         self._check("all_gather", output, input)
         if self._side is not None:
-            self._agree("all_gather", (output, input,), tag)
+            self._agree(
+                "all_gather",
+                (
+                    output,
+                    input,
+                ),
+                tag,
+            )
         timing = self._record("all_gather", output, tag)
-        return self._issued(timing, _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op)
+        return self._issued(
+            timing, _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op
+        )
 
-    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""):
+    def broadcast(
+        self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""
+    ):
         self._check("broadcast", tensor)
         if self._side is not None:
             self._agree("broadcast", (tensor,), tag)
         timing = self._record("broadcast", tensor, tag)
-        return self._issued(timing, dist.broadcast(tensor, src=self.global_rank(src_group_rank), group=self.group,
-                                                   async_op=async_op), async_op)
+        return self._issued(
+            timing,
+            dist.broadcast(
+                tensor, src=self.global_rank(src_group_rank), group=self.group, async_op=async_op
+            ),
+            async_op,
+        )
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
-                   input_split_sizes: Sequence[int] | None = None, async_op: bool = False, tag: str = ""):
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        async_op: bool = False,
+        tag: str = "",
+    ):
         self._check("all_to_all", output, input)
         if self._side is not None:
-            self._agree("all_to_all", (output, input,), tag)
+            self._agree(
+                "all_to_all",
+                (
+                    output,
+                    input,
+                ),
+                tag,
+            )
         timing = self._record("all_to_all", input, tag)
-        return self._issued(timing, dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                           group=self.group, async_op=async_op), async_op)
+        return self._issued(
+            timing,
+            dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes,
+                input_split_sizes,
+                group=self.group,
+                async_op=async_op,
+            ),
+            async_op,
+        )
 
     def p2p_semantics(self) -> str:
         """How this group's point-to-point messages complete (`P2P_SEMANTICS`): "buffered" for gloo on CPU (every
@@ -432,23 +575,33 @@ class Comm:
         only against the peer's matching receive, a pair's messages match by order, a batch is one work)."""
         return "buffered" if self.device.type == "cpu" else "rendezvous"
 
-    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], tag: str = "",
-                  expect: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None) -> P2PBatch:
+    def batch_p2p(
+        self,
+        ops: Sequence[tuple[str, torch.Tensor, int]],
+        tag: str = "",
+        expect: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
+    ) -> P2PBatch:
         """Issue ("send"|"recv", tensor, peer_group_rank) ops as one `batch_isend_irecv`. ``expect``: the shape and
         dtype each op must have (the peer allocated the same), checked before anything is sent."""
         p2p, timings = [], []
         for i, (kind, tensor, peer) in enumerate(ops):
             self._check(kind, tensor)
             if expect is not None and (tuple(tensor.shape), tensor.dtype) != tuple(expect[i]):
-                raise RuntimeError(f"{kind} to/from '{self.dim}' rank {peer}: tensor {tuple(tensor.shape)} "
-                                   f"{tensor.dtype}, but the peer expects {tuple(expect[i][0])} {expect[i][1]}")
+                raise RuntimeError(
+                    f"{kind} to/from '{self.dim}' rank {peer}: tensor {tuple(tensor.shape)} "
+                    f"{tensor.dtype}, but the peer expects {tuple(expect[i][0])} {expect[i][1]}"
+                )
             timings.append(self._record(kind, tensor, tag))
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, tensor, self.global_rank(peer), group=self.group))
         batch = P2PBatch(dist.batch_isend_irecv(p2p) if p2p else [], len(p2p))
-        if p2p and timings[0] is not None:  # tracing: a work stamps the ops it covers (all of them if coalesced)
-            batch.works = [self.log.timed(w, timings if batch.coalesced else [timings[i]])
-                           for i, w in enumerate(batch.works)]
+        if (
+            p2p and timings[0] is not None
+        ):  # tracing: a work stamps the ops it covers (all of them if coalesced)
+            batch.works = [
+                self.log.timed(w, timings if batch.coalesced else [timings[i]])
+                for i, w in enumerate(batch.works)
+            ]
         return batch
 
     def all_gather_object(self, obj: object) -> list:

@@ -50,8 +50,12 @@ class MoESection:
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
     capacity_factor: float | None = None  # 0: dropless
-    groups: int | None = None  # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
-    group_limit: int | None = None  # ... and how many of them one token's experts may come from (0: no limit)
+    groups: int | None = (
+        None  # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
+    )
+    group_limit: int | None = (
+        None  # ... and how many of them one token's experts may come from (0: no limit)
+    )
 
 
 @dataclass
@@ -64,8 +68,12 @@ class ParallelSection:
     # HSDP: dp = dp_replicate × dp_shard; ZeRO shards over dp_shard × cp (consecutive ranks), gradients are then
     # all-reduced across the dp_replicate copies (1: plain ZeRO over all of dp × cp)
     dp_replicate: int = 1
-    sp: bool = False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
-    cp_layout: str = "zigzag"  # how cp splits a sequence: zigzag (balanced causal work) or contiguous
+    sp: bool = (
+        False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
+    )
+    cp_layout: str = (
+        "zigzag"  # how cp splits a sequence: zigzag (balanced causal work) or contiguous
+    )
 
 
 @dataclass
@@ -101,7 +109,9 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    path: str | None = None  # text file, folder, comma list, or nanoGPT .bin / folder; None = stdlib sources
+    path: str | None = (
+        None  # text file, folder, comma list, or nanoGPT .bin / folder; None = stdlib sources
+    )
     val_fraction: float = 0.05
     max_bytes: int | None = None
 
@@ -109,14 +119,20 @@ class DataSection:
 @dataclass
 class ZeroSection:
     stage: int = 0  # 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
-    bucket_mb: float = 25.0  # gradient bucket size (ZeRO-3: per unit); ZeRO-2 peaks ~2 buckets above its formula
+    bucket_mb: float = (
+        25.0  # gradient bucket size (ZeRO-3: per unit); ZeRO-2 peaks ~2 buckets above its formula
+    )
     find_unused: bool = False
     # true: accumulate unreduced gradients and reduce once per step (less traffic; ZeRO-2/3 then hold full
     # gradients until the last micro-step); false: reduce every micro-step, memory as the stage's formula
     defer_reduce: bool = False
-    reshard_after_forward: bool = True  # ZeRO-3: free each unit after its forward (false: keep until backward)
+    reshard_after_forward: bool = (
+        True  # ZeRO-3: free each unit after its forward (false: keep until backward)
+    )
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
-    inflight_buckets: int = 1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
+    inflight_buckets: int = (
+        1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
+    )
     # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz): qwz: ZeRO-3 parameter all-gathers in block-wise int8 (the stored weights
     # keep their dtype); qgz: ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32;
     # hpz: ZeRO-3 keeps a secondary copy of each unit split over this many consecutive dp ranks (e.g. a node) and
@@ -134,9 +150,13 @@ class ZeroSection:
 
 @dataclass
 class PipelineSection:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | dualpipev (micro-batches = train.grad_accum)
+    schedule: str = (
+        "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | dualpipev (micro-batches = train.grad_accum)
+    )
     virtual: int = 1  # virtual stages per rank (interleaved)
-    layers_per_stage: str = ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
+    layers_per_stage: str = (
+        ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
+    )
     # how p2p messages complete: auto (from the backend: gloo buffered, NCCL rendezvous) | buffered | rendezvous
     p2p: str = "auto"
     # DualPipeV's (F, B) units side by side, the forward in a second thread (hides expert all-to-alls; CPU/gloo, no
@@ -146,10 +166,16 @@ class PipelineSection:
     def layers(self) -> list[int] | None:
         """``layers_per_stage`` as block counts (None: as even as possible)."""
         try:
-            return [int(v) for v in self.layers_per_stage.split(",")] if self.layers_per_stage else None
+            return (
+                [int(v) for v in self.layers_per_stage.split(",")]
+                if self.layers_per_stage
+                else None
+            )
         except ValueError:
-            raise ConfigError(f"pipeline.layers_per_stage={self.layers_per_stage!r}: give comma-separated block "
-                              "counts, one per (virtual) stage, e.g. '3,3,2'") from None
+            raise ConfigError(
+                f"pipeline.layers_per_stage={self.layers_per_stage!r}: give comma-separated block "
+                "counts, one per (virtual) stage, e.g. '3,3,2'"
+            ) from None
 
 
 @dataclass
@@ -168,15 +194,25 @@ class RunSection:
     progress: bool = True
     plot: bool = True
     log_every: int = 1
-    resume: str = ""  # "latest" (--resume) or a checkpoint directory: continue that run; "" starts a new one
-    overwrite: bool = False  # start a new run in a run directory that already holds one (it is deleted first)
-    exit_after: int = 0  # stop cleanly, with a checkpoint, after this many steps of this invocation (0: never)
-    max_restarts: int = 0  # local launcher: restart all workers from the latest checkpoint when one dies
+    resume: str = (
+        ""  # "latest" (--resume) or a checkpoint directory: continue that run; "" starts a new one
+    )
+    overwrite: bool = (
+        False  # start a new run in a run directory that already holds one (it is deleted first)
+    )
+    exit_after: int = (
+        0  # stop cleanly, with a checkpoint, after this many steps of this invocation (0: never)
+    )
+    max_restarts: int = (
+        0  # local launcher: restart all workers from the latest checkpoint when one dies
+    )
     # local launcher: a worker silent this long is stalled (frozen); no rank finishing a step for stall_timeout_s
     # (0: 3 minutes, and at least 20 of the slowest steps) is a hang. Either stops the job naming the ranks.
     heartbeat_timeout_s: float = 60.0
     stall_timeout_s: float = 0.0
-    collective_timeout_s: float = 1800.0  # for every process group of the run (then a collective fails)
+    collective_timeout_s: float = (
+        1800.0  # for every process group of the run (then a collective fails)
+    )
     # the dense peak TFLOP/s of one device in the compute dtype, for MFU (0: a table of known accelerators; on the
     # CPU a short matmul measured with the threads each rank uses, cached in ~/.cache/fivefold)
     peak_tflops: float = 0.0
@@ -192,7 +228,9 @@ class RunSection:
 
 @dataclass
 class CheckpointSection:
-    interval: int = 0  # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
+    interval: int = (
+        0  # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
+    )
     keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
     async_save: bool = False  # copy the state to host memory and write it in the background
     dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
@@ -227,9 +265,19 @@ class Config:
         return dataclasses.asdict(self)
 
 
-ALIASES = {"zero": "zero.stage", "nproc": "run.nproc", "data": "data.path", "name": "run.name",
-           "steps": "train.steps", "preset": "model.preset", "device": "run.device", "resume": "run.resume",
-           "overwrite": "run.overwrite", "init-from": "model.init_from", "trust-checkpoint": "checkpoint.trust"}
+ALIASES = {
+    "zero": "zero.stage",
+    "nproc": "run.nproc",
+    "data": "data.path",
+    "name": "run.name",
+    "steps": "train.steps",
+    "preset": "model.preset",
+    "device": "run.device",
+    "resume": "run.resume",
+    "overwrite": "run.overwrite",
+    "init-from": "model.init_from",
+    "trust-checkpoint": "checkpoint.trust",
+}
 # short flags that may stand without a value: their value then
 FLAGS = {"resume": "latest", "overwrite": "true", "trust-checkpoint": "true"}
 
@@ -239,8 +287,20 @@ class ConfigError(ValueError):
 
 
 # Keys that moved: a clear pointer instead of "unknown key".
-MOVED = {"parallel.zero": "zero.stage", **{f"ddp.{k}": f"zero.{k}" for k in (
-    "bucket_mb", "find_unused", "defer_reduce", "reshard_after_forward", "prefetch", "inflight_buckets")}}
+MOVED = {
+    "parallel.zero": "zero.stage",
+    **{
+        f"ddp.{k}": f"zero.{k}"
+        for k in (
+            "bucket_mb",
+            "find_unused",
+            "defer_reduce",
+            "reshard_after_forward",
+            "prefetch",
+            "inflight_buckets",
+        )
+    },
+}
 
 
 def _sections() -> dict[str, type]:
@@ -252,7 +312,16 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 def _convert(key: str, value: Any, tp: Any) -> Any:
@@ -279,21 +348,31 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError, KeyError):
-        raise ConfigError(f"{key}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+        raise ConfigError(
+            f"{key}={value!r} is not a valid {getattr(base, '__name__', base)}"
+        ) from None
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     sections = _sections()
-    if dotted.startswith("model.moe."):  # [model.moe] in TOML, --model.moe.experts on the command line
-        dotted = dotted[len("model."):]
+    if dotted.startswith(
+        "model.moe."
+    ):  # [model.moe] in TOML, --model.moe.experts on the command line
+        dotted = dotted[len("model.") :]
     if dotted in MOVED:
-        raise ConfigError(f"'{dotted}' is now '{MOVED[dotted]}' (ZeRO's stage and knobs live in [zero])")
+        raise ConfigError(
+            f"'{dotted}' is now '{MOVED[dotted]}' (ZeRO's stage and knobs live in [zero])"
+        )
     if "." not in dotted:
-        raise ConfigError(f"'{dotted}' is not a section.key; valid sections: {', '.join(sections)}; "
-                          f"short flags: {', '.join('--' + a for a in ALIASES)}")
+        raise ConfigError(
+            f"'{dotted}' is not a section.key; valid sections: {', '.join(sections)}; "
+            f"short flags: {', '.join('--' + a for a in ALIASES)}"
+        )
     section, key = dotted.split(".", 1)
     if section not in sections:
-        raise ConfigError(f"unknown config section '{section}'; valid sections: {', '.join(sections)}")
+        raise ConfigError(
+            f"unknown config section '{section}'; valid sections: {', '.join(sections)}"
+        )
     types_ = _field_types(sections[section])
     if key not in types_:
         raise ConfigError(f"unknown key '{dotted}'; valid keys in [{section}]: {', '.join(types_)}")
@@ -306,12 +385,16 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key value")
+            raise ConfigError(
+                f"unexpected argument '{arg}': overrides look like --section.key value"
+            )
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
             i += 1
-        elif key in FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):  # a flag given alone
+        elif key in FLAGS and (
+            i + 1 >= len(args) or args[i + 1].startswith("--")
+        ):  # a flag given alone
             value = FLAGS[key]
             i += 1
         else:
@@ -331,11 +414,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         except OSError as e:
-            raise ConfigError(f"--config {path}: {e.strerror or e}"
-                              + (" (a directory, not a TOML file)" if isinstance(e, IsADirectoryError) else "")) \
-                from None
+            raise ConfigError(
+                f"--config {path}: {e.strerror or e}"
+                + (" (a directory, not a TOML file)" if isinstance(e, IsADirectoryError) else "")
+            ) from None
         except UnicodeDecodeError as e:
-            raise ConfigError(f"--config {path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
+            raise ConfigError(
+                f"--config {path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8"
+            ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {path} is not valid TOML: {e}") from None
         for section, values in data.items():
@@ -354,11 +440,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 DEFAULT_MICRO_BATCH = 8
 
 
-def resolve_batch(global_batch: int | None, micro_batch: int | None, grad_accum: int | None,
-                  dp: int) -> tuple[int, int, int]:
+def resolve_batch(
+    global_batch: int | None, micro_batch: int | None, grad_accum: int | None, dp: int
+) -> tuple[int, int, int]:
     """(global_batch, micro_batch, grad_accum) with global = micro × accum × dp: any two derive the third."""
-    given = {k: v for k, v in (("global_batch", global_batch), ("micro_batch", micro_batch),
-                               ("grad_accum", grad_accum)) if v is not None}
+    given = {
+        k: v
+        for k, v in (
+            ("global_batch", global_batch),
+            ("micro_batch", micro_batch),
+            ("grad_accum", grad_accum),
+        )
+        if v is not None
+    }
     for k, v in given.items():
         if v <= 0:
             raise ConfigError(f"train.{k}={v} must be positive")
@@ -372,14 +466,24 @@ def resolve_batch(global_batch: int | None, micro_batch: int | None, grad_accum:
     if global_batch is None:
         return micro_batch * grad_accum * dp, micro_batch, grad_accum
     if micro_batch is None or grad_accum is None:  # derive the missing one from the global batch
-        name, known = ("grad_accum", grad_accum) if micro_batch is None else ("micro_batch", micro_batch)
+        name, known = (
+            ("grad_accum", grad_accum) if micro_batch is None else ("micro_batch", micro_batch)
+        )
         if global_batch % (known * dp):
-            raise ConfigError(f"train.global_batch={global_batch} is not divisible by {name}({known}) × dp({dp}) = "
-                              f"{known * dp}; change global_batch to a multiple of {known * dp}")
+            raise ConfigError(
+                f"train.global_batch={global_batch} is not divisible by {name}({known}) × dp({dp}) = "
+                f"{known * dp}; change global_batch to a multiple of {known * dp}"
+            )
         derived = global_batch // (known * dp)
-        return (global_batch, derived, grad_accum) if micro_batch is None else (global_batch, micro_batch, derived)
+        return (
+            (global_batch, derived, grad_accum)
+            if micro_batch is None
+            else (global_batch, micro_batch, derived)
+        )
     if micro_batch * grad_accum * dp != global_batch:
-        raise ConfigError(f"train.global_batch={global_batch} but micro_batch({micro_batch}) × "
-                          f"grad_accum({grad_accum}) × dp({dp}) = {micro_batch * grad_accum * dp}; set one of the "
-                          "three to none (e.g. --train.grad_accum none) to derive it, or make them agree")
+        raise ConfigError(
+            f"train.global_batch={global_batch} but micro_batch({micro_batch}) × "
+            f"grad_accum({grad_accum}) × dp({dp}) = {micro_batch * grad_accum * dp}; set one of the "
+            "three to none (e.g. --train.grad_accum none) to derive it, or make them agree"
+        )
     return global_batch, micro_batch, grad_accum

@@ -9,18 +9,45 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["MODEL_STATES", "ModelShape", "RECIPES", "STAGE_SHARDS", "activation_bytes_per_block",
-           "backward_working_bytes", "bubble_formula", "expected_for", "flat_model_state_bytes",
-           "head_activation_bytes", "hpz_secondary_bytes", "hsdp_expected", "korthikanti_block_bytes",
-           "loss_chunk_bytes", "model_flops_per_token", "moe_ffn_activation_bytes", "quantized_chunk_bytes",
-           "ring_attention_p2p_elements", "ring_wire_bytes", "tp_comm_formula", "tp_comm_formula_text",
-           "weight_grad_pending_bytes", "zero3_gather_bytes", "zero_grad_reduce_bytes", "zero_model_states"]
+__all__ = [
+    "MODEL_STATES",
+    "ModelShape",
+    "RECIPES",
+    "STAGE_SHARDS",
+    "activation_bytes_per_block",
+    "backward_working_bytes",
+    "bubble_formula",
+    "expected_for",
+    "flat_model_state_bytes",
+    "head_activation_bytes",
+    "hpz_secondary_bytes",
+    "hsdp_expected",
+    "korthikanti_block_bytes",
+    "loss_chunk_bytes",
+    "model_flops_per_token",
+    "moe_ffn_activation_bytes",
+    "quantized_chunk_bytes",
+    "ring_attention_p2p_elements",
+    "ring_wire_bytes",
+    "tp_comm_formula",
+    "tp_comm_formula_text",
+    "weight_grad_pending_bytes",
+    "zero3_gather_bytes",
+    "zero_grad_reduce_bytes",
+    "zero_model_states",
+]
 
 # -- collectives on a ring (docs/design.md#collectives-on-a-ring) ------------------------------------------
 # bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
-_WIRE_FACTOR = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-                "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
-                "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 1.0}
+_WIRE_FACTOR = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
 
 
 def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
@@ -35,46 +62,85 @@ def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
 MODEL_STATES = ("params", "grads", "optimizer")
 
 # Which model states a ZeRO stage shards over the N data-parallel ranks: (params, grads, optimizer)
-STAGE_SHARDS: dict[int, tuple[bool, bool, bool]] = {0: (False, False, False), 1: (False, False, True),
-                                                    2: (False, True, True), 3: (True, True, True)}
+STAGE_SHARDS: dict[int, tuple[bool, bool, bool]] = {
+    0: (False, False, False),
+    1: (False, False, True),
+    2: (False, True, True),
+    3: (True, True, True),
+}
 
 RECIPES: dict[str, dict[str, Any]] = {
     # memory: (bytes per element, sharded?) for params, grads, optimizer; comm: op -> multiple of 4Ψ
-    "ddp": dict(label="DDP", memory_formula="4Ψ+4Ψ+8Ψ = 16Ψ",
-                memory=tuple(zip((4, 4, 8), STAGE_SHARDS[0])), comm={"all_reduce": 1}, comm_formula="AR Ψ"),
-    "zero1": dict(label="ZeRO-1", memory_formula="4Ψ+4Ψ+8Ψ/N",
-                  memory=tuple(zip((4, 4, 8), STAGE_SHARDS[1])), comm={"reduce_scatter": 1, "all_gather": 1},
-                  comm_formula="RS Ψ + AG Ψ"),
-    "zero2": dict(label="ZeRO-2", memory_formula="4Ψ+12Ψ/N",
-                  memory=tuple(zip((4, 4, 8), STAGE_SHARDS[2])), comm={"reduce_scatter": 1, "all_gather": 1},
-                  comm_formula="RS Ψ + AG Ψ"),
-    "zero3": dict(label="ZeRO-3", memory_formula="16Ψ/N",
-                  memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])), comm={"all_gather": 2, "reduce_scatter": 1},
-                  comm_formula="AG 2Ψ + RS Ψ"),
+    "ddp": dict(
+        label="DDP",
+        memory_formula="4Ψ+4Ψ+8Ψ = 16Ψ",
+        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[0])),
+        comm={"all_reduce": 1},
+        comm_formula="AR Ψ",
+    ),
+    "zero1": dict(
+        label="ZeRO-1",
+        memory_formula="4Ψ+4Ψ+8Ψ/N",
+        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[1])),
+        comm={"reduce_scatter": 1, "all_gather": 1},
+        comm_formula="RS Ψ + AG Ψ",
+    ),
+    "zero2": dict(
+        label="ZeRO-2",
+        memory_formula="4Ψ+12Ψ/N",
+        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[2])),
+        comm={"reduce_scatter": 1, "all_gather": 1},
+        comm_formula="RS Ψ + AG Ψ",
+    ),
+    "zero3": dict(
+        label="ZeRO-3",
+        memory_formula="16Ψ/N",
+        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])),
+        comm={"all_gather": 2, "reduce_scatter": 1},
+        comm_formula="AG 2Ψ + RS Ψ",
+    ),
     # ZeRO-3 keeping each unit gathered from its forward to its backward (zero.reshard_after_forward false, DeepSpeed's
     # default when parameters are reused soon): one all-gather per step; the gathered units are held meanwhile
-    "zero3-keep": dict(label="ZeRO-3, kept for backward", memory_formula="16Ψ/N",
-                       memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])), comm={"all_gather": 1, "reduce_scatter": 1},
-                       comm_formula="AG Ψ + RS Ψ"),
+    "zero3-keep": dict(
+        label="ZeRO-3, kept for backward",
+        memory_formula="16Ψ/N",
+        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])),
+        comm={"all_gather": 1, "reduce_scatter": 1},
+        comm_formula="AG Ψ + RS Ψ",
+    ),
     # torch's ZeRO-1 recipe: DDP's all-reduce, then every parameter broadcast by its owner
-    "ddp+zero_optim": dict(label="ZeRO-1 (DDP+ZeroRedundancyOptimizer)", memory_formula="4Ψ+4Ψ+8Ψ/N",
-                           memory=((4, False), (4, False), (8, True)), comm={"all_reduce": 1, "broadcast": 1},
-                           comm_formula="AR Ψ + BC Ψ",
-                           memory_note="ZeroRedundancyOptimizer partitions whole parameters, not a flat buffer: "
-                                       "its shards are uneven"),
+    "ddp+zero_optim": dict(
+        label="ZeRO-1 (DDP+ZeroRedundancyOptimizer)",
+        memory_formula="4Ψ+4Ψ+8Ψ/N",
+        memory=((4, False), (4, False), (8, True)),
+        comm={"all_reduce": 1, "broadcast": 1},
+        comm_formula="AR Ψ + BC Ψ",
+        memory_note="ZeroRedundancyOptimizer partitions whole parameters, not a flat buffer: "
+        "its shards are uneven",
+    ),
 }
 
 
-def zero_model_states(params: float, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
-                      optimizer_bytes: int = 12) -> dict[str, float]:
+def zero_model_states(
+    params: float,
+    stage: int,
+    dp: int,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_bytes: int = 12,
+) -> dict[str, float]:
     """Model-state bytes per rank of ZeRO-``stage`` over ``dp`` ranks (docs/design.md#model-state-memory:
     Ψ = ``params``; mixed-precision Adam by default, 2Ψ + 2Ψ + KΨ with K = 12 for the fp32 master, m and v; fp32
     training: 4, 4, 8), by part and in total. The ZeRO paper's numbers (docs/design.md#reference-figures): 7.5B at
     N = 64 → 120 / 31.4 / 16.6 / 1.88 GB for stages 0-3; 1T at N = 1024 with ZeRO-3 → 15.6 GB."""
     if stage not in STAGE_SHARDS:
         raise ValueError(f"zero stage {stage}: choose 0, 1, 2 or 3")
-    parts = {name: nbytes * params / (dp if sharded else 1) for name, nbytes, sharded
-             in zip(MODEL_STATES, (param_bytes, grad_bytes, optimizer_bytes), STAGE_SHARDS[stage])}
+    parts = {
+        name: nbytes * params / (dp if sharded else 1)
+        for name, nbytes, sharded in zip(
+            MODEL_STATES, (param_bytes, grad_bytes, optimizer_bytes), STAGE_SHARDS[stage]
+        )
+    }
     return {**parts, "total": sum(parts.values())}
 
 
@@ -82,12 +148,18 @@ def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:
     """Model-state bytes per rank and payload bytes per step and rank of ``recipe`` (a `RECIPES` key), for
     ``padded_params`` Ψ as padded (a multiple of N for flat shards) and ``world`` N; wire bytes on a ring."""
     r = RECIPES[recipe]
-    memory = {name: nbytes * padded_params / (world if sharded else 1)
-              for name, (nbytes, sharded) in zip(MODEL_STATES, r["memory"])}
+    memory = {
+        name: nbytes * padded_params / (world if sharded else 1)
+        for name, (nbytes, sharded) in zip(MODEL_STATES, r["memory"])
+    }
     memory["total"] = sum(memory.values())
     by_op = {op: int(k * 4 * padded_params) for op, k in r["comm"].items()}
-    return dict(memory=memory, by_op=by_op, payload_bytes=sum(by_op.values()),
-                wire_bytes=sum(ring_wire_bytes(op, b, world) for op, b in by_op.items()))
+    return dict(
+        memory=memory,
+        by_op=by_op,
+        payload_bytes=sum(by_op.values()),
+        wire_bytes=sum(ring_wire_bytes(op, b, world) for op, b in by_op.items()),
+    )
 
 
 def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) -> dict[str, Any]:
@@ -100,18 +172,32 @@ def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) ->
     Ψ/N_s; ``wire_bytes`` per sub-dimension on a ring of its size. ``padded_params``: Ψ with every flat buffer padded
     to a multiple of N_s."""
     if stage not in (1, 2, 3):
-        raise ValueError(f"HSDP shards with ZeRO-1, 2 or 3, not stage {stage} (stage 0 over both groups is DDP)")
+        raise ValueError(
+            f"HSDP shards with ZeRO-1, 2 or 3, not stage {stage} (stage 0 over both groups is DDP)"
+        )
     inner = expected_for(f"zero{stage}", padded_params, shard)
-    by_dim = {"dp_shard": inner["by_op"], "dp_replicate": {"all_reduce": 4 * padded_params // shard}}
-    wire = {"dp_shard": inner["wire_bytes"],
-            "dp_replicate": ring_wire_bytes("all_reduce", by_dim["dp_replicate"]["all_reduce"], replicate)}
-    return dict(memory=inner["memory"], by_dim=by_dim, wire_bytes=wire,
-                payload_bytes={dim: sum(ops.values()) for dim, ops in by_dim.items()})
+    by_dim = {
+        "dp_shard": inner["by_op"],
+        "dp_replicate": {"all_reduce": 4 * padded_params // shard},
+    }
+    wire = {
+        "dp_shard": inner["wire_bytes"],
+        "dp_replicate": ring_wire_bytes(
+            "all_reduce", by_dim["dp_replicate"]["all_reduce"], replicate
+        ),
+    }
+    return dict(
+        memory=inner["memory"],
+        by_dim=by_dim,
+        wire_bytes=wire,
+        payload_bytes={dim: sum(ops.values()) for dim, ops in by_dim.items()},
+    )
 
 
 # -- ZeRO++ (Wang et al. 2023; docs/design.md#zero-qwz-qgz-hpz): quantised collectives and the hierarchical partition --
 # Bytes are payloads as `CommLog` records them (an all-gather's output, a reduce-scatter's / all-to-all's input) for
 # flat buffers already padded to a multiple of N (ZeRO's shards).
+
 
 def quantized_chunk_bytes(n: int, block: int) -> int:
     """Bytes of `n` elements quantised to int8 in blocks of `block`, one fp32 scale per block, the chunk padded to 4
@@ -119,7 +205,9 @@ def quantized_chunk_bytes(n: int, block: int) -> int:
     return 4 * -(-n // block) + -(-n // 4) * 4
 
 
-def zero3_gather_bytes(padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None) -> int:
+def zero3_gather_bytes(
+    padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None
+) -> int:
     """One all-gather of each ZeRO-3 unit (padded sizes) over `world` ranks: the compute dtype, or with qwZ
     (`block`) every rank's shard as a quantised chunk."""
     if block is None:
@@ -127,10 +215,14 @@ def zero3_gather_bytes(padded_numels: list[int], world: int, dtype_bytes: int, b
     return sum(world * quantized_chunk_bytes(n // world, block) for n in padded_numels)
 
 
-def zero_grad_reduce_bytes(padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None) -> int:
+def zero_grad_reduce_bytes(
+    padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None
+) -> int:
     """One gradient reduction of each bucket: a reduce-scatter in the reduce dtype, or qgZ's (`block`) all-to-all
     of one quantised chunk per destination rank."""
-    return zero3_gather_bytes(padded_numels, world, dtype_bytes, block)  # the same shapes: N chunks of n/N
+    return zero3_gather_bytes(
+        padded_numels, world, dtype_bytes, block
+    )  # the same shapes: N chunks of n/N
 
 
 def hpz_secondary_bytes(padded_numels: list[int], hpz: int, dtype_bytes: int) -> int:
@@ -141,6 +233,7 @@ def hpz_secondary_bytes(padded_numels: list[int], hpz: int, dtype_bytes: int) ->
 
 # -- tensor and sequence parallel (docs/design.md#tensor-and-sequence-parallelism) -------------------------------------
 
+
 class ModelShape(Protocol):
     """What the TP formula needs of a model config (`fivefold.models.LlamaConfig` has it)."""
 
@@ -148,8 +241,14 @@ class ModelShape(Protocol):
     dim: int
 
 
-def tp_comm_formula(config: ModelShape, batch: int, seq_len: int, sequence_parallel: bool,
-                    dtype_bytes: int = 4, recompute: str = "none") -> dict[str, int]:
+def tp_comm_formula(
+    config: ModelShape,
+    batch: int,
+    seq_len: int,
+    sequence_parallel: bool,
+    dtype_bytes: int = 4,
+    recompute: str = "none",
+) -> dict[str, int]:
     """Payload bytes per step and rank of fivefold's TP plan, by op (same section).
 
     Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS. Plus the
@@ -165,9 +264,11 @@ def tp_comm_formula(config: ModelShape, batch: int, seq_len: int, sequence_paral
     loss = 3 * bl * 4  # the cross-entropy's row statistics are fp32 whatever the compute dtype
     if not sequence_parallel:
         return {"all_reduce": (4 * n + again + 2) * bld * dtype_bytes + loss}
-    return {"all_gather": (4 * n + 2 * again + 2) * bld * dtype_bytes,
-            "all_reduce": loss + (2 * n + 1) * d * dtype_bytes,
-            "reduce_scatter": (4 * n + again + 2) * bld * dtype_bytes}
+    return {
+        "all_gather": (4 * n + 2 * again + 2) * bld * dtype_bytes,
+        "all_reduce": loss + (2 * n + 1) * d * dtype_bytes,
+        "reduce_scatter": (4 * n + again + 2) * bld * dtype_bytes,
+    }
 
 
 def tp_comm_formula_text(sequence_parallel: bool) -> str:
@@ -179,6 +280,7 @@ def tp_comm_formula_text(sequence_parallel: bool) -> str:
 
 # -- pipeline bubble (docs/design.md#pipeline-schedules) ---------------------------------------------------------------
 
+
 def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
     """Textbook bubble fraction (idle share of P ranks over one step) of schedule ``name``; exact in the
     simulator under the conditions in `fivefold.pipeline.simulator`."""
@@ -188,10 +290,14 @@ def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
         return (P - 1) / (V * M + P - 1)
     if name == "zb-h1":
         return (P - 1) / (3 * M + P - 1)
-    raise ValueError(f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1")
+    raise ValueError(
+        f"no bubble formula for schedule {name!r}; known: gpipe, 1f1b, interleaved, zb-h1"
+    )
 
 
-def pipeline_idle(name: str, P: int, F: float, B: float, W: float, FB: float | None = None) -> float:
+def pipeline_idle(
+    name: str, P: int, F: float, B: float, W: float, FB: float | None = None
+) -> float:
     """Idle time of one rank over one step in DeepSeek-V3's accounting (its Table 2), F, B (= I + W) and W being one
     stage's (DualPipeV: one half-size chunk's) pass costs: 1F1B (P-1)(F+B); ZB-H1 (P-1)(F+B-2W); DualPipeV
     (P-1)(F&B+B-3W) — DualPipe's (PP/2-1)(F&B+B-3W) at PP = 2P, DualPipeV being DualPipe cut in half — with F&B an
@@ -208,27 +314,45 @@ def pipeline_idle(name: str, P: int, F: float, B: float, W: float, FB: float | N
 
 
 # -- context parallel (docs/design.md#context-parallelism) -------------------------------------------------------------
-def ring_attention_p2p_elements(batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp: int) -> dict[str, int]:
+def ring_attention_p2p_elements(
+    batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp: int
+) -> dict[str, int]:
     """Elements one rank sends per attention layer with ring attention over `cp` ranks: its K and V shard
     (2·B·(L/C)·H_kv·d, the textbook 2·L·D/C scaled by H_kv/H for GQA) C-1 times in forward; in backward the shards
     go around again (C-1) and each shard's dK/dV accumulator travels with them and then home (C)."""
     shard = 2 * batch * (seq_len // cp) * n_kv_heads * head_dim
-    return {"forward_kv": shard * (cp - 1), "backward_kv": shard * (cp - 1),
-            "backward_dkv": shard * cp if cp > 1 else 0}
+    return {
+        "forward_kv": shard * (cp - 1),
+        "backward_kv": shard * (cp - 1),
+        "backward_dkv": shard * cp if cp > 1 else 0,
+    }
 
 
 # -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) -----------------------------
+
 
 def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) -> int:
     """Korthikanti et al.'s formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm, MHA, GeLU MLP of 4D,
     dropout masks) in fp16, every activation saved. `activation_bytes_per_block` applies the same accounting to
     fivefold's Llama block."""
-    return 34 * batch * seq_len * dim + 5 * batch * seq_len ** 2 * n_heads
+    return 34 * batch * seq_len * dim + 5 * batch * seq_len**2 * n_heads
 
 
-def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
-                               *, dtype_bytes: int = 4, attention: str = "sdpa", recompute: str = "none",
-                               tp: int = 1, sp: bool = False, ffn_bytes: int | None = None) -> int:
+def activation_bytes_per_block(
+    batch: int,
+    seq_len: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_hidden: int,
+    *,
+    dtype_bytes: int = 4,
+    attention: str = "sdpa",
+    recompute: str = "none",
+    tp: int = 1,
+    sp: bool = False,
+    ffn_bytes: int | None = None,
+) -> int:
     """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved tensors apart from
     its input, plus its output, the next block's input), counted tensor by tensor as Korthikanti et al. do for the GPT
     block (`korthikanti_block_bytes`; docs/design.md#activation-memory); `fivefold.memory.block_activation_bytes`
@@ -260,25 +384,45 @@ def activation_bytes_per_block(batch: int, seq_len: int, dim: int, n_heads: int,
     heads, kv_heads, hidden = n_heads // tp, n_kv_heads // tp, ffn_hidden // tp
     head_dim = dim // n_heads
     local_d = heads * head_dim
-    norms = 2 * (bld_norm * fp32 + batch * seq_norm * fp32 + bld_norm * s)  # input, 1/rms, normalised: x and h
-    linear_inputs = 2 * bl * dim * s  # the norms' outputs as the column linears keep them (all-gathered under SP)
+    norms = 2 * (
+        bld_norm * fp32 + batch * seq_norm * fp32 + bld_norm * s
+    )  # input, 1/rms, normalised: x and h
+    linear_inputs = (
+        2 * bl * dim * s
+    )  # the norms' outputs as the column linears keep them (all-gathered under SP)
     core_out = bl * local_d * s
-    mlp = 4 * bl * hidden * s if ffn_bytes is None else ffn_bytes  # an MoE block: `moe_ffn_activation_bytes`
+    mlp = (
+        4 * bl * hidden * s if ffn_bytes is None else ffn_bytes
+    )  # an MoE block: `moe_ffn_activation_bytes`
     if recompute == "selective":
         qkv = bl * (heads + 2 * kv_heads) * head_dim * s
         core = 0
     else:
         qkv = 3 * bl * local_d * s
-        core = (batch * heads * seq_len * fp32 if attention == "sdpa" else
-                batch * heads * seq_len ** 2 * s + seq_len ** 2)
+        core = (
+            batch * heads * seq_len * fp32
+            if attention == "sdpa"
+            else batch * heads * seq_len**2 * s + seq_len**2
+        )
     return norms + linear_inputs + qkv + core_out + core + mlp
 
 
 # -- one flat buffer's model states, exactly as a rank holds them (what `fivefold.plan` sums) ----------------------
 
-def flat_model_state_bytes(padded: int, shard: int, owned: int, segments: int, *, stage: int, param_bytes: int,
-                           grad_bytes: int, separate_master: bool, hpz: int = 0,
-                           offload: bool = False) -> dict[str, int]:
+
+def flat_model_state_bytes(
+    padded: int,
+    shard: int,
+    owned: int,
+    segments: int,
+    *,
+    stage: int,
+    param_bytes: int,
+    grad_bytes: int,
+    separate_master: bool,
+    hpz: int = 0,
+    offload: bool = False,
+) -> dict[str, int]:
     """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under ZeRO-3) whose shard is
     ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not padding), in ``segments`` optimizer
     tensors: the 2Ψ + 2Ψ + KΨ of docs/design.md#model-state-memory per buffer, with the padding and the per-tensor
@@ -287,15 +431,23 @@ def flat_model_state_bytes(padded: int, shard: int, owned: int, segments: int, *
     dtype; optimizer: the fp32 master shard when the parameters are not fp32 (else the shard itself is the master),
     Adam's m and v over the owned elements, 4 bytes of `step` per tensor. ``offload``: the master is a host buffer of
     its own and the fp32 gradient shard has a host copy; ``host`` says how many of the bytes live there."""
-    params = (shard if stage == 3 else padded) * param_bytes + (padded // hpz * param_bytes if hpz > 1 else 0)
+    params = (shard if stage == 3 else padded) * param_bytes + (
+        padded // hpz * param_bytes if hpz > 1 else 0
+    )
     grads = (shard if stage >= 2 else padded) * grad_bytes
     master = shard * 4 if separate_master or offload else 0
     optimizer = master + 8 * owned + 4 * segments
     host = optimizer + shard * 4 if offload else 0
-    return {"params": params, "grads": grads + (shard * 4 if offload else 0), "optimizer": optimizer, "host": host}
+    return {
+        "params": params,
+        "grads": grads + (shard * 4 if offload else 0),
+        "optimizer": optimizer,
+        "host": host,
+    }
 
 
 # -- FLOPs (PaLM appendix B / torchtitan: 6 per parameter and token, plus attention's scores and values) ------------
+
 
 def model_flops_per_token(active_params: int, n_layers: int, seq_len: int, dim: int) -> int:
     """Training FLOPs per token: 6·N (forward 2N, backward 4N; N the parameters one token goes through, embeddings
@@ -304,20 +456,40 @@ def model_flops_per_token(active_params: int, n_layers: int, seq_len: int, dim: 
     return 6 * active_params + 12 * n_layers * seq_len * dim
 
 
-def head_activation_bytes(batch: int, seq_len: int, dim: int, vocab: int, *, dtype_bytes: int = 4, tp: int = 1,
-                          sp: bool = False) -> int:
+def head_activation_bytes(
+    batch: int,
+    seq_len: int,
+    dim: int,
+    vocab: int,
+    *,
+    dtype_bytes: int = 4,
+    tp: int = 1,
+    sp: bool = False,
+) -> int:
     """What the model's end keeps for backward on the last pipeline rank: the final RMSNorm (its fp32 input, 1/rms,
     the normalised tensor, its output = the head's input, all-gathered to the whole sequence under SP) and this tp
     rank's logits B·L·V/T (``dtype_bytes``); the chunked cross-entropy keeps only per-row fp32 statistics
     (`tensor_parallel.loss`): the log-sum-exp and the target logit, 2·B·L·4."""
     seq_norm = seq_len // tp if sp else seq_len
     norm = batch * seq_norm * dim * 4 + batch * seq_norm * 4 + batch * seq_norm * dim * dtype_bytes
-    return norm + batch * seq_len * dim * dtype_bytes + batch * seq_len * vocab // tp * dtype_bytes \
+    return (
+        norm
+        + batch * seq_len * dim * dtype_bytes
+        + batch * seq_len * vocab // tp * dtype_bytes
         + 2 * batch * seq_len * 4
+    )
 
 
-def moe_ffn_activation_bytes(tokens: int, dim: int, experts: int, top_k: int, hidden: int, shared_hidden: int = 0,
-                             *, dtype_bytes: int = 4) -> int:
+def moe_ffn_activation_bytes(
+    tokens: int,
+    dim: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    shared_hidden: int = 0,
+    *,
+    dtype_bytes: int = 4,
+) -> int:
     """What an MoE feed-forward (`models.moe.MoEFeedForward`, dropless) keeps for backward for ``tokens`` T tokens
     with R = T·k (token, expert) rows, balanced routing (under expert parallelism a rank's experts receive R rows
     on average): the router's fp32 logits and scores (2·T·E·4), the chosen experts and weights (T·k·(8 + 4 + 4)),
@@ -326,11 +498,26 @@ def moe_ffn_activation_bytes(tokens: int, dim: int, experts: int, top_k: int, hi
     and the shared experts' (4·T·F_shared·s). Measured (`memory.block_activation_bytes`): within 0.1 %."""
     s, rows = dtype_bytes, tokens * top_k
     router = 2 * tokens * experts * 4 + tokens * top_k * 16 + experts * 8
-    return router + rows * 20 + 3 * rows * dim * s + 4 * rows * hidden * s + 4 * tokens * shared_hidden * s
+    return (
+        router
+        + rows * 20
+        + 3 * rows * dim * s
+        + 4 * rows * hidden * s
+        + 4 * tokens * shared_hidden * s
+    )
 
 
-def weight_grad_pending_bytes(batch: int, seq_len: int, dim: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
-                              *, dtype_bytes: int = 4, tp: int = 1) -> dict[str, int]:
+def weight_grad_pending_bytes(
+    batch: int,
+    seq_len: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_hidden: int,
+    *,
+    dtype_bytes: int = 4,
+    tp: int = 1,
+) -> dict[str, int]:
     """What a dense block still holds between its input-gradient pass (I) and its weight-gradient pass (W) in a
     zero-bubble schedule (`ops.linear`'s deferral): each linear's input and its output's gradient. Inputs: the
     attention norm's output (wq, wk, wv share it), the core's output (wo), the MLP norm's output (w1, w3 share it),
@@ -338,23 +525,41 @@ def weight_grad_pending_bytes(batch: int, seq_len: int, dim: int, n_heads: int, 
     w1's and w3's. The rest of `activation_bytes_per_block` dies at I. Returned apart: ``inputs`` (allocated by
     the forward) and ``grads`` (by the I pass)."""
     s, bl = dtype_bytes, batch * seq_len
-    heads, kv_heads, hidden, head_dim = n_heads // tp, n_kv_heads // tp, ffn_hidden // tp, dim // n_heads
+    heads, kv_heads, hidden, head_dim = (
+        n_heads // tp,
+        n_kv_heads // tp,
+        ffn_hidden // tp,
+        dim // n_heads,
+    )
     inputs = 2 * bl * dim + bl * heads * head_dim + bl * hidden
     grads = bl * (heads + 2 * kv_heads) * head_dim + 2 * bl * dim + 2 * bl * hidden
     return {"inputs": inputs * s, "grads": grads * s}
 
 
-def backward_working_bytes(batch: int, seq_len: int, dim: int, ffn_hidden: int, *, dtype_bytes: int = 4,
-                           tp: int = 1, sp: bool = False) -> int:
+def backward_working_bytes(
+    batch: int,
+    seq_len: int,
+    dim: int,
+    ffn_hidden: int,
+    *,
+    dtype_bytes: int = 4,
+    tp: int = 1,
+    sp: bool = False,
+) -> int:
     """What a block's backward allocates while it runs, beyond the activations it frees: the gradients flowing
     through it — of its output and its residual (B·L·D each, [L/T] under SP), the RMSNorm's fp32 upcasts of its
     input and gradient (2·B·L·D·4) — and the SwiGLU's three B·L·F/T gradients (of w2's input and of w1's and w3's
     outputs); an upper estimate, measured within it in `tests/test_plan.py`."""
     seq = seq_len // tp if sp else seq_len
-    return batch * seq * dim * (2 * dtype_bytes + 2 * 4) + 3 * batch * seq_len * ffn_hidden // tp * dtype_bytes
+    return (
+        batch * seq * dim * (2 * dtype_bytes + 2 * 4)
+        + 3 * batch * seq_len * ffn_hidden // tp * dtype_bytes
+    )
 
 
-def loss_chunk_bytes(batch: int, seq_len: int, vocab: int, tp: int = 1, chunk_elements: int = 2**24) -> int:
+def loss_chunk_bytes(
+    batch: int, seq_len: int, vocab: int, tp: int = 1, chunk_elements: int = 2**24
+) -> int:
     """The chunked cross-entropy's fp32 working chunk (`tensor_parallel.loss`): at most ``chunk_elements`` of this
     rank's B·L × V/T logits, upcast, in forward and again in backward."""
     return min(batch * seq_len * (vocab // tp), max(vocab // tp, chunk_elements)) * 4

@@ -22,8 +22,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["backend_for", "distributed", "init_distributed", "is_torchrun_env", "launch_local", "loopback_interface",
-           "lost_worker_reason", "oom_kills", "resolve_device", "teardown", "to_device"]
+__all__ = [
+    "backend_for",
+    "distributed",
+    "init_distributed",
+    "is_torchrun_env",
+    "launch_local",
+    "loopback_interface",
+    "lost_worker_reason",
+    "oom_kills",
+    "resolve_device",
+    "teardown",
+    "to_device",
+]
 
 
 def resolve_device(requested: str = "auto") -> torch.device:
@@ -34,7 +45,9 @@ def resolve_device(requested: str = "auto") -> torch.device:
     requested = (requested or "auto").strip().lower()
     if requested == "cpu":
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
     if requested == "auto":
         if accelerator is None:
             return torch.device("cpu")
@@ -43,18 +56,24 @@ def resolve_device(requested: str = "auto") -> torch.device:
         try:
             wanted = torch.device(requested)
         except RuntimeError:
-            raise ValueError(f"run.device={requested!r} is not a device; use auto, cpu or an accelerator such as "
-                             "cuda") from None
+            raise ValueError(
+                f"run.device={requested!r} is not a device; use auto, cpu or an accelerator such as "
+                "cuda"
+            ) from None
         if accelerator is None or accelerator.type != wanted.type:
             have = accelerator.type if accelerator is not None else "no accelerator"
-            raise ValueError(f"run.device={requested!r} but torch sees {have} here; use run.device=auto or cpu")
+            raise ValueError(
+                f"run.device={requested!r} but torch sees {have} here; use run.device=auto or cpu"
+            )
     count = torch.accelerator.device_count()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     index = wanted.index if wanted.index is not None else local_rank
     if index >= count:
-        raise ValueError(f"local rank {local_rank} needs {wanted.type} device {index}, but this node has {count}: "
-                         f"start at most {count} processes per node (torchrun --nproc-per-node {count}), one per "
-                         "device, or set run.device=cpu")
+        raise ValueError(
+            f"local rank {local_rank} needs {wanted.type} device {index}, but this node has {count}: "
+            f"start at most {count} processes per node (torchrun --nproc-per-node {count}), one per "
+            "device, or set run.device=cpu"
+        )
     torch.accelerator.set_device_index(index)
     return torch.device(wanted.type, index)
 
@@ -64,30 +83,42 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     runs the copy in order before the kernels that read it). On the CPU it is returned as is."""
     if t.device == device:
         return t
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
     if t.device.type == "cpu" and accelerator is not None and device.type == accelerator.type:
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
 def backend_for(device: torch.device) -> str:
-    return "gloo" if device.type == "cpu" else dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    return (
+        "gloo"
+        if device.type == "cpu"
+        else dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    )
 
 
-def init_distributed(device: torch.device | str | None = None, backend: str | None = None,
-                     timeout_s: float = 600.0) -> torch.device:
+def init_distributed(
+    device: torch.device | str | None = None, backend: str | None = None, timeout_s: float = 600.0
+) -> torch.device:
     """Initialise the default process group from a torchrun-style environment for `device` (default: `resolve_device`)
     with its backend (gloo for the CPU, NCCL for CUDA). An accelerator is bound as ``device_id``: communicators
     are created at once (errors surface here, not at the first collective) and sub-groups split from them."""
     device = resolve_device() if device is None else torch.device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or backend_for(device), timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type != "cpu" else None)
+        dist.init_process_group(
+            backend or backend_for(device),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type != "cpu" else None,
+        )
     return device
 
 
 @contextlib.contextmanager
-def distributed(device: torch.device | str | None = None, timeout_s: float = 600.0) -> Iterator[torch.device]:
+def distributed(
+    device: torch.device | str | None = None, timeout_s: float = 600.0
+) -> Iterator[torch.device]:
     """`init_distributed` for the body, then the group torn down (the engines' reference cycles collected first)."""
     device = init_distributed(device, timeout_s=timeout_s)
     try:
@@ -113,9 +144,11 @@ def is_torchrun_env() -> bool:
     present = [k for k in TORCHRUN_VARS if k in os.environ]
     if present and len(present) < len(TORCHRUN_VARS):
         missing = [k for k in TORCHRUN_VARS if k not in os.environ]
-        raise ValueError(f"{', '.join(f'{k}={os.environ[k]}' for k in present)} set but not {', '.join(missing)}: "
-                         "these look left over from another launch. To run locally, unset them (env -u "
-                         f"{' -u '.join(present)} fivefold train ...); under torchrun all of them are set")
+        raise ValueError(
+            f"{', '.join(f'{k}={os.environ[k]}' for k in present)} set but not {', '.join(missing)}: "
+            "these look left over from another launch. To run locally, unset them (env -u "
+            f"{' -u '.join(present)} fivefold train ...); under torchrun all of them are set"
+        )
     return bool(present)
 
 
@@ -131,10 +164,13 @@ def loopback_interface() -> str:
         return "lo"
     if sys.platform.startswith("linux"):
         import fcntl
+
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             for name in names:
                 try:  # struct ifreq: the name (16 bytes), then a sockaddr_in whose address is at bytes 20-24
-                    ifreq = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                    ifreq = fcntl.ioctl(
+                        probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                    )
                 except OSError:  # no IPv4 address
                     continue
                 if socket.inet_ntoa(ifreq[20:24]) == "127.0.0.1":
@@ -156,26 +192,56 @@ def _loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
         listener.close()
         raise
     # the store closes the descriptor: the Python socket must not close it again (by then maybe another file's)
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),
+    )
 
 
-def _local_worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int,
-                  timeout_s: float, out_dir: str, args: tuple, device: str = "cpu", heartbeat_dir: str = "") -> None:
+def _local_worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    threads: int,
+    timeout_s: float,
+    out_dir: str,
+    args: tuple,
+    device: str = "cpu",
+    heartbeat_dir: str = "",
+) -> None:
     torch.set_num_threads(threads)
     if heartbeat_dir:  # the launcher watches for stalls
         from fivefold.watchdog import Heartbeat
+
         Heartbeat(heartbeat_dir, rank)
     # gloo's listening sockets (one per worker, for its pair connections) otherwise bind the address the hostname
     # resolves to, or an interface left set for a multi-node run: every peer is on this host, so loopback
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      GLOO_SOCKET_IFNAME=loopback_interface())
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME=loopback_interface(),
+    )
     timeout = datetime.timedelta(seconds=timeout_s)
     where = resolve_device(device)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend_for(where), store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=where if where.type != "cpu" else None)
+    dist.init_process_group(
+        backend_for(where),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=where if where.type != "cpu" else None,
+    )
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -194,6 +260,7 @@ def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[
     """A SIGTERM (a job's time limit) or SIGINT (Ctrl-C) to the launcher goes on to its workers: they
     finish the step, save a checkpoint and stop (`fivefold.train.checkpointing`); the launcher waits for them as
     usual and cleans up. A second SIGINT kills them at once. ``received[0]`` records that a stop was asked."""
+
     def forward(signum: int, frame: Any) -> None:
         again = received[0] and signum == signal.SIGINT
         received[0] = True
@@ -201,7 +268,10 @@ def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL if again else signum)
         if not again and signum == signal.SIGINT:
-            print("fivefold: stopping at the end of this step (Ctrl-C again to kill the workers)", flush=True)
+            print(
+                "fivefold: stopping at the end of this step (Ctrl-C again to kill the workers)",
+                flush=True,
+            )
 
     try:
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -215,7 +285,9 @@ def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[
             signal.signal(sig, handler)
 
 
-TEMP_PREFIX = "fivefold-"  # a launch's directory in the temporary directory: fivefold-<launcher pid>-<random>
+TEMP_PREFIX = (
+    "fivefold-"  # a launch's directory in the temporary directory: fivefold-<launcher pid>-<random>
+)
 _TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-")
 _LOCK = ".launcher.lock"
 
@@ -241,8 +313,12 @@ def _held_while_alive(directory: str) -> Iterator[None]:
 def _locked_elsewhere(directory: str) -> bool:
     try:
         import fcntl
+
         fd = os.open(os.path.join(directory, _LOCK), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except (ImportError, OSError):  # no lock file: the launcher died before taking it, or predates it
+    except (
+        ImportError,
+        OSError,
+    ):  # no lock file: the launcher died before taking it, or predates it
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -258,7 +334,10 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):  # another user's process; not a pid: leave its directory alone
+    except (
+        PermissionError,
+        OverflowError,
+    ):  # another user's process; not a pid: leave its directory alone
         return True
     return True
 
@@ -286,9 +365,16 @@ def _remove_dead_launchers_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 1,
-                 timeout_s: float = 300.0, start_method: str = "spawn", device: str = "cpu",
-                 watch: tuple[float, float] | None = None) -> list[Any]:
+def launch_local(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    threads: int = 1,
+    timeout_s: float = 300.0,
+    start_method: str = "spawn",
+    device: str = "cpu",
+    watch: tuple[float, float] | None = None,
+) -> list[Any]:
     """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes; return the results.
     ``device="cpu"``: gloo CPU workers; an accelerator type (``"cuda"``): one device per worker, its backend (the GPU
     smoke test). The store listens on 127.0.0.1 at a port the OS chose, never a fixed one, and the workers' gloo on
@@ -302,17 +388,25 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
     _record_launch_start()
     _remove_dead_launchers_dirs()
     store = _loopback_store(nproc, timeout_s)
-    with tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-") as out_dir, _held_while_alive(out_dir):
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-") as out_dir,
+        _held_while_alive(out_dir),
+    ):
         heartbeat_dir = os.path.join(out_dir, "heartbeats") if watch is not None else ""
         if heartbeat_dir:
             os.mkdir(heartbeat_dir)
-        context = mp.start_processes(_local_worker, args=(fn, nproc, store.port, threads, timeout_s, out_dir, args,
-                                                          device, heartbeat_dir),
-                                     nprocs=nproc, join=False, start_method=start_method)
+        context = mp.start_processes(
+            _local_worker,
+            args=(fn, nproc, store.port, threads, timeout_s, out_dir, args, device, heartbeat_dir),
+            nprocs=nproc,
+            join=False,
+            start_method=start_method,
+        )
         terminated = [False]
         watchdog = None
         if watch is not None:
             from fivefold.watchdog import Watchdog
+
             watchdog = Watchdog(heartbeat_dir, nproc, heartbeat_s=watch[0], stall_s=watch[1])
         with _forwarding_stop_signals(context.processes, terminated):
             try:
@@ -320,6 +414,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
                     problem = watchdog.check() if watchdog is not None else None
                     if problem is not None:
                         from fivefold.watchdog import Stalled
+
                         for p in context.processes:
                             if p.is_alive():
                                 p.kill()
@@ -328,7 +423,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
                 if terminated[0]:  # the job was stopped: not a failure to restart from
                     raise Terminated(f"stopped by a signal ({e})") from e
                 raise
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
+        results = [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(nproc)
+        ]
     del store
     return results
 
@@ -337,9 +435,13 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, threads: int = 
 PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
 KMSG = "/dev/kmsg"
-KMSG_MAX_BYTES = 16 << 20  # read no more of the kernel log than this (its ring buffer is usually 1 MiB or less)
-OOM_HINT = ("lower --train.micro_batch, use --zero 3 or --train.recompute full (local workers share this machine's "
-            "memory: more of them do not help)")
+KMSG_MAX_BYTES = (
+    16 << 20
+)  # read no more of the kernel log than this (its ring buffer is usually 1 MiB or less)
+OOM_HINT = (
+    "lower --train.micro_batch, use --zero 3 or --train.recompute full (local workers share this machine's "
+    "memory: more of them do not help)"
+)
 _KILLED = re.compile(rb"Killed process (\d+) \(")
 
 
@@ -417,9 +519,13 @@ def _kernel_log() -> list[tuple[int, bytes]]:
         os.close(fd)
     records = []
     for line in b"".join(chunks).split(b"\n"):
-        head, sep, message = line.partition(b";")  # "priority,sequence,microseconds,flags[,...];message"
+        head, sep, message = line.partition(
+            b";"
+        )  # "priority,sequence,microseconds,flags[,...];message"
         fields = head.split(b",")
-        if sep and len(fields) >= 3 and fields[1].isdigit():  # continuation lines (" KEY=value") have no header
+        if (
+            sep and len(fields) >= 3 and fields[1].isdigit()
+        ):  # continuation lines (" KEY=value") have no header
             records.append((int(fields[1]), message))
     return records
 
@@ -449,7 +555,12 @@ def _oom_evidence(pid: int) -> list[str]:
     since = _launch_start["kmsg_sequence"]
     for sequence, message in _kernel_log():
         killed = _KILLED.search(message)
-        if since is not None and sequence > since and killed is not None and int(killed.group(1)) == pid:
+        if (
+            since is not None
+            and sequence > since
+            and killed is not None
+            and int(killed.group(1)) == pid
+        ):
             evidence.append("kernel log: " + message.decode(errors="replace").split(",")[0].strip())
             break
     return evidence

@@ -17,8 +17,14 @@ __all__ = ["materialize"]
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device: torch.device | str, *, parameters: bool = True,
-                storage: bool = True, select: Callable[[str], bool] | None = None) -> nn.Module:
+def materialize(
+    module: nn.Module,
+    device: torch.device | str,
+    *,
+    parameters: bool = True,
+    storage: bool = True,
+    select: Callable[[str], bool] | None = None,
+) -> nn.Module:
     """Give `module`'s meta buffers, and its meta parameters unless not `parameters` (only those whose name
     `select` accepts, if given), uninitialised storage on `device` (``storage=False``: parameters get stand-ins
     without storage). Shared tensors stay shared."""
@@ -28,8 +34,11 @@ def materialize(module: nn.Module, device: torch.device | str, *, parameters: bo
         for name, p in list(m._parameters.items()) if parameters else ():
             if p is not None and p.device.type == "meta" and (chosen is None or id(p) in chosen):
                 if id(p) not in made:
-                    data = (torch.empty_like(p, device=device) if storage else
-                            torch.empty((), dtype=p.dtype, device=device).expand(p.shape))
+                    data = (
+                        torch.empty_like(p, device=device)
+                        if storage
+                        else torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
+                    )
                     made[id(p)] = _carry_over(p, nn.Parameter(data, requires_grad=p.requires_grad))
                 m._parameters[name] = made[id(p)]
         for name, b in list(m._buffers.items()):

@@ -56,8 +56,11 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) 
     return total
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                      extra_params: Iterable[torch.Tensor] = ()) -> ModelStateBytes:
+def model_state_bytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_params: Iterable[torch.Tensor] = (),
+) -> ModelStateBytes:
     """Unique storage bytes of parameters (+ `extra_params` the model does not expose), gradients, optimizer state."""
     seen: set[tuple[str, int]] = set()
     if hasattr(model, "model_state_tensors"):  # ZeRO engines know what they hold (shards, buffers)
@@ -66,16 +69,25 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
         # not depend on the moment
         buffers = _storage_bytes(held.get("buffers", ()), seen)
         host = _storage_bytes(held.get("host", ()), set())
-        return ModelStateBytes(_storage_bytes(held["params"], seen), _storage_bytes(held["grads"], seen),
-                               _storage_bytes(held["optimizer"], seen), buffers, host)
+        return ModelStateBytes(
+            _storage_bytes(held["params"], seen),
+            _storage_bytes(held["grads"], seen),
+            _storage_bytes(held["optimizer"], seen),
+            buffers,
+            host,
+        )
     params = list(model.parameters())
     p_bytes = _storage_bytes([*params, *extra_params], seen)
     g_bytes = _storage_bytes((p.grad for p in params), seen)
     o_bytes = 0
     if optimizer is not None:
-        state_tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state_tensors = [
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
         owned = [p for g in optimizer.param_groups for p in g["params"]]
-        o_bytes = _storage_bytes([*owned, *state_tensors], seen)  # its own params (fp32 masters) count here
+        o_bytes = _storage_bytes(
+            [*owned, *state_tensors], seen
+        )  # its own params (fp32 masters) count here
     return ModelStateBytes(p_bytes, g_bytes, o_bytes)
 
 
@@ -86,7 +98,9 @@ class _NewStorages(TorchDispatchMode):
     def __init__(self, n_blocks: int) -> None:
         super().__init__()
         self.current: int | None = None
-        self.made: list[list[tuple[int, int]]] = [[] for _ in range(n_blocks)]  # per block: (weak ref, bytes)
+        self.made: list[list[tuple[int, int]]] = [
+            [] for _ in range(n_blocks)
+        ]  # per block: (weak ref, bytes)
         self._handles: dict[int, int] = {}  # data_ptr -> weak ref of the storage last seen there
 
     def _is_new(self, storage: torch.UntypedStorage) -> bool:
@@ -97,8 +111,11 @@ class _NewStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         out = func(*args, **(kwargs or {}))
         if self.current is not None:
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor) and _has_data(t)}
+            inputs = {
+                t.untyped_storage().data_ptr()
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and _has_data(t)
+            }
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and _has_data(t):
                     storage = t.untyped_storage()
@@ -109,7 +126,9 @@ class _NewStorages(TorchDispatchMode):
         return out
 
     def alive_bytes(self) -> list[int]:
-        return [sum(n for h, n in made if not torch.UntypedStorage._expired(h)) for made in self.made]
+        return [
+            sum(n for h, n in made if not torch.UntypedStorage._expired(h)) for made in self.made
+        ]
 
     def release(self) -> None:
         for handle in {h for made in self.made for h, _ in made}:
@@ -127,6 +146,7 @@ def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any])
     tracker = _NewStorages(len(modules))
     handles = []
     for i, m in enumerate(modules):
+
         def enter(module: nn.Module, args: Any, i: int = i) -> None:
             tracker.current = i
 
@@ -135,14 +155,19 @@ def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any])
 
         # after the module's other pre-hooks (a ZeRO-3 gather is not the block's), before its other post-hooks (a
         # ZeRO-3 free is not either)
-        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave, prepend=True)]
+        handles += [
+            m.register_forward_pre_hook(enter),
+            m.register_forward_hook(leave, prepend=True),
+        ]
     try:
         with tracker:
             result = run()
         # a backend's worker thread may hold a collective's tensor a moment after the call returned (gloo): wait
         # until three readings 50 ms apart agree
         readings = [tracker.alive_bytes()]
-        while len(readings) < 40 and not (len(readings) >= 3 and readings[-1] == readings[-2] == readings[-3]):
+        while len(readings) < 40 and not (
+            len(readings) >= 3 and readings[-1] == readings[-2] == readings[-3]
+        ):
             time.sleep(0.05)
             readings.append(tracker.alive_bytes())
         alive = readings[-1]
@@ -164,6 +189,7 @@ def peak_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any]) 
     peak = [0]
     handles = []
     for m in modules:
+
         def enter(module: nn.Module, args: Any) -> None:
             tracker.current = 0
 
@@ -171,7 +197,10 @@ def peak_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any]) 
             tracker.current = None
             peak[0] = max(peak[0], tracker.alive_bytes()[0])
 
-        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave, prepend=True)]
+        handles += [
+            m.register_forward_pre_hook(enter),
+            m.register_forward_hook(leave, prepend=True),
+        ]
     try:
         with tracker:
             run()
@@ -198,11 +227,18 @@ def _reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
         if isinstance(obj, torch.Tensor):
             if _has_data(obj):
                 yield obj
-            stack += [obj.grad if obj.is_leaf else None, obj._base, getattr(obj, "_local_tensor", None)]
+            stack += [
+                obj.grad if obj.is_leaf else None,
+                obj._base,
+                getattr(obj, "_local_tensor", None),
+            ]
         if isinstance(obj, types.FunctionType):
             # a cell's referent is its contents (none when empty)
-            stack += [*gc.get_referents(*(obj.__closure__ or ())), *(obj.__defaults__ or ()),
-                      *(obj.__kwdefaults__ or {}).values()]
+            stack += [
+                *gc.get_referents(*(obj.__closure__ or ())),
+                *(obj.__defaults__ or ()),
+                *(obj.__kwdefaults__ or {}).values(),
+            ]
         elif isinstance(obj, types.MethodType):
             stack += [obj.__self__, obj.__func__]
         else:
@@ -225,7 +261,10 @@ def reachable_storage_bytes(roots: Iterable[Any], exclude: Iterable[torch.Tensor
 
 
 # torch wraps __torch_dispatch__ (dynamo-disabled); those frames hold the operator's arguments.
-_DISPATCH_WRAPPERS = (os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
+_DISPATCH_WRAPPERS = (
+    os.path.join("torch", "_compile.py"),
+    os.path.join("torch", "_dynamo", "eval_frame.py"),
+)
 
 
 class PeakSampler(TorchDispatchMode):
@@ -234,15 +273,22 @@ class PeakSampler(TorchDispatchMode):
     ``frames=True`` adds the region's frame locals as roots: a buffer held only in a local while being filled (a
     reduce-scatter input) counts, and so, a small overcount, does an activation gradient handed to a hook."""
 
-    def __init__(self, roots: Iterable[Any], exclude: Iterable[torch.Tensor] = (), frames: bool = True,
-                 allocations: bool = False) -> None:
+    def __init__(
+        self,
+        roots: Iterable[Any],
+        exclude: Iterable[torch.Tensor] = (),
+        frames: bool = True,
+        allocations: bool = False,
+    ) -> None:
         super().__init__()
         self.roots = list(roots)
         self.exclude = list(exclude)
         self.frames = frames
         # ``allocations``: also every storage an operator of the region allocated on this thread while it is alive,
         # reachable or not (autograd's saved tensors are not reachable from Python): the whole of what the region holds
-        self._made: dict[int, tuple[int, int]] | None = {} if allocations else None  # data_ptr -> (weak ref, bytes)
+        self._made: dict[int, tuple[int, int]] | None = (
+            {} if allocations else None
+        )  # data_ptr -> (weak ref, bytes)
         self.peak = 0
         self.samples = 0
         self.marks: list[tuple[str, int]] = []
@@ -262,7 +308,9 @@ class PeakSampler(TorchDispatchMode):
         while frame is not None and id(frame) not in self._outer:
             roots += frame.f_locals.values()
             frame = frame.f_back
-        seen: set[tuple[str, int]] = {(str(t.device), t.untyped_storage().data_ptr()) for t in self.exclude}
+        seen: set[tuple[str, int]] = {
+            (str(t.device), t.untyped_storage().data_ptr()) for t in self.exclude
+        }
         value = _storage_bytes(_reachable_tensors(roots), seen)
         if self._made is not None:
             reached = {ptr for _, ptr in seen}

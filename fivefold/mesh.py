@@ -29,31 +29,43 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1  # carved from dp × cp (not a factor of the world)
-    dp_replicate: int = 1  # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
+    dp_replicate: int = (
+        1  # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
+    )
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp and check that the product of the degrees is the world size."""
         for f in fields(self):
             v = getattr(self, f.name)
             if v == 0 or v < -1 or (v == -1 and f.name != "dp"):
-                raise ValueError(f"parallel.{f.name}={v} is invalid: use a positive degree"
-                                 + (" (or -1 to take the rest of the world)" if f.name == "dp" else ""))
+                raise ValueError(
+                    f"parallel.{f.name}={v} is invalid: use a positive degree"
+                    + (" (or -1 to take the rest of the world)" if f.name == "dp" else "")
+                )
         others = self.pp * self.cp * self.tp
         if self.dp == -1:
             if world_size % others:
-                raise ValueError(f"world size {world_size} is not divisible by pp({self.pp}) × cp({self.cp}) × "
-                                 f"tp({self.tp}) = {others}; change the degrees or the number of processes")
+                raise ValueError(
+                    f"world size {world_size} is not divisible by pp({self.pp}) × cp({self.cp}) × "
+                    f"tp({self.tp}) = {others}; change the degrees or the number of processes"
+                )
             return replace(self, dp=world_size // others).resolve(world_size)
         if others * self.dp != world_size:
-            raise ValueError(f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
-                             f"but the world size is {world_size}; make the product equal the number of processes "
-                             f"(or set dp=-1 to derive it)")
+            raise ValueError(
+                f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
+                f"but the world size is {world_size}; make the product equal the number of processes "
+                f"(or set dp=-1 to derive it)"
+            )
         if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
-                             "expert-parallel ranks are carved from the data (and context) parallel ones")
+            raise ValueError(
+                f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
+                "expert-parallel ranks are carved from the data (and context) parallel ones"
+            )
         if self.dp % self.dp_replicate:
-            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} must divide dp({self.dp}): HSDP splits dp "
-                             "into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a divisor of dp")
+            raise ValueError(
+                f"parallel.dp_replicate={self.dp_replicate} must divide dp({self.dp}): HSDP splits dp "
+                "into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a divisor of dp"
+            )
         return self
 
     @property
@@ -82,30 +94,44 @@ class ParallelDims:
             return coords.get(dim, 0)
         i = coords.get("dp", 0) * self.cp + coords.get("cp", 0)  # place in the dp × cp row
         shard = self.size("dp_shard")
-        return {"dp_cp": i, "ep": i % self.ep, "ep_dp": i // self.ep, "dp_shard": i % shard,
-                "dp_replicate": i // shard}[dim]
+        return {
+            "dp_cp": i,
+            "ep": i % self.ep,
+            "ep_dp": i // self.ep,
+            "dp_shard": i % shard,
+            "dp_replicate": i // shard,
+        }[dim]
 
     def group_span(self, dim: str, block: int = 1) -> int:
         """From the first to the last global rank of one group of `dim`, how many ranks (world = pp × dp × cp × tp,
         tp innermost): the group lies within one node of G GPUs when this is at most G. ``block``: the size of
         "dp_hpz"'s blocks of a row."""
         tp, shard = self.tp, self.size("dp_shard")
-        size_and_stride = {"tp": (tp, 1), "cp": (self.cp, tp), "dp": (self.dp, tp * self.cp),
-                           "pp": (self.pp, tp * self.cp * self.dp), "dp_cp": (self.dp * self.cp, tp),
-                           "ep": (self.ep, tp), "ep_dp": (self.size("ep_dp"), tp * self.ep),
-                           "dp_shard": (shard, tp), "dp_replicate": (self.dp_replicate, tp * shard),
-                           "dp_hpz": (block, tp)}
+        size_and_stride = {
+            "tp": (tp, 1),
+            "cp": (self.cp, tp),
+            "dp": (self.dp, tp * self.cp),
+            "pp": (self.pp, tp * self.cp * self.dp),
+            "dp_cp": (self.dp * self.cp, tp),
+            "ep": (self.ep, tp),
+            "ep_dp": (self.size("ep_dp"), tp * self.ep),
+            "dp_shard": (shard, tp),
+            "dp_replicate": (self.dp_replicate, tp * shard),
+            "dp_hpz": (block, tp),
+        }
         size, stride = size_and_stride[dim]
         return (size - 1) * stride + 1
 
 
-def _blocks_and_columns(rows: list[list[int]], size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _blocks_and_columns(
+    rows: list[list[int]], size: int
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Each row cut into blocks of `size` consecutive ranks, and the columns across a row's blocks (the same place in
     every block): this rank's block group and column group. Every rank creates every group, in the same order."""
     me = dist.get_rank()
     block_group = column_group = None
     for row in rows:
-        blocks = [row[i:i + size] for i in range(0, len(row), size)]
+        blocks = [row[i : i + size] for i in range(0, len(row), size)]
         for block in blocks:
             g = dist.new_group(block)
             if me in block:
@@ -120,19 +146,30 @@ def _blocks_and_columns(rows: list[list[int]], size: int) -> tuple[dist.ProcessG
 class ParallelMesh:
     """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device | str = "cpu", comm_log: CommLog | None = None,
-                 debug_collectives: bool = False, collective_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        dims: ParallelDims,
+        device: torch.device | str = "cpu",
+        comm_log: CommLog | None = None,
+        debug_collectives: bool = False,
+        collective_timeout_s: float | None = None,
+    ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
-                               "or run under `fivefold train` / torchrun")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
+                "or run under `fivefold train` / torchrun"
+            )
         self.device = torch.device(device)
         self.dims = dims.resolve(dist.get_world_size())
         self.comm_log = comm_log if comm_log is not None else CommLog(enabled=False)
         self.device_mesh = dist.device_mesh.init_device_mesh(
-            self.device.type, self.dims.shape(), mesh_dim_names=MESH_DIMS)
+            self.device.type, self.dims.shape(), mesh_dim_names=MESH_DIMS
+        )
         self._derived = self._derived_groups()
         self._comms: dict[str, Comm] = {}
-        self.debug_collectives = debug_collectives  # every Comm compares fingerprints first (`Comm._agree`)
+        self.debug_collectives = (
+            debug_collectives  # every Comm compares fingerprints first (`Comm._agree`)
+        )
         # One timeout for every group of the run (torch gives new groups its own default, not the world's)
         self.collective_timeout_s = collective_timeout_s
         self._timed: set[int] = set()
@@ -155,14 +192,20 @@ class ParallelMesh:
                 g = dist.new_group(row)
                 if me in row:
                     groups["dp_cp"] = g
-        if d.ep == 1:  # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
+        if (
+            d.ep == 1
+        ):  # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
             groups["ep_dp"] = groups["dp_cp"]
         else:  # blocks of ep consecutive ranks hold different experts; a column (same place) the same ones
             groups["ep"], groups["ep_dp"] = _blocks_and_columns(rows, d.ep)
-        if d.dp_replicate == 1:  # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
+        if (
+            d.dp_replicate == 1
+        ):  # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
             groups["dp_shard"] = groups["dp_cp"]
         else:  # blocks of consecutive ranks shard the model; a column (same place) holds the same shard
-            groups["dp_shard"], groups["dp_replicate"] = _blocks_and_columns(rows, d.size("dp_shard"))
+            groups["dp_shard"], groups["dp_replicate"] = _blocks_and_columns(
+                rows, d.size("dp_shard")
+            )
         return groups
 
     def _dp_cp_rows(self) -> list[list[int]]:
@@ -177,16 +220,23 @@ class ParallelMesh:
         key = f"dp_hpz/{size}"
         if key not in self._comms:
             if size < 1 or (self.dims.dp * self.dims.cp) % size:
-                raise ValueError(f"hpZ group of {size} ranks: it must divide dp × cp = {self.dims.dp * self.dims.cp}")
+                raise ValueError(
+                    f"hpZ group of {size} ranks: it must divide dp × cp = {self.dims.dp * self.dims.cp}"
+                )
             mine = None
             for row in self._dp_cp_rows():
                 for i in range(0, len(row), size):
-                    group = dist.new_group(row[i:i + size])
-                    if dist.get_rank() in row[i:i + size]:
+                    group = dist.new_group(row[i : i + size])
+                    if dist.get_rank() in row[i : i + size]:
                         mine = group
             mine = self.own(mine)
-            self._comms[key] = Comm(mine, "dp_hpz", self.comm_log, device=self.device,
-                                    fingerprints=self._fingerprints(mine))
+            self._comms[key] = Comm(
+                mine,
+                "dp_hpz",
+                self.comm_log,
+                device=self.device,
+                fingerprints=self._fingerprints(mine),
+            )
         return self._comms[key]
 
     def size(self, dim: str) -> int:
@@ -218,22 +268,35 @@ class ParallelMesh:
         """Debug mode: a gloo group over ``group``'s ranks for fingerprints (made by its members alone)."""
         if not self.debug_collectives:
             return None
-        return self.own(dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                       use_local_synchronization=True))
+        return self.own(
+            dist.new_group(
+                dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True
+            )
+        )
 
     def comm(self, dim: str) -> Comm:
         if dim not in self._comms:
             group = self.own(self.group(dim))
-            self._comms[dim] = Comm(group, dim, self.comm_log, device=self.device,
-                                    fingerprints=self._fingerprints(group))
+            self._comms[dim] = Comm(
+                group,
+                dim,
+                self.comm_log,
+                device=self.device,
+                fingerprints=self._fingerprints(group),
+            )
         return self._comms[dim]
 
     @property
     def world(self) -> Comm:
         """Every rank (for agreement on rare events: a non-finite gradient's name)."""
         if "world" not in self._comms:
-            self._comms["world"] = Comm(dist.group.WORLD, "world", self.comm_log, device=self.device,
-                                        fingerprints=self._fingerprints(dist.group.WORLD))
+            self._comms["world"] = Comm(
+                dist.group.WORLD,
+                "world",
+                self.comm_log,
+                device=self.device,
+                fingerprints=self._fingerprints(dist.group.WORLD),
+            )
         return self._comms["world"]
 
     def backward_comm(self, dim: str) -> Comm:
@@ -248,7 +311,9 @@ class ParallelMesh:
             # on some ranks alone, the singletons of ep and dp_replicate, exist only at degree 1: parallelize asks for
             # them only where every rank does)
             twin = self.own(dist.new_group(ranks, use_local_synchronization=True))
-            self._comms[key] = Comm(twin, dim, self.comm_log, device=self.device, fingerprints=self._fingerprints(twin))
+            self._comms[key] = Comm(
+                twin, dim, self.comm_log, device=self.device, fingerprints=self._fingerprints(twin)
+            )
         return self._comms[key]
 
     @property

@@ -20,8 +20,18 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Linear", "WeightGradStore", "call_in_backward", "graph_task_id", "in_backward", "linear", "recompute",
-           "recording_weight_grads", "unwatch_recompute", "watch_recompute"]
+__all__ = [
+    "Linear",
+    "WeightGradStore",
+    "call_in_backward",
+    "graph_task_id",
+    "in_backward",
+    "linear",
+    "recompute",
+    "recording_weight_grads",
+    "unwatch_recompute",
+    "watch_recompute",
+]
 
 
 def graph_task_id() -> int:
@@ -68,10 +78,18 @@ class WeightGradStore:
     """Deferred weight-gradient matmuls, queued per key (the runtime's (stage, micro-batch))."""
 
     def __init__(self) -> None:
-        self.current: Hashable = None  # the key the queued work belongs to (set by the runtime for an I)
+        self.current: Hashable = (
+            None  # the key the queued work belongs to (set by the runtime for an I)
+        )
         self._pending: dict[Hashable, list[tuple]] = defaultdict(list)
 
-    def queue(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+    def queue(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+    ) -> None:
         self._pending[self.current].append((weight, bias, x, grad_out))
 
     def run(self, key: Hashable) -> None:
@@ -93,7 +111,10 @@ def _full_shaped(items: list[tuple]) -> Iterator[None]:
     (the reducer only reads the gradient) while the gradients are handed over, then put the placeholder back."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     for weight, bias, x, grad_out in items:
-        for p, shape in ((weight, (grad_out.shape[-1], x.shape[-1])), (bias, (grad_out.shape[-1],))):
+        for p, shape in (
+            (weight, (grad_out.shape[-1], x.shape[-1])),
+            (bias, (grad_out.shape[-1],)),
+        ):
             if p is not None and tuple(p.shape) != shape and all(p is not q for q, _ in swapped):
                 swapped.append((p, p.data))
                 p.data = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(shape)
@@ -104,7 +125,9 @@ def _full_shaped(items: list[tuple]) -> Iterator[None]:
             p.data = placeholder
 
 
-_recording: ContextVar[WeightGradStore | None] = ContextVar("fivefold_weight_grad_store", default=None)
+_recording: ContextVar[WeightGradStore | None] = ContextVar(
+    "fivefold_weight_grad_store", default=None
+)
 
 
 @contextmanager
@@ -127,13 +150,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # layer of a stage fed raw inputs), so the weight gradient is computed by the one backward there is
         return F.linear(x, weight, bias)
     # The parameters travel outside autograd's inputs: no AccumulateGrad (and no hook) until W.
-    return _LinearInputGradOnly.apply(x, weight.detach(), None if bias is None else bias.detach(),
-                                      _Deferred(store, weight, bias))
+    return _LinearInputGradOnly.apply(
+        x, weight.detach(), None if bias is None else bias.detach(), _Deferred(store, weight, bias)
+    )
 
 
 # Who wants to know when the recomputation of a `recompute` region runs (the tracer's span of the enclosing block):
 # read at forward time, so the backward (on any thread) tells the watcher of the forward that set it.
-_recompute_watcher: ContextVar[Callable[[bool], None] | None] = ContextVar("fivefold_recompute_watch", default=None)
+_recompute_watcher: ContextVar[Callable[[bool], None] | None] = ContextVar(
+    "fivefold_recompute_watch", default=None
+)
 
 
 def watch_recompute(watcher: Callable[[bool], None] | None) -> Token:
@@ -196,7 +222,9 @@ def _weight_grads(x: torch.Tensor, grad_out: torch.Tensor, with_bias: bool) -> t
 
 
 class _Deferred:  # where a recorded linear's weight gradients go: a plain object, so not an autograd input
-    def __init__(self, store: WeightGradStore, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, store: WeightGradStore, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
         self.store, self.weight, self.bias = store, weight, bias
 
 
@@ -215,7 +243,9 @@ class _LinearInputGradOnly(torch.autograd.Function):  # backward returns dL/dx a
         return grad_out @ weight, None, None, None
 
 
-class _ApplyWeightGrad(torch.autograd.Function):  # deferred dW, db through autograd, so AccumulateGrad and hooks run
+class _ApplyWeightGrad(
+    torch.autograd.Function
+):  # deferred dW, db through autograd, so AccumulateGrad and hooks run
     @staticmethod
     def forward(ctx, weight, bias, x, grad_out):  # type: ignore[override]
         ctx.save_for_backward(x, grad_out)

@@ -24,18 +24,24 @@ def inside(directory: str | Path, name: object, what: str) -> Path:
         raise PathOutside(f"{what} is named {name!r}, not a file name")
     parts = PurePosixPath(name.replace("\\", "/")).parts
     if PurePosixPath(name).is_absolute() or name.startswith(("/", "\\")) or ".." in parts:
-        raise PathOutside(f"{what} is named {name!r}, outside {directory}: only names inside it are read")
+        raise PathOutside(
+            f"{what} is named {name!r}, outside {directory}: only names inside it are read"
+        )
     base = Path(directory)
     path = base / name
     root = base.resolve()
     if not path.resolve().is_relative_to(root):
-        raise PathOutside(f"{what}, {name!r}, is a symlink out of {directory}: only files inside it are read")
+        raise PathOutside(
+            f"{what}, {name!r}, is a symlink out of {directory}: only files inside it are read"
+        )
     return path
 
 
 def one_component(name: str, key: str) -> str:
     """``name`` if it is one non-empty path component (not ``.`` or ``..``, no separator); else `PathOutside`."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise PathOutside(f"{key}={name!r} must be one directory name (not empty, no '/', not '.' or '..'): it names "
-                          "the run's directory inside run.out_dir")
+        raise PathOutside(
+            f"{key}={name!r} must be one directory name (not empty, no '/', not '.' or '..'): it names "
+            "the run's directory inside run.out_dir"
+        )
     return name

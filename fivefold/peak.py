@@ -17,15 +17,28 @@ __all__ = ["DEVICE_PEAKS", "cpu_peak_flops", "device_peak_flops"]
 # Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the device has them and
 # fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts; PCIe ones are lower: set the override).
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
-    "H200": (989.0, 494.5), "H100": (989.0, 494.5), "H800": (989.0, 494.5), "A100": (312.0, 156.0),
-    "A800": (312.0, 156.0), "L40S": (362.0, 183.0), "L4": (121.0, 60.0), "A10": (125.0, 62.5),
-    "RTX 4090": (165.0, 82.6), "V100": (125.0, 15.7), "MI300X": (1307.0, 653.7), "MI250X": (383.0, 95.7),
+    "H200": (989.0, 494.5),
+    "H100": (989.0, 494.5),
+    "H800": (989.0, 494.5),
+    "A100": (312.0, 156.0),
+    "A800": (312.0, 156.0),
+    "L40S": (362.0, 183.0),
+    "L4": (121.0, 60.0),
+    "A10": (125.0, 62.5),
+    "RTX 4090": (165.0, 82.6),
+    "V100": (125.0, 15.7),
+    "MI300X": (1307.0, 653.7),
+    "MI250X": (383.0, 95.7),
 }
 
-_CACHE = Path(os.environ.get("FIVEFOLD_CACHE", Path.home() / ".cache" / "fivefold")) / "cpu_peak.json"
+_CACHE = (
+    Path(os.environ.get("FIVEFOLD_CACHE", Path.home() / ".cache" / "fivefold")) / "cpu_peak.json"
+)
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> float:
+def device_peak_flops(
+    device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0
+) -> float:
     """Peak FLOP/s of one `device` in `dtype`: ``override_tflops`` if set; on the CPU `cpu_peak_flops`; on an
     accelerator the table's entry for its name, or a ValueError saying to set ``run.peak_tflops``."""
     if override_tflops > 0:
@@ -36,8 +49,10 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops:
     for fragment, (half, single) in DEVICE_PEAKS.items():
         if fragment in props.name:
             return (single if dtype == torch.float32 else half) * 1e12
-    raise ValueError(f"no known peak for the {device.type} device {props.name!r}: set run.peak_tflops to its dense "
-                     f"{dtype} TFLOP/s (the data sheet's, without sparsity)")
+    raise ValueError(
+        f"no known peak for the {device.type} device {props.name!r}: set run.peak_tflops to its dense "
+        f"{dtype} TFLOP/s (the data sheet's, without sparsity)"
+    )
 
 
 def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:

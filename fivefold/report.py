@@ -14,8 +14,15 @@ from pathlib import Path
 from fivefold.pipeline.actions import COMPUTE_KINDS, B, F, I, W
 from fivefold.pipeline.simulator import Timeline
 
-__all__ = ["plot_loss", "plot_moe_load", "plot_step_trace", "plot_timeline", "step_trace_lanes", "to_chrome_trace",
-           "write_step_trace"]
+__all__ = [
+    "plot_loss",
+    "plot_moe_load",
+    "plot_step_trace",
+    "plot_timeline",
+    "step_trace_lanes",
+    "to_chrome_trace",
+    "write_step_trace",
+]
 
 KIND_COLORS = {F: "#4C72B0", B: "#55A868", I: "#DD8452", W: "#8172B3"}
 OTHER_COLOR = "#B0B0B0"
@@ -50,19 +57,35 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
     V = max(timeline.n_virtual, 1)
     px_per_unit = width * 0.8 * 110 / span
     for r, evs in enumerate(timeline.events):
-        lanes = timeline.lanes(r)  # passes run side by side (DualPipeV's units) share the row, one above the other
+        lanes = timeline.lanes(
+            r
+        )  # passes run side by side (DualPipeV's units) share the row, one above the other
         height = 0.8 / (max(lanes, default=0) + 1)
         for e, lane in zip(evs, lanes):
             color = KIND_COLORS.get(e.kind, OTHER_COLOR)
             chunk = e.stage // P if V > 1 else 0
             alpha = 1.0 - 0.45 * chunk / max(V - 1, 1)
             top = r - 0.4 + lane * height
-            ax.broken_barh([(e.start - t0, e.duration)], (top, height), facecolors=color, edgecolors="white",
-                           linewidth=0.6, alpha=alpha)
+            ax.broken_barh(
+                [(e.start - t0, e.duration)],
+                (top, height),
+                facecolors=color,
+                edgecolors="white",
+                linewidth=0.6,
+                alpha=alpha,
+            )
             box_px = e.duration * px_per_unit
             if box_px >= 7:
-                ax.text(e.start - t0 + e.duration / 2, top + height / 2, str(e.microbatch), ha="center", va="center",
-                        fontsize=min(9.0, max(5.0, box_px / 2.2)), color="white", fontweight="bold")
+                ax.text(
+                    e.start - t0 + e.duration / 2,
+                    top + height / 2,
+                    str(e.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=min(9.0, max(5.0, box_px / 2.2)),
+                    color="white",
+                    fontweight="bold",
+                )
     ax.set_ylim(P - 0.5, -0.5)
     ax.set_xlim(0, span)
     ax.set_yticks(range(P))
@@ -75,10 +98,14 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
     handles += [Patch(color=OTHER_COLOR, label=", ".join(others))] if others else []
     if V > 1:
         handles.append(Patch(color="white", label=f"lighter = later chunk (V={V})"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+    )
     heading = title or timeline.name
-    stats = (f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
-             f"peak in-flight {timeline.peak_in_flight}")
+    stats = (
+        f"makespan {timeline.makespan:g}, bubble {timeline.bubble_fraction:.1%}, "
+        f"peak in-flight {timeline.peak_in_flight}"
+    )
     ax.set_title(f"{heading}\n{stats}" if heading else stats, fontsize=10)
     ax.grid(axis="x", linestyle=":", alpha=0.5)
     ax.set_axisbelow(True)
@@ -95,14 +122,33 @@ def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: fl
     for r, evs in enumerate(timeline.events):
         lanes = timeline.lanes(r)
         for lane in range(max(lanes, default=0) + 1):
-            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r + P * lane,
-                           "args": {"name": f"rank {r}" + (" (side by side)" if lane else "")}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": 0,
+                    "tid": r + P * lane,
+                    "args": {"name": f"rank {r}" + (" (side by side)" if lane else "")},
+                }
+            )
         for e, lane in zip(evs, lanes):
-            events.append({"name": f"{e.kind}{e.microbatch}@s{e.stage}", "cat": e.kind, "ph": "X", "pid": 0,
-                           "tid": r + P * lane,
-                           "ts": (e.start - t0) * us_per_unit, "dur": e.duration * us_per_unit,
-                           "args": {"microbatch": e.microbatch, "stage": e.stage}})
-    data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": timeline.name}}
+            events.append(
+                {
+                    "name": f"{e.kind}{e.microbatch}@s{e.stage}",
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": r + P * lane,
+                    "ts": (e.start - t0) * us_per_unit,
+                    "dur": e.duration * us_per_unit,
+                    "args": {"microbatch": e.microbatch, "stage": e.stage},
+                }
+            )
+    data = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"schedule": timeline.name},
+    }
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as fh:
@@ -151,8 +197,16 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
     from matplotlib.figure import Figure
 
     # x = steps done (a record's 0-based step + 1), as the console counts them ("step 50: val loss ...")
-    train = [(r["step"] + 1, r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
-    val = [(r["step"] + 1, r["val_loss"]) for r in records if r.get("kind") == "val" and r.get("val_loss") is not None]
+    train = [
+        (r["step"] + 1, r["loss"])
+        for r in records
+        if r.get("kind") == "train" and r.get("loss") is not None
+    ]
+    val = [
+        (r["step"] + 1, r["val_loss"])
+        for r in records
+        if r.get("kind") == "val" and r.get("val_loss") is not None
+    ]
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -173,10 +227,22 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
 # ------------------------------------------------------------------------------------------------------------------
 # Step traces (`run.trace`): every rank's events of the traced steps, from `trace.StepTracer.result`
 
-SPAN_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "recompute": "#DD8452", "wait": "#C44E52",
-               "step": "#DDDDDD"}
-OP_COLORS = {"all_reduce": "#8172B3", "reduce_scatter": "#937860", "all_gather": "#DA8BC3", "all_to_all": "#8C8C00",
-             "broadcast": "#64B5CD", "send": "#999999", "recv": "#666666"}
+SPAN_COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#55A868",
+    "recompute": "#DD8452",
+    "wait": "#C44E52",
+    "step": "#DDDDDD",
+}
+OP_COLORS = {
+    "all_reduce": "#8172B3",
+    "reduce_scatter": "#937860",
+    "all_gather": "#DA8BC3",
+    "all_to_all": "#8C8C00",
+    "broadcast": "#64B5CD",
+    "send": "#999999",
+    "recv": "#666666",
+}
 _LANE_ORDER = ("step", "compute", "compute (side thread)", "pipeline")
 
 
@@ -223,16 +289,45 @@ def write_step_trace(ranks: list[dict], path: str | os.PathLike, other: dict | N
     events: list[dict] = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
         pid = r["rank"]
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": _rank_label(r)}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-        for tid, (lane, evs) in enumerate(step_trace_lanes([e for s in r["steps"] for e in s["events"]])):
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": _rank_label(r)}}
+        )
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}
+        )
+        for tid, (lane, evs) in enumerate(
+            step_trace_lanes([e for s in r["steps"] for e in s["events"]])
+        ):
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}}
+            )
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
             for e in evs:
-                events.append({"name": e["name"], "cat": e["cat"], "ph": "X", "pid": pid, "tid": tid,
-                               "ts": (e["start"] - t0) / 1e3, "dur": (e["end"] - e["start"]) / 1e3, "args": e["args"]})
-    data = {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"clock": sorted({r.get("clock", "") for r in ranks}), **(other or {})}}
+                events.append(
+                    {
+                        "name": e["name"],
+                        "cat": e["cat"],
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": (e["start"] - t0) / 1e3,
+                        "dur": (e["end"] - e["start"]) / 1e3,
+                        "args": e["args"],
+                    }
+                )
+    data = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"clock": sorted({r.get("clock", "") for r in ranks}), **(other or {})},
+    }
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as fh:
@@ -241,8 +336,13 @@ def write_step_trace(ranks: list[dict], path: str | os.PathLike, other: dict | N
     _atomic_write(path, write, ".json")
 
 
-def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None = None, title: str = "",
-                    max_ranks: int = 8) -> int:
+def plot_step_trace(
+    ranks: list[dict],
+    path: str | os.PathLike,
+    step: int | None = None,
+    title: str = "",
+    max_ranks: int = 8,
+) -> int:
     """PNG of one traced step (default: the last) on each rank (the first ``max_ranks``; trace.json has them all): a
     row per lane — compute spans coloured forward / backward / recompute with waits for collectives in red, pipeline
     actions, then collectives per mesh dim coloured by op. Returns the step drawn."""
@@ -257,9 +357,13 @@ def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None
     if len(shown) < len(ranks):
         title = f"{title} (ranks {shown[0]['rank']}-{shown[-1]['rank']} of {len(ranks)})"
     for r in shown:
-        evs = [e for s in r["steps"] if s["step"] == step for e in s["events"] if e["cat"] != "step"]
+        evs = [
+            e for s in r["steps"] if s["step"] == step for e in s["events"] if e["cat"] != "step"
+        ]
         lanes: dict[str, list[dict]] = {}
-        for lane, row in step_trace_lanes(evs):  # the sub-lanes of a dim share its row here (drawn translucent)
+        for lane, row in step_trace_lanes(
+            evs
+        ):  # the sub-lanes of a dim share its row here (drawn translucent)
             lanes.setdefault(lane.split(" #")[0], []).extend(row)
         per_rank.append((r, list(lanes.items())))
     starts = [s["start"] for r in ranks for s in r["steps"] if s["step"] == step]
@@ -275,11 +379,23 @@ def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None
             for e in evs:
                 x, w = (e["start"] - t0) / 1e6, (e["end"] - e["start"]) / 1e6
                 translucent = e["cat"] == "collective"
-                ax.broken_barh([(x, max(w, span_ms * 1e-4))], (y - 0.4, 0.8), facecolors=_event_color(e),
-                               edgecolors="none", alpha=0.75 if translucent else 1.0)
+                ax.broken_barh(
+                    [(x, max(w, span_ms * 1e-4))],
+                    (y - 0.4, 0.8),
+                    facecolors=_event_color(e),
+                    edgecolors="none",
+                    alpha=0.75 if translucent else 1.0,
+                )
                 if w * px_per_ms > 30 and e["cat"] in ("forward", "backward", "recompute"):
-                    ax.text(x + w / 2, y, e["name"].replace("layers.", "L"), ha="center", va="center", fontsize=6,
-                            color="white")
+                    ax.text(
+                        x + w / 2,
+                        y,
+                        e["name"].replace("layers.", "L"),
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="white",
+                    )
             ticks.append(y)
             labels.append(f"{_rank_label(r)}  {lane}" if lane == lanes[0][0] else lane)
             y += 1
@@ -292,12 +408,17 @@ def plot_step_trace(ranks: list[dict], path: str | os.PathLike, step: int | None
     drawn = [e for _, lanes in per_rank for _, evs in lanes for e in evs]
     present = {e["cat"] for e in drawn}
     ops = sorted({e["args"]["op"] for e in drawn if e["cat"] == "collective"})
-    handles = [Patch(color=SPAN_COLORS[c], label=c) for c in ("forward", "backward", "recompute", "wait")
-               if c in present]
+    handles = [
+        Patch(color=SPAN_COLORS[c], label=c)
+        for c in ("forward", "backward", "recompute", "wait")
+        if c in present
+    ]
     if "pipeline" in present:
         handles.append(Patch(color=KIND_COLORS[F], label="pipeline action (F/B/I/W)"))
     handles += [Patch(color=OP_COLORS.get(op, OTHER_COLOR), label=op) for op in ops]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False
+    )
     heading = f"step {step} (numbered as in metrics.jsonl)"
     ax.set_title(f"{title}\n{heading}" if title else heading, fontsize=10)
     ax.grid(axis="x", linestyle=":", alpha=0.5)

@@ -38,8 +38,18 @@ from fivefold.clock import DeviceClock, Mark
 from fivefold.comm import CommLog
 from fivefold.ops import call_in_backward, in_backward, unwatch_recompute, watch_recompute
 
-__all__ = ["COMPUTE_LANE", "Interval", "StepTracer", "hidden_summary", "intersect", "length", "overlap", "subtract",
-           "trace_window", "union"]
+__all__ = [
+    "COMPUTE_LANE",
+    "Interval",
+    "StepTracer",
+    "hidden_summary",
+    "intersect",
+    "length",
+    "overlap",
+    "subtract",
+    "trace_window",
+    "union",
+]
 
 Interval = tuple[int, int]
 COMPUTE_LANE = "compute"
@@ -50,6 +60,7 @@ STEP_LANE = "step"
 
 # ------------------------------------------------------------------------------------------------------------------
 # Interval arithmetic on half-open [start, end) intervals of ints (ns)
+
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
     """Sorted, disjoint intervals covering the same points (empty ones dropped)."""
@@ -99,10 +110,13 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     return out
 
 
-def overlap(comm: Iterable[Interval], compute: dict[str, list[Interval]],
-            blocked: dict[str, list[Interval]]) -> tuple[int, int]:
+def overlap(
+    comm: Iterable[Interval], compute: dict[str, list[Interval]], blocked: dict[str, list[Interval]]
+) -> tuple[int, int]:
     """(communication time, the part of it hidden): |C| and |C ∩ ∪_lane (compute[lane] \\ blocked[lane])|."""
-    busy = union(iv for lane, spans in compute.items() for iv in subtract(spans, blocked.get(lane, [])))
+    busy = union(
+        iv for lane, spans in compute.items() for iv in subtract(spans, blocked.get(lane, []))
+    )
     c = union(comm)
     return length(c), length(intersect(c, busy))
 
@@ -117,14 +131,22 @@ def trace_window(start: int, steps: int, trace_steps: int, exit_after: int = 0) 
 # ------------------------------------------------------------------------------------------------------------------
 # The tracer
 
+
 class StepTracer:
     """Records this rank's traced steps (see the module docstring). ``modules``: (name, module) pairs, none inside
     another; ``side_threads``: names of threads whose compute goes to a second lane (a pipeline's overlapped
     forward). Hooks are installed here and removed by `close`; outside `begin_step`/`end_step` they only check a
     flag, and without a tracer there are none."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]], log: CommLog, device: torch.device | str,
-                 rank: int = 0, coords: dict[str, int] | None = None, side_threads: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        log: CommLog,
+        device: torch.device | str,
+        rank: int = 0,
+        coords: dict[str, int] | None = None,
+        side_threads: Sequence[str] = (),
+    ) -> None:
         self.clock = DeviceClock(device)
         self.log = log
         self.rank, self.coords = rank, dict(coords or {})
@@ -135,7 +157,9 @@ class StepTracer:
         self._lock = threading.Lock()  # an overlapped forward records from a second thread
         for name, module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(name)))
-            self._handles.append(module.register_forward_hook(self._post_forward(name), prepend=True))
+            self._handles.append(
+                module.register_forward_hook(self._post_forward(name), prepend=True)
+            )
 
     # -- recording --------------------------------------------------------------------------------------------------
     def _lane(self) -> str:
@@ -154,7 +178,9 @@ class StepTracer:
             if not self.active:
                 return None
             key = (threading.get_ident(), name)
-            if in_backward():  # the module's forward run again in backward (recompute around the module)
+            if (
+                in_backward()
+            ):  # the module's forward run again in backward (recompute around the module)
                 self._open[(key, "recompute")] = self._mark()
                 return None
             self._open[(key, "forward")] = self._mark()
@@ -164,6 +190,7 @@ class StepTracer:
             wrapped = call_in_backward(args, lambda: self._backward_end(name))
             self._has_backward[key] = wrapped is not None
             return wrapped
+
         return hook
 
     def _post_forward(self, name: str) -> Callable:
@@ -186,6 +213,7 @@ class StepTracer:
             if not self._has_backward.pop(key, False):
                 return None
             return call_in_backward(output, lambda: self._backward_start(name))
+
         return hook
 
     def _backward_start(self, name: str) -> None:
@@ -223,7 +251,9 @@ class StepTracer:
         self.log.clock = self.clock
         self.active = True
 
-    def end_step(self, pipeline_marks: Sequence[tuple[str, int, int, Mark, Mark, str]] = ()) -> dict[str, Any]:
+    def end_step(
+        self, pipeline_marks: Sequence[tuple[str, int, int, Mark, Mark, str]] = ()
+    ) -> dict[str, Any]:
         """Stop tracing; turn the step's marks into events (waits for the device once on an accelerator) and its
         hidden-communication figures. ``pipeline_marks``: the runtime's actions (`ActionClock.marks`)."""
         self.log.poll()
@@ -236,9 +266,12 @@ class StepTracer:
             marks += [s, e]
         for r in timed:
             t = r.timing
-            marks += [t.start, t.end if t.end is not None else end,
-                      t.wait_start if t.wait_start is not None else t.start,
-                      t.wait_end if t.wait_end is not None else t.start]
+            marks += [
+                t.start,
+                t.end if t.end is not None else end,
+                t.wait_start if t.wait_start is not None else t.start,
+                t.wait_end if t.wait_end is not None else t.start,
+            ]
         for _, _, _, s, e, _ in pipeline_marks:
             marks += [s, e]
         at = iter([self._origin_wall_ns + ns for ns in self.clock.elapsed_ns(self._origin, marks)])
@@ -247,40 +280,94 @@ class StepTracer:
         compute: dict[str, list[Interval]] = {}
         blocked: dict[str, list[Interval]] = {}
         comm: list[Interval] = []
-        events.append(dict(lane=STEP_LANE, name=f"step {step}", cat="step", start=self._origin_wall_ns, end=step_end,
-                           args={"step": step}))
+        events.append(
+            dict(
+                lane=STEP_LANE,
+                name=f"step {step}",
+                cat="step",
+                start=self._origin_wall_ns,
+                end=step_end,
+                args={"step": step},
+            )
+        )
         for lane, name, cat, _, _ in self._spans:
             s, e = next(at), next(at)
             events.append(dict(lane=lane, name=name, cat=cat, start=s, end=e, args={"step": step}))
             compute.setdefault(lane, []).append((s, e))
         for r in timed:
             s, e, ws, we = next(at), next(at), next(at), next(at)
-            args = {"step": step, "op": r.op, "dim": r.dim, "tag": r.tag, "bytes": r.payload_bytes,
-                    "wire_bytes": r.wire_bytes, "numel": r.numel, "dtype": str(r.dtype).replace("torch.", ""),
-                    "group_size": r.group_size, "seq": r.seq, "completed": r.timing.end is not None}
-            events.append(dict(lane=f"comm {r.dim}", name=f"{r.op} {r.tag}".strip(), cat="collective", start=s, end=e,
-                               args=args))
+            args = {
+                "step": step,
+                "op": r.op,
+                "dim": r.dim,
+                "tag": r.tag,
+                "bytes": r.payload_bytes,
+                "wire_bytes": r.wire_bytes,
+                "numel": r.numel,
+                "dtype": str(r.dtype).replace("torch.", ""),
+                "group_size": r.group_size,
+                "seq": r.seq,
+                "completed": r.timing.end is not None,
+            }
+            events.append(
+                dict(
+                    lane=f"comm {r.dim}",
+                    name=f"{r.op} {r.tag}".strip(),
+                    cat="collective",
+                    start=s,
+                    end=e,
+                    args=args,
+                )
+            )
             comm.append((s, e))
             if r.timing.wait_start is not None and we > ws:
                 lane = SIDE_LANE if r.timing.waiter in self.side_threads else COMPUTE_LANE
-                events.append(dict(lane=lane, name=f"wait {r.op} {r.dim} {r.tag}".strip(), cat="wait", start=ws,
-                                   end=we, args={"step": step, "seq": r.seq}))
+                events.append(
+                    dict(
+                        lane=lane,
+                        name=f"wait {r.op} {r.dim} {r.tag}".strip(),
+                        cat="wait",
+                        start=ws,
+                        end=we,
+                        args={"step": step, "seq": r.seq},
+                    )
+                )
                 blocked.setdefault(lane, []).append((ws, we))
         for kind, mb, stage, _, _, thread in pipeline_marks:
             s, e = next(at), next(at)
-            events.append(dict(lane=PIPELINE_LANE, name=f"{kind}{mb}@s{stage}", cat="pipeline", start=s, end=e,
-                               args={"step": step, "kind": kind, "microbatch": mb, "stage": stage}))
-            compute.setdefault(SIDE_LANE if thread in self.side_threads else COMPUTE_LANE, []).append((s, e))
+            events.append(
+                dict(
+                    lane=PIPELINE_LANE,
+                    name=f"{kind}{mb}@s{stage}",
+                    cat="pipeline",
+                    start=s,
+                    end=e,
+                    args={"step": step, "kind": kind, "microbatch": mb, "stage": stage},
+                )
+            )
+            compute.setdefault(
+                SIDE_LANE if thread in self.side_threads else COMPUTE_LANE, []
+            ).append((s, e))
         comm_ns, hidden_ns = overlap(comm, compute, blocked)
-        record = {"step": step, "start": self._origin_wall_ns, "end": step_end, "events": events,
-                  "comm_ns": comm_ns, "hidden_ns": hidden_ns}
+        record = {
+            "step": step,
+            "start": self._origin_wall_ns,
+            "end": step_end,
+            "events": events,
+            "comm_ns": comm_ns,
+            "hidden_ns": hidden_ns,
+        }
         self.steps.append(record)
         return record
 
     def result(self) -> dict[str, Any]:
         """What this rank hands to rank 0: its coordinates, clock and traced steps (plain data)."""
-        return {"rank": self.rank, "coords": self.coords, "steps": self.steps,
-                "clock": "device events" if self.clock.device_events else "host perf_counter"}
+        return {
+            "rank": self.rank,
+            "coords": self.coords,
+            "steps": self.steps,
+            "clock": "device events" if self.clock.device_events else "host perf_counter",
+        }
 
     def close(self) -> None:
         """Remove every hook (the log stops timing)."""
@@ -308,8 +395,12 @@ def hidden_summary(ranks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     known = [f for f in per_rank if f is not None]
     if not known:
         return None
-    return {"comm_hidden_fraction": sum(known) / len(known), "comm_hidden_min": min(known),
-            "comm_hidden_max": max(known), "comm_hidden_per_rank": per_rank,
-            "comm_ms_per_step": sum(comm_ms) / len(comm_ms),
-            "exposed_comm_ms_per_step": sum(exposed_ms) / len(exposed_ms),
-            "traced_steps": sorted({s["step"] for r in ranks for s in r["steps"]})}
+    return {
+        "comm_hidden_fraction": sum(known) / len(known),
+        "comm_hidden_min": min(known),
+        "comm_hidden_max": max(known),
+        "comm_hidden_per_rank": per_rank,
+        "comm_ms_per_step": sum(comm_ms) / len(comm_ms),
+        "exposed_comm_ms_per_step": sum(exposed_ms) / len(exposed_ms),
+        "traced_steps": sorted({s["step"] for r in ranks for s in r["steps"]}),
+    }

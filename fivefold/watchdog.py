@@ -47,7 +47,13 @@ def _last_collective() -> dict[str, Any] | None:
     if not records:
         return None
     r = records[-1]
-    return {"op": r.op, "dim": r.dim, "numel": r.numel, "dtype": str(r.dtype).removeprefix("torch."), "tag": r.tag}
+    return {
+        "op": r.op,
+        "dim": r.dim,
+        "numel": r.numel,
+        "dtype": str(r.dtype).removeprefix("torch."),
+        "tag": r.tag,
+    }
 
 
 class Heartbeat:
@@ -61,9 +67,15 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            beat = {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "step": _PROGRESS["step"],
-                    "step_at": _PROGRESS.get("step_at"), "max_step_s": max(_PROGRESS["step_times"], default=None),
-                    "collective": _last_collective()}
+            beat = {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "time": time.time(),
+                "step": _PROGRESS["step"],
+                "step_at": _PROGRESS.get("step_at"),
+                "max_step_s": max(_PROGRESS["step_times"], default=None),
+                "collective": _last_collective(),
+            }
             tmp = self.path.with_suffix(".tmp")
             try:
                 tmp.write_text(json.dumps(beat))
@@ -83,8 +95,14 @@ class Stalled(RuntimeError):
 class Watchdog:
     """The launcher side: reads the heartbeats of ``nproc`` workers in ``directory``."""
 
-    def __init__(self, directory: str | Path, nproc: int, heartbeat_s: float = 60.0, stall_s: float = 0.0,
-                 startup_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        nproc: int,
+        heartbeat_s: float = 60.0,
+        stall_s: float = 0.0,
+        startup_s: float = 600.0,
+    ) -> None:
         self.directory, self.nproc = Path(directory), nproc
         self.heartbeat_s, self.stall_s, self.startup_s = heartbeat_s, stall_s, startup_s
         self.started = time.time()
@@ -112,9 +130,12 @@ class Watchdog:
         beats = self._beats()
         frozen = [r for r, b in beats.items() if now - b["time"] > self.heartbeat_s]
         if frozen:
-            return "; ".join(f"rank {r} (pid {beats[r]['pid']}) has not answered for {now - beats[r]['time']:.0f} s "
-                             f"(stopped or frozen) {_in_step(beats[r])}, last collective "
-                             f"{_describe(beats[r]['collective'])}" for r in frozen)
+            return "; ".join(
+                f"rank {r} (pid {beats[r]['pid']}) has not answered for {now - beats[r]['time']:.0f} s "
+                f"(stopped or frozen) {_in_step(beats[r])}, last collective "
+                f"{_describe(beats[r]['collective'])}"
+                for r in frozen
+            )
         if len(beats) < self.nproc:
             missing = sorted(set(range(self.nproc)) - set(beats))
             if now - self.started > self.startup_s:
@@ -123,13 +144,17 @@ class Watchdog:
         progress = [b.get("step_at") for b in beats.values()]
         if any(p is None for p in progress):  # before the first step: start-up may be long
             if now - self.started > self.startup_s:
-                return ("no rank finished a first step within "
-                        f"{self.startup_s:.0f} s: " + _where(beats))
+                return f"no rank finished a first step within {self.startup_s:.0f} s: " + _where(
+                    beats
+                )
             return None
         latest = max(progress)
         limit = self.stall_limit(beats)
         if now - latest > limit:
-            return f"no rank finished a step for {now - latest:.0f} s (limit {limit:.0f} s): " + _where(beats)
+            return (
+                f"no rank finished a step for {now - latest:.0f} s (limit {limit:.0f} s): "
+                + _where(beats)
+            )
         return None
 
 
@@ -142,9 +167,13 @@ def _in_step(beat: dict[str, Any]) -> str:
 def _describe(c: dict[str, Any] | None) -> str:
     if not c:
         return "none yet"
-    return f"{c['op']} over {c['dim']} of {c['numel']} {c['dtype']}" + (f" ({c['tag']})" if c["tag"] else "")
+    return f"{c['op']} over {c['dim']} of {c['numel']} {c['dtype']}" + (
+        f" ({c['tag']})" if c["tag"] else ""
+    )
 
 
 def _where(beats: dict[int, dict[str, Any]]) -> str:
-    return "; ".join(f"rank {r} {_in_step(b)}, last collective {_describe(b['collective'])}"
-                     for r, b in sorted(beats.items()))
+    return "; ".join(
+        f"rank {r} {_in_step(b)}, last collective {_describe(b['collective'])}"
+        for r, b in sorted(beats.items())
+    )

@@ -17,25 +17,46 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.manager import CheckpointError, find_checkpoint, read_checkpoint_meta, verify_files
+from fivefold.checkpoint.manager import (
+    CheckpointError,
+    find_checkpoint,
+    read_checkpoint_meta,
+    verify_files,
+)
 from fivefold.checkpoint.state import training_state
 from fivefold.comm import Comm
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.models.llama import LlamaConfig, RopeScaling
 from fivefold.paths import PathOutside, inside
 
-__all__ = ["HF_CONFIG", "check_hf_weights", "config_from_hf", "config_to_hf", "export_checkpoint", "hf_name",
-           "load_hf_weights"]
+__all__ = [
+    "HF_CONFIG",
+    "check_hf_weights",
+    "config_from_hf",
+    "config_to_hf",
+    "export_checkpoint",
+    "hf_name",
+    "load_hf_weights",
+]
 
 HF_CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
-_BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-          "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight"}
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def hf_name(name: str) -> str:
@@ -45,26 +66,49 @@ def hf_name(name: str) -> str:
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m and m.group(2) in _BLOCK:
         return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-    raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama counterpart (an MoE expert or router?): "
-                          "HF Llama checkpoints hold dense Llama models only")
+    raise CheckpointError(
+        f"parameter {name!r} has no Hugging Face Llama counterpart (an MoE expert or router?): "
+        "HF Llama checkpoints hold dense Llama models only"
+    )
 
 
 def config_to_hf(c: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
     if c.moe is not None:
-        raise CheckpointError("an MoE model has no Hugging Face Llama form (LlamaForCausalLM is dense)")
+        raise CheckpointError(
+            "an MoE model has no Hugging Face Llama form (LlamaForCausalLM is dense)"
+        )
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
-        "hidden_size": c.dim, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_embeddings, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."), "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
-    if c.rope_scaling is not None:  # both spellings: transformers < 5 reads rope_scaling, 5 rope_parameters
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.ffn_hidden,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+    }
+    if (
+        c.rope_scaling is not None
+    ):  # both spellings: transformers < 5 reads rope_scaling, 5 rope_parameters
         s = c.rope_scaling
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings": s.original_max_position}
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position,
+        }
         out["rope_parameters"] = {**out["rope_scaling"], "rope_theta": c.rope_theta}
     return out
 
@@ -86,13 +130,19 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
         if value is None:
             raise CheckpointError(f"no {label(key, where)!r} (a Llama config.json has it)")
         # JSON integers (4096.0 too); not true/false, which Python would count as 1/0, nor "4096"
-        if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or isinstance(value, float) and value.is_integer()
+        ):
             raise CheckpointError(f"{label(key, where)}={value!r} is not an integer")
         return int(value)
 
     def number(key: str, default: float, where: dict[str, Any] = d) -> float:
         value = where.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise CheckpointError(f"{label(key, where)}={value!r} is not a finite number")
         return float(value)
 
@@ -110,7 +160,9 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
     scaling = d.get("rope_parameters") or d.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise CheckpointError(f"rope_scaling / rope_parameters={scaling!r} is not an object")
-    theta = number("rope_theta", number("rope_theta", 10000.0), where=d.get("rope_parameters") or {})
+    theta = number(
+        "rope_theta", number("rope_theta", 10000.0), where=d.get("rope_parameters") or {}
+    )
     rope = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -118,30 +170,54 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
             for key in ("factor", "low_freq_factor", "high_freq_factor"):
                 if key not in scaling:
                     raise CheckpointError(f"no {label(key, scaling)!r} (llama3 scaling needs it)")
-            rope = RopeScaling(number("factor", 0, scaling), number("low_freq_factor", 0, scaling),
-                               number("high_freq_factor", 0, scaling),
-                               integer("original_max_position_embeddings", where=scaling))
+            rope = RopeScaling(
+                number("factor", 0, scaling),
+                number("low_freq_factor", 0, scaling),
+                number("high_freq_factor", 0, scaling),
+                integer("original_max_position_embeddings", where=scaling),
+            )
         elif kind != "default":
             problems.append(f"rope_scaling type {kind!r} (llama3 only)")
     if problems:
-        raise CheckpointError("this Hugging Face model cannot be expressed by fivefold's Llama: " + "; ".join(problems))
+        raise CheckpointError(
+            "this Hugging Face model cannot be expressed by fivefold's Llama: "
+            + "; ".join(problems)
+        )
     tie = d.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise CheckpointError(f"tie_word_embeddings={tie!r} is not true or false")
     heads, dim = integer("num_attention_heads"), integer("hidden_size")
     head_dim = integer("head_dim") if d.get("head_dim") else None
     config = LlamaConfig(
-        vocab_size=integer("vocab_size"), dim=dim, n_layers=integer("num_hidden_layers"), n_heads=heads,
+        vocab_size=integer("vocab_size"),
+        dim=dim,
+        n_layers=integer("num_hidden_layers"),
+        n_heads=heads,
         n_kv_heads=integer("num_key_value_heads") if d.get("num_key_value_heads") else heads,
-        ffn_hidden=integer("intermediate_size"), max_seq_len=integer("max_position_embeddings", 2048),
-        rope_theta=theta, norm_eps=number("rms_norm_eps", 1e-6), tie_embeddings=tie,
-        attention_head_dim=head_dim if head_dim and heads > 0 and head_dim != dim // heads else None,
-        rope_scaling=rope)
+        ffn_hidden=integer("intermediate_size"),
+        max_seq_len=integer("max_position_embeddings", 2048),
+        rope_theta=theta,
+        norm_eps=number("rms_norm_eps", 1e-6),
+        tie_embeddings=tie,
+        attention_head_dim=head_dim
+        if head_dim and heads > 0 and head_dim != dim // heads
+        else None,
+        rope_scaling=rope,
+    )
     # absurd sizes first (a damaged file), named as config.json names them
-    check_model_bounds(config, names={"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-                                      "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
-                                      "ffn_hidden": "intermediate_size", "max_seq_len": "max_position_embeddings",
-                                      "attention_head_dim": "head_dim"})
+    check_model_bounds(
+        config,
+        names={
+            "vocab_size": "vocab_size",
+            "dim": "hidden_size",
+            "n_layers": "num_hidden_layers",
+            "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads",
+            "ffn_hidden": "intermediate_size",
+            "max_seq_len": "max_position_embeddings",
+            "attention_head_dim": "head_dim",
+        },
+    )
     return config.validate()
 
 
@@ -151,32 +227,46 @@ def read_hf_config(directory: str | Path) -> LlamaConfig:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise CheckpointError(f"{directory} is not a Hugging Face model directory (no {HF_CONFIG})") from None
-    except (OSError, UnicodeDecodeError) as e:  # a directory named config.json, no permission, not text
-        raise CheckpointError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+        raise CheckpointError(
+            f"{directory} is not a Hugging Face model directory (no {HF_CONFIG})"
+        ) from None
+    except (
+        OSError,
+        UnicodeDecodeError,
+    ) as e:  # a directory named config.json, no permission, not text
+        raise CheckpointError(
+            f"{path} cannot be read ({getattr(e, 'strerror', None) or e})"
+        ) from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(d, dict):
-        raise CheckpointError(f"{path} is not a Llama config (a JSON object), but a {type(d).__name__}")
+        raise CheckpointError(
+            f"{path} is not a Llama config (a JSON object), but a {type(d).__name__}"
+        )
     try:
         return config_from_hf(d)
-    except ValueError as e:  # CheckpointError, ConfigError (sizes), LlamaConfig.validate's ValueError
+    except (
+        ValueError
+    ) as e:  # CheckpointError, ConfigError (sizes), LlamaConfig.validate's ValueError
         raise CheckpointError(f"{path}: {e}") from None
 
 
 # -- out --------------------------------------------------------------------------------------------------------
 
+
 def _model_parameters(meta: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter of the checkpoint's model, in the single-process order."""
     from fivefold.models.llama import Llama
+
     cfg = _llama_config(meta["model"])
     return [(n, tuple(p.shape)) for n, p in Llama(cfg, device="meta").named_parameters()]
 
 
 def _llama_config(d: dict[str, Any]) -> LlamaConfig:
     from fivefold.models.moe import MoEConfig
+
     d = dict(d)
     if d.get("moe"):
         d["moe"] = MoEConfig(**d["moe"])
@@ -185,8 +275,13 @@ def _llama_config(d: dict[str, Any]) -> LlamaConfig:
     return LlamaConfig(**d)
 
 
-def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32,
-                      max_shard_bytes: int = 2 << 30, trust: bool = False) -> dict[str, Any]:
+def export_checkpoint(
+    source: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 2 << 30,
+    trust: bool = False,
+) -> dict[str, Any]:
     """Write the model of the fivefold checkpoint ``source`` (a checkpoint, a run's checkpoint folder or a run
     directory: its latest) as HF Llama safetensors in ``out_dir``: shards of at most ``max_shard_bytes`` (with
     ``model.safetensors.index.json`` when more than one) and ``config.json``. One process; it holds one shard and
@@ -200,7 +295,9 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
 
     src = find_checkpoint(source)
     meta = read_checkpoint_meta(src)
-    problems = verify_files(src, meta)  # sizes and SHA-256 of every file, before anything is exported
+    problems = verify_files(
+        src, meta
+    )  # sizes and SHA-256 of every file, before anything is exported
     if problems:
         raise CheckpointError(f"checkpoint {src} is damaged: " + "; ".join(problems[:5]))
     check_loadable(src, trust)
@@ -208,7 +305,11 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
     hf_config = config_to_hf(cfg, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    names = [(n, s) for n, s in _model_parameters(meta) if not (cfg.tie_embeddings and n == "output.weight")]
+    names = [
+        (n, s)
+        for n, s in _model_parameters(meta)
+        if not (cfg.tie_embeddings and n == "output.weight")
+    ]
     for n, _ in names:
         hf_name(n)  # every name maps, before anything is written
     reader = SafeReader(src, trust)
@@ -228,10 +329,16 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
         held = 0
 
     for n, shape in names:
-        buf = {f"model.{n}": torch.empty(shape, dtype=torch.float32, device="cpu")}  # export is a CPU process
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        buf = {
+            f"model.{n}": torch.empty(shape, dtype=torch.float32, device="cpu")
+        }  # export is a CPU process
+        with (
+            warnings.catch_warnings()
+        ):  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            load(buf, storage_reader=reader, no_dist=True)  # DCP reads this parameter's chunks alone
+            load(
+                buf, storage_reader=reader, no_dist=True
+            )  # DCP reads this parameter's chunks alone
         tensor = buf[f"model.{n}"].to(dtype)
         size = tensor.numel() * tensor.element_size()
         if held and held + size > max_shard_bytes:
@@ -251,14 +358,23 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, dtype: torch.dtyp
             (out / name).rename(out / final)
             renamed.append((final, keys))
         files = renamed
-        index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, keys in files for k in keys}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: f for f, keys in files for k in keys},
+        }
         (out / INDEX).write_text(json.dumps(index, indent=1))
     (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=1))
-    return {"checkpoint": str(src), "files": [f for f, _ in files], "bytes": total, "peak_held_bytes": peak,
-            "steps_done": meta.get("steps_done")}
+    return {
+        "checkpoint": str(src),
+        "files": [f for f, _ in files],
+        "bytes": total,
+        "peak_held_bytes": peak,
+        "steps_done": meta.get("steps_done"),
+    }
 
 
 # -- in ---------------------------------------------------------------------------------------------------------
+
 
 def _weight_files(directory: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it."""
@@ -271,13 +387,17 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index} is damaged (no weight_map object)") from None
         try:
-            return {k: inside(directory, f, f"the weight file of {k!r} in {index}") for k, f in weight_map.items()}
+            return {
+                k: inside(directory, f, f"the weight file of {k!r} in {index}")
+                for k, f in weight_map.items()
+            }
         except PathOutside as e:
             raise CheckpointError(str(e)) from None
     single = directory / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{directory} has neither model.safetensors nor {INDEX}")
     from safetensors import safe_open
+
     with _opened(safe_open, single) as f:
         return {k: single for k in f.keys()}
 
@@ -295,8 +415,10 @@ def check_hf_weights(directory: str | Path, config: LlamaConfig) -> None:
     for name, p in Llama(config, device="meta").named_parameters():
         hf = hf_name(name)
         if hf not in where:
-            raise CheckpointError(f"{directory} has no tensor {hf!r} (for {name}): the weights are not those of its "
-                                  f"{HF_CONFIG}")
+            raise CheckpointError(
+                f"{directory} has no tensor {hf!r} (for {name}): the weights are not those of its "
+                f"{HF_CONFIG}"
+            )
         by_file.setdefault(where[hf], []).append((hf, tuple(p.shape)))
     for path, items in by_file.items():
         if not path.is_file():
@@ -305,7 +427,9 @@ def check_hf_weights(directory: str | Path, config: LlamaConfig) -> None:
             for hf, shape in items:
                 have = tuple(f.get_slice(hf).get_shape())
                 if have != shape:
-                    raise CheckpointError(f"{path.name}: {hf} is {have}, but {HF_CONFIG} makes it {shape}")
+                    raise CheckpointError(
+                        f"{path.name}: {hf} is {have}, but {HF_CONFIG} makes it {shape}"
+                    )
 
 
 class _opened:
@@ -318,15 +442,18 @@ class _opened:
         try:
             self.f = self.opener(str(self.path), framework="pt")
         except Exception as e:  # safetensors raises its own types for a truncated header or data
-            raise CheckpointError(f"{self.path} is not a readable safetensors file (truncated or damaged?): {e}") \
-                from None
+            raise CheckpointError(
+                f"{self.path} is not a readable safetensors file (truncated or damaged?): {e}"
+            ) from None
         return self.f.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         self.f.__exit__(*exc)
 
 
-def load_hf_weights(directory: str | Path, engines: Iterable[ZeroDataParallel], tp: Comm | None) -> int:
+def load_hf_weights(
+    directory: str | Path, engines: Iterable[ZeroDataParallel], tp: Comm | None
+) -> int:
     """Fill every engine's fp32 master shard from the HF Llama safetensors in ``directory``, each rank reading only
     the rectangles its layout holds (`training_state`'s `Pieces`), then refresh the compute copies. Returns the
     number of elements read on this rank."""
@@ -340,9 +467,11 @@ def load_hf_weights(directory: str | Path, engines: Iterable[ZeroDataParallel], 
     for key, pieces in ts.state_dict.items():
         if not key.startswith("model."):
             continue
-        name = hf_name(key[len("model."):])
+        name = hf_name(key[len("model.") :])
         if name not in where:
-            raise CheckpointError(f"{directory} has no tensor {name!r} (for {key[len('model.'):]})")
+            raise CheckpointError(
+                f"{directory} has no tensor {name!r} (for {key[len('model.') :]})"
+            )
         by_file.setdefault(where[name], []).append((name, pieces))
     read = 0
     for path, items in by_file.items():
@@ -351,7 +480,9 @@ def load_hf_weights(directory: str | Path, engines: Iterable[ZeroDataParallel], 
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
                 if shape != tuple(pieces.size):
-                    raise CheckpointError(f"{path.name}: {name} is {shape}, but this model's is {tuple(pieces.size)}")
+                    raise CheckpointError(
+                        f"{path.name}: {name} is {shape}, but this model's is {tuple(pieces.size)}"
+                    )
                 for offsets, values in pieces.boxes.items():
                     index = tuple(slice(o, o + s) for o, s in zip(offsets, values.shape))
                     values.copy_(sl[index].to(values.dtype))
@@ -363,6 +494,7 @@ def load_hf_weights(directory: str | Path, engines: Iterable[ZeroDataParallel], 
 def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of an HF safetensors directory (tests)."""
     from safetensors import safe_open
+
     for name, path in sorted(_weight_files(Path(directory)).items()):
         with _opened(safe_open, path) as f:
             yield name, f.get_tensor(name)

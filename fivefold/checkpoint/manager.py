@@ -47,8 +47,16 @@ from fivefold.checkpoint.pieces import Pieces
 from fivefold.checkpoint.planner import PiecesLoadPlanner, PiecesSavePlanner
 from fivefold.paths import PathOutside, inside
 
-__all__ = ["CHECKPOINT_META", "Checkpointer", "CheckpointError", "CheckpointSaveError", "UntrustedCheckpoint",
-           "check_loadable", "find_checkpoint", "read_checkpoint_meta"]
+__all__ = [
+    "CHECKPOINT_META",
+    "Checkpointer",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "UntrustedCheckpoint",
+    "check_loadable",
+    "find_checkpoint",
+    "read_checkpoint_meta",
+]
 
 CHECKPOINT_META = "fivefold.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -70,9 +78,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]  # (a symlink leads elsewhere)
-    return [p for _, p in sorted(found) if (p / ".metadata").is_file() and (p / CHECKPOINT_META).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()
+    ]  # (a symlink leads elsewhere)
+    return [
+        p
+        for _, p in sorted(found)
+        if (p / ".metadata").is_file() and (p / CHECKPOINT_META).is_file()
+    ]
 
 
 def read_checkpoint_meta(path: Path) -> dict[str, Any]:
@@ -83,8 +98,10 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
             raise json.JSONDecodeError("not a JSON object", "", 0)
         return out
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete fivefold checkpoint (no {CHECKPOINT_META}); a checkpoint "
-                              "directory whose name starts with .partial- was never finished") from None
+        raise CheckpointError(
+            f"{path} is not a complete fivefold checkpoint (no {CHECKPOINT_META}); a checkpoint "
+            "directory whose name starts with .partial- was never finished"
+        ) from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta} is damaged ({e})") from None
 
@@ -98,10 +115,14 @@ def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
         pointer = root / "latest"
         if pointer.is_file():
             name = pointer.read_text().strip()
-            if not _STEP_DIR.fullmatch(name) or (root / name).is_symlink():  # a step directory of this root only
-                raise CheckpointError(f"{pointer} names {name[:80]!r}, which is not a step-N directory of {root}: "
-                                      "fivefold writes only those there; delete the file to resume from the newest "
-                                      "complete checkpoint")
+            if (
+                not _STEP_DIR.fullmatch(name) or (root / name).is_symlink()
+            ):  # a step directory of this root only
+                raise CheckpointError(
+                    f"{pointer} names {name[:80]!r}, which is not a step-N directory of {root}: "
+                    "fivefold writes only those there; delete the file to resume from the newest "
+                    "complete checkpoint"
+                )
             path = root / name
             if (path / CHECKPOINT_META).is_file():
                 return path
@@ -114,20 +135,31 @@ def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if (path / CHECKPOINT_META).is_file():
         return path
-    for root in (path, path / "checkpoints"):  # a checkpoint folder or a run directory: what its latest names
+    for root in (
+        path,
+        path / "checkpoints",
+    ):  # a checkpoint folder or a run directory: what its latest names
         if (root / "latest").is_file() and complete_checkpoints(root):
             return find_checkpoint("latest", root)
     done = complete_checkpoints(path) or complete_checkpoints(path / "checkpoints")
     if not done:
-        raise CheckpointError(f"{path} holds no complete fivefold checkpoint (a step-N directory with "
-                              f"{CHECKPOINT_META} and DCP's .metadata)")
+        raise CheckpointError(
+            f"{path} holds no complete fivefold checkpoint (a step-N directory with "
+            f"{CHECKPOINT_META} and DCP's .metadata)"
+        )
     return done[-1]
 
 
 def _snapshot(state_dict: dict[str, Any]) -> dict[str, Any]:
     """The state copied to host memory, so training may change it while a background save writes the copy."""
-    return {k: v.snapshot() if isinstance(v, Pieces) else
-            v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+    return {
+        k: v.snapshot()
+        if isinstance(v, Pieces)
+        else v.detach().to("cpu", copy=True)
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in state_dict.items()
+    }
 
 
 def _file_digest(path: Path) -> dict[str, Any]:
@@ -158,7 +190,9 @@ def verify_files(path: Path, meta: dict[str, Any], rank: int = 0, world: int = 1
         elif not f.is_file():
             problems.append(f"{f} is missing")
         elif f.stat().st_size != want["bytes"]:
-            problems.append(f"{f} has {f.stat().st_size} bytes, {want['bytes']} were written (truncated or replaced)")
+            problems.append(
+                f"{f} has {f.stat().st_size} bytes, {want['bytes']} were written (truncated or replaced)"
+            )
         elif i % world == rank and _file_digest(f)["sha256"] != want["sha256"]:
             problems.append(f"{f} does not match its SHA-256 (damaged)")
     return problems
@@ -174,7 +208,9 @@ class Checkpointer:
         self.async_save = async_save
         self.rank = dist.get_rank()
         self._group = dist.new_group(backend="gloo") if async_save else None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fivefold-ckpt") if async_save else None
+        self._writer = (
+            ThreadPoolExecutor(1, thread_name_prefix="fivefold-ckpt") if async_save else None
+        )
         self._pending: Future | None = None
 
     def save(self, step: int, state_dict: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -192,28 +228,50 @@ class Checkpointer:
                 shutil.rmtree(partial, ignore_errors=True)  # a save that died before finishing
                 free = shutil.disk_usage(self.root).free
                 if free < need:
-                    problem[0] = (f"no space for checkpoint {final}: it needs {_mib(need)}, {self.root} has "
-                                  f"{_mib(free)} free (ENOSPC ahead); free space there or set checkpoint.dir to a "
-                                  "larger disk")
+                    problem[0] = (
+                        f"no space for checkpoint {final}: it needs {_mib(need)}, {self.root} has "
+                        f"{_mib(free)} free (ENOSPC ahead); free space there or set checkpoint.dir to a "
+                        "larger disk"
+                    )
                 else:
                     partial.mkdir()
             except OSError as e:
                 problem[0] = f"cannot create checkpoint {final}: {_os_error(e)}"
-        dist.broadcast_object_list(problem, src=0)  # every rank learns it (and none starts writing before)
+        dist.broadcast_object_list(
+            problem, src=0
+        )  # every rank learns it (and none starts writing before)
         if problem[0] is not None:
             raise CheckpointSaveError(problem[0])
         if self._writer is not None:
             snapshot = _snapshot(state_dict)
-            self._pending = self._writer.submit(self._write, snapshot, partial, final, step, meta, self._group, need)
+            self._pending = self._writer.submit(
+                self._write, snapshot, partial, final, step, meta, self._group, need
+            )
         else:
             self._write(state_dict, partial, final, step, meta, None, need)
 
-    def _write(self, state_dict: dict[str, Any], partial: Path, final: Path, step: int, meta: dict[str, Any],
-               group: dist.ProcessGroup | None, need: int) -> None:
+    def _write(
+        self,
+        state_dict: dict[str, Any],
+        partial: Path,
+        final: Path,
+        step: int,
+        meta: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        need: int,
+    ) -> None:
         try:
-            dcp.save(state_dict, storage_writer=JsonMetadataWriter(partial), planner=PiecesSavePlanner(),
-                     process_group=group)
-        except (CheckpointException, OSError, RuntimeError) as e:  # DCP raises on every rank when one fails
+            dcp.save(
+                state_dict,
+                storage_writer=JsonMetadataWriter(partial),
+                planner=PiecesSavePlanner(),
+                process_group=group,
+            )
+        except (
+            CheckpointException,
+            OSError,
+            RuntimeError,
+        ) as e:  # DCP raises on every rank when one fails
             dist.barrier(group=group)  # no rank still writing into it
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -226,14 +284,20 @@ class Checkpointer:
         every: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
         outcome: list = [None]
-        if self.rank == 0:  # all data and DCP's metadata are on disk: complete the checkpoint, then point at it
+        if (
+            self.rank == 0
+        ):  # all data and DCP's metadata are on disk: complete the checkpoint, then point at it
             try:
                 files = {name: digest for part in every for name, digest in part.items()}
-                _write_durably(partial / CHECKPOINT_META, json.dumps({"step": step, **meta, "files": files},
-                                                                     indent=1))
+                _write_durably(
+                    partial / CHECKPOINT_META,
+                    json.dumps({"step": step, **meta, "files": files}, indent=1),
+                )
                 _fsync_dir(partial)
                 stale = self.root / f".replaced-{final.name}"
-                if final.exists():  # the same step again (a resume from an older checkpoint): moved, then removed
+                if (
+                    final.exists()
+                ):  # the same step again (a resume from an older checkpoint): moved, then removed
                     shutil.rmtree(stale, ignore_errors=True)
                     os.replace(final, stale)
                 os.replace(partial, final)
@@ -246,7 +310,9 @@ class Checkpointer:
             except OSError as e:
                 shutil.rmtree(partial, ignore_errors=True)
                 outcome[0] = _save_failure(final, self.root, e, need)
-        dist.broadcast_object_list(outcome, src=0, group=group)  # every rank learns the outcome (no one waits on)
+        dist.broadcast_object_list(
+            outcome, src=0, group=group
+        )  # every rank learns the outcome (no one waits on)
         if outcome[0] is not None:
             raise CheckpointSaveError(outcome[0])
 
@@ -260,7 +326,7 @@ class Checkpointer:
         if self.keep <= 0:
             return
         done = complete_checkpoints(self.root)
-        for old in done[:-self.keep]:
+        for old in done[: -self.keep]:
             if old != keep_also:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -277,22 +343,32 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems[:5]))
 
     @staticmethod
-    def load(path: Path, state_dict: dict[str, Any], verified: bool = False, trust: bool = False) -> None:
+    def load(
+        path: Path, state_dict: dict[str, Any], verified: bool = False, trust: bool = False
+    ) -> None:
         """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at ``path``; each rank
         reads only the rectangles its layout holds. Collective; `verify` first unless ``verified``. The metadata
         is read from its JSON; a checkpoint with only DCP's pickle needs ``trust`` (`UntrustedCheckpoint`)."""
         if not verified:
             Checkpointer.verify(path)
         try:
-            dcp.load(state_dict, storage_reader=SafeReader(path, trust), planner=PiecesLoadPlanner())
-        except CheckpointException as e:  # DCP gathers every rank's error: raise the first one, plainly
+            dcp.load(
+                state_dict, storage_reader=SafeReader(path, trust), planner=PiecesLoadPlanner()
+            )
+        except (
+            CheckpointException
+        ) as e:  # DCP gathers every rank's error: raise the first one, plainly
             rank, (error, _) = min(e.failures.items())
             if isinstance(error, ValueError):
                 raise type(error)(f"checkpoint {path}: {error}") from None
-            raise CheckpointError(f"checkpoint {path} could not be read (rank {rank}): {error!r}") from None
+            raise CheckpointError(
+                f"checkpoint {path} could not be read (rank {rank}): {error!r}"
+            ) from None
 
     @staticmethod
-    def saved_optimizer_keys(path: Path, trust: bool = False) -> tuple[list[str], dict[str, torch.dtype]]:
+    def saved_optimizer_keys(
+        path: Path, trust: bool = False
+    ) -> tuple[list[str], dict[str, torch.dtype]]:
         """(elementwise keys, scalar keys -> dtype) of the optimizer state in the checkpoint at ``path``."""
         md = read_safe_metadata(path, trust).state_dict_metadata
         elementwise, scalars = [], {}
@@ -332,7 +408,9 @@ def _checkpoint_bytes(state_dict: dict[str, Any]) -> int:
     return sum(union.values()) + _ITEM_OVERHEAD * len(union)  # (+ both metadata files)
 
 
-_ITEM_OVERHEAD = 2048  # torch.save's zip framing of one item, and its metadata entries (measured: ~1.6 KB)
+_ITEM_OVERHEAD = (
+    2048  # torch.save's zip framing of one item, and its metadata entries (measured: ~1.6 KB)
+)
 
 
 def _mib(n: int) -> str:
@@ -341,7 +419,11 @@ def _mib(n: int) -> str:
 
 def _os_error(e: OSError) -> str:
     name = errno.errorcode.get(e.errno or 0, "")
-    return f"{e.strerror or e}" + (f" ({name})" if name else "") + (f": {e.filename}" if e.filename else "")
+    return (
+        f"{e.strerror or e}"
+        + (f" ({name})" if name else "")
+        + (f": {e.filename}" if e.filename else "")
+    )
 
 
 def _save_failure(final: Path, root: Path, error: BaseException, need: int) -> str:
@@ -357,11 +439,14 @@ def _save_failure(final: Path, root: Path, error: BaseException, need: int) -> s
     except OSError:
         free = None
     full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in chain) or (
-        free is not None and free < max(need // 100, 4 << 20))
+        free is not None and free < max(need // 100, 4 << 20)
+    )
     if full:
-        return (f"checkpoint {final} was not saved: no space left on device (ENOSPC) on {root} "
-                f"({_mib(free or 0)} free, the checkpoint needs {_mib(need)}); its partial files were removed and "
-                "the last complete checkpoint stays. Free space there or set checkpoint.dir to a larger disk")
+        return (
+            f"checkpoint {final} was not saved: no space left on device (ENOSPC) on {root} "
+            f"({_mib(free or 0)} free, the checkpoint needs {_mib(need)}); its partial files were removed and "
+            "the last complete checkpoint stays. Free space there or set checkpoint.dir to a larger disk"
+        )
     what = _os_error(first) if isinstance(first, OSError) else f"{type(first).__name__}: {first}"
     return f"checkpoint {final} was not saved ({what}); its partial files were removed"
 

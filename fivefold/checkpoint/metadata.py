@@ -36,16 +36,39 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-__all__ = ["DCP_METADATA", "JsonMetadataWriter", "SafeReader", "UntrustedCheckpoint", "metadata_from_json",
-           "metadata_to_json", "read_safe_metadata"]
+__all__ = [
+    "DCP_METADATA",
+    "JsonMetadataWriter",
+    "SafeReader",
+    "UntrustedCheckpoint",
+    "metadata_from_json",
+    "metadata_to_json",
+    "read_safe_metadata",
+]
 
 DCP_METADATA = "dcp-metadata.json"
 FORMAT = "fivefold-dcp-metadata"
 VERSION = 1
-_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # the only files DCP's FileSystemWriter writes data into
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+_DATA_FILE = re.compile(
+    r"^__\d+_\d+\.distcp$"
+)  # the only files DCP's FileSystemWriter writes data into
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
 
 
 class UntrustedCheckpoint(ValueError):
@@ -57,8 +80,9 @@ class DamagedMetadata(ValueError):
 
 
 def _ints(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                              for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
         raise DamagedMetadata(f"{what} must be a list of non-negative integers, not {value!r}")
     return value
 
@@ -69,8 +93,11 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     tensors, objects = {}, []
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
-            tensors[fqn] = {"dtype": str(m.properties.dtype).removeprefix("torch."), "size": list(m.size),
-                            "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}
+            tensors[fqn] = {
+                "dtype": str(m.properties.dtype).removeprefix("torch."),
+                "size": list(m.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks],
+            }
         elif isinstance(m, BytesStorageMetadata):
             objects.append(fqn)
         else:
@@ -78,15 +105,32 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     storage = []
     for index, info in md.storage_data.items():
         if info.transform_descriptors:
-            raise TypeError(f"{index.fqn}: stored with transforms {info.transform_descriptors}, which fivefold does "
-                            "not write")
-        storage.append({"fqn": index.fqn, "offset": None if index.offset is None else list(index.offset),
-                        "index": index.index, "file": info.relative_path, "at": info.offset,
-                        "length": info.length})
+            raise TypeError(
+                f"{index.fqn}: stored with transforms {info.transform_descriptors}, which fivefold does "
+                "not write"
+            )
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else list(index.offset),
+                "index": index.index,
+                "file": info.relative_path,
+                "at": info.offset,
+                "length": info.length,
+            }
+        )
     if md.planner_data not in (None, {}):
-        raise TypeError(f"planner data {md.planner_data!r} has no JSON form (fivefold's planners write none)")
-    return {"format": FORMAT, "version": VERSION, "dcp_version": md.version, "tensors": tensors,
-            "objects": objects, "storage": storage}
+        raise TypeError(
+            f"planner data {md.planner_data!r} has no JSON form (fivefold's planners write none)"
+        )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dcp_version": md.version,
+        "tensors": tensors,
+        "objects": objects,
+        "storage": storage,
+    }
 
 
 def metadata_from_json(d: Any) -> Metadata:
@@ -95,23 +139,40 @@ def metadata_from_json(d: Any) -> Metadata:
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise DamagedMetadata(f"not a {FORMAT} file")
     if d.get("version") != VERSION:
-        raise DamagedMetadata(f"format version {d.get('version')!r}; this fivefold reads version {VERSION} "
-                              "(written by a newer fivefold?)")
+        raise DamagedMetadata(
+            f"format version {d.get('version')!r}; this fivefold reads version {VERSION} "
+            "(written by a newer fivefold?)"
+        )
     tensors, objects, storage = d.get("tensors"), d.get("objects"), d.get("storage")
-    if not isinstance(tensors, dict) or not isinstance(objects, list) or not isinstance(storage, list):
+    if (
+        not isinstance(tensors, dict)
+        or not isinstance(objects, list)
+        or not isinstance(storage, list)
+    ):
         raise DamagedMetadata("tensors, objects and storage must be an object and two lists")
     state: dict[str, Any] = {}
     for fqn, t in tensors.items():
-        if not isinstance(t, dict) or t.get("dtype") not in _DTYPES or not isinstance(t.get("chunks"), list):
+        if (
+            not isinstance(t, dict)
+            or t.get("dtype") not in _DTYPES
+            or not isinstance(t.get("chunks"), list)
+        ):
             raise DamagedMetadata(f"tensor {fqn!r}: {t!r}")
         chunks = []
         for c in t["chunks"]:
             if not isinstance(c, list) or len(c) != 2:
                 raise DamagedMetadata(f"tensor {fqn!r}: chunk {c!r}")
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(_ints(c[0], f"{fqn} chunk offsets")),
-                                               sizes=torch.Size(_ints(c[1], f"{fqn} chunk sizes"))))
-        state[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=_DTYPES[t["dtype"]]),
-                                           size=torch.Size(_ints(t.get("size"), f"{fqn} size")), chunks=chunks)
+            chunks.append(
+                ChunkStorageMetadata(
+                    offsets=torch.Size(_ints(c[0], f"{fqn} chunk offsets")),
+                    sizes=torch.Size(_ints(c[1], f"{fqn} chunk sizes")),
+                )
+            )
+        state[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=_DTYPES[t["dtype"]]),
+            size=torch.Size(_ints(t.get("size"), f"{fqn} size")),
+            chunks=chunks,
+        )
     for fqn in objects:
         if not isinstance(fqn, str) or fqn in state:
             raise DamagedMetadata(f"object name {fqn!r}")
@@ -122,16 +183,31 @@ def metadata_from_json(d: Any) -> Metadata:
             raise DamagedMetadata(f"storage entry {s!r} names no saved tensor or object")
         name = s.get("file")
         if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
-            raise DamagedMetadata(f"storage of {s['fqn']!r} names the file {name!r}: only DCP's __<rank>_<n>.distcp "
-                                  "files in the checkpoint directory are read")
-        offset = None if s.get("offset") is None else torch.Size(_ints(s["offset"], f"{s['fqn']} offset"))
+            raise DamagedMetadata(
+                f"storage of {s['fqn']!r} names the file {name!r}: only DCP's __<rank>_<n>.distcp "
+                "files in the checkpoint directory are read"
+            )
+        offset = (
+            None
+            if s.get("offset") is None
+            else torch.Size(_ints(s["offset"], f"{s['fqn']} offset"))
+        )
         index = s.get("index")
-        if index is not None and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
+        if index is not None and (
+            not isinstance(index, int) or isinstance(index, bool) or index < 0
+        ):
             raise DamagedMetadata(f"storage of {s['fqn']!r}: index {index!r}")
         at, length = _ints([s.get("at"), s.get("length")], f"{s['fqn']} byte range")
-        data[MetadataIndex(s["fqn"], offset, index)] = _StorageInfo(relative_path=name, offset=at, length=length)
-    return Metadata(state_dict_metadata=state, planner_data=None, storage_data=data, storage_meta=StorageMeta(),
-                    version=d.get("dcp_version") if isinstance(d.get("dcp_version"), str) else None)
+        data[MetadataIndex(s["fqn"], offset, index)] = _StorageInfo(
+            relative_path=name, offset=at, length=length
+        )
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=None,
+        storage_data=data,
+        storage_meta=StorageMeta(),
+        version=d.get("dcp_version") if isinstance(d.get("dcp_version"), str) else None,
+    )
 
 
 def read_safe_metadata(path: Path, trust: bool = False) -> Metadata:
@@ -145,7 +221,8 @@ def read_safe_metadata(path: Path, trust: bool = False) -> Metadata:
                 f"checkpoint {path} has no {DCP_METADATA}: its metadata is a pickle (DCP's .metadata, written by "
                 "another DCP program or by a fivefold older than this format), and reading it can run any code the "
                 "file carries. Load it only if you trust where it came from, with --trust-checkpoint (a fivefold "
-                "checkpoint saved after that is in the safe format)") from None
+                "checkpoint saved after that is in the safe format)"
+            ) from None
         return FileSystemReader(path).read_metadata()
     try:
         return metadata_from_json(json.loads(text))

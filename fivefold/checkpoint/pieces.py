@@ -51,8 +51,10 @@ def row_major_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     first, last = start // inner, (stop - 1) // inner
 
     def within(row: int, a: int, b: int) -> list[Box]:  # [a, b) of one row, row-relative
-        return [Box(row * inner + box.flat_start, (row, *box.offsets), (1, *box.sizes))
-                for box in row_major_boxes(shape[1:], a, b)]
+        return [
+            Box(row * inner + box.flat_start, (row, *box.offsets), (1, *box.sizes))
+            for box in row_major_boxes(shape[1:], a, b)
+        ]
 
     if first == last and (start % inner or stop - first * inner < inner):
         return within(first, start - first * inner, stop - first * inner)
@@ -65,7 +67,13 @@ def row_major_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     if tail < inner:
         full_to = last
     if full_to > full_from:
-        out.append(Box(full_from * inner, (full_from, *[0] * (len(shape) - 1)), (full_to - full_from, *shape[1:])))
+        out.append(
+            Box(
+                full_from * inner,
+                (full_from, *[0] * (len(shape) - 1)),
+                (full_to - full_from, *shape[1:]),
+            )
+        )
     if tail < inner:
         out += within(last, 0, tail)
     return out
@@ -78,26 +86,41 @@ class Pieces:
 
     size: torch.Size
     dtype: torch.dtype
-    boxes: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # global offsets -> values
+    boxes: dict[tuple[int, ...], torch.Tensor] = field(
+        default_factory=dict
+    )  # global offsets -> values
 
     def add(self, offsets: Sequence[int], values: torch.Tensor) -> None:
         key = tuple(offsets)
-        if len(key) != len(self.size) or any(o + s > n for o, s, n in zip(key, values.shape, self.size)):
-            raise ValueError(f"box at {key} of shape {tuple(values.shape)} outside a tensor of size {tuple(self.size)}")
+        if len(key) != len(self.size) or any(
+            o + s > n for o, s, n in zip(key, values.shape, self.size)
+        ):
+            raise ValueError(
+                f"box at {key} of shape {tuple(values.shape)} outside a tensor of size {tuple(self.size)}"
+            )
         self.boxes[key] = values
 
-    def add_flat_range(self, flat: torch.Tensor, local_shape: Sequence[int], start: int,
-                       local_offset: Sequence[int]) -> None:
+    def add_flat_range(
+        self,
+        flat: torch.Tensor,
+        local_shape: Sequence[int],
+        start: int,
+        local_offset: Sequence[int],
+    ) -> None:
         """The values ``flat`` (1-D) of the local tensor's flat range [start, start + len(flat)) — the local tensor
         being the slice of shape ``local_shape`` at ``local_offset`` of the global one."""
         for box in row_major_boxes(local_shape, start, start + flat.numel()):
             a = box.flat_start - start
-            values = flat[a:a + box.numel].view(box.sizes)
+            values = flat[a : a + box.numel].view(box.sizes)
             self.add([o + lo for o, lo in zip(box.offsets, local_offset)], values)
 
     def snapshot(self) -> Pieces:
         """A copy on the CPU whose values no longer change with training (for a background save)."""
-        return Pieces(self.size, self.dtype, {k: v.detach().to("cpu", copy=True) for k, v in self.boxes.items()})
+        return Pieces(
+            self.size,
+            self.dtype,
+            {k: v.detach().to("cpu", copy=True) for k, v in self.boxes.items()},
+        )
 
     @property
     def numel(self) -> int:

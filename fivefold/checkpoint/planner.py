@@ -21,7 +21,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from fivefold.checkpoint.pieces import Pieces
@@ -46,13 +52,21 @@ class PiecesSavePlanner(DefaultSavePlanner):
 
     def __init__(self) -> None:
         # replicas' copies of a tensor are written once, by the rank that has written least so far (not all by rank 0)
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False
+        )
 
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
-        self.pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}  # DCP's own walk skips these
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in self.pieces}, storage_meta,
-                               is_coordinator)
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.pieces = {
+            k: v for k, v in state_dict.items() if isinstance(v, Pieces)
+        }  # DCP's own walk skips these
+        super().set_up_planner(
+            {k: v for k, v in state_dict.items() if k not in self.pieces},
+            storage_meta,
+            is_coordinator,
+        )
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -60,11 +74,20 @@ class PiecesSavePlanner(DefaultSavePlanner):
         for fqn, pieces in self.pieces.items():
             for offsets, values in pieces.boxes.items():
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=values.shape)
-                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=chunk,
-                                                                   properties=TensorProperties(dtype=pieces.dtype),
-                                                                   size=pieces.size)))
-        self.plan = SavePlan(list(plan.items) + items, planner_data=plan.planner_data, storage_data=plan.storage_data)
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=chunk,
+                            properties=TensorProperties(dtype=pieces.dtype),
+                            size=pieces.size,
+                        ),
+                    )
+                )
+        self.plan = SavePlan(
+            list(plan.items) + items, planner_data=plan.planner_data, storage_data=plan.storage_data
+        )
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
@@ -77,13 +100,20 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
     """`DefaultLoadPlanner` that fills `Pieces` values from whichever saved chunks overlap their rectangles."""
 
     def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False
+        )
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
-        self.pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}  # DCP's own walk drops these
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self.pieces = {
+            k: v for k, v in state_dict.items() if isinstance(v, Pieces)
+        }  # DCP's own walk drops these
         self.caller_state_dict = state_dict
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in self.pieces}, metadata,
-                               is_coordinator)
+        super().set_up_planner(
+            {k: v for k, v in state_dict.items() if k not in self.pieces}, metadata, is_coordinator
+        )
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         # DCP's default unpickles objects with weights_only=False (any code the file carries would run): tensors,
@@ -91,30 +121,45 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise CheckpointMismatch(f"object {read_item.dest_index.fqn!r} holds more than tensors, numbers and "
-                                     "plain containers, which fivefold never saves; refused unread "
-                                     f"({str(e).splitlines()[0]})") from None
-        self.state_dict[read_item.dest_index.fqn] = self.caller_state_dict[read_item.dest_index.fqn] = obj
+            raise CheckpointMismatch(
+                f"object {read_item.dest_index.fqn!r} holds more than tensors, numbers and "
+                "plain containers, which fivefold never saves; refused unread "
+                f"({str(e).splitlines()[0]})"
+            ) from None
+        self.state_dict[read_item.dest_index.fqn] = self.caller_state_dict[
+            read_item.dest_index.fqn
+        ] = obj
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         saved_md = self.metadata.state_dict_metadata
         for fqn in self.state_dict:
             if fqn not in saved_md:
-                raise CheckpointMismatch(f"the checkpoint has no {fqn!r}: it was written for another model")
+                raise CheckpointMismatch(
+                    f"the checkpoint has no {fqn!r}: it was written for another model"
+                )
         plan = super().create_local_plan()
         requests = list(plan.items)
         for fqn, pieces in self.pieces.items():
             md = saved_md.get(fqn)
             if md is None:
-                raise CheckpointMismatch(f"the checkpoint has no {fqn!r}: it was written for another model")
+                raise CheckpointMismatch(
+                    f"the checkpoint has no {fqn!r}: it was written for another model"
+                )
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(pieces.size):
                 size = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "an object"
-                raise CheckpointMismatch(f"{fqn!r} is {size} in the checkpoint but {tuple(pieces.size)} in this "
-                                         "model: it was written for another model shape")
+                raise CheckpointMismatch(
+                    f"{fqn!r} is {size} in the checkpoint but {tuple(pieces.size)} in this "
+                    "model: it was written for another model shape"
+                )
             if md.properties.dtype != pieces.dtype:
-                raise CheckpointMismatch(f"{fqn!r} is {md.properties.dtype} in the checkpoint, {pieces.dtype} here")
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in pieces.boxes.items()]
+                raise CheckpointMismatch(
+                    f"{fqn!r} is {md.properties.dtype} in the checkpoint, {pieces.dtype} here"
+                )
+            chunks = [
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape)
+                for o, v in pieces.boxes.items()
+            ]
             requests += create_read_items_for_chunk_list(fqn, md, chunks)
         return LoadPlan(requests, planner_data=plan.planner_data, storage_data=plan.storage_data)
 

@@ -74,15 +74,19 @@ def optimizer_state_keys(engine: ZeroDataParallel) -> tuple[list[str], list[str]
     return elementwise, scalar
 
 
-def _ensure_optimizer_state(engine: ZeroDataParallel, elementwise: Iterable[str],
-                            scalars: dict[str, torch.dtype]) -> None:
+def _ensure_optimizer_state(
+    engine: ZeroDataParallel, elementwise: Iterable[str], scalars: dict[str, torch.dtype]
+) -> None:
     """Create the optimizer state a load will fill (a torch optimizer allocates it at its first step)."""
     for flat in engine.flats:
         for mp in flat.master_params:
             state = engine.optimizer.state.setdefault(mp, {})
             for k in elementwise:
                 state.setdefault(k, torch.zeros_like(mp, memory_format=torch.preserve_format))
-            for k, dtype in scalars.items():  # torch keeps a non-fused optimizer's step count on the CPU
+            for (
+                k,
+                dtype,
+            ) in scalars.items():  # torch keeps a non-fused optimizer's step count on the CPU
                 state.setdefault(k, torch.zeros((), dtype=dtype, device="cpu"))
 
 
@@ -109,9 +113,12 @@ class TrainingState:
             w.wait()
 
 
-def training_state(engines: Iterable[ZeroDataParallel], tp: Comm | None,
-                   optimizer_scalars: dict[str, torch.dtype] | None = None,
-                   optimizer_elementwise: Iterable[str] | None = None) -> TrainingState:
+def training_state(
+    engines: Iterable[ZeroDataParallel],
+    tp: Comm | None,
+    optimizer_scalars: dict[str, torch.dtype] | None = None,
+    optimizer_elementwise: Iterable[str] | None = None,
+) -> TrainingState:
     """This rank's model and optimizer state keyed by global names, as `Pieces` viewing the live tensors (save:
     what is written; load: where it lands). For a load give the optimizer keys the checkpoint has: the state is
     created (zeros) where the optimizer has none yet."""
@@ -132,12 +139,20 @@ def training_state(engines: Iterable[ZeroDataParallel], tp: Comm | None,
                 slot = flat.layout.slots[i]
                 share = shares[slot.name]
                 start = lo - slot.offset
-                state[f"model.{slot.name}"].add_flat_range(flat.master[lo - flat.start:hi - flat.start],
-                                                           share.local_shape, start, share.local_offset)
+                state[f"model.{slot.name}"].add_flat_range(
+                    flat.master[lo - flat.start : hi - flat.start],
+                    share.local_shape,
+                    start,
+                    share.local_offset,
+                )
                 opt = engine.optimizer.state.get(mp, {})
                 for k in elementwise:
-                    state[f"optim.{k}.{slot.name}"].add_flat_range(opt[k][lo - seg_lo:hi - seg_lo],
-                                                                   share.local_shape, start, share.local_offset)
+                    state[f"optim.{k}.{slot.name}"].add_flat_range(
+                        opt[k][lo - seg_lo : hi - seg_lo],
+                        share.local_shape,
+                        start,
+                        share.local_offset,
+                    )
                 for k in scalars:  # equal in every segment of a parameter: one value per parameter
                     fqn = f"optim.{k}.{slot.name}"
                     state.setdefault(fqn, opt[k].detach().clone())

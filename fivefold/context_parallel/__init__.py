@@ -5,4 +5,11 @@ from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
 from fivefold.context_parallel.plan import CPPlan, apply_context_parallel
 from fivefold.context_parallel.ring_attention import RingAttention, ring_attention
 
-__all__ = ["CPPlan", "LAYOUTS", "RingAttention", "SequenceLayout", "apply_context_parallel", "ring_attention"]
+__all__ = [
+    "CPPlan",
+    "LAYOUTS",
+    "RingAttention",
+    "SequenceLayout",
+    "apply_context_parallel",
+    "ring_attention",
+]

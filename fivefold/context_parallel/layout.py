@@ -22,7 +22,9 @@ class SequenceLayout:
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUTS:
-            raise ValueError(f"context-parallel layout {self.kind!r}: choose {' or '.join(LAYOUTS)}")
+            raise ValueError(
+                f"context-parallel layout {self.kind!r}: choose {' or '.join(LAYOUTS)}"
+            )
 
     @property
     def n_chunks(self) -> int:
@@ -34,15 +36,21 @@ class SequenceLayout:
 
     def check(self, seq_len: int) -> None:
         if seq_len % self.n_chunks:
-            raise ValueError(f"context parallel ({self.kind}, cp={self.cp}) cuts the sequence into {self.n_chunks} "
-                             f"equal chunks: seq_len={seq_len} is not divisible by {self.n_chunks}; use a multiple "
-                             f"of {self.n_chunks}")
+            raise ValueError(
+                f"context parallel ({self.kind}, cp={self.cp}) cuts the sequence into {self.n_chunks} "
+                f"equal chunks: seq_len={seq_len} is not divisible by {self.n_chunks}; use a multiple "
+                f"of {self.n_chunks}"
+            )
 
-    def positions(self, rank: int, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def positions(
+        self, rank: int, seq_len: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
         """Global token positions of `rank`'s local sequence (for RoPE and for slicing batches)."""
         self.check(seq_len)
         chunk = seq_len // self.n_chunks
-        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks_of(rank)])
+        return torch.cat(
+            [torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks_of(rank)]
+        )
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """`rank`'s part of `x` (the whole sequence along `dim`)."""

@@ -18,27 +18,47 @@ __all__ = ["CPPlan", "apply_context_parallel"]
 
 @dataclass(frozen=True)
 class CPPlan:
-    attention: str  # module-name pattern of the attention modules; each has a ``core(q, k, v)`` to replace
-    position_tables: tuple[str, ...]  # root buffers whose row i belongs to sequence position i (RoPE)
+    attention: (
+        str  # module-name pattern of the attention modules; each has a ``core(q, k, v)`` to replace
+    )
+    position_tables: tuple[
+        str, ...
+    ]  # root buffers whose row i belongs to sequence position i (RoPE)
 
 
-def apply_context_parallel(model: nn.Module, comm: Comm, layout: SequenceLayout, seq_len: int, plan: CPPlan,
-                           ) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module,
+    comm: Comm,
+    layout: SequenceLayout,
+    seq_len: int,
+    plan: CPPlan,
+) -> nn.Module:
     """Make `model` (whole or a pipeline stage, tables already filled) run on `comm.rank`'s part of sequences of
     `seq_len` tokens laid out by `layout`."""
     layout.check(seq_len)
-    attention = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, plan.attention)]
+    attention = [
+        m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, plan.attention)
+    ]
     for module in attention:
         if not hasattr(module, "core"):
-            raise TypeError(f"context parallel: {type(module).__name__} has no attention core to replace")
+            raise TypeError(
+                f"context parallel: {type(module).__name__} has no attention core to replace"
+            )
         module.core = RingAttention(comm, layout, seq_len)
     for name in plan.position_tables:
         table = getattr(model, name)
         if table.shape[0] < seq_len:
-            raise ValueError(f"context parallel: {name} covers {table.shape[0]} positions, fewer than "
-                             f"seq_len={seq_len}")
-        model.register_buffer(name, table.index_select(0, layout.positions(comm.rank, seq_len, table.device)),
-                              persistent=False)
+            raise ValueError(
+                f"context parallel: {name} covers {table.shape[0]} positions, fewer than "
+                f"seq_len={seq_len}"
+            )
+        model.register_buffer(
+            name,
+            table.index_select(0, layout.positions(comm.rank, seq_len, table.device)),
+            persistent=False,
+        )
     model.cp_layout = layout
-    model.rank_local_buffers = frozenset(plan.position_tables)  # a data-parallel wrapper must not broadcast them
+    model.rank_local_buffers = frozenset(
+        plan.position_tables
+    )  # a data-parallel wrapper must not broadcast them
     return model

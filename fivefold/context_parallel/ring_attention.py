@@ -41,12 +41,17 @@ def _blocks(rank: int, src: int, layout: SequenceLayout, chunk: int, causal: boo
         for j, kc in enumerate(layout.chunks_of(src)):
             mode = _mode(qc, kc, causal)
             if mode is not None:
-                yield slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk), mode == "diag"
+                yield (
+                    slice(i * chunk, (i + 1) * chunk),
+                    slice(j * chunk, (j + 1) * chunk),
+                    mode == "diag",
+                )
 
 
 # -- one block: q [B, H, Lq, d] against k, v [B, H_kv, Lk, d] (a diagonal block is square and causal) ----------
 # forward -> (out [B, H, Lq, d] fp32, lse [B, H, Lq] fp32); backward(dO, q, k, v, O, lse) with the *final* O and
 # lse -> this block's dq [B, H, Lq, d], dk, dv [B, H_kv, Lk, d] (fp32). Two implementations of the same math.
+
 
 class MathBlocks:
     """Portable: plain matmuls in fp32, the query heads of one kv head grouped so k and v broadcast."""
@@ -55,7 +60,9 @@ class MathBlocks:
     def _scores(q: torch.Tensor, k: torch.Tensor, diag: bool, scale: float) -> torch.Tensor:
         b, hq, lq, d = q.shape
         hkv = k.shape[1]
-        s = torch.matmul(q.float().reshape(b, hkv, hq // hkv, lq, d), k.float().unsqueeze(2).transpose(-1, -2))
+        s = torch.matmul(
+            q.float().reshape(b, hkv, hq // hkv, lq, d), k.float().unsqueeze(2).transpose(-1, -2)
+        )
         s.mul_(scale)
         if diag:
             above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
@@ -73,10 +80,14 @@ class MathBlocks:
         hkv = k.shape[1]
         grouped = (b, hkv, hq // hkv, lq)
         do = dout.float().reshape(*grouped, d)
-        delta = (do * out.float().reshape(*grouped, d)).sum(dim=-1)  # rowsum(dO ∘ O): softmax's Jacobian term
+        delta = (do * out.float().reshape(*grouped, d)).sum(
+            dim=-1
+        )  # rowsum(dO ∘ O): softmax's Jacobian term
         p = self._scores(q, k, diag, scale).sub_(lse.reshape(grouped).unsqueeze(-1)).exp_()
         dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-        ds = p.mul_(torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
+        ds = p.mul_(
+            torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1))
+        )
         dq = torch.matmul(ds, k.float().unsqueeze(2)).mul_(scale)
         dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().reshape(*grouped, d)).mul_(scale)
         return dq.reshape(q.shape), dk, dv
@@ -89,14 +100,24 @@ class CPUFlashBlocks:
     def forward(self, q, k, v, diag: bool, scale: float):
         k, v = self._expand(k, q), self._expand(v, q)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k, v, 0.0, diag, attn_mask=None, scale=scale)
+            q.contiguous(), k, v, 0.0, diag, attn_mask=None, scale=scale
+        )
         return out.float(), lse
 
     def backward(self, dout, q, k, v, out, lse, diag: bool, scale: float):
         hkv = k.shape[1]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q.contiguous(), self._expand(k, q), self._expand(v, q), out.contiguous(),
-            lse.contiguous(), 0.0, diag, attn_mask=None, scale=scale)
+            dout.contiguous(),
+            q.contiguous(),
+            self._expand(k, q),
+            self._expand(v, q),
+            out.contiguous(),
+            lse.contiguous(),
+            0.0,
+            diag,
+            attn_mask=None,
+            scale=scale,
+        )
         if dk.shape[1] != hkv:
             b, hq, lk, d = dk.shape
             dk, dv = (t.float().reshape(b, hkv, hq // hkv, lk, d).sum(dim=2) for t in (dk, dv))
@@ -118,8 +139,16 @@ def default_kernel(device: torch.device) -> str:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,  # type: ignore[override]
-                layout: SequenceLayout, causal: bool, kernel: str) -> torch.Tensor:
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        comm: Comm,  # type: ignore[override]
+        layout: SequenceLayout,
+        causal: bool,
+        kernel: str,
+    ) -> torch.Tensor:
         blocks = KERNELS[kernel]
         rank, world = comm.rank, comm.size
         chunk = q.shape[2] // len(layout.chunks_of(rank))
@@ -131,11 +160,17 @@ class _RingAttention(torch.autograd.Function):
             batch, incoming = None, None
             if step < world - 1:  # the next shard travels while this one is used
                 incoming = torch.empty_like(kv)
-                batch = comm.batch_p2p([("send", kv, (rank + 1) % world), ("recv", incoming, (rank - 1) % world)],
-                                       tag="cp_kv")
+                batch = comm.batch_p2p(
+                    [("send", kv, (rank + 1) % world), ("recv", incoming, (rank - 1) % world)],
+                    tag="cp_kv",
+                )
             for qs, ks, diag in _blocks(rank, (rank - step) % world, layout, chunk, causal):
-                block_out, block_lse = blocks.forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], diag, scale)
-                merged = torch.logaddexp(lse[:, :, qs], block_lse)  # online softmax: rescale both to the new total
+                block_out, block_lse = blocks.forward(
+                    q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], diag, scale
+                )
+                merged = torch.logaddexp(
+                    lse[:, :, qs], block_lse
+                )  # online softmax: rescale both to the new total
                 out[:, :, qs].mul_((lse[:, :, qs] - merged).exp_().unsqueeze(-1))
                 out[:, :, qs].add_(block_out.mul_((block_lse - merged).exp_().unsqueeze(-1)))
                 lse[:, :, qs] = merged
@@ -164,19 +199,33 @@ class _RingAttention(torch.autograd.Function):
             if step < world - 1:
                 kv_next = torch.empty_like(kv)
                 kv_batch = comm.batch_p2p([("send", kv, nxt), ("recv", kv_next, prv)], tag="cp_kv")
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's part for the shard
+            dkv = torch.zeros(
+                kv.shape, dtype=torch.float32, device=kv.device
+            )  # this step's part for the shard
             for qs, ks, diag in _blocks(rank, (rank - step) % world, layout, chunk, causal):
-                dq_b, dk_b, dv_b = blocks.backward(grad_out[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                   out[:, :, qs], lse[:, :, qs], diag, scale)
+                dq_b, dk_b, dv_b = blocks.backward(
+                    grad_out[:, :, qs],
+                    q[:, :, qs],
+                    kv[0][:, :, ks],
+                    kv[1][:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    diag,
+                    scale,
+                )
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
-            if world > 1:  # the shard's accumulator travels with it: add what earlier ranks gave, pass it on
+            if (
+                world > 1
+            ):  # the shard's accumulator travels with it: add what earlier ranks gave, pass it on
                 if dkv_batch is not None:
                     dkv_batch.wait()
                     dkv += dkv_incoming
                 dkv_incoming = torch.empty_like(dkv)
-                dkv_batch = comm.batch_p2p([("send", dkv, nxt), ("recv", dkv_incoming, prv)], tag="cp_dkv")
+                dkv_batch = comm.batch_p2p(
+                    [("send", dkv, nxt), ("recv", dkv_incoming, prv)], tag="cp_dkv"
+                )
             if kv_batch is not None:
                 kv_batch.wait()
                 kv = kv_next
@@ -187,8 +236,15 @@ class _RingAttention(torch.autograd.Function):
 
 
 @eager_region
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, layout: SequenceLayout,
-                   causal: bool = True, kernel: str | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Comm,
+    layout: SequenceLayout,
+    causal: bool = True,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """Attention of this rank's queries q [B, H, L/C, d] over the whole sequence, whose keys and values k, v
     [B, H_kv, L/C, d] are spread over `comm` as `layout` says (rank order = ring order). `kernel` computes each
     block: "math" or "cpu_flash" (default: `default_kernel` of q's device)."""
@@ -199,8 +255,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     if layout.cp != comm.size:
         raise ValueError(f"the layout is for cp={layout.cp}, but the group has {comm.size} ranks")
     if q.shape[2] % chunks or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"ring attention needs q [B, H, L, d] and k, v [B, H_kv, L, d] with H divisible by H_kv "
-                         f"and L by {chunks} (chunks per rank); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"ring attention needs q [B, H, L, d] and k, v [B, H_kv, L, d] with H divisible by H_kv "
+            f"and L by {chunks} (chunks per rank); got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     return _RingAttention.apply(q, k, v, comm, layout, causal, kernel)
 
 
@@ -216,7 +274,9 @@ class RingAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] * self.comm.size != self.seq_len:
-            raise ValueError(f"context parallel was set up for sequences of {self.seq_len} tokens (each rank's RoPE "
-                             f"positions); this rank got {q.shape[2]} of a {q.shape[2] * self.comm.size}-token "
-                             "sequence: use the configured train.seq_len")
+            raise ValueError(
+                f"context parallel was set up for sequences of {self.seq_len} tokens (each rank's RoPE "
+                f"positions); this rank got {q.shape[2]} of a {q.shape[2] * self.comm.size}-token "
+                "sequence: use the configured train.seq_len"
+            )
         return ring_attention(q, k, v, self.comm, self.layout, self.causal)

@@ -4,12 +4,28 @@
 stage) in (`fivefold.models.parallelize`); `DDP` and `ShardedOptimizer` stand alone for any module.
 """
 
-from fivefold.data_parallel.buckets import BucketedGradReducer, FlatLayout, GradBucket, assign_buckets
+from fivefold.data_parallel.buckets import (
+    BucketedGradReducer,
+    FlatLayout,
+    GradBucket,
+    assign_buckets,
+)
 from fivefold.data_parallel.ddp import DDP, broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
 from fivefold.data_parallel.zero import ZeroDataParallel
 
-__all__ = ["DDP", "BucketedGradReducer", "DynamicLossScaler", "FlatLayout", "FlatParam", "GradBucket",
-           "MixedPrecision", "ShardedOptimizer", "ZeroDataParallel", "assign_buckets", "broadcast_module_state"]
+__all__ = [
+    "DDP",
+    "BucketedGradReducer",
+    "DynamicLossScaler",
+    "FlatLayout",
+    "FlatParam",
+    "GradBucket",
+    "MixedPrecision",
+    "ShardedOptimizer",
+    "ZeroDataParallel",
+    "assign_buckets",
+    "broadcast_module_state",
+]

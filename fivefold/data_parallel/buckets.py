@@ -55,13 +55,15 @@ class FlatLayout:
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         s = self.slots[i]
-        return flat[s.offset:s.offset + s.numel].view(s.shape)
+        return flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
         """[start, end) of `rank`'s equal contiguous shard (requires pad_to % world == 0)."""
         if self.padded_numel % world:
-            raise ValueError(f"flat buffer of {self.padded_numel} elements cannot be split evenly "
-                             f"over {world} ranks (pad_to={self.pad_to})")
+            raise ValueError(
+                f"flat buffer of {self.padded_numel} elements cannot be split evenly "
+                f"over {world} ranks (pad_to={self.pad_to})"
+            )
         size = self.padded_numel // world
         return rank * size, (rank + 1) * size
 
@@ -84,7 +86,9 @@ class BufferPool:
 
     def acquire(self, numel: int) -> torch.Tensor:
         if numel > self.capacity:
-            raise ValueError(f"a buffer of {numel} elements was asked of a pool of {self.capacity}-element buffers")
+            raise ValueError(
+                f"a buffer of {numel} elements was asked of a pool of {self.capacity}-element buffers"
+            )
         if self._free:
             buffer = self._free.pop()
         else:
@@ -96,7 +100,9 @@ class BufferPool:
     def release(self, view: torch.Tensor) -> None:
         buffer = self._by_storage.get(view.untyped_storage().data_ptr())
         if buffer is None or any(b is buffer for b in self._free):
-            raise RuntimeError("released a tensor that is not a buffer of this pool in use (released twice?)")
+            raise RuntimeError(
+                "released a tensor that is not a buffer of this pool in use (released twice?)"
+            )
         self._free.append(buffer)
 
     def forget(self, view: torch.Tensor) -> None:
@@ -107,7 +113,9 @@ class BufferPool:
             self.buffers = [b for b in self.buffers if b is not buffer]
 
 
-def assign_buckets(named_params: NamedParams, bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
+def assign_buckets(
+    named_params: NamedParams, bucket_bytes: float
+) -> list[list[tuple[str, nn.Parameter]]]:
     """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration order; a change of
     dtype or device starts a new bucket (one flat buffer has one dtype)."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
@@ -139,9 +147,17 @@ class GradBucket:
     the buffer never coexists with the unit's parameters; under ``no_sync`` it copies as usual (reduce dtype).
     With a ``pool`` a temporary buffer is borrowed from it and given back (constant buffers) instead of allocated."""
 
-    def __init__(self, index: int, named_params: NamedParams, layout: FlatLayout, grad_dtype: torch.dtype,
-                 keep_buffer: bool = True, views: bool | None = None, defer_copy: bool = False,
-                 pool: BufferPool | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        named_params: NamedParams,
+        layout: FlatLayout,
+        grad_dtype: torch.dtype,
+        keep_buffer: bool = True,
+        views: bool | None = None,
+        defer_copy: bool = False,
+        pool: BufferPool | None = None,
+    ) -> None:
         self.index = index
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -164,7 +180,9 @@ class GradBucket:
             if self.pool is not None:
                 self.grad = self.pool.acquire(self.layout.padded_numel).zero_()
             else:
-                self.grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+                self.grad = torch.zeros(
+                    self.layout.padded_numel, dtype=self.grad_dtype, device=self.device
+                )
         return self.grad
 
     def grad_view(self, i: int) -> torch.Tensor:
@@ -191,7 +209,9 @@ class GradBucket:
     def release(self) -> None:
         """Free a copy-mode buffer (give it back to the pool) once its collective is done."""
         if not self.keep_buffer and self.grad is not None:
-            if self.pool is not None and self.work is not None:  # never finished (a backward raised): not reused
+            if (
+                self.pool is not None and self.work is not None
+            ):  # never finished (a backward raised): not reused
                 self.pool.forget(self.grad)
             elif self.pool is not None:
                 self.pool.release(self.grad)
@@ -204,11 +224,20 @@ class GradBucket:
         self.touched = False  # a gradient arrived in the current backward
 
 
-def make_grad_buckets(named_params: NamedParams, bucket_bytes: float, pad_to: int = 1,
-                      grad_dtype: torch.dtype | None = None, keep_buffer: bool = True) -> list[GradBucket]:
+def make_grad_buckets(
+    named_params: NamedParams,
+    bucket_bytes: float,
+    pad_to: int = 1,
+    grad_dtype: torch.dtype | None = None,
+    keep_buffer: bool = True,
+) -> list[GradBucket]:
     """Buckets of `bucket_bytes` in reverse registration order, each with its own flat layout."""
-    return [GradBucket(i, group, FlatLayout(group, pad_to), grad_dtype or group[0][1].dtype, keep_buffer)
-            for i, group in enumerate(assign_buckets(named_params, bucket_bytes))]
+    return [
+        GradBucket(
+            i, group, FlatLayout(group, pad_to), grad_dtype or group[0][1].dtype, keep_buffer
+        )
+        for i, group in enumerate(assign_buckets(named_params, bucket_bytes))
+    ]
 
 
 # launch(bucket) -> async work handle (or None); finish(bucket) runs after the handle completed.
@@ -219,23 +248,35 @@ FinishFn = Callable[[GradBucket], None]
 class BucketedGradReducer:
     """Hooks gradients into buckets and launches each bucket's collective as soon as it is full."""
 
-    def __init__(self, buckets: list[GradBucket], launch: LaunchFn, finish: FinishFn | None = None,
-                 find_unused: bool = False, on_backward_end: Callable[[], None] | None = None,
-                 before_first_grad: Callable[[GradBucket], None] | None = None,
-                 on_all_grads: Callable[[GradBucket], None] | None = None,
-                 max_inflight: int | None = None) -> None:
+    def __init__(
+        self,
+        buckets: list[GradBucket],
+        launch: LaunchFn,
+        finish: FinishFn | None = None,
+        find_unused: bool = False,
+        on_backward_end: Callable[[], None] | None = None,
+        before_first_grad: Callable[[GradBucket], None] | None = None,
+        on_all_grads: Callable[[GradBucket], None] | None = None,
+        max_inflight: int | None = None,
+    ) -> None:
         if max_inflight is not None and max_inflight < 1:
-            raise ValueError(f"max_inflight={max_inflight}: at least one bucket must be allowed in flight "
-                             "(or None for no bound)")
+            raise ValueError(
+                f"max_inflight={max_inflight}: at least one bucket must be allowed in flight "
+                "(or None for no bound)"
+            )
         self.launch_fn = launch
         self.finish_fn = finish
         self.max_inflight = max_inflight
         self.find_unused = find_unused
         self.require_sync = True
-        self.trace: list[tuple[int, str, str]] | None = None  # (seq, event, name): grad_ready, completed
+        self.trace: list[tuple[int, str, str]] | None = (
+            None  # (seq, event, name): grad_ready, completed
+        )
         self.trace_clock: Callable[[], int] | None = None
         self.on_backward_end = on_backward_end
-        self.before_first_grad = before_first_grad  # runs before a bucket takes its first gradient of a backward
+        self.before_first_grad = (
+            before_first_grad  # runs before a bucket takes its first gradient of a backward
+        )
         # runs when every gradient of a bucket exists (any launch order; ZeRO-3 frees the unit's parameters)
         self.on_all_grads = on_all_grads
         self.unsynced = False  # gradients arrived under no_sync and have not been reduced yet
@@ -245,7 +286,9 @@ class BucketedGradReducer:
         self._callback_queued = False
         self._task = -1  # autograd graph task of the backward whose end callback is queued
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
-        self._arrived: dict[int, set[int]] = {}  # no_sync: bucket index -> ids of params with a gradient this backward
+        self._arrived: dict[
+            int, set[int]
+        ] = {}  # no_sync: bucket index -> ids of params with a gradient this backward
         self._where: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -256,9 +299,11 @@ class BucketedGradReducer:
         bucket, i = self._where[id(p)]
         task = graph_task_id()
         if self._callback_queued and task != self._task:
-            raise RuntimeError(f"gradient of '{bucket.names[i]}' arrived in a new backward, but the previous one "
-                               "never finished (it raised): some of its buckets were already reduced. Call "
-                               "zero_grad() before running backward again")
+            raise RuntimeError(
+                f"gradient of '{bucket.names[i]}' arrived in a new backward, but the previous one "
+                "never finished (it raised): some of its buckets were already reduced. Call "
+                "zero_grad() before running backward again"
+            )
         if not self._callback_queued:
             self._callback_queued = True
             self._task = task
@@ -277,9 +322,11 @@ class BucketedGradReducer:
             return
         if self._ready.get(id(p)):
             if bucket.launched:
-                raise RuntimeError(f"gradient of '{bucket.names[i]}' was accumulated again after its bucket's "
-                                   "collective was launched in this backward (reentrant checkpointing or a second "
-                                   "backward through the same graph); use non-reentrant checkpointing or no_sync()")
+                raise RuntimeError(
+                    f"gradient of '{bucket.names[i]}' was accumulated again after its bucket's "
+                    "collective was launched in this backward (reentrant checkpointing or a second "
+                    "backward through the same graph); use non-reentrant checkpointing or no_sync()"
+                )
             return
         self._ready[id(p)] = True
         bucket.pending -= 1
@@ -301,7 +348,10 @@ class BucketedGradReducer:
 
     def _launch_ready_buckets(self) -> None:
         # Index order on every rank: collectives must be issued in the same order everywhere.
-        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
+        while (
+            self._next_to_launch < len(self.buckets)
+            and self.buckets[self._next_to_launch].pending == 0
+        ):
             bucket = self.buckets[self._next_to_launch]
             bucket.launched = True
             if bucket.defer_copy:
@@ -356,24 +406,33 @@ class BucketedGradReducer:
         self._launch_ready_buckets()
 
     def unready_names(self) -> list[str]:
-        return [b.names[i] for b in self.buckets for i, p in enumerate(b.params) if not self._ready.get(id(p))]
+        return [
+            b.names[i]
+            for b in self.buckets
+            for i, p in enumerate(b.params)
+            if not self._ready.get(id(p))
+        ]
 
     def flush(self) -> None:
         """End of a synchronising backward: a missing gradient is an error (zero with find_unused); complete buckets."""
         missing = self.unready_names()
         if missing and not self.find_unused:
-            raise RuntimeError(f"{len(missing)} parameter(s) received no gradient in this backward: "
-                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Every rank must "
-                               "reduce every bucket; freeze them (requires_grad=False), make them part of the "
-                               "loss, or pass find_unused=True to reduce a zero gradient for them")
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) received no gradient in this backward: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Every rank must "
+                "reduce every bucket; freeze them (requires_grad=False), make them part of the "
+                "loss, or pass find_unused=True to reduce a zero gradient for them"
+            )
         self.sync_now()
 
     def sync_now(self) -> None:
         """Reduce what every parameter holds now, ready or not (after a pipeline's backwards ran under no_sync)."""
-        for bucket in self.buckets[self._next_to_launch:]:
+        for bucket in self.buckets[self._next_to_launch :]:
             if bucket.pending and self.on_all_grads is not None:
                 self.on_all_grads(bucket)  # nothing more will arrive
-            if not bucket.defer_copy:  # (deferred buckets take everything, zeros included, at copy_in)
+            if (
+                not bucket.defer_copy
+            ):  # (deferred buckets take everything, zeros included, at copy_in)
                 for i, p in enumerate(bucket.params):
                     if not self._ready.get(id(p)):
                         bucket.bind_grad(i)  # zero if it never had a gradient

@@ -17,22 +17,37 @@ from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, make_grad_buckets
 
 
-def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 0, skip: Collection[str] = (),
-                           message_bytes: int = 32 * 2**20) -> None:
+def broadcast_module_state(
+    module: nn.Module,
+    comm: Comm,
+    src_group_rank: int = 0,
+    skip: Collection[str] = (),
+    message_bytes: int = 32 * 2**20,
+) -> None:
     """Make every rank's parameters and buffers equal to the source rank's, in place. Small tensors of one dtype and
     device travel together in messages of at most `message_bytes`, a larger one alone: never a second copy of the
     model. Meta tensors, the parameters named in `skip` (materialised later, the same on every rank) and the buffers a
     module lists in ``rank_local_buffers`` (context parallel's RoPE rows, each rank its own positions) are left."""
-    rank_local = {f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
-                  for b in getattr(m, "rank_local_buffers", ())}
-    named = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n not in rank_local)]
+    rank_local = {
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in module.named_modules()
+        for b in getattr(m, "rank_local_buffers", ())
+    }
+    named = [
+        *module.named_parameters(),
+        *((n, b) for n, b in module.named_buffers() if n not in rank_local),
+    ]
     tensors = [t.detach() for n, t in named if n not in skip and t.device.type != "meta"]
     messages: list[list[torch.Tensor]] = []
     size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         last = messages[-1][0] if messages else None
-        if last is None or (last.dtype, last.device) != (t.dtype, t.device) or size + nbytes > message_bytes:
+        if (
+            last is None
+            or (last.dtype, last.device) != (t.dtype, t.device)
+            or size + nbytes > message_bytes
+        ):
             messages.append([])
             size = 0
         messages[-1].append(t)
@@ -46,7 +61,7 @@ def broadcast_module_state(module: nn.Module, comm: Comm, src_group_rank: int = 
             comm.broadcast(flat, src_group_rank, tag="init")
             offset = 0
             for t in message:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 
@@ -55,15 +70,24 @@ class DDP(nn.Module):
     from group rank 0, ``.grad`` views into flat buckets all-reduced as they fill, tied parameters counted once,
     frozen ones ignored; a parameter without a gradient is an error unless ``find_unused=True``."""
 
-    def __init__(self, module: nn.Module, comm: Comm, *, bucket_mb: float = 25.0,
-                 find_unused: bool = False, broadcast_init: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Comm,
+        *,
+        bucket_mb: float = 25.0,
+        find_unused: bool = False,
+        broadcast_init: bool = True,
+    ) -> None:
         super().__init__()
         self.module = module
         self.comm = comm
         if broadcast_init and comm.size > 1:
             broadcast_module_state(module, comm)
         buckets = make_grad_buckets(list(module.named_parameters()), bucket_mb * 2**20)
-        self.reducer = BucketedGradReducer(buckets, launch=self._all_reduce_bucket, find_unused=find_unused)
+        self.reducer = BucketedGradReducer(
+            buckets, launch=self._all_reduce_bucket, find_unused=find_unused
+        )
 
     def _all_reduce_bucket(self, bucket: GradBucket) -> Any:
         if self.comm.size == 1:

@@ -38,11 +38,24 @@ OPTIMIZER_CHUNK = 2**18
 
 
 class FlatParam:
-    def __init__(self, index: int, named_params: Sequence[tuple[str, nn.Parameter]], comm: Comm, *,
-                 group_of: GroupOf, param_dtype: torch.dtype, sharded: bool, reshard: bool = False,
-                 value_of: ValueOf | None = None, quant_block: int | None = None,
-                 secondary: Comm | None = None, offload: bool = False) -> None:
-        ordered = sorted(named_params, key=lambda item: group_of(*item))  # stable: groups contiguous
+    def __init__(
+        self,
+        index: int,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        comm: Comm,
+        *,
+        group_of: GroupOf,
+        param_dtype: torch.dtype,
+        sharded: bool,
+        reshard: bool = False,
+        value_of: ValueOf | None = None,
+        quant_block: int | None = None,
+        secondary: Comm | None = None,
+        offload: bool = False,
+    ) -> None:
+        ordered = sorted(
+            named_params, key=lambda item: group_of(*item)
+        )  # stable: groups contiguous
         self.index = index
         self.comm = comm
         self.names = [n for n, _ in ordered]
@@ -56,7 +69,9 @@ class FlatParam:
         self.param_dtype = param_dtype
         self.reshard_enabled = reshard and self.sharded
         device = self.params[0].device
-        make = torch.empty if self.reshard_enabled else torch.zeros  # (ZeRO-3's is freed at once, below)
+        make = (
+            torch.empty if self.reshard_enabled else torch.zeros
+        )  # (ZeRO-3's is freed at once, below)
         self.full = make(self.layout.padded_numel, dtype=param_dtype, device=device)
         self._full_bytes = self.full.untyped_storage().nbytes()
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
@@ -64,16 +79,23 @@ class FlatParam:
         self._after_gather: Callable[[], None] | None = None
         # ZeRO++ (ZeRO-3 gathers only): qwZ's block size (None: gathers in the compute dtype), hpZ's group and copy
         self.quant_block = quant_block if self.reshard_enabled else None
-        self.secondary_comm = secondary if self.reshard_enabled and secondary is not None and secondary.size > 1 \
+        self.secondary_comm = (
+            secondary
+            if self.reshard_enabled and secondary is not None and secondary.size > 1
             else None
-        self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/|secondary| of the last forward gather
-        self._secondary_fresh = False  # False after the shard changed (write_back): the next gather is a full one
+        )
+        self.secondary: torch.Tensor | None = (
+            None  # hpZ: this rank's 1/|secondary| of the last forward gather
+        )
+        self._secondary_fresh = (
+            False  # False after the shard changed (write_back): the next gather is a full one
+        )
         self.owns_storage = True  # False once `full` views a shared gather slot (constant buffers)
         if self.reshard_enabled:  # ZeRO-3 holds only its shard: the full buffer grows when gathered
             self.full.untyped_storage().resize_(0)
             self.local = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
         else:
-            self.local = self.full[self.start:self.end]
+            self.local = self.full[self.start : self.end]
         self.is_unsharded = not self.reshard_enabled
         # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the 16-bit copy:
         # wrapping must not round the weights. Offloaded, it is a host buffer of its own whatever the dtype.
@@ -81,17 +103,26 @@ class FlatParam:
         if offload:
             self.master = host.host_zeros(self.shard_numel, torch.float32, device)
         else:
-            self.master = (self.local if param_dtype == torch.float32 else
-                           torch.zeros(self.shard_numel, dtype=torch.float32, device=device))
+            self.master = (
+                self.local
+                if param_dtype == torch.float32
+                else torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            )
         self.host_grad: torch.Tensor | None = None  # offload: the fp32 gradient shard on the host
-        self.host_staging: torch.Tensor | None = None  # offload on an accelerator: the cast shard before its copy
+        self.host_staging: torch.Tensor | None = (
+            None  # offload on an accelerator: the cast shard before its copy
+        )
         value_of = value_of or (lambda name, p: p.detach())
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(self.names, self.params)):
                 slot = self.layout.slots[i]
-                needed = not self.reshard_enabled or (slot.offset < self.end and slot.offset + slot.numel > self.start)
+                needed = not self.reshard_enabled or (
+                    slot.offset < self.end and slot.offset + slot.numel > self.start
+                )
                 if needed:  # (ZeRO-3 does not even draw a value that falls outside its shard)
-                    value = value_of(name, p)  # one parameter at a time: the peak is the shard plus one value
+                    value = value_of(
+                        name, p
+                    )  # one parameter at a time: the peak is the shard plus one value
                     if self.reshard_enabled:
                         self._fill_shard(self.local, i, value)
                     else:
@@ -103,14 +134,18 @@ class FlatParam:
         self.segments = self._group_segments()
         self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
         self.grad_shard: torch.Tensor | None = None
-        self.grad_shard_buffer: torch.Tensor | None = None  # constant buffers: where reduce-scatters land
+        self.grad_shard_buffer: torch.Tensor | None = (
+            None  # constant buffers: where reduce-scatters land
+        )
 
     def _fill_shard(self, shard: torch.Tensor, i: int, value: torch.Tensor) -> None:
         """Copy the part of parameter `i`'s `value` that falls in this rank's [start, end) into `shard`."""
         slot = self.layout.slots[i]
         a, b = max(slot.offset, self.start), min(slot.offset + slot.numel, self.end)
         if a < b:
-            shard[a - self.start:b - self.start].copy_(value.reshape(-1)[a - slot.offset:b - slot.offset])
+            shard[a - self.start : b - self.start].copy_(
+                value.reshape(-1)[a - slot.offset : b - slot.offset]
+            )
 
     def shard_of(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
         """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter, None = zeros)."""
@@ -168,22 +203,30 @@ class FlatParam:
         weights). qwZ otherwise: packed int8 shards + scales over ``comm``, dequantised into ``full``."""
         tag = f"unit{self.index}"
         if backward and self.secondary_comm is not None and self._secondary_fresh:
-            return self.secondary_comm.all_gather(self.full, self.secondary, async_op=True, tag=tag), None
+            return self.secondary_comm.all_gather(
+                self.full, self.secondary, async_op=True, tag=tag
+            ), None
         keep = self._keep_secondary if self.secondary_comm is not None else None
         if self.quant_block is None:
             return self.comm.all_gather(self.full, self.local, async_op=True, tag=tag), keep
         block, n = self.quant_block, self.shard_numel
         chunk = packed_bytes(n, block)
-        send = quantize_rows_into(self.local.view(1, n), block,
-                                  torch.empty(1, chunk, dtype=torch.int8, device=self.local.device))
+        send = quantize_rows_into(
+            self.local.view(1, n),
+            block,
+            torch.empty(1, chunk, dtype=torch.int8, device=self.local.device),
+        )
         received = torch.empty(self.world, chunk, dtype=torch.int8, device=self.local.device)
         work = self.comm.all_gather(received.view(-1), send.view(-1), async_op=True, tag=tag)
 
-        def dequantize(_sent: torch.Tensor = send) -> None:  # (holds the send buffer until the gather is done)
+        def dequantize(
+            _sent: torch.Tensor = send,
+        ) -> None:  # (holds the send buffer until the gather is done)
             with torch.no_grad():
                 self.full.view(self.world, n).copy_(dequantize_packed(received, n, block))
             if keep is not None:
                 keep()
+
         return work, dequantize
 
     def _keep_secondary(self) -> None:
@@ -193,7 +236,7 @@ class FlatParam:
         if self.secondary is None:
             self.secondary = torch.empty(size, dtype=self.param_dtype, device=self.full.device)
         with torch.no_grad():
-            self.secondary.copy_(self.full[start:start + size])
+            self.secondary.copy_(self.full[start : start + size])
         self._secondary_fresh = True
 
     @property
@@ -216,21 +259,31 @@ class FlatParam:
         gathered together with this one) from now on instead of re-growing a storage of its own. Only while sharded
         and no autograd graph holds views of the old storage (the engine calls it between steps)."""
         if not self.reshard_enabled or self.is_unsharded or self.gathering:
-            raise RuntimeError(f"unit {self.index}: a gather slot can only be assigned to a sharded ZeRO-3 unit")
-        self.full = slot[:self.layout.padded_numel]
+            raise RuntimeError(
+                f"unit {self.index}: a gather slot can only be assigned to a sharded ZeRO-3 unit"
+            )
+        self.full = slot[: self.layout.padded_numel]
         self.owns_storage = False
 
     def persistent_grad_shard(self, dtype: torch.dtype) -> torch.Tensor:
         """Constant buffers: the gradient shard's buffer, allocated once (reduce-scatters land in it directly)."""
         if self.grad_shard_buffer is None or self.grad_shard_buffer.dtype != dtype:
-            self.grad_shard_buffer = torch.empty(self.shard_numel, dtype=dtype, device=self.full.device)
+            self.grad_shard_buffer = torch.empty(
+                self.shard_numel, dtype=dtype, device=self.full.device
+            )
         return self.grad_shard_buffer
 
     def accumulate_grad(self, shard_grad: torch.Tensor) -> None:
         if self.grad_shard is None:
             self.grad_shard = shard_grad
-        elif 0 != self.grad_shard.untyped_storage().data_ptr() == shard_grad.untyped_storage().data_ptr():
-            raise RuntimeError(f"flat buffer {self.index}: the new gradient shard aliases the accumulated one")
+        elif (
+            0
+            != self.grad_shard.untyped_storage().data_ptr()
+            == shard_grad.untyped_storage().data_ptr()
+        ):
+            raise RuntimeError(
+                f"flat buffer {self.index}: the new gradient shard aliases the accumulated one"
+            )
         else:
             self.grad_shard += shard_grad
 
@@ -243,14 +296,21 @@ class FlatParam:
     def write_back(self) -> None:
         """Copy the updated fp32 master shard into the compute-dtype shard (if they differ; offloaded: host to
         device, cast on the host first on an accelerator)."""
-        self._secondary_fresh = False  # hpZ: the shard changed (a step, a load); the next forward gathers afresh
+        self._secondary_fresh = (
+            False  # hpZ: the shard changed (a step, a load); the next forward gathers afresh
+        )
         if self.master is self.local:
             return
         with torch.no_grad():
             if self.offload:
-                if self.host_staging is None and self.param_dtype != torch.float32 \
-                        and host.is_accelerator(self.local.device):
-                    self.host_staging = host.host_zeros(self.shard_numel, self.param_dtype, self.local.device)
+                if (
+                    self.host_staging is None
+                    and self.param_dtype != torch.float32
+                    and host.is_accelerator(self.local.device)
+                ):
+                    self.host_staging = host.host_zeros(
+                        self.shard_numel, self.param_dtype, self.local.device
+                    )
                 host.copy_to_device(self.local, self.master, self.host_staging)
             else:
                 self.local.copy_(self.master)
@@ -262,7 +322,9 @@ class FlatParam:
     def full_master(self) -> dict[str, torch.Tensor]:
         """Every parameter of this buffer at fp32 master precision, gathered from all shards."""
         if self.sharded:  # (an offloaded master travels to the group's device for the gather)
-            flat = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.full.device)
+            flat = torch.empty(
+                self.layout.padded_numel, dtype=torch.float32, device=self.full.device
+            )
             self.comm.all_gather(flat, self.master.detach().to(self.full.device), tag="state_dict")
         else:
             flat = self.master.detach()

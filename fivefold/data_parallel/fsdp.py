@@ -99,18 +99,23 @@ class GatherSlots:
                 self.conflicts[j].add(i)
             return
         slot = self.slot_of.get(i)
-        holder = next((j for j in self._gathered(i) if slot is not None and self.slot_of.get(j) == slot), None)
+        holder = next(
+            (j for j in self._gathered(i) if slot is not None and self.slot_of.get(j) == slot), None
+        )
         if holder is not None:
             raise RuntimeError(
                 f"ZeRO-3 constant buffers: unit {i} must be gathered into gather slot {slot}, which unit {holder} "
                 "holds now; the two were never gathered together in the first two steps (the order of gathers "
                 "changed: a unit skipped or run twice, another prefetch). Set zero.constant_buffers=false "
-                "(ZeroDataParallel(constant_buffers=False)) to give every unit storage of its own")
+                "(ZeroDataParallel(constant_buffers=False)) to give every unit storage of its own"
+            )
 
     def assign(self) -> None:
         """Give units slots (between steps: no autograd graph holds views of the units' old storage)."""
         members: list[list[int]] = []
-        order = self.first_gathered + [i for i in range(len(self.flats)) if i not in self.first_gathered]
+        order = self.first_gathered + [
+            i for i in range(len(self.flats)) if i not in self.first_gathered
+        ]
         for i in order:
             flat = self.flats[i]
             if not flat.reshard_enabled:
@@ -118,7 +123,9 @@ class GatherSlots:
             taken = {self.slot_of[j] for j in self.conflicts[i] if j in self.slot_of}
             free = [c for c in range(len(members)) if c not in taken]
             if free:  # the largest free slot: a small unit joining a large slot costs nothing
-                c = max(free, key=lambda c: max(self.flats[j].layout.padded_numel for j in members[c]))
+                c = max(
+                    free, key=lambda c: max(self.flats[j].layout.padded_numel for j in members[c])
+                )
             elif len(members) < self.max_slots:
                 c = len(members)
                 members.append([])
@@ -129,8 +136,11 @@ class GatherSlots:
             members[c].append(i)
         for group in members:
             first = self.flats[group[0]]
-            slot = torch.empty(max(self.flats[j].layout.padded_numel for j in group), dtype=first.param_dtype,
-                               device=first.full.device)
+            slot = torch.empty(
+                max(self.flats[j].layout.padded_numel for j in group),
+                dtype=first.param_dtype,
+                device=first.full.device,
+            )
             self.slots.append(slot)
             for j in group:
                 self.flats[j].use_storage(slot)
@@ -140,9 +150,16 @@ class GatherSlots:
 class FSDPHooks:
     """Installs the gather/free/prefetch hooks of ZeRO-3 on the unit modules."""
 
-    def __init__(self, units: list[tuple[nn.Module, FlatParam]], *, reshard_after_forward: bool = True,
-                 prefetch: int = 1, after_unit_backward: Callable[[int], None] | None = None,
-                 constant_buffers: bool = False, max_slots: int | None = None) -> None:
+    def __init__(
+        self,
+        units: list[tuple[nn.Module, FlatParam]],
+        *,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        after_unit_backward: Callable[[int], None] | None = None,
+        constant_buffers: bool = False,
+        max_slots: int | None = None,
+    ) -> None:
         self.units = units
         # At most: the root, the unit being computed, `prefetch` ahead, the one whose backward is finishing — or,
         # units staying gathered from forward to backward, all of them (that is the peak anyway).
@@ -179,12 +196,14 @@ class FSDPHooks:
         if self.prefetch <= 0 or i not in order:
             return
         pos = order.index(i)
-        for j in order[pos + 1:pos + 1 + self.prefetch]:
+        for j in order[pos + 1 : pos + 1 + self.prefetch]:
             self._unshard(j, async_op=True, backward=backward)
 
     def _make_pre_forward(self, i: int):
         def hook(module: nn.Module, args: Any) -> Any:
-            if in_backward():  # recomputed inside the unit's backward: it is gathered; nothing else changes
+            if (
+                in_backward()
+            ):  # recomputed inside the unit's backward: it is gathered; nothing else changes
                 self._unshard(i)
                 return None
             if self._recording_forward:
@@ -193,16 +212,21 @@ class FSDPHooks:
                 else:
                     self.forward_order.append(i)
             self._unshard(i)
-            self._prefetch_after(self.forward_order, i)  # nothing to prefetch until the order is known
+            self._prefetch_after(
+                self.forward_order, i
+            )  # nothing to prefetch until the order is known
             self._record("forward", i)
             if self.after_unit_backward is None or not torch.is_grad_enabled():
                 return None
             return call_in_backward(args, lambda: self.after_unit_backward(i))
+
         return hook
 
     def _make_post_forward(self, i: int):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if in_backward():  # a recompute: the unit's backward still needs it, and it is already hooked
+            if (
+                in_backward()
+            ):  # a recompute: the unit's backward still needs it, and it is already hooked
                 return output
             flat = self.units[i][1]
             if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -210,12 +234,15 @@ class FSDPHooks:
             if not torch.is_grad_enabled():
                 return output
             return call_in_backward(output, lambda: self._pre_backward(i))
+
         return hook
 
     def _pre_backward(self, i: int) -> None:
         if self._recording_backward and i not in self.backward_order:
             self.backward_order.append(i)
-        self._unshard(i, backward=True)  # (hpZ gathers a backward's weights inside its secondary group)
+        self._unshard(
+            i, backward=True
+        )  # (hpZ gathers a backward's weights inside its secondary group)
         self._prefetch_after(self.backward_order, i, backward=True)
         self._record("backward", i)
 
@@ -238,5 +265,7 @@ class FSDPHooks:
             return
         self._backwards = 0
         self._steps_watched += 1
-        if self._steps_watched >= 2 and not any(f.is_unsharded or f.gathering for _, f in self.units):
+        if self._steps_watched >= 2 and not any(
+            f.is_unsharded or f.gathering for _, f in self.units
+        ):
             self.slots.assign()

@@ -12,8 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -33,7 +39,9 @@ class MixedPrecision:
 
     @classmethod
     def from_names(cls, param: str, reduce: str | None = None) -> MixedPrecision:
-        return cls(parse_dtype(param), parse_dtype(reduce) if reduce not in (None, "", "none") else None)
+        return cls(
+            parse_dtype(param), parse_dtype(reduce) if reduce not in (None, "", "none") else None
+        )
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -47,7 +55,9 @@ class MixedPrecision:
 class DynamicLossScaler:
     """Loss scale S for fp16: halve on overflow (step skipped), double after a run of good steps."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000, min_scale: float = 1.0) -> None:
+    def __init__(
+        self, init_scale: float = 2.0**16, growth_interval: int = 1000, min_scale: float = 1.0
+    ) -> None:
         self.scale = init_scale
         self.growth_interval = growth_interval
         self.min_scale = min_scale
@@ -55,7 +65,11 @@ class DynamicLossScaler:
         self.skipped_steps = 0
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "good_steps": self._good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])

@@ -39,7 +39,9 @@ def wait_for_device(device: torch.device) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
-def copy_to_device(dst: torch.Tensor, host: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+def copy_to_device(
+    dst: torch.Tensor, host: torch.Tensor, staging: torch.Tensor | None = None
+) -> None:
     """Copy the host tensor `host` into `dst` on the device, cast to ``dst``'s dtype. On an accelerator the cast
     happens on the host into `staging` (pinned, ``dst``'s dtype) so that only compute-dtype bytes cross the bus and
     the copy is asynchronous; `staging` must not be rewritten before the device used it (the next step's

@@ -20,8 +20,17 @@ import torch
 
 from fivefold.formulas import quantized_chunk_bytes
 
-__all__ = ["QMAX", "blocks_of", "dequantize_packed", "dequantize_rows", "dequantize_sum", "packed_bytes",
-           "quantize_rows", "quantize_rows_into", "unpack_rows"]
+__all__ = [
+    "QMAX",
+    "blocks_of",
+    "dequantize_packed",
+    "dequantize_rows",
+    "dequantize_sum",
+    "packed_bytes",
+    "quantize_rows",
+    "quantize_rows_into",
+    "unpack_rows",
+]
 
 QMAX = 127  # symmetric int8: -127..127 (-128 unused, so the range is symmetric)
 
@@ -66,21 +75,25 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.
 def _split(packed: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed int8 [rows, packed_bytes(n, block)] as views: fp32 scales [rows, blocks], int8 values [rows, n]."""
     head = 4 * blocks_of(n, block)
-    scales = packed[:, :head].view(torch.float32)  # (each row starts 4-byte aligned: chunks are multiples of 4)
-    return scales, packed[:, head:head + n]
+    scales = packed[:, :head].view(
+        torch.float32
+    )  # (each row starts 4-byte aligned: chunks are multiples of 4)
+    return scales, packed[:, head : head + n]
 
 
 def quantize_rows_into(x: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     """Quantise `x` [rows, n] into the packed int8 buffer `out` [rows, packed_bytes(n, block)]; returns `out`."""
     rows, n = x.shape
     if out.dtype != torch.int8 or tuple(out.shape) != (rows, packed_bytes(n, block)):
-        raise ValueError(f"packed buffer {tuple(out.shape)} {out.dtype}: expected ({rows}, "
-                         f"{packed_bytes(n, block)}) int8 for rows of {n} elements in blocks of {block}")
+        raise ValueError(
+            f"packed buffer {tuple(out.shape)} {out.dtype}: expected ({rows}, "
+            f"{packed_bytes(n, block)}) int8 for rows of {n} elements in blocks of {block}"
+        )
     q, scales = quantize_rows(x, block)
     s_view, q_view = _split(out, n, block)
     s_view.copy_(scales)
     q_view.copy_(q)
-    out[:, 4 * blocks_of(n, block) + n:].zero_()  # alignment padding: defined bytes on the wire
+    out[:, 4 * blocks_of(n, block) + n :].zero_()  # alignment padding: defined bytes on the wire
     return out
 
 

@@ -28,9 +28,18 @@ from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
 from fivefold.optim.clip import global_grad_sq_norm
 
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
-                                            torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam,
-                                            torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop)
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
 
 
 def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
@@ -40,14 +49,22 @@ def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
         raise ValueError(
             f"{optimizer_class.__name__} is not known to be elementwise: sharding its state would change its "
             "math (Muon orthogonalises whole matrices, Adafactor factors them). Use an elementwise optimizer "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) or pass elementwise=True if it is one")
+            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) or pass elementwise=True if it is one"
+        )
 
 
 class ShardedOptimizer:
     """An inner torch optimizer over the fp32 master shards of a list of `FlatParam`s."""
 
-    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], optimizer_class: type,
-                 comm: Comm, *, elementwise: bool | None = None, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+        optimizer_class: type,
+        comm: Comm,
+        *,
+        elementwise: bool | None = None,
+        **defaults: Any,
+    ) -> None:
         """Standalone: flattens `params` (tensors or param-group dicts) into one flat buffer per (dtype, device)."""
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
@@ -59,24 +76,65 @@ class ShardedOptimizer:
             for pi, p in enumerate(g["params"]):
                 if p.requires_grad:
                     by_kind.setdefault((p.dtype, p.device), []).append((f"group{gi}.param{pi}", p))
-        flats = [FlatParam(i, named, comm, group_of=lambda n, p: group_index[id(p)], param_dtype=dtype, sharded=True)
-                 for i, ((dtype, _), named) in enumerate(by_kind.items())]
-        self._setup(flats, optimizer_class, group_kwargs, comm, elementwise=elementwise, grads_from_params=True,
-                    defaults=defaults)
+        flats = [
+            FlatParam(
+                i,
+                named,
+                comm,
+                group_of=lambda n, p: group_index[id(p)],
+                param_dtype=dtype,
+                sharded=True,
+            )
+            for i, ((dtype, _), named) in enumerate(by_kind.items())
+        ]
+        self._setup(
+            flats,
+            optimizer_class,
+            group_kwargs,
+            comm,
+            elementwise=elementwise,
+            grads_from_params=True,
+            defaults=defaults,
+        )
 
     @classmethod
-    def for_flat_params(cls, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]],
-                        comm: Comm, *, loss_scaler: DynamicLossScaler | None = None, elementwise: bool | None = None,
-                        **defaults: Any) -> ShardedOptimizer:
+    def for_flat_params(
+        cls,
+        flats: list[FlatParam],
+        optimizer_class: type,
+        group_kwargs: list[dict[str, Any]],
+        comm: Comm,
+        *,
+        loss_scaler: DynamicLossScaler | None = None,
+        elementwise: bool | None = None,
+        **defaults: Any,
+    ) -> ShardedOptimizer:
         """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter."""
         self = cls.__new__(cls)
-        self._setup(flats, optimizer_class, group_kwargs, comm, elementwise=elementwise, grads_from_params=False,
-                    defaults=defaults, loss_scaler=loss_scaler)
+        self._setup(
+            flats,
+            optimizer_class,
+            group_kwargs,
+            comm,
+            elementwise=elementwise,
+            grads_from_params=False,
+            defaults=defaults,
+            loss_scaler=loss_scaler,
+        )
         return self
 
-    def _setup(self, flats: list[FlatParam], optimizer_class: type, group_kwargs: list[dict[str, Any]], comm: Comm,
-               *, elementwise: bool | None, grads_from_params: bool, defaults: dict[str, Any],
-               loss_scaler: DynamicLossScaler | None = None) -> None:
+    def _setup(
+        self,
+        flats: list[FlatParam],
+        optimizer_class: type,
+        group_kwargs: list[dict[str, Any]],
+        comm: Comm,
+        *,
+        elementwise: bool | None,
+        grads_from_params: bool,
+        defaults: dict[str, Any],
+        loss_scaler: DynamicLossScaler | None = None,
+    ) -> None:
         check_elementwise(optimizer_class, elementwise)
         self.flats = flats
         self.comm = comm
@@ -85,12 +143,21 @@ class ShardedOptimizer:
         self.sharded = any(f.sharded for f in flats)
         inner_groups = []
         for g, kwargs in enumerate(group_kwargs):
-            members = [mp for f in flats for (gid, _, _), mp in zip(f.segments, f.master_params) if gid == g]
+            members = [
+                mp
+                for f in flats
+                for (gid, _, _), mp in zip(f.segments, f.master_params)
+                if gid == g
+            ]
             if members:
                 inner_groups.append({"params": members, **kwargs})
         # What the global norm sums over: the group's own placement, plus dp where this optimizer shards.
-        dp: Placement = frozenset({self.comm.dim}) if self.sharded else frozenset()  # "dp" (or dp_cp, ep_dp, dp_shard)
-        self._placement = {id(p): frozenset(g.get("placement", ())) | dp for g in inner_groups for p in g["params"]}
+        dp: Placement = (
+            frozenset({self.comm.dim}) if self.sharded else frozenset()
+        )  # "dp" (or dp_cp, ep_dp, dp_shard)
+        self._placement = {
+            id(p): frozenset(g.get("placement", ())) | dp for g in inner_groups for p in g["params"]
+        }
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
             inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
@@ -129,7 +196,9 @@ class ShardedOptimizer:
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for f in self.flats:
             for (_, a, b), mp in zip(f.segments, f.master_params):
-                if f.grad_shard is None:  # no gradient since the last step: like torch, leave it alone
+                if (
+                    f.grad_shard is None
+                ):  # no gradient since the last step: like torch, leave it alone
                     mp.grad = None
                     continue
                 g = f.grad_shard[a:b]
@@ -158,7 +227,9 @@ class ShardedOptimizer:
         norm makes every rank skip the step."""
         norm, found_inf = None, False
         if max_norm is not None or self.loss_scaler is not None:
-            norm = global_grad_sq_norm([self.local_sq_norms()], {self.comm.dim: self.comm}, self.comm.device).sqrt()
+            norm = global_grad_sq_norm(
+                [self.local_sq_norms()], {self.comm.dim: self.comm}, self.comm.device
+            ).sqrt()
             if self.loss_scaler is not None:
                 found_inf = not math.isfinite(norm.item())
         self.apply_step(norm, max_norm, found_inf)
@@ -197,7 +268,9 @@ class ShardedOptimizer:
             self._grads = self._master_grads()
 
     @torch.no_grad()
-    def apply_step(self, norm: torch.Tensor | None, max_norm: float | None = None, found_inf: bool = False) -> None:
+    def apply_step(
+        self, norm: torch.Tensor | None, max_norm: float | None = None, found_inf: bool = False
+    ) -> None:
         """Skip (`found_inf`, agreed by every rank: a loss scaler saw a non-finite norm) or clip to `max_norm` by the
         global `norm` (on the device, as torch's clip_grad_norm_) and step; write back, all-gather."""
         self._prepare_grads()

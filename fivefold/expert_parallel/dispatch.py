@@ -23,8 +23,15 @@ __all__ = ["AllToAllExperts", "GlobalBalance", "all_to_all"]
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
-                tag: str, backward_comm: Comm) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        comm: Comm,
+        out_splits: list[int],
+        in_splits: list[int],  # type: ignore[override]
+        tag: str,
+        backward_comm: Comm,
+    ) -> torch.Tensor:
         ctx.comm, ctx.out_splits, ctx.in_splits, ctx.tag = backward_comm, out_splits, in_splits, tag
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         comm.all_to_all(out, x.contiguous(), out_splits, in_splits, tag=tag)
@@ -33,12 +40,20 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        ctx.comm.all_to_all(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, tag=ctx.tag + "_bwd")
+        ctx.comm.all_to_all(
+            back, grad.contiguous(), ctx.in_splits, ctx.out_splits, tag=ctx.tag + "_bwd"
+        )
         return back, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int], tag: str,
-               backward_comm: Comm | None = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    comm: Comm,
+    out_splits: list[int],
+    in_splits: list[int],
+    tag: str,
+    backward_comm: Comm | None = None,
+) -> torch.Tensor:
     """Rows of `x` split as `in_splits` go to each rank; `out_splits` rows arrive from each. Differentiable: the
     gradient goes back over ``backward_comm`` (default `comm`; the same ranks on another process group)."""
     return _AllToAll.apply(x, comm, out_splits, in_splits, tag, backward_comm or comm)
@@ -57,8 +72,12 @@ class AllToAllExperts:
         self.per_rank = n_experts // comm.size
 
     @eager_region
-    def __call__(self, run: Callable[[torch.Tensor, list[int], int], torch.Tensor], tokens: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        run: Callable[[torch.Tensor, list[int], int], torch.Tensor],
+        tokens: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
         """`tokens` sorted by global expert id, `counts` [E] rows per expert -> the experts' outputs, same order.
         ``run(grouped tokens, group sizes, first expert id)`` applies this rank's experts (the layer's)."""
         ep, per_rank = self.comm.size, self.per_rank
@@ -67,12 +86,23 @@ class AllToAllExperts:
         received_counts = received_counts.view(ep, per_rank)  # [source rank, local expert]
         send_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
         recv_splits = received_counts.sum(dim=1).tolist()
-        arrived = all_to_all(tokens, self.comm, recv_splits, send_splits, "ep_dispatch", self.backward_comm)
+        arrived = all_to_all(
+            tokens, self.comm, recv_splits, send_splits, "ep_dispatch", self.backward_comm
+        )
         # Arrived rows are source-major (each source's rows sorted by local expert): regroup expert-major.
-        segment = torch.arange(ep * per_rank, device=tokens.device).repeat_interleave(received_counts.reshape(-1))
+        segment = torch.arange(ep * per_rank, device=tokens.device).repeat_interleave(
+            received_counts.reshape(-1)
+        )
         order = ((segment % per_rank) * ep + segment // per_rank).argsort(stable=True)
         out = run(arrived[order], received_counts.sum(dim=0).tolist(), self.comm.rank * per_rank)
-        return all_to_all(out[order.argsort()], self.comm, send_splits, recv_splits, "ep_combine", self.backward_comm)
+        return all_to_all(
+            out[order.argsort()],
+            self.comm,
+            send_splits,
+            recv_splits,
+            "ep_combine",
+            self.backward_comm,
+        )
 
 
 class GlobalBalance:
@@ -83,7 +113,9 @@ class GlobalBalance:
         self.comm = comm
 
     @eager_region
-    def __call__(self, counts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __call__(
+        self, counts: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         both = torch.cat([counts, tokens.reshape(1)])
         self.comm.all_reduce(both, tag="moe_balance")
         return both[:-1], both[-1], self.comm.size

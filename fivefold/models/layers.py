@@ -14,8 +14,13 @@ __all__ = ["FeedForward"]
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1(x)) * w3(x))`` with w1 the gate, w3 the up, w2 the down projection."""
 
-    def __init__(self, dim: int, hidden: int, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         kw = {"bias": False, "device": device, "dtype": dtype}
         self.w1 = Linear(dim, hidden, **kw)

@@ -20,10 +20,29 @@ from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
 from fivefold.ops import Linear, recompute
 
-__all__ = ["ATTENTION_CORES", "Attention", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RECOMPUTE_MODES",
-           "MAX_PARAMS", "MODEL_LIMITS", "RMSNorm", "RopeScaling", "TransformerBlock", "apply_rotary", "build_model",
-           "causal_attention", "check_model_bounds", "count_params", "eager_attention", "get_config", "param_counts",
-           "precompute_rope"]
+__all__ = [
+    "ATTENTION_CORES",
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "PRESETS",
+    "RECOMPUTE_MODES",
+    "MAX_PARAMS",
+    "MODEL_LIMITS",
+    "RMSNorm",
+    "RopeScaling",
+    "TransformerBlock",
+    "apply_rotary",
+    "build_model",
+    "causal_attention",
+    "check_model_bounds",
+    "count_params",
+    "eager_attention",
+    "get_config",
+    "param_counts",
+    "precompute_rope",
+]
 
 
 @dataclass(frozen=True)
@@ -43,7 +62,8 @@ class RopeScaling:
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
         smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor)
+            self.high_freq_factor - self.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
@@ -64,7 +84,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks (None: dense)
-    attention_head_dim: int | None = None  # a head's width when it is not dim / n_heads (HF ``head_dim``)
+    attention_head_dim: int | None = (
+        None  # a head's width when it is not dim / n_heads (HF ``head_dim``)
+    )
     rope_scaling: RopeScaling | None = None  # Llama-3 long-context RoPE scaling (None: plain RoPE)
 
     @property
@@ -73,7 +95,15 @@ class LlamaConfig:
 
     def validate(self) -> LlamaConfig:
         """Raise ValueError naming the offending numbers; return self for chaining."""
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -82,9 +112,13 @@ class LlamaConfig:
         if self.attention_head_dim is not None and self.attention_head_dim <= 0:
             raise ValueError(f"attention_head_dim={self.attention_head_dim} must be positive")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
         if self.head_dim % 2 != 0:  # rotary embeddings rotate pairs of channels
-            raise ValueError(f"head_dim={self.head_dim} (dim={self.dim} / n_heads={self.n_heads}) must be even")
+            raise ValueError(
+                f"head_dim={self.head_dim} (dim={self.dim} / n_heads={self.n_heads}) must be even"
+            )
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
         if not self.norm_eps > 0:
@@ -101,31 +135,66 @@ class LlamaConfig:
 # Published Llama-3 shapes (8K pre-training context, no rope scaling), for planning on the meta device.
 _L3 = dict(vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0)
 PRESETS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=256),  # ~0.85M
-    "small": LlamaConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024, max_seq_len=512),  # ~9.6M
-    "medium": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=1024),  # ~76M
+    "tiny": LlamaConfig(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=256
+    ),  # ~0.85M
+    "small": LlamaConfig(
+        dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024, max_seq_len=512
+    ),  # ~9.6M
+    "medium": LlamaConfig(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=1024
+    ),  # ~76M
     # the scaling table's larger sizes (docs/benchmarks.md; "small" is its ~10M)
-    "bench-40m": LlamaConfig(dim=640, n_layers=9, n_heads=10, n_kv_heads=2, ffn_hidden=1792, max_seq_len=512),  # ~40M
-    "bench-120m": LlamaConfig(dim=1024, n_layers=11, n_heads=16, n_kv_heads=4, ffn_hidden=2816,
-                              max_seq_len=512),  # ~125M
+    "bench-40m": LlamaConfig(
+        dim=640, n_layers=9, n_heads=10, n_kv_heads=2, ffn_hidden=1792, max_seq_len=512
+    ),  # ~40M
+    "bench-120m": LlamaConfig(
+        dim=1024, n_layers=11, n_heads=16, n_kv_heads=4, ffn_hidden=2816, max_seq_len=512
+    ),  # ~125M
     # Llama-MoE: 8 experts of hidden 256, top-2, in every block (~3.4M parameters)
-    "tiny-moe": LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=256,
-                            moe=MoEConfig(experts=8, top_k=2)),
-    "small-moe": LlamaConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=512, max_seq_len=512,
-                             moe=MoEConfig(experts=8, top_k=2, every=2)),
-    "llama3.2-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, tie_embeddings=True, **_L3),  # 1.2B
+    "tiny-moe": LlamaConfig(
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=256,
+        max_seq_len=256,
+        moe=MoEConfig(experts=8, top_k=2),
+    ),
+    "small-moe": LlamaConfig(
+        dim=384,
+        n_layers=6,
+        n_heads=6,
+        n_kv_heads=2,
+        ffn_hidden=512,
+        max_seq_len=512,
+        moe=MoEConfig(experts=8, top_k=2, every=2),
+    ),
+    "llama3.2-1b": LlamaConfig(
+        dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, tie_embeddings=True, **_L3
+    ),  # 1.2B
     "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_L3),  # 8.03B
     "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_L3),  # 70.55B
-    "llama3-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_L3),  # 405.85B
+    "llama3-405b": LlamaConfig(
+        dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_L3
+    ),  # 405.85B
     # DeepSeek-V3's shape (arXiv 2412.19437) with this file's blocks: 61 blocks of width 7168, 256 routed experts of
     # hidden 2048 (top 8, sigmoid scores) + 1 shared, vocabulary 129280. Not V3 itself: GQA (56 heads of 128, 8 kv
     # heads) instead of MLA, every block MoE (V3's first 3 are dense), no MTP, no node-limited routing (fivefold's
     # device-limited routing needs a group per rank: set --model.moe.groups / group_limit with ep).
     # 699.5B parameters, ~37B active per token: for planning (`fivefold plan`).
-    "deepseek-v3-like": LlamaConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=56, n_kv_heads=8,
-                                    ffn_hidden=18432, max_seq_len=4096,
-                                    moe=MoEConfig(experts=256, top_k=8, score="sigmoid", shared_experts=1, hidden=2048,
-                                                  aux_loss_coef=1e-4)),
+    "deepseek-v3-like": LlamaConfig(
+        vocab_size=129280,
+        dim=7168,
+        n_layers=61,
+        n_heads=56,
+        n_kv_heads=8,
+        ffn_hidden=18432,
+        max_seq_len=4096,
+        moe=MoEConfig(
+            experts=256, top_k=8, score="sigmoid", shared_experts=1, hidden=2048, aux_loss_coef=1e-4
+        ),
+    ),
 }
 
 
@@ -141,8 +210,13 @@ def get_config(name: str, **overrides: object) -> LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-5,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
@@ -154,8 +228,13 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
-                    scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def precompute_rope(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | str | None = None,
+    scaling: RopeScaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos, sin [max_seq_len, head_dim]; channels i and i + head_dim/2 rotate at frequency theta^(-2i/head_dim)
     (with ``scaling``: Llama-3's rescaled frequencies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -210,8 +289,15 @@ class Attention(nn.Module):
     (q, k, v -> out, k and v with their own heads) is `causal_attention`; context parallelism swaps in ring
     attention."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
         kw = {"bias": False, "device": device, "dtype": dtype}
@@ -220,7 +306,9 @@ class Attention(nn.Module):
         self.wv = Linear(dim, n_kv_heads * self.head_dim, **kw)
         self.wo = Linear(n_heads * self.head_dim, dim, **kw)
         self.core = causal_attention
-        self.recompute_core = False  # selective recompute: keep q, k, v only; the core runs again in backward
+        self.recompute_core = (
+            False  # selective recompute: keep q, k, v only; the core runs again in backward
+        )
 
     @property
     def n_heads(self) -> int:  # local heads when sharded
@@ -237,7 +325,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         n_heads, n_kv_heads = q.shape[1], k.shape[1]
         if n_heads % n_kv_heads != 0:
-            raise ValueError(f"local n_heads={n_heads} is not divisible by local n_kv_heads={n_kv_heads}")
+            raise ValueError(
+                f"local n_heads={n_heads} is not divisible by local n_kv_heads={n_kv_heads}"
+            )
         if seq > cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
         # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered already; under CP the
@@ -250,21 +340,35 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        index: int = 0,
+    ) -> None:
         super().__init__()
         c = config
         self.attention_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
-        self.attention = Attention(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, device=device, dtype=dtype)
+        self.attention = Attention(
+            c.dim, c.n_heads, c.n_kv_heads, c.head_dim, device=device, dtype=dtype
+        )
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
-        self.feed_forward = (MoEFeedForward(c.dim, c.ffn_hidden, c.moe, device=device, dtype=dtype)
-                             if c.is_moe_block(index) else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype))
-        self.recompute_all = False  # full recompute: keep only the block's input; all of it runs again in backward
+        self.feed_forward = (
+            MoEFeedForward(c.dim, c.ffn_hidden, c.moe, device=device, dtype=dtype)
+            if c.is_moe_block(index)
+            else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype)
+        )
+        self.recompute_all = (
+            False  # full recompute: keep only the block's input; all of it runs again in backward
+        )
         self.compiled = False  # `compile_body`: run the torch.compile'd `_forward`
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         body = self._compiled_forward if self.compiled else self._forward
-        if self.recompute_all:  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
+        if (
+            self.recompute_all
+        ):  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
             return recompute(body, x, cos, sin)
         return body(x, cos, sin)
 
@@ -278,11 +382,15 @@ class TransformerBlock(nn.Module):
         from fivefold.comm import eager_regions_on
 
         if not eager_regions_on():  # else dynamo would trace into the collectives and the CommLog
-            raise RuntimeError("compile_body: call fivefold.comm.compile_eager_regions() first (parallelize does): "
-                               "the collectives inside a block must run eagerly")
+            raise RuntimeError(
+                "compile_body: call fivefold.comm.compile_eager_regions() first (parallelize does): "
+                "the collectives inside a block must run eagerly"
+            )
         self.compiled = True
 
-    def _compiled_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _compiled_forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         # The unbound methods, compiled once per process and given `self`: a copied block runs its own parameters.
         if isinstance(self.feed_forward, MoEFeedForward):
             return self._feed_forward_half(_compiled_method("_attention_half")(self, x, cos, sin))
@@ -291,7 +399,9 @@ class TransformerBlock(nn.Module):
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self._feed_forward_half(self._attention_half(x, cos, sin))
 
-    def _attention_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _attention_half(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         return x + self.attention(self.attention_norm(x), cos, sin)
 
     def _feed_forward_half(self, h: torch.Tensor) -> torch.Tensor:
@@ -332,8 +442,13 @@ class Llama(nn.Module):
     """Llama decoder. Never touches the global RNG: built on meta, allocated on ``device``, filled by
     ``init_weights(seed)``; with ``device="meta"`` or ``seed=None`` call `materialize` and ``init_weights`` later."""
 
-    def __init__(self, config: LlamaConfig, seed: int | None = 0, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        seed: int | None = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         config.validate()
         self.config = config
@@ -342,8 +457,12 @@ class Llama(nn.Module):
         meta = torch.device("meta")
         c = config
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim, device=meta, dtype=dtype)
-        self.layers = Blocks({str(i): TransformerBlock(c, device=meta, dtype=dtype, index=i)
-                              for i in range(c.n_layers)})
+        self.layers = Blocks(
+            {
+                str(i): TransformerBlock(c, device=meta, dtype=dtype, index=i)
+                for i in range(c.n_layers)
+            }
+        )
         self.norm = RMSNorm(c.dim, c.norm_eps, device=meta, dtype=dtype)
         self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
         # One fp32 table for all layers whatever the dtype (far positions need it); derived, so not persistent.
@@ -389,7 +508,9 @@ class Llama(nn.Module):
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter of the *whole* model with its full shape (this copy may be a stage or a TP slice)."""
-        return self._full_shapes  # recorded when the whole model was built; stages and TP slices are copies
+        return (
+            self._full_shapes
+        )  # recorded when the whole model was built; stages and TP slices are copies
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The seeded initial value of parameter `name`, full shape, fp32, on the CPU: normal(0, 0.02), residual
@@ -400,11 +521,15 @@ class Llama(nn.Module):
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device="cpu")
         scale = 0.02
-        if name.endswith(("attention.wo.weight", "w2.weight")):  # residual outputs (dense, expert, shared)
+        if name.endswith(
+            ("attention.wo.weight", "w2.weight")
+        ):  # residual outputs (dense, expert, shared)
             scale /= math.sqrt(2 * self.config.n_layers)
         digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
         gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
-        return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, scale, generator=gen)
+        return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(
+            0.0, scale, generator=gen
+        )
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -419,8 +544,12 @@ class Llama(nn.Module):
     def init_buffers(self) -> None:
         """The RoPE tables (derived from the config, not checkpointed), computed in fp32 on the CPU."""
         if self.rope_cos.device.type != "meta":
-            cos, sin = precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta,
-                                       scaling=self.config.rope_scaling)
+            cos, sin = precompute_rope(
+                self.config.head_dim,
+                self.config.max_seq_len,
+                self.config.rope_theta,
+                scaling=self.config.rope_scaling,
+            )
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -429,7 +558,9 @@ class Llama(nn.Module):
         hidden state [B, L, D]; without ``norm``/``output`` it returns it."""
         if self.tok_embeddings is not None:
             if x.shape[1] > self.config.max_seq_len:
-                raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
+                raise ValueError(
+                    f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}"
+                )
             x = self.tok_embeddings(x)
         for layer in self.layers.values() if self.layers is not None else ():
             x = layer(x, self.rope_cos, self.rope_sin)
@@ -438,8 +569,12 @@ class Llama(nn.Module):
         return self.output(x) if self.output is not None else x
 
 
-def build_model(config: LlamaConfig, seed: int = 0, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> Llama:
+def build_model(
+    config: LlamaConfig,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Llama:
     """Build and initialise a Llama; on ``device="meta"`` nothing is allocated or initialised."""
     return Llama(config, seed=seed, device=device, dtype=dtype)
 
@@ -454,15 +589,25 @@ def param_counts(config: LlamaConfig) -> tuple[int, int]:
     attention = 2 * d * c.n_heads * hd + 2 * d * c.n_kv_heads * hd  # wq and wo; wk and wv
     block = attention + 2 * d  # + attention_norm, ffn_norm
     dense_ffn = 3 * d * c.ffn_hidden  # SwiGLU: w1, w3, w2
-    n_moe = c.n_layers // c.moe.every if c.moe is not None else 0  # blocks every - 1, 2·every - 1, ... (is_moe_block)
+    n_moe = (
+        c.n_layers // c.moe.every if c.moe is not None else 0
+    )  # blocks every - 1, 2·every - 1, ... (is_moe_block)
     embedding = c.vocab_size * d
-    total = embedding + c.n_layers * block + (c.n_layers - n_moe) * dense_ffn + d  # + the final norm
-    total += 0 if c.tie_embeddings else embedding  # the head (tied: the embedding's tensor, counted once)
-    active = total - embedding + (embedding if c.tie_embeddings else 0)  # the head's matmul uses a tied tensor too
+    total = (
+        embedding + c.n_layers * block + (c.n_layers - n_moe) * dense_ffn + d
+    )  # + the final norm
+    total += (
+        0 if c.tie_embeddings else embedding
+    )  # the head (tied: the embedding's tensor, counted once)
+    active = (
+        total - embedding + (embedding if c.tie_embeddings else 0)
+    )  # the head's matmul uses a tied tensor too
     if c.moe is not None:
         expert = 3 * d * (c.moe.hidden or c.ffn_hidden)  # one expert's SwiGLU
         router = d * c.moe.experts
-        shared = expert * c.moe.shared_experts  # one SwiGLU of shared_experts × hidden, every token through it
+        shared = (
+            expert * c.moe.shared_experts
+        )  # one SwiGLU of shared_experts × hidden, every token through it
         total += n_moe * (router + c.moe.experts * expert + shared)
         # a token goes through top_k of the experts (E experts × top_k / E: an integer, no float sum to round)
         active += n_moe * (router + c.moe.top_k * expert + shared)
@@ -474,16 +619,31 @@ def param_counts(config: LlamaConfig) -> tuple[int, int]:
 # check's arithmetic hang: a value beyond one is a typo or a damaged config.json, not a model to train.
 MODEL_LIMITS: dict[str, tuple[int, str]] = {
     "vocab_size": (2**24, "64× the largest published vocabulary (Gemma 3's 262,144)"),
-    "dim": (2**20, "40× the widest published model (Megatron-LM's 1T configuration: 25,600; Llama-3.1-405B: "
-                   "16,384)"),
-    "n_layers": (10_000, "10× the deepest trained transformer (DeepNet's 1,000 layers; Llama-3.1-405B: 126)"),
-    "n_heads": (2**16, "400× the most heads published (Megatron-LM's 1T configuration: 160; Llama-3.1-405B: 128)"),
+    "dim": (
+        2**20,
+        "40× the widest published model (Megatron-LM's 1T configuration: 25,600; Llama-3.1-405B: "
+        "16,384)",
+    ),
+    "n_layers": (
+        10_000,
+        "10× the deepest trained transformer (DeepNet's 1,000 layers; Llama-3.1-405B: 126)",
+    ),
+    "n_heads": (
+        2**16,
+        "400× the most heads published (Megatron-LM's 1T configuration: 160; Llama-3.1-405B: 128)",
+    ),
     "n_kv_heads": (2**16, "as n_heads"),
     "ffn_hidden": (2**22, "57× the widest published feed-forward (PaLM-540B's 73,728)"),
-    "max_seq_len": (2**24, "4× the longest Llama-architecture context published (Llama-3-8B-Gradient-4194k's "
-                           "4,194,304; Llama-4-Scout: 10,485,760)"),
+    "max_seq_len": (
+        2**24,
+        "4× the longest Llama-architecture context published (Llama-3-8B-Gradient-4194k's "
+        "4,194,304; Llama-4-Scout: 10,485,760)",
+    ),
     "attention_head_dim": (2**16, "256× the widest published head (Gemma's 256)"),
-    "moe.experts": (2**14, "32× the most routed experts published (Qwen3-Next's 512; DeepSeek-V3: 256)"),
+    "moe.experts": (
+        2**14,
+        "32× the most routed experts published (Qwen3-Next's 512; DeepSeek-V3: 256)",
+    ),
     "moe.hidden": (2**22, "as ffn_hidden"),
     "moe.shared_experts": (2**14, "as moe.experts"),
 }
@@ -498,18 +658,33 @@ def check_model_bounds(config: LlamaConfig, names: dict[str, str] | None = None)
     names = names or {}
     values = {f: getattr(config, f) for f in MODEL_LIMITS if not f.startswith("moe.")}
     if config.moe is not None:
-        values.update({f"moe.{f}": getattr(config.moe, f) for f in ("experts", "hidden", "shared_experts")})
+        values.update(
+            {f"moe.{f}": getattr(config.moe, f) for f in ("experts", "hidden", "shared_experts")}
+        )
     for field, value in values.items():
         limit, why = MODEL_LIMITS[field]
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
-            raise ConfigError(f"{names.get(field, 'model.' + field)}={value:,} exceeds {limit:,}, {why}: a typo? "
-                              "(this limit guards against sizes no machine could train)")
-    if all(isinstance(v, int) and v > 0 for v in (config.vocab_size, config.dim, config.n_layers, config.n_heads,
-                                                   config.n_kv_heads, config.ffn_hidden)):
+            raise ConfigError(
+                f"{names.get(field, 'model.' + field)}={value:,} exceeds {limit:,}, {why}: a typo? "
+                "(this limit guards against sizes no machine could train)"
+            )
+    if all(
+        isinstance(v, int) and v > 0
+        for v in (
+            config.vocab_size,
+            config.dim,
+            config.n_layers,
+            config.n_heads,
+            config.n_kv_heads,
+            config.ffn_hidden,
+        )
+    ):
         total = param_counts(config)[0]
         if total > MAX_PARAMS:
-            raise ConfigError(f"the model has {total:.2e} parameters, more than {MAX_PARAMS:.1e} (~700× the largest "
-                              "published, Switch-C's 1.6e12): a typo in its sizes?")
+            raise ConfigError(
+                f"the model has {total:.2e} parameters, more than {MAX_PARAMS:.1e} (~700× the largest "
+                "published, Switch-C's 1.6e12): a typo in its sizes?"
+            )
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

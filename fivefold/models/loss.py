@@ -12,6 +12,10 @@ from fivefold.tensor_parallel.loss import cross_entropy_per_row
 __all__ = ["lm_cross_entropy"]
 
 
-def lm_cross_entropy(logits: torch.Tensor, target: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+def lm_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, chunk_rows: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of logits [..., V] against target ids [...], computed in fp32."""
-    return cross_entropy_per_row(logits.flatten(0, -2), target.flatten(), chunk_rows=chunk_rows).mean()
+    return cross_entropy_per_row(
+        logits.flatten(0, -2), target.flatten(), chunk_rows=chunk_rows
+    ).mean()

@@ -30,7 +30,15 @@ from torch import nn
 from fivefold.models.layers import FeedForward
 from fivefold.ops import Linear
 
-__all__ = ["LocalBalance", "LocalExperts", "MoEConfig", "MoEFeedForward", "MoEStats", "RunExperts", "run_experts"]
+__all__ = [
+    "LocalBalance",
+    "LocalExperts",
+    "MoEConfig",
+    "MoEFeedForward",
+    "MoEStats",
+    "RunExperts",
+    "run_experts",
+]
 
 SCORES = ("softmax", "sigmoid")
 
@@ -41,7 +49,9 @@ class MoEConfig:
     top_k: int = 2
     score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
     norm_topk: bool = True  # renormalise the k weights to sum to 1
-    shared_experts: int = 0  # experts every token goes through (one SwiGLU of shared_experts × hidden)
+    shared_experts: int = (
+        0  # experts every token goes through (one SwiGLU of shared_experts × hidden)
+    )
     hidden: int | None = None  # an expert's hidden size (default: the model's ffn_hidden)
     every: int = 1  # MoE in every `every`-th block (the others dense), counting from the first
     aux_loss_coef: float = 0.01
@@ -55,24 +65,35 @@ class MoEConfig:
 
     def validate(self) -> MoEConfig:
         if self.experts < 1 or self.top_k < 1 or self.every < 1 or self.shared_experts < 0:
-            raise ValueError(f"moe: experts={self.experts}, top_k={self.top_k}, every={self.every} must be positive "
-                             f"and shared_experts={self.shared_experts} not negative")
+            raise ValueError(
+                f"moe: experts={self.experts}, top_k={self.top_k}, every={self.every} must be positive "
+                f"and shared_experts={self.shared_experts} not negative"
+            )
         if self.top_k > self.experts:
-            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.experts={self.experts}: a token cannot choose more "
-                             "experts than there are")
+            raise ValueError(
+                f"moe.top_k={self.top_k} exceeds moe.experts={self.experts}: a token cannot choose more "
+                "experts than there are"
+            )
         if self.score not in SCORES:
             raise ValueError(f"moe.score={self.score!r}: choose {' or '.join(SCORES)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"moe.capacity_factor={self.capacity_factor} must be positive (or unset: dropless)")
+            raise ValueError(
+                f"moe.capacity_factor={self.capacity_factor} must be positive (or unset: dropless)"
+            )
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError("moe.aux_loss_coef and moe.z_loss_coef must not be negative")
         if self.groups < 1 or self.experts % self.groups:
             raise ValueError(f"moe.groups={self.groups} must divide moe.experts={self.experts}")
         if self.group_limit is not None:
             per_group = self.experts // self.groups
-            if not 1 <= self.group_limit <= self.groups or self.top_k > self.group_limit * per_group:
-                raise ValueError(f"moe.group_limit={self.group_limit} must lie in [1, groups={self.groups}] and leave "
-                                 f"top_k={self.top_k} experts to choose from ({per_group} per group)")
+            if (
+                not 1 <= self.group_limit <= self.groups
+                or self.top_k > self.group_limit * per_group
+            ):
+                raise ValueError(
+                    f"moe.group_limit={self.group_limit} must lie in [1, groups={self.groups}] and leave "
+                    f"top_k={self.top_k} experts to choose from ({per_group} per group)"
+                )
         return self
 
     def replace(self, **changes: object) -> MoEConfig:
@@ -89,17 +110,21 @@ class MoEStats:
     z_loss: torch.Tensor  # 0-d
 
 
-def run_experts(experts: nn.ModuleDict, tokens: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:
+def run_experts(
+    experts: nn.ModuleDict, tokens: torch.Tensor, counts: list[int], first: int
+) -> torch.Tensor:
     """Tokens grouped by expert — counts[i] rows for expert ``first + i`` — through their experts, in order. An
     expert without tokens still runs (on zero rows): its parameters get a zero gradient, never none."""
     outs, start = [], 0
     for i, n in enumerate(counts):
-        outs.append(experts[str(first + i)](tokens[start:start + n]))
+        outs.append(experts[str(first + i)](tokens[start : start + n]))
         start += n
     return torch.cat(outs)
 
 
-RunExperts = Callable[[torch.Tensor, list[int], int], torch.Tensor]  # (grouped tokens, group sizes, first expert)
+RunExperts = Callable[
+    [torch.Tensor, list[int], int], torch.Tensor
+]  # (grouped tokens, group sizes, first expert)
 
 
 class LocalExperts:
@@ -112,7 +137,9 @@ class LocalExperts:
 class LocalBalance:
     """Load-balancing statistics over this micro-batch alone: (counts, tokens, ranks) unchanged, 1 rank."""
 
-    def __call__(self, counts: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __call__(
+        self, counts: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         return counts, tokens, 1
 
 
@@ -135,19 +162,38 @@ class MoEFeedForward(nn.Module):
     """Router + experts (+ shared experts); see the module doc. Expert ``e`` is ``experts[str(e)]``: expert
     parallelism keeps only this rank's, and the parameter names stay the single-process ones."""
 
-    def __init__(self, dim: int, hidden: int, config: MoEConfig, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        config: MoEConfig,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.config = config.validate()
         hidden = config.hidden or hidden
         self.router = Linear(dim, config.experts, bias=False, device=device, dtype=dtype)
-        self.experts = nn.ModuleDict({str(e): FeedForward(dim, hidden, device=device, dtype=dtype)
-                                      for e in range(config.experts)})
-        self.shared = (FeedForward(dim, hidden * config.shared_experts, device=device, dtype=dtype)
-                       if config.shared_experts else None)
-        self.exchange: Callable[[RunExperts, torch.Tensor, torch.Tensor], torch.Tensor] = LocalExperts()
-        self.balance: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]] = LocalBalance()
-        self.aux_grad_scale = 1.0  # the main loss's scale for this micro-batch (1 / micro-batches), set per step
+        self.experts = nn.ModuleDict(
+            {
+                str(e): FeedForward(dim, hidden, device=device, dtype=dtype)
+                for e in range(config.experts)
+            }
+        )
+        self.shared = (
+            FeedForward(dim, hidden * config.shared_experts, device=device, dtype=dtype)
+            if config.shared_experts
+            else None
+        )
+        self.exchange: Callable[[RunExperts, torch.Tensor, torch.Tensor], torch.Tensor] = (
+            LocalExperts()
+        )
+        self.balance: Callable[
+            [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]
+        ] = LocalBalance()
+        self.aux_grad_scale = (
+            1.0  # the main loss's scale for this micro-batch (1 / micro-batches), set per step
+        )
         self.stats: MoEStats | None = None
 
     def run_experts(self, tokens: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:
@@ -159,7 +205,9 @@ class MoEFeedForward(nn.Module):
         c = self.config
         scores = logits.softmax(dim=-1) if c.score == "softmax" else logits.sigmoid()
         choosable = scores
-        if c.group_limit is not None and c.group_limit < c.groups:  # device-limited: the best groups only
+        if (
+            c.group_limit is not None and c.group_limit < c.groups
+        ):  # device-limited: the best groups only
             grouped = scores.view(scores.shape[0], c.groups, -1)
             group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
             keep = torch.zeros_like(group_score, dtype=torch.bool)
@@ -179,7 +227,9 @@ class MoEFeedForward(nn.Module):
             return torch.ones_like(experts, dtype=torch.bool)
         tokens, k = experts.shape
         capacity = math.ceil(c.capacity_factor * tokens * k / c.experts)
-        by_slot = experts.t().reshape(-1)  # every token's first choice, then every second choice, ...
+        by_slot = experts.t().reshape(
+            -1
+        )  # every token's first choice, then every second choice, ...
         one_hot = torch.nn.functional.one_hot(by_slot, c.experts)
         position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
         return (position < capacity).view(k, tokens).t()
@@ -197,7 +247,11 @@ class MoEFeedForward(nn.Module):
         token_of = torch.arange(n_tokens, device=t.device).repeat_interleave(c.top_k)
         if c.capacity_factor is not None:
             keep = kept.reshape(-1)
-            flat_experts, token_of, flat_weights = flat_experts[keep], token_of[keep], weights.reshape(-1)[keep]
+            flat_experts, token_of, flat_weights = (
+                flat_experts[keep],
+                token_of[keep],
+                weights.reshape(-1)[keep],
+            )
         else:
             flat_weights = weights.reshape(-1)
         order = flat_experts.argsort(stable=True)

@@ -34,15 +34,28 @@ from fivefold.pipeline.split import copy_kept
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
 
-__all__ = ["PipelinedModel", "WholeModel", "apply_tensor_parallel", "build_stages", "check_compile_supported",
-           "compile_blockers", "is_expert", "is_tp_sharded",
-           "parallelize", "pipeline_forward_backward", "pipeline_overlap", "set_aux_grad_scale", "tp_loss"]
+__all__ = [
+    "PipelinedModel",
+    "WholeModel",
+    "apply_tensor_parallel",
+    "build_stages",
+    "check_compile_supported",
+    "compile_blockers",
+    "is_expert",
+    "is_tp_sharded",
+    "parallelize",
+    "pipeline_forward_backward",
+    "pipeline_overlap",
+    "set_aux_grad_scale",
+    "tp_loss",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Any, sequence_parallel: bool = False,
-                          plan: TPPlan = LLAMA_TP_PLAN) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, comm: Any, sequence_parallel: bool = False, plan: TPPlan = LLAMA_TP_PLAN
+) -> nn.Module:
     """Shard `model` (a `Llama` or a stage of one) in place over `comm`; placements go to ``model.tp_placements``."""
     model.tp_placements = shard_by_plan(model, comm, plan, sequence_parallel)
     model.tp_comm = comm
@@ -61,25 +74,40 @@ def tp_loss(model: nn.Module) -> VocabParallelLoss:
     return VocabParallelLoss(comm, comm.rank * (model.config.vocab_size // comm.size))
 
 
-def build_stages(config: LlamaConfig, stage_ids: Sequence[int], n_stages: int, *, seed: int = 0,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 layers_per_stage: list[int] | None = None) -> dict[int, Llama]:
+def build_stages(
+    config: LlamaConfig,
+    stage_ids: Sequence[int],
+    n_stages: int,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    layers_per_stage: list[int] | None = None,
+) -> dict[int, Llama]:
     """The stages `stage_ids` of the model cut into `n_stages`, each with its single-process weights (on
     ``device="meta"``: nothing allocated, for `parallelize` to materialise each rank's share)."""
     names = llama_stage_modules(config, n_stages, layers_per_stage)
     meta = Llama(config, device="meta", dtype=dtype)
     stages = {}
     for s in stage_ids:
-        stage = copy_kept(meta, names[s])  # (copies only the stage's modules: a 700B model's stage in a second)
+        stage = copy_kept(
+            meta, names[s]
+        )  # (copies only the stage's modules: a 700B model's stage in a second)
         if torch.device(device).type != "meta":
             materialize(stage, device)
-            stage.init_weights(seed)  # each parameter from its own seeded generator: the single-process values
+            stage.init_weights(
+                seed
+            )  # each parameter from its own seeded generator: the single-process values
         stages[s] = stage
     return stages
 
 
-def pipeline_forward_backward(runtime: PipelineRuntime, engines: dict[Any, ZeroDataParallel],
-                              inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor | None:
+def pipeline_forward_backward(
+    runtime: PipelineRuntime,
+    engines: dict[Any, ZeroDataParallel],
+    inputs: list[torch.Tensor],
+    targets: list[torch.Tensor],
+) -> torch.Tensor | None:
     """One pipeline step; each stage's M backwards run unreduced (`no_sync`), then every engine reduces over dp once."""
     with contextlib.ExitStack() as unreduced:
         for e in engines.values():
@@ -95,7 +123,9 @@ def _set_activations(model: Llama, cfg: Config) -> None:
     (``train.recompute``), inside each block: under ZeRO-3 the recomputation runs while the block's unit is gathered
     for its backward, and TP / SP / ring / expert collectives run again in backward in the same order on every rank."""
     model.set_attention(cfg.model.attention).set_recompute(cfg.train.recompute)
-    if cfg.train.compile:  # each block's computation; the hooks around the blocks and the collectives stay eager
+    if (
+        cfg.train.compile
+    ):  # each block's computation; the hooks around the blocks and the collectives stay eager
         compile_eager_regions()
         model.compile_blocks()
 
@@ -143,14 +173,16 @@ def _expert_parallel(module: Llama, mesh: ParallelMesh, overlap: bool = False) -
             if e // per_rank != ep.rank:
                 del layer.experts[str(e)]
         if ep.size > 1:
-            layer.exchange = AllToAllExperts(ep, layer.config.experts,
-                                             mesh.backward_comm("ep") if overlap else None)
+            layer.exchange = AllToAllExperts(
+                ep, layer.config.experts, mesh.backward_comm("ep") if overlap else None
+            )
         if loss_comm.size > 1:
             layer.balance = GlobalBalance(loss_comm)
 
 
-def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device,
-             overlap: bool = False) -> list[ZeroDataParallel]:
+def _engines(
+    module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device, overlap: bool = False
+) -> list[ZeroDataParallel]:
     """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share of it: the TP
     slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
     attention if cp > 1. An MoE model's experts get a second engine: kept over ep, averaged over the rest of dp × cp
@@ -167,35 +199,76 @@ def _engines(module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.devic
 
     def init_value(name: str) -> torch.Tensor:
         # on the meta device (`fivefold.plan` laying a rank out without holding it) nothing is drawn
-        full = (torch.empty(module.full_shapes()[name], device="meta") if device.type == "meta"
-                else module.initial_value(name, t.seed))
+        full = (
+            torch.empty(module.full_shapes()[name], device="meta")
+            if device.type == "meta"
+            else module.initial_value(name, t.seed)
+        )
         return tp_placements.get(name, ParamPlacement()).local_part(full, tp)
 
-    hpz = mesh.hpz_comm(z.hpz) if z.hpz > 1 else None  # ZeRO++ hpZ (dense models: validate refuses it with MoE)
+    hpz = (
+        mesh.hpz_comm(z.hpz) if z.hpz > 1 else None
+    )  # ZeRO++ hpZ (dense models: validate refuses it with MoE)
 
-    def engine(comm: Comm, owns: Any, extra: Placement, divisor: int | None = None,
-               replicate: Comm | None = None, hpz_comm: Comm | None = None) -> ZeroDataParallel:
+    def engine(
+        comm: Comm,
+        owns: Any,
+        extra: Placement,
+        divisor: int | None = None,
+        replicate: Comm | None = None,
+        hpz_comm: Comm | None = None,
+    ) -> ZeroDataParallel:
         return ZeroDataParallel(
-            module, comm, zero_stage=z.stage, init_value=init_value, device=device, params=owns, grad_divisor=divisor,
+            module,
+            comm,
+            zero_stage=z.stage,
+            init_value=init_value,
+            device=device,
+            params=owns,
+            grad_divisor=divisor,
             replicate=replicate,
             mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
-            bucket_mb=z.bucket_mb, find_unused=z.find_unused, reshard_after_forward=z.reshard_after_forward,
-            prefetch=z.prefetch, inflight_buckets=z.inflight_buckets, constant_buffers=z.constant_buffers,
+            bucket_mb=z.bucket_mb,
+            find_unused=z.find_unused,
+            reshard_after_forward=z.reshard_after_forward,
+            prefetch=z.prefetch,
+            inflight_buckets=z.inflight_buckets,
+            constant_buffers=z.constant_buffers,
             offload_optimizer=z.offload_optimizer,
-            qwz=z.qwz, qgz=z.qgz, quant_block=z.quant_block, hpz_comm=hpz_comm,
-            placement_of=lambda name, p: tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra,
-            optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-            weight_decay=t.weight_decay)
+            qwz=z.qwz,
+            qgz=z.qgz,
+            quant_block=z.quant_block,
+            hpz_comm=hpz_comm,
+            placement_of=lambda name, p: (
+                tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra
+            ),
+            optimizer_class=torch.optim.AdamW,
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            weight_decay=t.weight_decay,
+        )
 
-    engines = [engine(shard_comm, (lambda n, p: not is_expert(n)) if moe else None, frozenset(), replicate=replicate,
-                      hpz_comm=hpz)]
+    engines = [
+        engine(
+            shard_comm,
+            (lambda n, p: not is_expert(n)) if moe else None,
+            frozenset(),
+            replicate=replicate,
+            hpz_comm=hpz,
+        )
+    ]
     if moe:
         ep_dims: Placement = frozenset({"ep"}) if mesh.size("ep") > 1 else frozenset()
         engines.append(engine(mesh.comm("ep_dp"), is_expert, ep_dims, divisor=grad_comm.size))
-    materialize(module, device, parameters=False)  # the engines own the parameters; left: RoPE tables
+    materialize(
+        module, device, parameters=False
+    )  # the engines own the parameters; left: RoPE tables
     module.init_buffers()
     if mesh.size("cp") > 1:
-        apply_context_parallel(module, mesh.comm("cp"), _layout(cfg, mesh), cfg.train.seq_len, LLAMA_CP_PLAN)
+        apply_context_parallel(
+            module, mesh.comm("cp"), _layout(cfg, mesh), cfg.train.seq_len, LLAMA_CP_PLAN
+        )
     return engines
 
 
@@ -213,7 +286,9 @@ def _layout(cfg: Config, mesh: ParallelMesh) -> SequenceLayout:
 class _Parts:
     """What both layouts share: engines, the step over every placement, metrics."""
 
-    engines: dict[Any, ZeroDataParallel]  # WholeModel: 0 (and 1: experts); PipelinedModel: (stage, 0 / 1)
+    engines: dict[
+        Any, ZeroDataParallel
+    ]  # WholeModel: 0 (and 1: experts); PipelinedModel: (stage, 0 / 1)
     timeline: Timeline | None = None
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
@@ -224,9 +299,13 @@ class _Parts:
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole sequences [B, L] on the device: its layout's positions under cp."""
         if self.layout.cp > 1:
-            if tokens.shape[1] != self.cfg.train.seq_len:  # the RoPE tables hold the positions of train.seq_len
-                raise ValueError(f"context parallel: a batch of {tokens.shape[1]}-token sequences, but the model was "
-                                 f"laid out for train.seq_len={self.cfg.train.seq_len}")
+            if (
+                tokens.shape[1] != self.cfg.train.seq_len
+            ):  # the RoPE tables hold the positions of train.seq_len
+                raise ValueError(
+                    f"context parallel: a batch of {tokens.shape[1]}-token sequences, but the model was "
+                    f"laid out for train.seq_len={self.cfg.train.seq_len}"
+                )
             tokens = self.layout.shard(tokens, self.mesh.rank("cp"))
         return tokens.to(self.device)
 
@@ -236,9 +315,18 @@ class _Parts:
     def step(self, max_norm: float | None, check_finite: bool = False) -> float | None:
         """Clip and step every engine together; ``check_finite``: stop (`NonFiniteGradient`, on every rank) instead
         of applying a non-finite gradient."""
-        comms = {d: self.mesh.comm(d) for d in ("tp", "pp", "ep") if d != "ep" or self.mesh.size("ep") > 1}
-        return step_together(list(self.engines.values()), max_norm, comms, check_finite,
-                             self.mesh.world if check_finite else None)
+        comms = {
+            d: self.mesh.comm(d)
+            for d in ("tp", "pp", "ep")
+            if d != "ep" or self.mesh.size("ep") > 1
+        }
+        return step_together(
+            list(self.engines.values()),
+            max_norm,
+            comms,
+            check_finite,
+            self.mesh.world if check_finite else None,
+        )
 
     def gather_timeline(self) -> None:
         """Only a pipeline has a timeline to gather."""
@@ -266,19 +354,35 @@ class _Parts:
         """Per MoE layer, the last micro-batch's kept assignments per expert and dropped ones summed over dp × cp,
         and its load-balancing loss; None for a dense model. Collective over dp × cp (and pp); syncs the host, so
         for log steps only."""
-        layers = {name: m for module in self.modules() for name, m in module.named_modules()
-                  if isinstance(m, MoEFeedForward) and m.stats is not None}
+        layers = {
+            name: m
+            for module in self.modules()
+            for name, m in module.named_modules()
+            if isinstance(m, MoEFeedForward) and m.stats is not None
+        }
         out: dict[str, dict[str, Any]] = {}
         if layers:
             st = [m.stats for m in layers.values()]
-            packed = torch.cat([torch.stack([s.tokens_per_expert.float() for s in st]).flatten(),
-                                torch.stack([s.dropped.float() for s in st]), torch.stack([s.aux_loss for s in st])])
+            packed = torch.cat(
+                [
+                    torch.stack([s.tokens_per_expert.float() for s in st]).flatten(),
+                    torch.stack([s.dropped.float() for s in st]),
+                    torch.stack([s.aux_loss for s in st]),
+                ]
+            )
             self.loss_comm.all_reduce(packed, tag="metrics")
             n, e = len(st), st[0].tokens_per_expert.numel()
-            counts, dropped, aux = packed[:n * e].view(n, e), packed[n * e:n * e + n], packed[n * e + n:]
+            counts, dropped, aux = (
+                packed[: n * e].view(n, e),
+                packed[n * e : n * e + n],
+                packed[n * e + n :],
+            )
             for i, name in enumerate(layers):
-                out[name] = {"tokens_per_expert": counts[i].tolist(), "dropped": int(dropped[i]),
-                             "aux_loss": aux[i].item() / self.loss_comm.size}
+                out[name] = {
+                    "tokens_per_expert": counts[i].tolist(),
+                    "dropped": int(dropped[i]),
+                    "aux_loss": aux[i].item() / self.loss_comm.size,
+                }
         if self.mesh.size("pp") > 1:  # every stage's layers
             merged: dict[str, dict[str, Any]] = {}
             for part in self.mesh.comm("pp").all_gather_object(out):
@@ -300,10 +404,14 @@ class _Parts:
 class WholeModel(_Parts):
     """pp = 1: the whole model (TP-sharded if tp > 1) in one engine (two with MoE experts)."""
 
-    def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
+    def __init__(
+        self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device
+    ) -> None:
         super().__init__(cfg, mesh, device)
         check_compile_supported(cfg, device.type)
-        model = Llama(model_cfg, device="meta")  # nothing allocated: the engines materialise this rank's share
+        model = Llama(
+            model_cfg, device="meta"
+        )  # nothing allocated: the engines materialise this rank's share
         _set_activations(model, cfg)
         self.loss_fn = _shard(model, cfg, mesh)
         self.module = model
@@ -341,7 +449,9 @@ class WholeModel(_Parts):
 OVERLAP_CHOICES = ("off", "on")
 
 
-def pipeline_overlap(cfg: Config, moe: bool, size: Callable[[str], int], device_type: str) -> tuple[bool, str]:
+def pipeline_overlap(
+    cfg: Config, moe: bool, size: Callable[[str], int], device_type: str
+) -> tuple[bool, str]:
     """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime` ``overlap``), and why
     (not). A unit's forward runs in a second thread beside the backward; that is safe only when the two passes never
     call one process group at once: expert all-to-alls (the backward's get their own group) and the dp × cp
@@ -354,29 +464,56 @@ def pipeline_overlap(cfg: Config, moe: bool, size: Callable[[str], int], device_
         raise ValueError(f"pipeline.overlap={choice!r}: choose {' or '.join(OVERLAP_CHOICES)}")
     if choice == "off":
         return False, "pipeline.overlap off"
-    schedule = build_schedule(cfg.pipeline.schedule, size("pp"), cfg.train.grad_accum, cfg.pipeline.virtual)
-    blockers = [why for bad, why in (
-        (not any(schedule.side_by_side), f"schedule {schedule.name} has no overlapped units (dualpipev has)"),
-        (size("tp") > 1, f"parallel.tp={size('tp')}: both passes would call the tp group"),
-        (size("cp") > 1, f"parallel.cp={size('cp')}: both passes would exchange ring-attention messages"),
-        (cfg.zero.stage == 3, "zero.stage=3: both passes would gather and free the same units"),
-        (moe and cfg.train.recompute == "full", "train.recompute=full: the backward would run the MoE layers' "
-                                                "forward collectives again beside the other pass's"),
-        (device_type != "cpu", f"the device is {device_type}: the passes would share one stream, and NCCL "
-                               "communicators used from two threads at once may deadlock (CPU/gloo only)"),
-    ) if bad]
+    schedule = build_schedule(
+        cfg.pipeline.schedule, size("pp"), cfg.train.grad_accum, cfg.pipeline.virtual
+    )
+    blockers = [
+        why
+        for bad, why in (
+            (
+                not any(schedule.side_by_side),
+                f"schedule {schedule.name} has no overlapped units (dualpipev has)",
+            ),
+            (size("tp") > 1, f"parallel.tp={size('tp')}: both passes would call the tp group"),
+            (
+                size("cp") > 1,
+                f"parallel.cp={size('cp')}: both passes would exchange ring-attention messages",
+            ),
+            (cfg.zero.stage == 3, "zero.stage=3: both passes would gather and free the same units"),
+            (
+                moe and cfg.train.recompute == "full",
+                "train.recompute=full: the backward would run the MoE layers' "
+                "forward collectives again beside the other pass's",
+            ),
+            (
+                device_type != "cpu",
+                f"the device is {device_type}: the passes would share one stream, and NCCL "
+                "communicators used from two threads at once may deadlock (CPU/gloo only)",
+            ),
+        )
+        if bad
+    ]
     if blockers:
-        raise ValueError("pipeline.overlap=on cannot run the overlapped units side by side: " + "; ".join(blockers)
-                         + "; use pipeline.overlap off")
-    hides = "expert all-to-alls" if moe and size("ep") > 1 else "nothing but compute (no expert all-to-all)"
+        raise ValueError(
+            "pipeline.overlap=on cannot run the overlapped units side by side: "
+            + "; ".join(blockers)
+            + "; use pipeline.overlap off"
+        )
+    hides = (
+        "expert all-to-alls"
+        if moe and size("ep") > 1
+        else "nothing but compute (no expert all-to-all)"
+    )
     return True, f"each unit's forward beside its backward, hiding {hides}"
 
 
 def check_pipeline_supported(cfg: Config) -> None:
     """What a pipeline refuses (also checked by `train.validate` before any process starts)."""
     if cfg.precision.param == "fp16":
-        raise ValueError("precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
-                         "per engine); use bf16 or fp32")
+        raise ValueError(
+            "precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
+            "per engine); use bf16 or fp32"
+        )
 
 
 def compile_blockers(cfg: Config, device_type: str, schedule: Schedule | None = None) -> list[str]:
@@ -385,51 +522,75 @@ def compile_blockers(cfg: Config, device_type: str, schedule: Schedule | None = 
     hooks and pipeline sends sit outside the blocks, and full recompute wraps the compiled block; what is left:"""
     blockers = []
     if cfg.train.recompute == "selective":
-        blockers.append("train.recompute=selective recomputes the attention core inside the block, and torch.compile "
-                        "cannot trace fivefold's checkpoint there: use train.recompute full (the compiled block is "
-                        "recomputed whole) or none")
+        blockers.append(
+            "train.recompute=selective recomputes the attention core inside the block, and torch.compile "
+            "cannot trace fivefold's checkpoint there: use train.recompute full (the compiled block is "
+            "recomputed whole) or none"
+        )
     if schedule is not None and any(a.kind == W for acts in schedule.actions for a in acts):
-        blockers.append(f"pipeline.schedule={schedule.name} defers weight gradients (W) past the input gradients, "
-                        "but a compiled block's backward computes both at once: use pipeline.schedule 1f1b, gpipe or "
-                        "interleaved")
+        blockers.append(
+            f"pipeline.schedule={schedule.name} defers weight gradients (W) past the input gradients, "
+            "but a compiled block's backward computes both at once: use pipeline.schedule 1f1b, gpipe or "
+            "interleaved"
+        )
     if device_type == "cpu":
         cxx = os.environ.get("CXX", "g++")
         if shutil.which(cxx) is None:
-            blockers.append(f"on the CPU torch's inductor compiles C++ with {cxx}, which is not on PATH: install it "
-                            "or set CXX to a C++ compiler")
+            blockers.append(
+                f"on the CPU torch's inductor compiles C++ with {cxx}, which is not on PATH: install it "
+                "or set CXX to a C++ compiler"
+            )
     elif device_type == "cuda":
         cc = os.environ.get("CC")
         if not (shutil.which(cc) if cc else any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
-            blockers.append(f"on GPUs triton builds its kernel launchers with a C compiler ({cc or 'cc, gcc or clang'}"
-                            "), which is not on PATH: install one or set CC")
+            blockers.append(
+                f"on GPUs triton builds its kernel launchers with a C compiler ({cc or 'cc, gcc or clang'}"
+                "), which is not on PATH: install one or set CC"
+            )
     return blockers
 
 
-def check_compile_supported(cfg: Config, device_type: str, schedule: Schedule | None = None) -> None:
+def check_compile_supported(
+    cfg: Config, device_type: str, schedule: Schedule | None = None
+) -> None:
     """`compile_blockers` as one error (also checked by `train.validate` before any process starts)."""
     if cfg.train.compile and (blockers := compile_blockers(cfg, device_type, schedule)):
-        raise ValueError("train.compile=true: " + "; ".join(blockers) + "; or set train.compile false")
+        raise ValueError(
+            "train.compile=true: " + "; ".join(blockers) + "; or set train.compile false"
+        )
 
 
 class PipelinedModel(_Parts):
     """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation micro-batches."""
 
-    def __init__(self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device) -> None:
+    def __init__(
+        self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device
+    ) -> None:
         super().__init__(cfg, mesh, device)
         check_pipeline_supported(cfg)
         p, pp = cfg.pipeline, mesh.comm("pp")
         self.pp = pp
         self.schedule = build_schedule(p.schedule, pp.size, cfg.train.grad_accum, p.virtual)
         check_compile_supported(cfg, device.type, self.schedule)
-        stages = build_stages(model_cfg, self.schedule.stages_of(pp.rank), self.schedule.n_stages,
-                              device="meta", layers_per_stage=p.layers())
+        stages = build_stages(
+            model_cfg,
+            self.schedule.stages_of(pp.rank),
+            self.schedule.n_stages,
+            device="meta",
+            layers_per_stage=p.layers(),
+        )
         for stage in stages.values():
             _set_activations(stage, cfg)
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
         self.stages = stages
-        self.overlap, self.overlap_reason = pipeline_overlap(cfg, model_cfg.moe is not None, mesh.size, device.type)
-        self.engines = {(s, i): e for s, m in stages.items()
-                        for i, e in enumerate(_engines(m, cfg, mesh, device, self.overlap))}
+        self.overlap, self.overlap_reason = pipeline_overlap(
+            cfg, model_cfg.moe is not None, mesh.size, device.type
+        )
+        self.engines = {
+            (s, i): e
+            for s, m in stages.items()
+            for i, e in enumerate(_engines(m, cfg, mesh, device, self.overlap))
+        }
         # Between stages flows the hidden state [mb, L/C, D] (this cp rank's tokens), [mb, L/C/T, D] under SP.
         seq = cfg.train.seq_len // mesh.size("cp")
         seq = seq // mesh.size("tp") if cfg.parallel.sp else seq
@@ -437,13 +598,26 @@ class PipelinedModel(_Parts):
         self.shape = lambda mb: (mb, seq, model_cfg.dim)
         self.loss_fn = loss_fns.get(self.schedule.n_stages - 1, lm_cross_entropy)
         self.p2p = None if p.p2p == "auto" else p.p2p
-        self.runtime = PipelineRuntime(self.schedule, self.stages, pp, self.loss_fn, self.shape, self.dtype, device,
-                                       p2p=self.p2p, overlap=self.overlap)
+        self.runtime = PipelineRuntime(
+            self.schedule,
+            self.stages,
+            pp,
+            self.loss_fn,
+            self.shape,
+            self.dtype,
+            device,
+            p2p=self.p2p,
+            overlap=self.overlap,
+        )
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         set_aux_grad_scale(self.stages.values(), 1.0 / len(micro_batches))
-        loss = pipeline_forward_backward(self.runtime, self.engines, [self.local(x) for x, _ in micro_batches],
-                                         [self.local(y) for _, y in micro_batches])
+        loss = pipeline_forward_backward(
+            self.runtime,
+            self.engines,
+            [self.local(x) for x, _ in micro_batches],
+            [self.local(y) for _, y in micro_batches],
+        )
         return loss if loss is not None else self.pp.scalar(0.0)
 
     def action_marks(self) -> list[tuple]:
@@ -452,7 +626,9 @@ class PipelinedModel(_Parts):
     def gather_timeline(self) -> None:
         """The last step's measured action times from every pp rank (one gather, at the end of training)."""
         records = self.pp.all_gather_object(self.runtime.records)
-        self.timeline = Timeline(records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual)
+        self.timeline = Timeline(
+            records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual
+        )
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Only the last stage has the loss: sum over pp (others add 0), mean over dp (× cp); on the device."""
@@ -463,14 +639,28 @@ class PipelinedModel(_Parts):
 
     def evaluate(self, batches: list[Batch]) -> float:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
-        runtime = PipelineRuntime(sched, self.stages, self.pp, self.loss_fn, self.shape, self.dtype, self.device,
-                                  p2p=self.p2p)
-        loss = runtime.step([self.local(x) for x, _ in batches], [self.local(y) for _, y in batches])
+        runtime = PipelineRuntime(
+            sched,
+            self.stages,
+            self.pp,
+            self.loss_fn,
+            self.shape,
+            self.dtype,
+            self.device,
+            p2p=self.p2p,
+        )
+        loss = runtime.step(
+            [self.local(x) for x, _ in batches], [self.local(y) for _, y in batches]
+        )
         return self.global_loss(loss if loss is not None else self.pp.scalar(0.0)).item()
 
 
-def parallelize(cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device | str,
-                ) -> WholeModel | PipelinedModel:
+def parallelize(
+    cfg: Config,
+    model_cfg: LlamaConfig,
+    mesh: ParallelMesh,
+    device: torch.device | str,
+) -> WholeModel | PipelinedModel:
     """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`."""
     device = torch.device(device)
     return (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)

@@ -9,7 +9,15 @@ from __future__ import annotations
 from fivefold.context_parallel.plan import CPPlan
 from fivefold.models.llama import LlamaConfig
 from fivefold.pipeline.split import split_layers
-from fivefold.tensor_parallel.plan import Colwise, Norm, RegionEntry, Rowwise, TPPlan, VocabEmbedding, VocabHead
+from fivefold.tensor_parallel.plan import (
+    Colwise,
+    Norm,
+    RegionEntry,
+    Rowwise,
+    TPPlan,
+    VocabEmbedding,
+    VocabHead,
+)
 
 __all__ = ["LLAMA_CP_PLAN", "LLAMA_TP_PLAN", "llama_stage_modules"]
 
@@ -33,12 +41,17 @@ LLAMA_TP_PLAN: TPPlan = {
 }
 
 
-def llama_stage_modules(config: LlamaConfig, n_stages: int, layers_per_stage: list[int] | None = None,
-                        ) -> list[list[str]]:
+def llama_stage_modules(
+    config: LlamaConfig,
+    n_stages: int,
+    layers_per_stage: list[int] | None = None,
+) -> list[list[str]]:
     """For each stage, the names of the modules it holds (for `pipeline.split.keep_only`)."""
     if config.tie_embeddings and n_stages > 1:
-        raise ValueError("tie_embeddings=True with pipeline parallelism: the embedding (first stage) and the head "
-                         "(last stage) live on different ranks; set model.tie_embeddings=false or pp=1")
+        raise ValueError(
+            "tie_embeddings=True with pipeline parallelism: the embedding (first stage) and the head "
+            "(last stage) live on different ranks; set model.tie_embeddings=false or pp=1"
+        )
     stages = []
     for s, blocks in enumerate(split_layers(config.n_layers, n_stages, layers_per_stage)):
         names = ["tok_embeddings"] if s == 0 else []

@@ -16,15 +16,28 @@ from fivefold.comm import Comm, Placement
 
 __all__ = ["DIM_ORDER", "global_grad_sq_norm", "step_together"]
 
-DIM_ORDER = ("tp", "cp", "ep", "dp_shard", "dp", "ep_dp", "dp_cp", "dp_replicate", "pp")  # innermost first
+DIM_ORDER = (
+    "tp",
+    "cp",
+    "ep",
+    "dp_shard",
+    "dp",
+    "ep_dp",
+    "dp_cp",
+    "dp_replicate",
+    "pp",
+)  # innermost first
 
 
 def _order(dim: str) -> tuple[int, str]:
     return (DIM_ORDER.index(dim) if dim in DIM_ORDER else len(DIM_ORDER), dim)
 
 
-def global_grad_sq_norm(parts: Iterable[Mapping[Placement, torch.Tensor]], comms: Mapping[str, Comm],
-                        device: torch.device | str = "cpu") -> torch.Tensor:
+def global_grad_sq_norm(
+    parts: Iterable[Mapping[Placement, torch.Tensor]],
+    comms: Mapping[str, Comm],
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Σ‖g‖² over every rank's pieces: `parts` are local squared sums keyed by placement; `comms` the dimensions
     to sum over (all ranks must pass the same ones). Squares are kept in a vector indexed by the subset of those
     dimensions they are partitioned over, a fixed layout on every rank: reducing dimension d all-reduces the
@@ -35,13 +48,17 @@ def global_grad_sq_norm(parts: Iterable[Mapping[Placement, torch.Tensor]], comms
         for placement, sq in part.items():
             missing = sorted(placement - set(comms))
             if missing:
-                raise ValueError(f"gradients are partitioned over {missing} but no Comm was given for them; pass "
-                                 f"comms={{{', '.join(repr(d) + ': ...' for d in missing)}}} (e.g. to step_together)")
+                raise ValueError(
+                    f"gradients are partitioned over {missing} but no Comm was given for them; pass "
+                    f"comms={{{', '.join(repr(d) + ': ...' for d in missing)}}} (e.g. to step_together)"
+                )
             index = sum(1 << i for i, d in enumerate(dims) if d in placement)
             vec[index] += sq
     for i, d in enumerate(dims):
         bit = 1 << i  # entries with an earlier dimension's bit were folded already
-        idx = torch.tensor([m for m in range(bit, len(vec)) if m & bit and not m & (bit - 1)], device=device)
+        idx = torch.tensor(
+            [m for m in range(bit, len(vec)) if m & bit and not m & (bit - 1)], device=device
+        )
         reduced = vec.index_select(0, idx)
         comms[d].all_reduce(reduced, tag="grad_norm")
         vec.index_add_(0, idx - bit, reduced)
@@ -66,9 +83,13 @@ class NonFiniteGradient(FloatingPointError):
     applied, so the weights (and the last checkpoint) stay as they were."""
 
 
-def step_together(engines: Sequence[Engine], max_norm: float | None = None,
-                  comms: Mapping[str, Comm] | None = None, check_finite: bool = False,
-                  world: Comm | None = None) -> torch.Tensor | None:
+def step_together(
+    engines: Sequence[Engine],
+    max_norm: float | None = None,
+    comms: Mapping[str, Comm] | None = None,
+    check_finite: bool = False,
+    world: Comm | None = None,
+) -> torch.Tensor | None:
     """One step of the engines forming one model (this rank's stages), clipped by their global norm; `comms` maps
     the other partitioned dimensions to groups (every rank passes the same: "tp", "pp"; "dp" is the engines' own
     when they shard). Returns the norm (a 0-d tensor on the group's device) if one was needed.
@@ -80,13 +101,17 @@ def step_together(engines: Sequence[Engine], max_norm: float | None = None,
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()
-        if e.zero_stage >= 1:  # ZeRO shards are partitioned over the engine's group (DDP's are replicated there)
+        if (
+            e.zero_stage >= 1
+        ):  # ZeRO shards are partitioned over the engine's group (DDP's are replicated there)
             comms.setdefault(e.comm.dim, e.comm)
     norm, found_inf = None, False
     scaled = any(e.loss_scaler is not None for e in engines)
     if max_norm is not None or scaled or check_finite:
         device = engines[0].comm.device if engines else "cpu"
-        norm = global_grad_sq_norm([e.optimizer.local_sq_norms() for e in engines], comms, device).sqrt()
+        norm = global_grad_sq_norm(
+            [e.optimizer.local_sq_norms() for e in engines], comms, device
+        ).sqrt()
         if scaled or check_finite:
             found_inf = not math.isfinite(norm.item())  # the one host sync per step
         if found_inf and not scaled:
@@ -107,7 +132,12 @@ def _first_non_finite(engines: Sequence[Engine], norm: float, world: Comm | None
             break
     found = world.all_gather_object(mine) if world is not None else [mine]
     where = next(((rank, name) for rank, name in enumerate(found) if name), None)
-    detail = (f"the first non-finite gradient is {where[1]!r} (rank {where[0]})" if where else
-              "no single parameter's gradient is non-finite (the sum of squares overflowed)")
-    return (f"the global gradient norm is {norm}: {detail}; the step was not applied, the weights and the last "
-            "checkpoint are as they were. Lower train.lr, check the data, or use fp16/bf16 loss scaling")
+    detail = (
+        f"the first non-finite gradient is {where[1]!r} (rank {where[0]})"
+        if where
+        else "no single parameter's gradient is non-finite (the sum of squares overflowed)"
+    )
+    return (
+        f"the global gradient norm is {norm}: {detail}; the step was not applied, the weights and the last "
+        "checkpoint are as they were. Lower train.lr, check the data, or use fp16/bf16 loss scaling"
+    )

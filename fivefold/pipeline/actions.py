@@ -14,8 +14,24 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
-    "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS",
-    "Action", "Schedule", "ScheduleError", "DeadlockError", "steps", "iter_steps", "channel",
+    "F",
+    "B",
+    "I",
+    "W",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+    "COMPUTE_KINDS",
+    "COMM_KINDS",
+    "BACKWARD_KINDS",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "DeadlockError",
+    "steps",
+    "iter_steps",
+    "channel",
 ]
 
 F = "F"
@@ -51,9 +67,13 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE_KINDS and self.kind not in COMM_KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {COMPUTE_KINDS + COMM_KINDS}")
+            raise ValueError(
+                f"unknown action kind {self.kind!r}; expected one of {COMPUTE_KINDS + COMM_KINDS}"
+            )
         if self.is_comm != (self.peer is not None):
-            raise ValueError(f"{self.kind} needs peer={'a rank' if self.is_comm else 'None'}, got peer={self.peer}")
+            raise ValueError(
+                f"{self.kind} needs peer={'a rank' if self.is_comm else 'None'}, got peer={self.peer}"
+            )
 
     @property
     def is_comm(self) -> bool:
@@ -126,9 +146,16 @@ class Schedule:
 
     def format(self) -> str:
         """One line per rank, e.g. ``rank 0: F0@s0 F1@s0 B0@s0 ...`` (handy in error messages)."""
+
         def name(r: int, a: Action) -> str:
-            return f"&{a}" if self.runs_beside_forward(r, a) else str(a)  # "F3@s0 &B1@s3": one overlapped unit
-        return "\n".join(f"rank {r}: " + " ".join(name(r, a) for a in acts) for r, acts in enumerate(self.actions))
+            return (
+                f"&{a}" if self.runs_beside_forward(r, a) else str(a)
+            )  # "F3@s0 &B1@s3": one overlapped unit
+
+        return "\n".join(
+            f"rank {r}: " + " ".join(name(r, a) for a in acts)
+            for r, acts in enumerate(self.actions)
+        )
 
 
 Step = Action | list[Action]

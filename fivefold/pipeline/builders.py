@@ -7,21 +7,47 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, Schedule, ScheduleError, W
+from fivefold.pipeline.actions import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    I,
+    Schedule,
+    ScheduleError,
+    W,
+)
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "dualpipe_v", "forward_only", "SCHEDULES",
-           "build_schedule"]
+__all__ = [
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "zero_bubble_h1",
+    "dualpipe_v",
+    "forward_only",
+    "SCHEDULES",
+    "build_schedule",
+]
 
 
 def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
-    for label, value in (("P (pipeline ranks)", P), ("M (micro-batches)", M), ("V (virtual stages per rank)", V)):
+    for label, value in (
+        ("P (pipeline ranks)", P),
+        ("M (micro-batches)", M),
+        ("V (virtual stages per rank)", V),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
 
 
 def _check_m_ge_p(name: str, P: int, M: int, why: str) -> None:
     if M < P:
-        raise ValueError(f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M >= P")
+        raise ValueError(
+            f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M >= P"
+        )
 
 
 def _plain_placement(P: int) -> list[int]:
@@ -30,7 +56,9 @@ def _plain_placement(P: int) -> list[int]:
 
 def _one_stage_per_rank(name: str, V: int) -> None:
     if V != 1:
-        raise ValueError(f"schedule {name!r} has one stage per rank (V=1), got V={V}; only 'interleaved' takes V > 1")
+        raise ValueError(
+            f"schedule {name!r} has one stage per rank (V=1), got V={V}; only 'interleaved' takes V > 1"
+        )
 
 
 def gpipe(P: int, M: int, V: int = 1) -> Schedule:
@@ -40,9 +68,17 @@ def gpipe(P: int, M: int, V: int = 1) -> Schedule:
     name = "gpipe"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
-    _check_m_ge_p(name, P, M, "with fewer the pipeline never fills (no moment has every stage busy) and the bubble "
-                  "(P-1)/(M+P-1) is at least 50%")
-    actions = [[Action(F, m, r) for m in range(M)] + [Action(B, m, r) for m in reversed(range(M))] for r in range(P)]
+    _check_m_ge_p(
+        name,
+        P,
+        M,
+        "with fewer the pipeline never fills (no moment has every stage busy) and the bubble "
+        "(P-1)/(M+P-1) is at least 50%",
+    )
+    actions = [
+        [Action(F, m, r) for m in range(M)] + [Action(B, m, r) for m in reversed(range(M))]
+        for r in range(P)
+    ]
     return Schedule(name, P, M, 1, _plain_placement(P), actions)
 
 
@@ -52,7 +88,12 @@ def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
     name = "1f1b"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
-    _check_m_ge_p(name, P, M, "with fewer, the first stage runs out of forwards before the first backward returns")
+    _check_m_ge_p(
+        name,
+        P,
+        M,
+        "with fewer, the first stage runs out of forwards before the first backward returns",
+    )
     actions = []
     for r in range(P):
         n_warmup = P - 1 - r
@@ -71,13 +112,22 @@ def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
     name = "interleaved"
     _check_sizes(name, P, M, V)
     if V < 2:
-        raise ValueError(f"{name}: needs V >= 2 virtual stages per rank (got V={V}); V=1 is plain 1F1B, use '1f1b'")
-    _check_m_ge_p(name, P, M, "micro-batches enter each model chunk in groups of P, and with fewer the first "
-                  "chunk's group is incomplete before the second chunk starts")
+        raise ValueError(
+            f"{name}: needs V >= 2 virtual stages per rank (got V={V}); V=1 is plain 1F1B, use '1f1b'"
+        )
+    _check_m_ge_p(
+        name,
+        P,
+        M,
+        "micro-batches enter each model chunk in groups of P, and with fewer the first "
+        "chunk's group is incomplete before the second chunk starts",
+    )
     if M % P != 0:
-        raise ValueError(f"{name} needs the number of micro-batches to be a multiple of the pipeline size "
-                         f"(M={M}, P={P}, M % P = {M % P}), as Megatron requires: micro-batches are processed in "
-                         f"groups of P per model chunk; use M = {(M // P + 1) * P} or {max(P, M // P * P)}")
+        raise ValueError(
+            f"{name} needs the number of micro-batches to be a multiple of the pipeline size "
+            f"(M={M}, P={P}, M % P = {M % P}), as Megatron requires: micro-batches are processed in "
+            f"groups of P per model chunk; use M = {(M // P + 1) * P} or {max(P, M // P * P)}"
+        )
     S = P * V
     total = M * V
 
@@ -116,8 +166,13 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
     name = "zb-h1"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
-    _check_m_ge_p(name, P, M, "with fewer, the first stage runs out of forwards before the first input-gradient "
-                  "pass returns")
+    _check_m_ge_p(
+        name,
+        P,
+        M,
+        "with fewer, the first stage runs out of forwards before the first input-gradient "
+        "pass returns",
+    )
     actions = []
     for r in range(P):
         n_warmup = P - 1 - r
@@ -148,11 +203,21 @@ def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
     if V not in (1, 2):
         raise ValueError(f"{name}: every rank holds exactly two stages (V=2), got V={V}")
     if M < 2 * P:
-        raise ValueError(f"{name} needs at least twice as many micro-batches as pipeline ranks (M={M} < 2P={2 * P}): "
-                         f"the main phase pairs one micro-batch's forward with another's backward; use M >= {2 * P}")
+        raise ValueError(
+            f"{name} needs at least twice as many micro-batches as pipeline ranks (M={M} < 2P={2 * P}): "
+            f"the main phase pairs one micro-batch's forward with another's backward; use M >= {2 * P}"
+        )
     ranks = [_dualpipe_v_rank(P, M, r) for r in range(P)]
-    return Schedule(name, P, M, 2, list(range(P)) + list(reversed(range(P))), [k.acts for k in ranks],
-                    is_lowered=True, side_by_side=[frozenset(k.overlapped) for k in ranks])
+    return Schedule(
+        name,
+        P,
+        M,
+        2,
+        list(range(P)) + list(reversed(range(P))),
+        [k.acts for k in ranks],
+        is_lowered=True,
+        side_by_side=[frozenset(k.overlapped) for k in ranks],
+    )
 
 
 class _DualPipeVRank:
@@ -167,14 +232,28 @@ class _DualPipeVRank:
         self.acts: list[Action] = []
         self.pending: list[Action] = []
         keys = ("F0", "F1", "B0", "B1", "rf0", "rf1", "sf0", "sf1", "rb0", "rb1", "sb0", "sb1")
-        self.count = dict.fromkeys(keys, 0)  # computes and messages so far, by chunk: the next micro-batch
-        self.overlapped: set[Action] = set()  # backwards of the (F, B) units, run beside their forward
-        self.deferred: deque[tuple[int, int]] = deque()  # (micro-batch, stage) of I's whose W is still to run
+        self.count = dict.fromkeys(
+            keys, 0
+        )  # computes and messages so far, by chunk: the next micro-batch
+        self.overlapped: set[Action] = (
+            set()
+        )  # backwards of the (F, B) units, run beside their forward
+        self.deferred: deque[tuple[int, int]] = (
+            deque()
+        )  # (micro-batch, stage) of I's whose W is still to run
         first, last = r == 0, r == P - 1
         # which transfers exist: the first stage has no input, the loss stage no output; on the last rank the two
         # chunks meet locally (stage P-1 feeds stage P)
-        self.has = {"rf0": not first, "rf1": not last, "sf0": not last, "sf1": not first,
-                    "rb0": not last, "rb1": not first, "sb0": not first, "sb1": not last}
+        self.has = {
+            "rf0": not first,
+            "rf1": not last,
+            "sf0": not last,
+            "sf1": not first,
+            "rb0": not last,
+            "rb1": not first,
+            "sb0": not first,
+            "sb1": not last,
+        }
 
     def _next(self, key: str) -> int:
         self.count[key] += 1
@@ -182,7 +261,9 @@ class _DualPipeVRank:
 
     def _comm(self, key: str, kind: str, phase: int, peer_step: int) -> None:
         if self.has[key]:
-            self.pending.append(Action(kind, self._next(key), self.stage[phase], peer=self.r + peer_step))
+            self.pending.append(
+                Action(kind, self._next(key), self.stage[phase], peer=self.r + peer_step)
+            )
 
     # phase 0 flows down (r-1 -> r -> r+1), phase 1 back up
     def recv_forward(self, phase: int) -> None:
@@ -209,7 +290,9 @@ class _DualPipeVRank:
         if send:
             self.send_forward(phase)
 
-    def backward(self, phase: int, zero_bubble: bool = False, recv: bool = True, send: bool = True) -> None:
+    def backward(
+        self, phase: int, zero_bubble: bool = False, recv: bool = True, send: bool = True
+    ) -> None:
         if recv:
             self.recv_backward(phase)
         self.commit()
@@ -288,14 +371,26 @@ def _dualpipe_v_rank(P: int, M: int, r: int) -> _DualPipeVRank:
     return k
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
-                                                 "zb-h1": zero_bubble_h1, "dualpipev": dualpipe_v}
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zero_bubble_h1,
+    "dualpipev": dualpipe_v,
+}
 
 
 def forward_only(P: int, M: int, stage_to_rank: list[int], name: str = "forward-only") -> Schedule:
     """Evaluation: every micro-batch through every stage in model order, no backward (no cycle can form)."""
-    actions = [[Action(F, m, s) for m in range(M) for s in range(len(stage_to_rank)) if stage_to_rank[s] == r]
-               for r in range(P)]
+    actions = [
+        [
+            Action(F, m, s)
+            for m in range(M)
+            for s in range(len(stage_to_rank))
+            if stage_to_rank[s] == r
+        ]
+        for r in range(P)
+    ]
     V = len(stage_to_rank) // P
     return Schedule(name, P, M, V, list(stage_to_rank), actions)
 
@@ -305,5 +400,7 @@ def build_schedule(name: str, P: int, M: int, V: int = 1) -> Schedule:
     try:
         builder = SCHEDULES[name]
     except KeyError:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+        raise ValueError(
+            f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}"
+        ) from None
     return builder(P, M, V)

@@ -40,25 +40,37 @@ def validate(schedule: Schedule) -> None:
     if len(schedule.actions) != P:
         raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for {P} ranks")
     if S != P * schedule.n_virtual:
-        raise ScheduleError(f"{schedule.name}: stage_to_rank has {S} entries, expected P·V = {P * schedule.n_virtual}")
+        raise ScheduleError(
+            f"{schedule.name}: stage_to_rank has {S} entries, expected P·V = {P * schedule.n_virtual}"
+        )
     if any(not 0 <= r < P for r in schedule.stage_to_rank):
-        raise ScheduleError(f"{schedule.name}: stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{P - 1}")
+        raise ScheduleError(
+            f"{schedule.name}: stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{P - 1}"
+        )
     rank_of = schedule.stage_to_rank
 
-    where: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(list)  # (kind, m, s) -> [(rank, index)]
+    where: dict[tuple[str, int, int], list[tuple[int, int]]] = defaultdict(
+        list
+    )  # (kind, m, s) -> [(rank, index)]
     for rank, acts in enumerate(schedule.actions):
         for idx, a in enumerate(acts):
             if not (0 <= a.microbatch < M and 0 <= a.stage < S):
-                errors.append(f"rank {rank} step {idx}: {a} is outside micro-batches 0..{M - 1} / stages 0..{S - 1}")
+                errors.append(
+                    f"rank {rank} step {idx}: {a} is outside micro-batches 0..{M - 1} / stages 0..{S - 1}"
+                )
                 continue
             if a.is_compute:
                 if rank_of[a.stage] != rank:
-                    errors.append(f"rank {rank} step {idx}: {a} but stage {a.stage} lives on rank {rank_of[a.stage]}")
+                    errors.append(
+                        f"rank {rank} step {idx}: {a} but stage {a.stage} lives on rank {rank_of[a.stage]}"
+                    )
                 where[(a.kind, a.microbatch, a.stage)].append((rank, idx))
             elif not schedule.is_lowered:
                 errors.append(f"rank {rank} step {idx}: {a} in a schedule that is not lowered")
 
-    forward_only = not any(kind != F for kind, _, _ in where)  # evaluation: every micro-batch forward only
+    forward_only = not any(
+        kind != F for kind, _, _ in where
+    )  # evaluation: every micro-batch forward only
     for s in range(S):
         for m in range(M):
             n = {k: len(where.get((k, m, s), ())) for k in COMPUTE_KINDS}
@@ -66,8 +78,10 @@ def validate(schedule: Schedule) -> None:
             if n[F] != 1:
                 errors.append(f"{label}: {n[F]} forwards (F), expected exactly 1")
             if (n[B], n[I], n[W]) not in ((1, 0, 0), (0, 1, 1)) and not forward_only:
-                errors.append(f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; "
-                              "expected one B, or one I and one W")
+                errors.append(
+                    f"{label}: backward passes B={n[B]} I={n[I]} W={n[W]}; "
+                    "expected one B, or one I and one W"
+                )
     if errors:
         raise ScheduleError(_report(schedule.name, "is incomplete", errors))
 
@@ -76,21 +90,26 @@ def validate(schedule: Schedule) -> None:
     for (kind, m, s), idx in pos.items():
         rank = rank_of[s]
         if kind in BACKWARD_KINDS and pos[(F, m, s)] > idx:
-            errors.append(f"rank {rank}: {kind}{m}@s{s} (step {idx}) before F{m}@s{s} (step {pos[(F, m, s)]})")
+            errors.append(
+                f"rank {rank}: {kind}{m}@s{s} (step {idx}) before F{m}@s{s} (step {pos[(F, m, s)]})"
+            )
         if kind == W and pos[(I, m, s)] > idx:
-            errors.append(f"rank {rank}: W{m}@s{s} (step {idx}) before I{m}@s{s} (step {pos[(I, m, s)]})")
+            errors.append(
+                f"rank {rank}: W{m}@s{s} (step {idx}) before I{m}@s{s} (step {pos[(I, m, s)]})"
+            )
     if errors:
         raise ScheduleError(_report(schedule.name, "runs a pass before its input exists", errors))
 
     _validate_side_by_side(schedule, errors)
     if errors:
-        raise ScheduleError(_report(schedule.name, "marks an overlapped unit that is not one", errors))
+        raise ScheduleError(
+            _report(schedule.name, "marks an overlapped unit that is not one", errors)
+        )
 
     if schedule.is_lowered:
         _validate_comm(schedule, errors)
         if errors:
             raise ScheduleError(_report(schedule.name, "has mismatched communication", errors))
-
 
 
 def _validate_side_by_side(schedule: Schedule, errors: list[str]) -> None:
@@ -99,7 +118,9 @@ def _validate_side_by_side(schedule: Schedule, errors: list[str]) -> None:
     if not schedule.side_by_side:
         return
     if len(schedule.side_by_side) != schedule.n_ranks:
-        errors.append(f"side_by_side has {len(schedule.side_by_side)} entries for {schedule.n_ranks} ranks")
+        errors.append(
+            f"side_by_side has {len(schedule.side_by_side)} entries for {schedule.n_ranks} ranks"
+        )
         return
     for rank, acts in enumerate(schedule.actions):
         marked = set(schedule.side_by_side[rank])
@@ -109,17 +130,26 @@ def _validate_side_by_side(schedule: Schedule, errors: list[str]) -> None:
             marked.discard(a)
             before = acts[idx - 1] if idx else None
             if a.kind not in BACKWARD_KINDS or before is None or before.kind != F:
-                errors.append(f"rank {rank} step {idx}: {a} is marked to run beside a forward, but "
-                              f"{'nothing' if before is None else before} comes right before it")
+                errors.append(
+                    f"rank {rank} step {idx}: {a} is marked to run beside a forward, but "
+                    f"{'nothing' if before is None else before} comes right before it"
+                )
             elif before.microbatch == a.microbatch:
-                errors.append(f"rank {rank} step {idx}: {a} beside {before}: one micro-batch's passes cannot overlap")
-        errors.extend(f"rank {rank}: {a} is marked to run beside a forward but is not in its list" for a in marked)
+                errors.append(
+                    f"rank {rank} step {idx}: {a} beside {before}: one micro-batch's passes cannot overlap"
+                )
+        errors.extend(
+            f"rank {rank}: {a} is marked to run beside a forward but is not in its list"
+            for a in marked
+        )
 
 
 def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
     S = schedule.n_stages
     rank_of = schedule.stage_to_rank
-    comm_pos: dict[tuple[int, Action], list[int]] = defaultdict(list)  # (rank, action) -> step indices
+    comm_pos: dict[tuple[int, Action], list[int]] = defaultdict(
+        list
+    )  # (rank, action) -> step indices
     compute_pos: dict[tuple[str, int, int], int] = {}
     for rank, acts in enumerate(schedule.actions):
         for idx, a in enumerate(acts):
@@ -137,10 +167,14 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
             errors.append(f"rank {rank}: {a} talks to stage {neighbour}, which does not exist")
             continue
         if rank_of[neighbour] != a.peer:
-            errors.append(f"rank {rank}: {a} but stage {neighbour} lives on rank {rank_of[neighbour]}")
+            errors.append(
+                f"rank {rank}: {a} but stage {neighbour} lives on rank {rank_of[neighbour]}"
+            )
             continue
         if rank_of[neighbour] == rank:
-            errors.append(f"rank {rank}: {a} although stage {neighbour} is on the same rank (no transfer needed)")
+            errors.append(
+                f"rank {rank}: {a} although stage {neighbour} is on the same rank (no transfer needed)"
+            )
             continue
         if (a.peer, a.counterpart(rank)) not in comm_pos:
             verb = "never received" if a.kind.startswith("SEND") else "never sent"
@@ -155,13 +189,19 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
             if not got:
                 errors.append(f"rank {rank}: {kind}{m}@s{s} (step {idx}) has no {c} for its input")
             elif got[0] > idx:
-                errors.append(f"rank {rank}: {kind}{m}@s{s} (step {idx}) runs before {c} (step {got[0]})")
+                errors.append(
+                    f"rank {rank}: {kind}{m}@s{s} (step {idx}) runs before {c} (step {got[0]})"
+                )
         for c in gives:
             got = comm_pos.get((rank, c))
             if not got:
-                errors.append(f"rank {rank}: {kind}{m}@s{s} (step {idx}) never sends its output ({c} missing)")
+                errors.append(
+                    f"rank {rank}: {kind}{m}@s{s} (step {idx}) never sends its output ({c} missing)"
+                )
             elif got[0] < idx:
-                errors.append(f"rank {rank}: {c} (step {got[0]}) before the {kind}{m}@s{s} that produces it")
+                errors.append(
+                    f"rank {rank}: {c} (step {got[0]}) before the {kind}{m}@s{s} that produces it"
+                )
 
 
 def _order_errors(lists: Sequence[Sequence[Action]]) -> list[str]:
@@ -172,13 +212,17 @@ def _order_errors(lists: Sequence[Sequence[Action]]) -> list[str]:
     for r, acts in enumerate(lists):
         for a in acts:
             if a.is_comm:
-                (sends[(r, a.peer)] if a.kind.startswith("SEND") else recvs[(a.peer, r)]).append((a, channel(r, a)))
+                (sends[(r, a.peer)] if a.kind.startswith("SEND") else recvs[(a.peer, r)]).append(
+                    (a, channel(r, a))
+                )
     errors = []
     for (src, dst), sent in sorted(sends.items()):
         for k, ((s_act, s_ch), (r_act, r_ch)) in enumerate(zip(sent, recvs[(src, dst)])):
             if s_ch != r_ch:
-                errors.append(f"rank {dst}'s receive #{k} from rank {src} is {r_act} but rank {src}'s message #{k} "
-                              f"to rank {dst} is {s_act}: messages between two ranks match in posting order")
+                errors.append(
+                    f"rank {dst}'s receive #{k} from rank {src} is {r_act} but rank {src}'s message #{k} "
+                    f"to rank {dst} is {s_act}: messages between two ranks match in posting order"
+                )
                 break
     return errors
 
@@ -188,17 +232,25 @@ def _report(name: str, what: str, errors: list[str], limit: int = 12) -> str:
     return f"schedule {name!r} {what}:\n  " + "\n  ".join(errors[:limit]) + more
 
 
-def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezvous: bool = False) -> None:
+def check_deadlock_free(
+    schedule: Schedule | Sequence[Sequence[Action]], rendezvous: bool = False
+) -> None:
     """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever, a SEND is
     never received, or two ranks post a pair's messages in different orders (they match by order on the wire).
     Default: sends are buffered, a batch waits for its receives; ``rendezvous=True`` (NCCL): a batch completes
     only when every op in it is matched by a posted peer op."""
-    lists = [list(acts) for acts in (schedule.actions if isinstance(schedule, Schedule) else schedule)]
+    lists = [
+        list(acts) for acts in (schedule.actions if isinstance(schedule, Schedule) else schedule)
+    ]
     name = schedule.name if isinstance(schedule, Schedule) else "schedule"
     if isinstance(schedule, Schedule) and not schedule.is_lowered:
-        raise ScheduleError(f"check_deadlock_free needs a lowered schedule; pass lower(schedule) for {name!r}")
+        raise ScheduleError(
+            f"check_deadlock_free needs a lowered schedule; pass lower(schedule) for {name!r}"
+        )
     plans = [steps(acts) for acts in lists]
-    starts = [_step_starts(plan) for plan in plans]  # index in the action list where each step begins
+    starts = [
+        _step_starts(plan) for plan in plans
+    ]  # index in the action list where each step begins
     P = len(lists)
     pc = [0] * P  # index of the next step of each rank
     sent: Counter = Counter()
@@ -210,7 +262,11 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
         return (channel(r, a), "RECV" if a.kind.startswith("SEND") else "SEND") in posted
 
     def unsent(r: int, batch: list[Action]) -> list[Action]:
-        return [b for b in batch if b.kind.startswith("RECV") and sent[channel(r, b)] <= received[channel(r, b)]]
+        return [
+            b
+            for b in batch
+            if b.kind.startswith("RECV") and sent[channel(r, b)] <= received[channel(r, b)]
+        ]
 
     def advance(r: int) -> bool:
         """Move rank r past its next step; False if it is blocked."""
@@ -255,18 +311,31 @@ def check_deadlock_free(schedule: Schedule | Sequence[Sequence[Action]], rendezv
             batch, at = plans[r][pc[r]], starts[r][pc[r]]
             if rendezvous:
                 missing = ", ".join(str(b) for b in batch if not matched(r, b))
-                lines.append(f"rank {r}: blocked at step {at} in batch [{' '.join(map(str, batch))}]: "
-                             f"no matching op posted for {missing}")
+                lines.append(
+                    f"rank {r}: blocked at step {at} in batch [{' '.join(map(str, batch))}]: "
+                    f"no matching op posted for {missing}"
+                )
             else:
                 waiting = unsent(r, batch)
-                lines.append(f"rank {r}: blocked at step {at + batch.index(waiting[0])} on "
-                             + ", ".join(f"{b} (rank {b.peer} has not sent {b.counterpart(r)})" for b in waiting))
-        raise DeadlockError(f"{name!r} deadlocks: no rank can make progress\n  " + "\n  ".join(lines))
+                lines.append(
+                    f"rank {r}: blocked at step {at + batch.index(waiting[0])} on "
+                    + ", ".join(
+                        f"{b} (rank {b.peer} has not sent {b.counterpart(r)})" for b in waiting
+                    )
+                )
+        raise DeadlockError(
+            f"{name!r} deadlocks: no rank can make progress\n  " + "\n  ".join(lines)
+        )
 
     leftover = sent - received
     if leftover:
-        msgs = [f"rank {src} SEND_{kind}{m}@s{s}->r{dst}" for (src, dst, kind, m, s) in sorted(leftover)]
-        raise DeadlockError(f"{name!r}: sends never received (the peer has no matching RECV): " + ", ".join(msgs[:12]))
+        msgs = [
+            f"rank {src} SEND_{kind}{m}@s{s}->r{dst}" for (src, dst, kind, m, s) in sorted(leftover)
+        ]
+        raise DeadlockError(
+            f"{name!r}: sends never received (the peer has no matching RECV): "
+            + ", ".join(msgs[:12])
+        )
     order = _order_errors(lists)  # matched by identity above; the wire matches by order
     if order:
         raise DeadlockError(f"{name!r} would pair messages wrongly:\n  " + "\n  ".join(order[:12]))

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from fivefold.pipeline.actions import BACKWARD_KINDS, RECV_B, RECV_F, SEND_B, SEND_F, Action, F, Schedule, ScheduleError
+from fivefold.pipeline.actions import (
+    BACKWARD_KINDS,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    F,
+    Schedule,
+    ScheduleError,
+)
 
 __all__ = ["transfers", "lower"]
 
@@ -44,15 +54,29 @@ def lower(schedule: Schedule) -> Schedule:
             if a.is_comm:
                 raise ScheduleError(f"rank {rank}: {a} in a schedule not marked lowered")
         lowered: list[Action] = []
-        pending_sends: list[Action] = []  # sends of the last unit, issued with the next unit's receives
+        pending_sends: list[
+            Action
+        ] = []  # sends of the last unit, issued with the next unit's receives
         for j, a in enumerate(acts):
             recvs, sends = transfers(schedule, rank, a)
-            if schedule.fuse_forward_backward and a.kind in BACKWARD_KINDS and j > 0 and acts[j - 1].kind == F:
-                lowered.append(a)  # second half of an (F, backward) unit: its receive went before the F
+            if (
+                schedule.fuse_forward_backward
+                and a.kind in BACKWARD_KINDS
+                and j > 0
+                and acts[j - 1].kind == F
+            ):
+                lowered.append(
+                    a
+                )  # second half of an (F, backward) unit: its receive went before the F
                 pending_sends += sends
                 continue
             nxt = acts[j + 1] if j + 1 < len(acts) else None
-            if schedule.fuse_forward_backward and a.kind == F and nxt is not None and nxt.kind in BACKWARD_KINDS:
+            if (
+                schedule.fuse_forward_backward
+                and a.kind == F
+                and nxt is not None
+                and nxt.kind in BACKWARD_KINDS
+            ):
                 recvs = recvs + transfers(schedule, rank, nxt)[0]
             lowered += pending_sends + recvs + [a]
             pending_sends = sends

@@ -42,7 +42,9 @@ class ActionClock:
 
     def reset(self) -> None:
         self._marks: list[Any] = []
-        self._actions: list[tuple[str, int, int, int, int, str]] = []  # kind, mb, stage, start, end mark, thread
+        self._actions: list[
+            tuple[str, int, int, int, int, str]
+        ] = []  # kind, mb, stage, start, end mark, thread
         self.mark()  # the origin
 
     def mark(self) -> int:
@@ -53,7 +55,9 @@ class ActionClock:
     def record(self, a: Action, start: int) -> None:
         end = self.mark()
         with self._lock:
-            self._actions.append((a.kind, a.microbatch, a.stage, start, end, threading.current_thread().name))
+            self._actions.append(
+                (a.kind, a.microbatch, a.stage, start, end, threading.current_thread().name)
+            )
 
     def times(self) -> list[tuple[str, int, int, float, float]]:
         at = [ns / 1e9 for ns in self._clock.elapsed_ns(self._marks[0], self._marks)]
@@ -62,8 +66,10 @@ class ActionClock:
     def marks(self) -> list[tuple[str, int, int, Any, Any, str]]:
         """(kind, micro-batch, stage, start mark, end mark, thread name) of each action of the last step, as raw
         `DeviceClock` marks: a tracer on the same device places them on its own timeline."""
-        return [(kind, mb, stage, self._marks[i], self._marks[j], thread)
-                for kind, mb, stage, i, j, thread in self._actions]
+        return [
+            (kind, mb, stage, self._marks[i], self._marks[j], thread)
+            for kind, mb, stage, i, j, thread in self._actions
+        ]
 
 
 class _Done:
@@ -115,9 +121,18 @@ class _SideThread:
 class PipelineRuntime:
     """Runs `schedule` for this pp rank over `stages` (virtual stage id -> module)."""
 
-    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], comm: Comm, loss_fn: LossFn,
-                 activation_shape: Callable[[int], Sequence[int]], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", p2p: str | None = None, overlap: bool = False) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: dict[int, nn.Module],
+        comm: Comm,
+        loss_fn: LossFn,
+        activation_shape: Callable[[int], Sequence[int]],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        p2p: str | None = None,
+        overlap: bool = False,
+    ) -> None:
         self.device = torch.device(device)
         # Run the schedule's overlapped units (`Schedule.side_by_side`) side by side: the forward in a second thread.
         # Only safe when the two passes never call one process group at once: the caller decides
@@ -130,8 +145,10 @@ class PipelineRuntime:
         if self.p2p not in P2P_SEMANTICS:
             raise ValueError(f"p2p={self.p2p!r}: choose one of {', '.join(P2P_SEMANTICS)}")
         if self.p2p == "buffered" and comm.p2p_semantics() == "rendezvous":
-            raise ValueError(f"p2p='buffered' relies on gloo's per-message completion; this '{comm.dim}' group on "
-                             f"{comm.device} completes a batch as a whole: use p2p='rendezvous' (or the default)")
+            raise ValueError(
+                f"p2p='buffered' relies on gloo's per-message completion; this '{comm.dim}' group on "
+                f"{comm.device} completes a batch as a whole: use p2p='rendezvous' (or the default)"
+            )
         rendezvous = self.p2p == "rendezvous"
         if not schedule.is_lowered and not rendezvous:
             # buffered sends never block, so the F+B pairing that keeps interleaved 1F1B deadlock-free under a
@@ -145,14 +162,20 @@ class PipelineRuntime:
         self.rank = comm.rank
         expected = set(self.schedule.stages_of(self.rank))
         if set(stages) != expected:
-            raise ValueError(f"pp rank {self.rank} holds stages {sorted(stages)} but schedule "
-                             f"'{schedule.name}' places {sorted(expected)} on it")
+            raise ValueError(
+                f"pp rank {self.rank} holds stages {sorted(stages)} but schedule "
+                f"'{schedule.name}' places {sorted(expected)} on it"
+            )
         if comm.size != schedule.n_ranks:
-            raise ValueError(f"schedule '{schedule.name}' is for {schedule.n_ranks} pipeline ranks; pp={comm.size}")
+            raise ValueError(
+                f"schedule '{schedule.name}' is for {schedule.n_ranks} pipeline ranks; pp={comm.size}"
+            )
         self.stages = stages
         self.comm = comm
         self.loss_fn = loss_fn
-        self.activation_shape = activation_shape  # micro-batch size -> shape of the tensor between stages
+        self.activation_shape = (
+            activation_shape  # micro-batch size -> shape of the tensor between stages
+        )
         self.dtype = dtype
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
@@ -162,22 +185,32 @@ class PipelineRuntime:
         # posted with it until the peer's next send, which may wait for them.
         self.lookahead_recv = not rendezvous
 
-    def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    def step(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+    ) -> torch.Tensor | None:
         """Run every micro-batch forward and backward; the summed loss/M on the last stage (no_grad if forward-only)."""
         if not any(a.kind != "F" for acts in self.schedule.actions for a in acts if a.is_compute):
             with torch.no_grad():
                 return self._run(inputs, targets)
         return self._run(inputs, targets)
 
-    def _run(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    def _run(
+        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+    ) -> torch.Tensor | None:
         M = self.schedule.n_microbatches
         if len(inputs) != M or len(targets) != M:
-            raise ValueError(f"schedule expects {M} micro-batches, got {len(inputs)} inputs / {len(targets)} targets")
+            raise ValueError(
+                f"schedule expects {M} micro-batches, got {len(inputs)} inputs / {len(targets)} targets"
+            )
         self.clock.reset()
         stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> input (requires grad)
-        stage_out: dict[tuple[int, int], torch.Tensor] = {}  # forward output (or loss on the last stage)
+        stage_out: dict[
+            tuple[int, int], torch.Tensor
+        ] = {}  # forward output (or loss on the last stage)
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received gradient of a stage's output
-        grad_in: dict[tuple[int, int], torch.Tensor] = {}  # gradient of a stage's input, to send back
+        grad_in: dict[
+            tuple[int, int], torch.Tensor
+        ] = {}  # gradient of a stage's input, to send back
         send_works: list = []
         loss_total: torch.Tensor | None = None
         mb_size = inputs[0].shape[0]
@@ -189,13 +222,27 @@ class PipelineRuntime:
             if isinstance(item, list):
                 later = [j for j in batches if j > i]
                 upcoming = plan[later[0]] if later else []
-                self._communicate(item, upcoming, mb_size, stage_in, stage_out, grad_out, grad_in, send_works, posted)
+                self._communicate(
+                    item,
+                    upcoming,
+                    mb_size,
+                    stage_in,
+                    stage_out,
+                    grad_out,
+                    grad_in,
+                    send_works,
+                    posted,
+                )
                 continue
             a: Action = item
             if a is side_by_side:
                 continue  # ran with its unit
             nxt = plan[i + 1] if i + 1 < len(plan) else None
-            if self.overlap and isinstance(nxt, Action) and self.schedule.runs_beside_forward(self.rank, nxt):
+            if (
+                self.overlap
+                and isinstance(nxt, Action)
+                and self.schedule.runs_beside_forward(self.rank, nxt)
+            ):
                 side_by_side = nxt
                 loss = self._unit(a, nxt, inputs, targets, stage_in, stage_out, grad_out, grad_in)
             else:
@@ -206,7 +253,9 @@ class PipelineRuntime:
             w.wait()
         return loss_total
 
-    def _compute(self, a: Action, inputs, targets, stage_in, stage_out, grad_out, grad_in) -> torch.Tensor | None:
+    def _compute(
+        self, a: Action, inputs, targets, stage_in, stage_out, grad_out, grad_in
+    ) -> torch.Tensor | None:
         """Run one compute action, timed; the loss if it is the last stage's forward."""
         key = (a.stage, a.microbatch)
         start = self.clock.mark()
@@ -240,7 +289,9 @@ class PipelineRuntime:
         try:
             self._compute(backward, *state)
         finally:
-            loss = done.result()  # waits; raises the forward's error (after the backward's, if both failed)
+            loss = (
+                done.result()
+            )  # waits; raises the forward's error (after the backward's, if both failed)
         return loss
 
     @property
@@ -248,7 +299,9 @@ class PipelineRuntime:
         """(kind, micro-batch, stage, start s, end s) of every compute action of the last step (waits for it)."""
         return self.clock.times()
 
-    def _forward(self, a: Action, key: tuple[int, int], inputs, targets, stage_in, stage_out) -> torch.Tensor | None:
+    def _forward(
+        self, a: Action, key: tuple[int, int], inputs, targets, stage_in, stage_out
+    ) -> torch.Tensor | None:
         stage = self.stages[a.stage]
         if a.stage == 0:
             x = inputs[a.microbatch].to(self.device)
@@ -256,10 +309,17 @@ class PipelineRuntime:
             x = stage_in[key]
             x.requires_grad_(torch.is_grad_enabled())
         # zero-bubble: every `fivefold.ops.linear` in this forward may defer its weight gradient to W
-        with recording_weight_grads(self.wgrad) if self.schedule.split_backward else contextlib.nullcontext():
+        with (
+            recording_weight_grads(self.wgrad)
+            if self.schedule.split_backward
+            else contextlib.nullcontext()
+        ):
             out = stage(x)
         if a.stage == self.n_stages - 1:
-            loss = self.loss_fn(out, targets[a.microbatch].to(self.device)) / self.schedule.n_microbatches
+            loss = (
+                self.loss_fn(out, targets[a.microbatch].to(self.device))
+                / self.schedule.n_microbatches
+            )
             stage_out[key] = loss
             return loss
         stage_out[key] = out
@@ -285,8 +345,18 @@ class PipelineRuntime:
             else:
                 grad_in[key] = x.grad
 
-    def _communicate(self, batch: list[Action], upcoming: list[Action], mb_size: int, stage_in, stage_out,
-                     grad_out, grad_in, send_works: list, posted: dict) -> None:
+    def _communicate(
+        self,
+        batch: list[Action],
+        upcoming: list[Action],
+        mb_size: int,
+        stage_in,
+        stage_out,
+        grad_out,
+        grad_in,
+        send_works: list,
+        posted: dict,
+    ) -> None:
         """One batch_isend_irecv of this batch's sends and receives (plus, buffered, the next batch's receives).
         A receive is complete when the work covering it is: its own (gloo) or the whole batch's (NCCL coalesces);
         sends are waited at the end of the step."""
@@ -307,10 +377,18 @@ class PipelineRuntime:
         # every message between stages is one activation (or its gradient): the peer allocated exactly this
         issued = self.comm.batch_p2p(ops, tag="pp", expect=[(shape, self.dtype)] * len(ops))
         if issued.coalesced and self.lookahead_recv:
-            raise RuntimeError("p2p='buffered' needs one work per message, but this backend returned one for the "
-                               f"whole batch of {issued.n_ops} (it coalesces, as NCCL does): use p2p='rendezvous'")
-        send_works.extend({id(w): w for i, (kind, _, _) in enumerate(ops) if kind == "send"
-                           for w in [issued.work_of(i)]}.values())
+            raise RuntimeError(
+                "p2p='buffered' needs one work per message, but this backend returned one for the "
+                f"whole batch of {issued.n_ops} (it coalesces, as NCCL does): use p2p='rendezvous'"
+            )
+        send_works.extend(
+            {
+                id(w): w
+                for i, (kind, _, _) in enumerate(ops)
+                if kind == "send"
+                for w in [issued.work_of(i)]
+            }.values()
+        )
         for i, a, buf in new_recvs:
             posted[a] = (buf, issued.work_of(i))
         for a in batch:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from fivefold.formulas import bubble_formula  # re-exported: the textbook formula next to its simulation
+from fivefold.formulas import (
+    bubble_formula,
+)  # re-exported: the textbook formula next to its simulation
 from fivefold.pipeline.actions import (
     BACKWARD_KINDS,
     COMPUTE_KINDS,
@@ -69,7 +71,9 @@ class Timeline:
                     rec = (a.kind, a.microbatch, a.stage, start, end)
                 kind, mb, stage, start, end = rec
                 if end < start:
-                    raise ValueError(f"event {kind}{mb}@s{stage} ends ({end}) before it starts ({start})")
+                    raise ValueError(
+                        f"event {kind}{mb}@s{stage} ends ({end}) before it starts ({start})"
+                    )
                 evs.append(Event(str(kind), int(mb), int(stage), float(start), float(end)))
             self.events.append(evs)
 
@@ -116,7 +120,12 @@ class Timeline:
     def overlapped(self, rank: int) -> list[tuple[Event, Event]]:
         """Pairs of ``rank``'s compute events that ran at the same time (DualPipe's F&B units), in time order."""
         evs = sorted((e for e in self.events[rank] if e.is_compute), key=lambda e: e.start)
-        return [(a, b) for i, a in enumerate(evs) for b in evs[i + 1:] if b.start < a.end and a.start < b.end]
+        return [
+            (a, b)
+            for i, a in enumerate(evs)
+            for b in evs[i + 1 :]
+            if b.start < a.end and a.start < b.end
+        ]
 
     @property
     def bubble_fraction(self) -> float:
@@ -133,8 +142,10 @@ class Timeline:
         is one chunk's activations."""
         peaks = []
         for evs in self.events:
-            changes = sorted([(e.start, 1, +1) for e in evs if e.kind == F]
-                             + [(e.end, 0, -1) for e in evs if e.kind in (B, W)])
+            changes = sorted(
+                [(e.start, 1, +1) for e in evs if e.kind == F]
+                + [(e.end, 0, -1) for e in evs if e.kind in (B, W)]
+            )
             alive = peak = 0
             for _, _, delta in changes:
                 alive += delta
@@ -143,12 +154,17 @@ class Timeline:
         return peaks
 
     def __repr__(self) -> str:
-        return (f"Timeline({self.name!r}, ranks={self.n_ranks}, makespan={self.makespan:g}, "
-                f"bubble={self.bubble_fraction:.4f}, peak_in_flight={self.peak_in_flight})")
+        return (
+            f"Timeline({self.name!r}, ranks={self.n_ranks}, makespan={self.makespan:g}, "
+            f"bubble={self.bubble_fraction:.4f}, peak_in_flight={self.peak_in_flight})"
+        )
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action], float] | None = None,
-             comm_cost: float = 0.0) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    costs: Mapping[str, float] | Callable[[Action], float] | None = None,
+    comm_cost: float = 0.0,
+) -> Timeline:
     """Event-driven play of ``schedule`` with ``costs`` per action kind (or a function of the `Action`): an action
     starts when its rank is free and its input exists (+ ``comm_cost`` across ranks); lowered batches wait for their
     receives as in the runtime. Raises `DeadlockError` if the lists can never finish.
@@ -164,7 +180,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
     rank_of = schedule.stage_to_rank
     plans = [steps(acts) for acts in schedule.actions]  # computes, and batches of communication
     P = len(plans)
-    done: dict[tuple[str, int, int], float] = {}  # (kind, m, s) -> end time; B and I share the key "BW"
+    done: dict[
+        tuple[str, int, int], float
+    ] = {}  # (kind, m, s) -> end time; B and I share the key "BW"
     sent_at: dict[tuple, float] = {}  # message channel -> time its send was issued
     pc = [0] * P
     free = [0.0] * P
@@ -198,7 +216,11 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
             pc[r] += 1
             return True
         nxt = plans[r][pc[r] + 1] if pc[r] + 1 < len(plans[r]) else None
-        unit = [step, nxt] if isinstance(nxt, Action) and schedule.runs_beside_forward(r, nxt) else [step]
+        unit = (
+            [step, nxt]
+            if isinstance(nxt, Action) and schedule.runs_beside_forward(r, nxt)
+            else [step]
+        )
         ready = [ready_time(a) for a in unit]
         if any(t is None for t in ready):
             return False
@@ -226,6 +248,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
                 progress = True
     stuck = [f"rank {r} waits at {plans[r][pc[r]]}" for r in range(P) if pc[r] < len(plans[r])]
     if stuck:
-        raise DeadlockError(f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; "
-                            + "; ".join(stuck))
+        raise DeadlockError(
+            f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; "
+            + "; ".join(stuck)
+        )
     return Timeline(records, name=schedule.name, n_virtual=schedule.n_virtual)

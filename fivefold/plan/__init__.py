@@ -17,6 +17,23 @@ from fivefold.plan.report import format_plan, format_search
 from fivefold.plan.search import SEARCHED, candidate_layouts, search
 from fivefold.plan.traffic import rank_traffic, rank_transfers
 
-__all__ = ["BACKWARD_ALLOCATED", "GB", "HARDWARE", "SEARCHED", "Hardware", "LayoutPlan", "PlanningMesh", "RankMemory",
-           "candidate_layouts", "format_plan", "format_search", "local_numels", "plan_layout", "rank_memory",
-           "rank_parts", "rank_traffic", "rank_transfers", "search"]
+__all__ = [
+    "BACKWARD_ALLOCATED",
+    "GB",
+    "HARDWARE",
+    "SEARCHED",
+    "Hardware",
+    "LayoutPlan",
+    "PlanningMesh",
+    "RankMemory",
+    "candidate_layouts",
+    "format_plan",
+    "format_search",
+    "local_numels",
+    "plan_layout",
+    "rank_memory",
+    "rank_parts",
+    "rank_traffic",
+    "rank_transfers",
+    "search",
+]

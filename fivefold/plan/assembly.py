@@ -17,8 +17,16 @@ from fivefold.mesh import ParallelDims
 from fivefold.models.parallelize import PipelinedModel, WholeModel, parallelize
 from fivefold.train.validate import RunPlan
 
-__all__ = ["Parts", "PlanningMesh", "engines_of", "local_numels", "precision_bytes", "rank_parts", "resolved",
-           "stages_of"]
+__all__ = [
+    "Parts",
+    "PlanningMesh",
+    "engines_of",
+    "local_numels",
+    "precision_bytes",
+    "rank_parts",
+    "resolved",
+    "stages_of",
+]
 
 Parts = WholeModel | PipelinedModel
 
@@ -69,16 +77,26 @@ class PlanningMesh:
 def resolved(cfg: Config, run: RunPlan) -> Config:
     """`cfg` with the batch `validate_layout` resolved (the trainer does the same before `parallelize`)."""
     cfg = dataclasses.replace(cfg)
-    cfg.train = dataclasses.replace(cfg.train, global_batch=run.global_batch, micro_batch=run.micro_batch,
-                                    grad_accum=run.grad_accum)
+    cfg.train = dataclasses.replace(
+        cfg.train,
+        global_batch=run.global_batch,
+        micro_batch=run.micro_batch,
+        grad_accum=run.grad_accum,
+    )
     return cfg
 
 
-def rank_parts(cfg: Config, run: RunPlan, pp_rank: int = 0, coords: dict[str, int] | None = None) -> Parts:
+def rank_parts(
+    cfg: Config, run: RunPlan, pp_rank: int = 0, coords: dict[str, int] | None = None
+) -> Parts:
     """What `parallelize` builds on pipeline rank `pp_rank` (rank 0 of every other dimension unless `coords` says:
     dp rank 0 holds the most of a padded shard), on the meta device."""
-    return parallelize(resolved(cfg, run), run.model, PlanningMesh(run.dims, {**(coords or {}), "pp": pp_rank}),
-                       "meta")
+    return parallelize(
+        resolved(cfg, run),
+        run.model,
+        PlanningMesh(run.dims, {**(coords or {}), "pp": pp_rank}),
+        "meta",
+    )
 
 
 def stages_of(parts: Parts) -> dict[int, nn.Module]:

@@ -36,7 +36,14 @@ from fivefold.plan.hardware import GB
 from fivefold.plan.memory import RankMemory, activation_bytes, in_flight
 from fivefold.train.validate import RunPlan, validate_layout
 
-__all__ = ["PROCESS_BASELINE", "ROPE_BUILD_BYTES", "Available", "available_memory", "check_fits", "predict_rank"]
+__all__ = [
+    "PROCESS_BASELINE",
+    "ROPE_BUILD_BYTES",
+    "Available",
+    "available_memory",
+    "check_fits",
+    "predict_rank",
+]
 
 # What a CPU worker holds besides the memory model's tensors, measured on `make run`'s job (torch 2.13, Linux, 2
 # ranks): an idle process with fivefold's trainer imported is 277 MB resident (198 MB anonymous); a worker's peak
@@ -51,6 +58,7 @@ ROPE_BUILD_BYTES = 24
 
 
 # -- a rank's flat buffers, from the shape ------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _Flat:
@@ -114,10 +122,14 @@ def _uniform_flat(n: int, numel: int, world: int) -> _Flat:
     """`_flat` of `n` parameters of `numel` elements each in one optimizer group (experts), in closed form."""
     padded = -(-n * numel // world) * world
     shard = padded // world
-    return _Flat(padded, shard, min(n * numel, shard), -(-min(n * numel, shard) // OPTIMIZER_CHUNK), numel)
+    return _Flat(
+        padded, shard, min(n * numel, shard), -(-min(n * numel, shard) // OPTIMIZER_CHUNK), numel
+    )
 
 
-def _uniform_buckets(n: int, numel: int, bucket_bytes: float, world: int) -> list[tuple[_Flat, int]]:
+def _uniform_buckets(
+    n: int, numel: int, bucket_bytes: float, world: int
+) -> list[tuple[_Flat, int]]:
     """`_buckets` of `n` parameters of `numel` elements each (the experts of a stage's MoE layers, one after the
     other): k to a bucket, as (flat, count)."""
     if n == 0:
@@ -138,8 +150,9 @@ class _Engine:
     hpz: int = 0
 
 
-def _stage_engines(m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: int, n_stages: int,
-                   blocks: range) -> list[_Engine]:
+def _stage_engines(
+    m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: int, n_stages: int, blocks: range
+) -> list[_Engine]:
     """The engines `models.parallelize._engines` gives stage `stage_id` (its blocks; the embedding on the first, the
     norm and head on the last) of this rank: the dense one over dp × cp (HSDP: dp_shard), the experts' over ep_dp,
     rank 0 of every dimension."""
@@ -148,15 +161,23 @@ def _stage_engines(m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: in
     tp_dims = pp | ({"tp"} if tp > 1 else set())  # a TP-sliced parameter's placement
     weight, norm = _key(False, tp_dims), _key(True, pp)
     hd = m.head_dim
-    attention = [(m.dim, norm), (m.n_heads * hd // tp * m.dim, weight), (m.n_kv_heads * hd // tp * m.dim, weight),
-                 (m.n_kv_heads * hd // tp * m.dim, weight), (m.dim * m.n_heads * hd // tp, weight), (m.dim, norm)]
+    attention = [
+        (m.dim, norm),
+        (m.n_heads * hd // tp * m.dim, weight),
+        (m.n_kv_heads * hd // tp * m.dim, weight),
+        (m.n_kv_heads * hd // tp * m.dim, weight),
+        (m.dim * m.n_heads * hd // tp, weight),
+        (m.dim, norm),
+    ]
     dense_block = attention + [(m.ffn_hidden // tp * m.dim, weight)] * 3
     moe_block: list[_Param] = []
     experts_per_rank = expert_numel = 0
     if m.moe is not None:  # tp is 1 with MoE (validate)
         hidden = m.moe.hidden or m.ffn_hidden
         moe_block = attention + [(m.moe.experts * m.dim, weight)]  # + the router
-        moe_block += [(hidden * m.moe.shared_experts * m.dim, weight)] * (3 if m.moe.shared_experts else 0)
+        moe_block += [(hidden * m.moe.shared_experts * m.dim, weight)] * (
+            3 if m.moe.shared_experts else 0
+        )
         experts_per_rank, expert_numel = m.moe.experts // dims.ep, m.dim * hidden
     first, last = stage_id == 0, stage_id == n_stages - 1
     embedding = [(m.vocab_size // tp * m.dim, _key(True, tp_dims))] if first else []
@@ -164,8 +185,12 @@ def _stage_engines(m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: in
     output = [(m.vocab_size // tp * m.dim, weight)] if last and not m.tie_embeddings else []
     moe_ids = [i for i in blocks if m.is_moe_block(i)]
     n_moe, n_dense = len(moe_ids), len(blocks) - len(moe_ids)
-    group = dims.size("dp_shard") if dims.dp_replicate > 1 else dims.size("dp_cp")  # the dense engine's
-    world = group if stage >= 1 and group > 1 else 1  # ZeRO-1/2/3 shard over it; DDP holds everything
+    group = (
+        dims.size("dp_shard") if dims.dp_replicate > 1 else dims.size("dp_cp")
+    )  # the dense engine's
+    world = (
+        group if stage >= 1 and group > 1 else 1
+    )  # ZeRO-1/2/3 shard over it; DDP holds everything
     if stage < 3:
         params = list(embedding)
         for i in blocks:
@@ -178,15 +203,21 @@ def _stage_engines(m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: in
             dense += [(_flat(unit, world), 1)] if unit else []
         root = head + (embedding if m.tie_embeddings else [])
         dense += [(_flat(root, world, root=True), 1)] if root else []
-    engines = [_Engine(tuple(dense), group, stage, hpz if stage == 3 and hpz > 1 and group > 1 else 0)]
+    engines = [
+        _Engine(tuple(dense), group, stage, hpz if stage == 3 and hpz > 1 and group > 1 else 0)
+    ]
     if m.moe is not None:
         ep_dp = dims.size("ep_dp")
         world = ep_dp if stage >= 1 and ep_dp > 1 else 1
         # every expert weight is dim × hidden, decayed, placed over pp and ep alike: one optimizer group
         if stage < 3:
-            flats = _uniform_buckets(3 * experts_per_rank * n_moe, expert_numel, bucket_mb * 2**20, world)
+            flats = _uniform_buckets(
+                3 * experts_per_rank * n_moe, expert_numel, bucket_mb * 2**20, world
+            )
         else:  # a unit per MoE block: its experts
-            flats = [(_uniform_flat(3 * experts_per_rank, expert_numel, world), n_moe)] if n_moe else []
+            flats = (
+                [(_uniform_flat(3 * experts_per_rank, expert_numel, world), n_moe)] if n_moe else []
+            )
         engines.append(_Engine(tuple(flats), ep_dp, stage))
     return engines
 
@@ -194,8 +225,9 @@ def _stage_engines(m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: in
 _ENGINES: dict[tuple, tuple[_Engine, ...]] = {}
 
 
-def _engines_cached(m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: int, n_stages: int,
-                    blocks: range) -> tuple[_Engine, ...]:
+def _engines_cached(
+    m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: int, n_stages: int, blocks: range
+) -> tuple[_Engine, ...]:
     # the advice prices several batch sizes and recompute modes of one layout: its buffers are laid out once
     key = (repr(m), dims, zero, stage_id, n_stages, blocks.start, blocks.stop)
     if key not in _ENGINES:
@@ -223,14 +255,25 @@ def _states(e: _Engine, cfg: Config) -> dict[str, int]:
     out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
     for f, count in e.flats:
         part = formulas.flat_model_state_bytes(
-            f.padded, f.shard, f.owned, f.segments, stage=e.stage, param_bytes=pb, grad_bytes=gb,
-            separate_master=pb != 4, hpz=e.hpz, offload=cfg.zero.offload_optimizer)
+            f.padded,
+            f.shard,
+            f.owned,
+            f.segments,
+            stage=e.stage,
+            param_bytes=pb,
+            grad_bytes=gb,
+            separate_master=pb != 4,
+            hpz=e.hpz,
+            offload=cfg.zero.offload_optimizer,
+        )
         for k in out:
             out[k] += part[k] * count
     return out
 
 
-def _transient(e: _Engine, cfg: Config, accumulating: bool, reductions: int, deferred_w: bool) -> dict[str, int]:
+def _transient(
+    e: _Engine, cfg: Config, accumulating: bool, reductions: int, deferred_w: bool
+) -> dict[str, int]:
     """`memory._transient` on the flats' sizes (see there for what each buffer is)."""
     z, stage = cfg.zero, e.stage
     pb, gb = precision_bytes(cfg)
@@ -242,7 +285,9 @@ def _transient(e: _Engine, cfg: Config, accumulating: bool, reductions: int, def
         n = sum(c for _, c in sizes) if accumulating else z.inflight_buckets + 1
         out["gradient buckets"] = _top(sizes, n) * gb
         if reductions > 1:
-            out["reduce-scatter outputs"] = _top(((f.shard, c) for f, c in e.flats), z.inflight_buckets) * gb
+            out["reduce-scatter outputs"] = (
+                _top(((f.shard, c) for f, c in e.flats), z.inflight_buckets) * gb
+            )
     if stage in (1, 2) or (stage == 0 and pb != gb):
         out["parameter gradient"] = max(f.largest for f, _ in e.flats) * pb
     if stage == 3 and e.comm > 1:
@@ -256,7 +301,9 @@ def _transient(e: _Engine, cfg: Config, accumulating: bool, reductions: int, def
 
 
 @lru_cache(maxsize=256)
-def _in_flight(schedule: str, pp: int, micro_batches: int, virtual: int, rank: int) -> tuple[int, int]:
+def _in_flight(
+    schedule: str, pp: int, micro_batches: int, virtual: int, rank: int
+) -> tuple[int, int]:
     """`memory.in_flight` of the schedule: GPipe holds all M; the others reach their steady state within a few
     rounds (the simulation's cost grows with M), so M beyond 8·P·V is simulated at 8·P·V (`tests/test_fits.py`)."""
     if schedule == "gpipe":
@@ -271,7 +318,9 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     cfg = resolved(cfg, run)
     m, dims, z, p = run.model, run.dims, cfg.zero, cfg.pipeline
     if dims.pp > 1:
-        schedule = build_schedule(p.schedule, dims.pp, min(run.grad_accum, 8 * dims.pp * p.virtual), p.virtual)
+        schedule = build_schedule(
+            p.schedule, dims.pp, min(run.grad_accum, 8 * dims.pp * p.virtual), p.virtual
+        )
         stage_ids, n_stages = schedule.stages_of(pp_rank), schedule.n_stages
         whole, pending = _in_flight(p.schedule, dims.pp, run.grad_accum, p.virtual, pp_rank)
         deferred_w = any(a.kind == "W" for acts in schedule.actions for a in acts)
@@ -284,7 +333,9 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     transient: dict[str, int] = {}
     n_moe = n_dense = 0
     for sid in stage_ids:
-        for e in _engines_cached(m, dims, (z.stage, z.bucket_mb, z.hpz), sid, n_stages, ranges[sid]):
+        for e in _engines_cached(
+            m, dims, (z.stage, z.bucket_mb, z.hpz), sid, n_stages, ranges[sid]
+        ):
             for k, v in _states(e, cfg).items():
                 states[k] += v
             for k, v in _transient(e, cfg, accumulating, reductions, deferred_w).items():
@@ -296,12 +347,20 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     rows = cfg.train.seq_len // dims.cp if dims.cp > 1 else m.max_seq_len
     transient["model buffers"] = len(stage_ids) * 2 * rows * m.head_dim * 4
     held = _held(m, dims, stage_ids, n_stages, ranges)
-    return RankMemory(pp_rank, held, states, transient,
-                      activation_bytes(cfg, run, stage_ids, n_stages, ((False, n_dense), (True, n_moe)), whole,
-                                       pending))
+    return RankMemory(
+        pp_rank,
+        held,
+        states,
+        transient,
+        activation_bytes(
+            cfg, run, stage_ids, n_stages, ((False, n_dense), (True, n_moe)), whole, pending
+        ),
+    )
 
 
-def _held(m: LlamaConfig, dims: ParallelDims, stage_ids: list[int], n_stages: int, ranges: list[range]) -> int:
+def _held(
+    m: LlamaConfig, dims: ParallelDims, stage_ids: list[int], n_stages: int, ranges: list[range]
+) -> int:
     """The parameters of this rank's stages (its TP slice, its experts): `assembly.local_numels`' sum."""
     tp, hd = dims.tp, m.head_dim
     attention = 2 * m.dim + 2 * m.n_heads * hd // tp * m.dim + 2 * m.n_kv_heads * hd // tp * m.dim
@@ -309,17 +368,24 @@ def _held(m: LlamaConfig, dims: ParallelDims, stage_ids: list[int], n_stages: in
     moe = 0
     if m.moe is not None:
         hidden = m.moe.hidden or m.ffn_hidden
-        moe = attention + m.dim * (m.moe.experts + 3 * hidden * (m.moe.shared_experts + m.moe.experts // dims.ep))
+        moe = attention + m.dim * (
+            m.moe.experts + 3 * hidden * (m.moe.shared_experts + m.moe.experts // dims.ep)
+        )
     total = 0
     for sid in stage_ids:
         n_moe = sum(1 for i in ranges[sid] if m.is_moe_block(i))
         total += n_moe * moe + (len(ranges[sid]) - n_moe) * dense
         total += m.vocab_size // tp * m.dim if sid == 0 else 0
-        total += m.dim + (0 if m.tie_embeddings else m.vocab_size // tp * m.dim) if sid == n_stages - 1 else 0
+        total += (
+            m.dim + (0 if m.tie_embeddings else m.vocab_size // tp * m.dim)
+            if sid == n_stages - 1
+            else 0
+        )
     return total
 
 
 # -- what the machine has ---------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Available:
@@ -348,7 +414,9 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def _cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+def _cgroup_room(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
     """The least room (limit − usage) of this process's memory cgroup and its ancestors, v2 or v1; None: no limit.
     Usage less the inactive page cache (reclaimable, as `docker stats` counts it): a cgroup that read many files
     would otherwise look full."""
@@ -366,11 +434,16 @@ def _cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Pat
             base = root if (root / "cgroup.controllers").exists() else root / "unified"
             names = ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base, names = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            base, names = (
+                root / "memory",
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+            )
         else:
             continue
         here = base / rel
-        while True:  # the cgroup and its ancestors (a namespace may show "/" for the container's own)
+        while (
+            True
+        ):  # the cgroup and its ancestors (a namespace may show "/" for the container's own)
             dirs.append((here, *names))
             if here == base or base not in here.parents:
                 break
@@ -418,6 +491,7 @@ def available_memory(device_type: str = "cpu") -> Available | None:
 
 # -- the check ----------------------------------------------------------------------------------------------------
 
+
 def _fmt(n: float) -> str:
     if n >= 0.95 * GB:
         return f"{n / GB:,.1f} GB"
@@ -460,23 +534,39 @@ class _Prediction:
     def states(self, world: int) -> int:
         """Model states summed over the `world` ranks (what more ranks would share under ZeRO-3): the mean of the
         pipeline ranks priced (all of them for a local launch) times the world."""
-        return world * sum(m.model_states["total"] for m in self.per_rank.values()) // len(self.per_rank)
+        return (
+            world
+            * sum(m.model_states["total"] for m in self.per_rank.values())
+            // len(self.per_rank)
+        )
 
 
-def _predict(cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, baseline: int) -> _Prediction:
-    per_pp = run.dims.world_size // run.dims.pp  # global rank = pp · (dp · cp · tp) + ...: pp outermost
+def _predict(
+    cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, baseline: int
+) -> _Prediction:
+    per_pp = (
+        run.dims.world_size // run.dims.pp
+    )  # global rank = pp · (dp · cp · tp) + ...: pp outermost
     pps = tuple(r // per_pp for r in ranks)
-    rope = ROPE_BUILD_BYTES * run.model.max_seq_len * run.model.head_dim  # all positions, then cp's are kept
-    return _Prediction({p: predict_rank(cfg, run, p) for p in set(pps)}, pps, cpu, rope, baseline if cpu else 0)
+    rope = (
+        ROPE_BUILD_BYTES * run.model.max_seq_len * run.model.head_dim
+    )  # all positions, then cp's are kept
+    return _Prediction(
+        {p: predict_rank(cfg, run, p) for p in set(pps)}, pps, cpu, rope, baseline if cpu else 0
+    )
 
 
 def _fits(pred: _Prediction, available: int) -> bool:
     return pred.total <= available
 
 
-def _variant(cfg: Config, world: int, device_type: str, **sections: dict) -> tuple[Config, RunPlan] | None:
+def _variant(
+    cfg: Config, world: int, device_type: str, **sections: dict
+) -> tuple[Config, RunPlan] | None:
     """`cfg` with some keys changed, and its plan; None when the trainer would refuse that layout."""
-    new = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()})
+    new = dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
+    )
     try:
         return new, validate_layout(new, world, device_type=device_type)
     except ValueError:
@@ -492,23 +582,38 @@ def _micro_batches(run: RunPlan) -> list[int]:
     for d in range(1, min(math.isqrt(n), 100_000) + 1):
         if n % d == 0:
             found.update((d, n // d))
-    return sorted(d for d in found if d < run.micro_batch
-                  and (run.dims.pp == 1 or n // d <= max(MAX_PIPELINE_MICRO_BATCHES, run.grad_accum)))
+    return sorted(
+        d
+        for d in found
+        if d < run.micro_batch
+        and (run.dims.pp == 1 or n // d <= max(MAX_PIPELINE_MICRO_BATCHES, run.grad_accum))
+    )
 
 
 MAX_PIPELINE_MICRO_BATCHES = 4096
 
 
-def _advice(cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, baseline: int, available: int,
-            device_type: str) -> str:
+def _advice(
+    cfg: Config,
+    run: RunPlan,
+    ranks: Sequence[int],
+    cpu: bool,
+    baseline: int,
+    available: int,
+    device_type: str,
+) -> str:
     """The first change the memory model says fits: a smaller micro-batch (the global batch kept), ZeRO-3, full
     recompute, all three; else how many such machines (devices) ZeRO-3 would need, and a preset that fits."""
     world, t = run.dims.world_size, cfg.train
     batch = run.micro_batch * run.grad_accum  # per dp rank and step: micro_batch × grad_accum stays
 
     def with_micro(micro: int) -> _Prediction | None:
-        v = _variant(cfg, world, device_type, train=dict(global_batch=run.global_batch, micro_batch=micro,
-                                                         grad_accum=batch // micro))
+        v = _variant(
+            cfg,
+            world,
+            device_type,
+            train=dict(global_batch=run.global_batch, micro_batch=micro, grad_accum=batch // micro),
+        )
         return _predict(*v, ranks, cpu, baseline) if v is not None else None
 
     # the largest that fits, by bisection: the peak grows with the micro-batch (activations ∝ micro-batch ×
@@ -524,25 +629,38 @@ def _advice(cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, baseline
             hi = mid - 1
     if best is not None:
         micro, pred = best
-        return (f"--train.micro_batch {micro} --train.grad_accum {batch // micro} (the same global batch, "
-                f"{run.global_batch}) would need {pred.need()}")
+        return (
+            f"--train.micro_batch {micro} --train.grad_accum {batch // micro} (the same global batch, "
+            f"{run.global_batch}) would need {pred.need()}"
+        )
     shard = run.dims.size("dp_shard") if run.dims.dp_replicate > 1 else run.dims.size("dp_cp")
     if cfg.zero.stage != 3 and shard > 1:
         v = _variant(cfg, world, device_type, zero=dict(stage=3))
         if v is not None and _fits(pred := _predict(*v, ranks, cpu, baseline), available):
-            return (f"--zero 3 (parameters, gradients and optimizer state sharded over {shard} ranks) would need "
-                    f"{pred.need()}")
+            return (
+                f"--zero 3 (parameters, gradients and optimizer state sharded over {shard} ranks) would need "
+                f"{pred.need()}"
+            )
     if t.recompute != "full":
         v = _variant(cfg, world, device_type, train=dict(recompute="full"))
         if v is not None and _fits(pred := _predict(*v, ranks, cpu, baseline), available):
             return f"--train.recompute full would need {pred.need()}"
     micro = micros[0] if micros else run.micro_batch  # the smallest
-    least = dict(train=dict(global_batch=run.global_batch, micro_batch=micro, grad_accum=batch // micro,
-                            recompute="full"))
+    least = dict(
+        train=dict(
+            global_batch=run.global_batch,
+            micro_batch=micro,
+            grad_accum=batch // micro,
+            recompute="full",
+        )
+    )
     if shard > 1:
         least["zero"] = dict(stage=3)
-    flags = f"--train.micro_batch {micro} --train.grad_accum {batch // micro}" + (" --zero 3" if shard > 1 else "") \
+    flags = (
+        f"--train.micro_batch {micro} --train.grad_accum {batch // micro}"
+        + (" --zero 3" if shard > 1 else "")
         + " --train.recompute full"
+    )
     v = _variant(cfg, world, device_type, **least)
     if v is None:  # (a layout that refuses one of them: price the current one)
         v, flags, least = (cfg, run), "its current layout", {}
@@ -552,32 +670,63 @@ def _advice(cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, baseline
     # ZeRO-3 over more ranks: each holds ~1/N of the world's model states beside its own activations and buffers,
     # which stay; a host with fewer ranks on it has room for more of the states
     states = pred.states(v[1].dims.world_size)
-    beside = max(pred.rank_bytes(r) - pred.per_rank[r].model_states["total"] for r in set(pred.ranks))
-    per_host = next((n for n in range(len(ranks) if cpu else 1, 0, -1) if available > n * beside), 0)
+    beside = max(
+        pred.rank_bytes(r) - pred.per_rank[r].model_states["total"] for r in set(pred.ranks)
+    )
+    per_host = next(
+        (n for n in range(len(ranks) if cpu else 1, 0, -1) if available > n * beside), 0
+    )
     if per_host:
         hosts = math.ceil(states / (available - per_host * beside))
-        where = f"such machines ({per_host} rank{'s' * (per_host > 1)} each)" if cpu else f"such {device_type} devices"
+        where = (
+            f"such machines ({per_host} rank{'s' * (per_host > 1)} each)"
+            if cpu
+            else f"such {device_type} devices"
+        )
         more = f"ZeRO-3 would need at least {hosts:,} {where}"
     else:
         more = f"even one rank's activations and buffers ({_fmt(beside)}) exceed what is available"
-    return (f"the model does not fit on this machine, even with {flags} ({pred.need()}): {more}, or a smaller "
-            f"model with them ({_smaller_model(cfg, run, ranks, cpu, baseline, available, device_type, least)})")
+    return (
+        f"the model does not fit on this machine, even with {flags} ({pred.need()}): {more}, or a smaller "
+        f"model with them ({_smaller_model(cfg, run, ranks, cpu, baseline, available, device_type, least)})"
+    )
 
 
-def _smaller_model(cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, baseline: int, available: int,
-                   device_type: str, changes: dict[str, dict]) -> str:
+def _smaller_model(
+    cfg: Config,
+    run: RunPlan,
+    ranks: Sequence[int],
+    cpu: bool,
+    baseline: int,
+    available: int,
+    device_type: str,
+    changes: dict[str, dict],
+) -> str:
     """The largest preset smaller than the model that fits this layout with `changes` (the least-memory settings
     just named); else what the smallest needs."""
     mine = param_counts(run.model)[0]
     presets = sorted(((param_counts(c)[0], name) for name, c in PRESETS.items()), reverse=True)
-    blank = {f.name: None for f in dataclasses.fields(cfg.model) if f.name not in ("preset", "init_from", "attention")}
+    blank = {
+        f.name: None
+        for f in dataclasses.fields(cfg.model)
+        if f.name not in ("preset", "init_from", "attention")
+    }
     smallest = None
     for params, name in presets:
         if params >= mine:
             continue
-        ep = cfg.parallel.ep if PRESETS[name].moe is not None else 1  # (a dense model has no experts to split)
-        v = _variant(cfg, run.dims.world_size, device_type, **changes, model=dict(blank, preset=name, init_from=""),
-                     moe={f.name: None for f in dataclasses.fields(cfg.moe)}, parallel=dict(ep=ep))
+        ep = (
+            cfg.parallel.ep if PRESETS[name].moe is not None else 1
+        )  # (a dense model has no experts to split)
+        v = _variant(
+            cfg,
+            run.dims.world_size,
+            device_type,
+            **changes,
+            model=dict(blank, preset=name, init_from=""),
+            moe={f.name: None for f in dataclasses.fields(cfg.moe)},
+            parallel=dict(ep=ep),
+        )
         if v is None:
             continue
         pred = _predict(*v, ranks, cpu, baseline)
@@ -587,8 +736,16 @@ def _smaller_model(cfg: Config, run: RunPlan, ranks: Sequence[int], cpu: bool, b
     return smallest or "none of the presets is smaller"
 
 
-def check_fits(cfg: Config, plan: RunPlan, nproc: int, device_type: str = "cpu", *, ranks: Sequence[int] | None = None,
-               available: int | None = None, workers_started: bool = False) -> list[str]:
+def check_fits(
+    cfg: Config,
+    plan: RunPlan,
+    nproc: int,
+    device_type: str = "cpu",
+    *,
+    ranks: Sequence[int] | None = None,
+    available: int | None = None,
+    workers_started: bool = False,
+) -> list[str]:
     """Refuse (`ConfigError`, one line) a run whose predicted peak exceeds this machine's memory, naming the
     figures per rank and in total, what is available, the first layout change that would fit, and the override
     (``--run.check_memory false``). `plan`: `validate_layout`'s. `nproc`: the ranks started on this machine, global
@@ -610,20 +767,29 @@ def check_fits(cfg: Config, plan: RunPlan, nproc: int, device_type: str = "cpu",
     else:
         have = available_memory(device_type)
         if have is None:
-            return [f"memory check skipped: this machine's free {'host' if cpu else device_type} memory cannot be read"]
+            return [
+                f"memory check skipped: this machine's free {'host' if cpu else device_type} memory cannot be read"
+            ]
     if _fits(pred, have.bytes):
         return []
     worst = max(set(pred.ranks), key=pred.rank_bytes)
     r = pred.per_rank[worst]
-    parts = (f"model states {_fmt(r.model_states['total'])}, activations {_fmt(sum(r.activations.values()))}, "
-             f"buffers {_fmt(sum(r.transient.values()))}" + (f", process {_fmt(baseline)}" if cpu and baseline else ""))
+    parts = (
+        f"model states {_fmt(r.model_states['total'])}, activations {_fmt(sum(r.activations.values()))}, "
+        f"buffers {_fmt(sum(r.transient.values()))}"
+        + (f", process {_fmt(baseline)}" if cpu and baseline else "")
+    )
     if cpu and pred.start_up(worst) > r.total + r.model_states.get("host", 0):
         parts += f"; at start-up the RoPE tables' fp64 build, {_fmt(pred.rope_build)}, is the peak"
     if cpu:
-        need = (f"about {_fmt(pred.largest)} per rank ({parts}) × {len(ranks)} local rank{'s' * (len(ranks) > 1)} "
-                f"= {_fmt(pred.total)}")
+        need = (
+            f"about {_fmt(pred.largest)} per rank ({parts}) × {len(ranks)} local rank{'s' * (len(ranks) > 1)} "
+            f"= {_fmt(pred.total)}"
+        )
     else:
         need = f"about {_fmt(pred.largest)} per rank ({parts})"
     advice = _advice(cfg, plan, ranks, cpu, baseline, have.bytes, device_type)
-    raise ConfigError(f"memory: this run needs {need}, more than the {_fmt(have.bytes)} available ({have.source}); "
-                      f"{advice}; or --run.check_memory false to start it anyway")
+    raise ConfigError(
+        f"memory: this run needs {need}, more than the {_fmt(have.bytes)} available ({have.source}); "
+        f"{advice}; or --run.check_memory false to start it anyway"
+    )

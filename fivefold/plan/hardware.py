@@ -35,7 +35,9 @@ class Hardware:
             if f.name != "name" and not value > 0:
                 raise ValueError(f"hardware {f.name}={value} must be positive")
         if self.compute_efficiency > 1:
-            raise ValueError(f"compute efficiency {self.compute_efficiency} is a fraction of the peak: at most 1")
+            raise ValueError(
+                f"compute efficiency {self.compute_efficiency} is a fraction of the peak: at most 1"
+            )
         return self
 
 
@@ -43,8 +45,13 @@ HARDWARE = {
     "h100": Hardware(),
     "h200": Hardware(name="H200-141GB", memory_gb=141.0, hbm_gbps=4800.0),
     "h800": Hardware(name="H800-80GB", intra_node_gbps=200.0),  # NVLink cut to 400 GB/s both ways
-    "a100": Hardware(name="A100-80GB", peak_tflops=312.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
-                     hbm_gbps=2039.0),
+    "a100": Hardware(
+        name="A100-80GB",
+        peak_tflops=312.0,
+        intra_node_gbps=300.0,
+        inter_node_gbps=25.0,
+        hbm_gbps=2039.0,
+    ),
 }
 
 

@@ -36,11 +36,15 @@ class LayoutPlan:
     grad_accum: int
     global_batch: int
     seq_len: int
-    ranks: list[RankMemory]  # the pipeline ranks laid out (all, or the first and last under `search`)
+    ranks: list[
+        RankMemory
+    ]  # the pipeline ranks laid out (all, or the first and last under `search`)
     hardware: Hardware
     block_bytes: int  # what one block of the first stage keeps for backward
     traffic_rank: int  # the pipeline rank whose traffic `traffic` shows (the busiest)
-    traffic: dict[str, dict[str, Any]] = field(default_factory=dict)  # dim -> ops, payload, wire, group, link
+    traffic: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # dim -> ops, payload, wire, group, link
     bubble: float | None = None
     time: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -56,7 +60,9 @@ class LayoutPlan:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["dims"] = dataclasses.asdict(self.dims)
-        out["model"] = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "rope_scaling"}
+        out["model"] = {
+            k: v for k, v in dataclasses.asdict(self.model).items() if k != "rope_scaling"
+        }
         out["peak_bytes"], out["fits"] = self.peak_bytes, self.fits
         return out
 
@@ -66,13 +72,23 @@ def _dims_table(transfers: list[Transfer], run: RunPlan, hw: Hardware) -> dict[s
     for dim, ops in by_dim(transfers).items():
         mine = [t for t in transfers if t.dim == dim]
         where, _ = link(dim, run.dims, hw, mine[0].group)
-        out[dim] = {"ops": ops, "payload_bytes": sum(ops.values()), "wire_bytes": sum(t.wire_bytes for t in mine),
-                    "group": mine[0].group, "link": where}
+        out[dim] = {
+            "ops": ops,
+            "payload_bytes": sum(ops.values()),
+            "wire_bytes": sum(t.wire_bytes for t in mine),
+            "group": mine[0].group,
+            "link": where,
+        }
     return out
 
 
-def plan_layout(cfg: Config, world: int, hardware: Hardware = HARDWARE["h100"], pp_ranks: tuple[int, ...] | None = None,
-                parts_cache: dict[str, dict[int, Parts]] | None = None) -> LayoutPlan:
+def plan_layout(
+    cfg: Config,
+    world: int,
+    hardware: Hardware = HARDWARE["h100"],
+    pp_ranks: tuple[int, ...] | None = None,
+    parts_cache: dict[str, dict[int, Parts]] | None = None,
+) -> LayoutPlan:
     """Predict memory per pipeline rank, traffic per dimension, bubble and step time of `cfg` on `world` GPUs; the
     trainer's own checks name what does not divide (`validate_layout`, a ValueError). ``pp_ranks``: the pipeline
     ranks to lay out (default all; `search` takes the first and the last, which hold the most). ``parts_cache``:
@@ -97,35 +113,75 @@ def plan_layout(cfg: Config, world: int, hardware: Hardware = HARDWARE["h100"], 
     time["MFU"] = flops * tokens / (time["step"] * world * hardware.peak_tflops * 1e12)
     busiest = max(transfers, key=lambda r: sum(t.nbytes for t in transfers[r]))
     first = next(iter(stages_of(parts[chosen[0]]).values()))
-    one_block = block_bytes(cfg, run, next(iter(first.layers.values())), cfg.train.recompute) \
-        if first.layers is not None and len(first.layers) else 0
-    return LayoutPlan(_describe(cfg, run), world, run.dims, model, cfg.model.init_from or cfg.model.preset, params,
-                      f"{cfg.precision.param} params, {cfg.precision.reduce} gradient reduction", run.micro_batch,
-                      run.grad_accum, run.global_batch, cfg.train.seq_len, list(memory.values()), hardware, one_block,
-                      busiest, _dims_table(transfers[busiest], run, hardware), bubble, time,
-                      notes=[*run.notes, *_advice(cfg, run, hardware, memory, transfers)])
+    one_block = (
+        block_bytes(cfg, run, next(iter(first.layers.values())), cfg.train.recompute)
+        if first.layers is not None and len(first.layers)
+        else 0
+    )
+    return LayoutPlan(
+        _describe(cfg, run),
+        world,
+        run.dims,
+        model,
+        cfg.model.init_from or cfg.model.preset,
+        params,
+        f"{cfg.precision.param} params, {cfg.precision.reduce} gradient reduction",
+        run.micro_batch,
+        run.grad_accum,
+        run.global_batch,
+        cfg.train.seq_len,
+        list(memory.values()),
+        hardware,
+        one_block,
+        busiest,
+        _dims_table(transfers[busiest], run, hardware),
+        bubble,
+        time,
+        notes=[*run.notes, *_advice(cfg, run, hardware, memory, transfers)],
+    )
 
 
-def _advice(cfg: Config, run: RunPlan, hardware: Hardware, memory: dict[int, RankMemory],
-            transfers: dict[int, list[Transfer]]) -> list[str]:
+def _advice(
+    cfg: Config,
+    run: RunPlan,
+    hardware: Hardware,
+    memory: dict[int, RankMemory],
+    transfers: dict[int, list[Transfer]],
+) -> list[str]:
     """What the plan suggests changing: reducing once per step; keeping ZeRO-3's units gathered from forward to
     backward (DeepSpeed's default, FSDP's reshard_after_forward=False) when every unit fits beside the rest."""
     notes = []
     z = cfg.zero
     if z.stage == 3 and z.reshard_after_forward and run.dims.size("dp_shard") > 1:
-        kept = {r: m.total - m.transient.get("gathered units", 0) + _all_units_bytes(m, cfg) for r, m in memory.items()}
-        saved = max(sum(t.nbytes for t in moved if t.op == "all_gather" and t.phase == "backward")
-                    for moved in transfers.values())
+        kept = {
+            r: m.total - m.transient.get("gathered units", 0) + _all_units_bytes(m, cfg)
+            for r, m in memory.items()
+        }
+        saved = max(
+            sum(t.nbytes for t in moved if t.op == "all_gather" and t.phase == "backward")
+            for moved in transfers.values()
+        )
         if max(kept.values()) <= hardware.memory_gb * GB and saved:
-            notes.append(f"--zero.reshard_after_forward false fits (peak {max(kept.values()) / GB:,.1f} GB: every "
-                         f"unit stays gathered from its forward to its backward) and saves the backward's all-gathers, "
-                         f"{saved / GB:,.2f} GB per step and GPU (2Ψ of gathers instead of 3Ψ)")
-    if run.dims.pp == 1 and run.grad_accum > 1 and not cfg.zero.defer_reduce and run.dims.size("dp_cp") > 1:
-        notes.append(f"gradients are reduced after each of the {run.grad_accum} micro-batches; --zero.defer_reduce "
-                     "true reduces once per step (ZeRO-2/3 then hold full gradients until the last micro-batch)")
+            notes.append(
+                f"--zero.reshard_after_forward false fits (peak {max(kept.values()) / GB:,.1f} GB: every "
+                f"unit stays gathered from its forward to its backward) and saves the backward's all-gathers, "
+                f"{saved / GB:,.2f} GB per step and GPU (2Ψ of gathers instead of 3Ψ)"
+            )
+    if (
+        run.dims.pp == 1
+        and run.grad_accum > 1
+        and not cfg.zero.defer_reduce
+        and run.dims.size("dp_cp") > 1
+    ):
+        notes.append(
+            f"gradients are reduced after each of the {run.grad_accum} micro-batches; --zero.defer_reduce "
+            "true reduces once per step (ZeRO-2/3 then hold full gradients until the last micro-batch)"
+        )
     if cfg.zero.stage == 3 and not cfg.zero.reshard_after_forward:
-        notes.append("zero.reshard_after_forward false: the units stay gathered from forward to backward (2Ψ of "
-                     "gathers instead of 3Ψ, every unit's parameters held at once)")
+        notes.append(
+            "zero.reshard_after_forward false: the units stay gathered from forward to backward (2Ψ of "
+            "gathers instead of 3Ψ, every unit's parameters held at once)"
+        )
     return notes
 
 
@@ -136,14 +192,22 @@ def _all_units_bytes(memory: RankMemory, cfg: Config) -> int:
 
 def _describe(cfg: Config, run: RunPlan) -> str:
     d, z = run.dims, cfg.zero
-    parts = [f"tp {d.tp}" + ("+SP" if cfg.parallel.sp and d.tp > 1 else ""), f"pp {d.pp}", f"cp {d.cp}",
-             f"dp {d.dp}", f"ZeRO-{z.stage}"]
+    parts = [
+        f"tp {d.tp}" + ("+SP" if cfg.parallel.sp and d.tp > 1 else ""),
+        f"pp {d.pp}",
+        f"cp {d.cp}",
+        f"dp {d.dp}",
+        f"ZeRO-{z.stage}",
+    ]
     if d.ep > 1:
         parts.append(f"ep {d.ep}")
     if d.dp_replicate > 1:
         parts.append(f"HSDP {d.dp_replicate}×{d.size('dp_shard')}")
     if d.pp > 1:
-        parts.append(cfg.pipeline.schedule + (f" V={cfg.pipeline.virtual}" if cfg.pipeline.virtual > 1 else ""))
+        parts.append(
+            cfg.pipeline.schedule
+            + (f" V={cfg.pipeline.virtual}" if cfg.pipeline.virtual > 1 else "")
+        )
     if cfg.train.recompute != "none":
         parts.append(f"recompute {cfg.train.recompute}")
     return ", ".join(parts)

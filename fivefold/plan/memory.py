@@ -13,11 +13,31 @@ from fivefold.config import Config
 from fivefold.models.parallelize import PipelinedModel
 from fivefold.pipeline.actions import B, F, I, Schedule, W
 from fivefold.pipeline.simulator import simulate
-from fivefold.plan.assembly import Parts, engines_of, local_numels, precision_bytes, rank_parts, resolved, stages_of
+from fivefold.plan.assembly import (
+    Parts,
+    engines_of,
+    local_numels,
+    precision_bytes,
+    rank_parts,
+    resolved,
+    stages_of,
+)
 from fivefold.train.validate import RunPlan
 
-__all__ = ["BACKWARD_ALLOCATED", "LOGITS_GRAD", "LOSS_CHUNK", "RECOMPUTED", "RankMemory", "WORKING", "W_GRADS",
-           "activation_bytes", "block_bytes", "in_flight", "kind_bytes", "rank_memory"]
+__all__ = [
+    "BACKWARD_ALLOCATED",
+    "LOGITS_GRAD",
+    "LOSS_CHUNK",
+    "RECOMPUTED",
+    "RankMemory",
+    "WORKING",
+    "W_GRADS",
+    "activation_bytes",
+    "block_bytes",
+    "in_flight",
+    "kind_bytes",
+    "rank_memory",
+]
 
 RECOMPUTED = "recomputed block (in its backward)"
 W_GRADS = "output gradients awaiting W"  # allocated by I passes, not by forwards
@@ -33,15 +53,23 @@ class RankMemory:
 
     pp_rank: int
     params: int  # parameters this rank's share of the model has, before ZeRO shards them (its stages, TP slice)
-    model_states: dict[str, int]  # params / grads / optimizer / total; host: the part of them in host memory
+    model_states: dict[
+        str, int
+    ]  # params / grads / optimizer / total; host: the part of them in host memory
     transient: dict[str, int]  # buffers alive at the backward's peak besides the model states
-    activations: dict[str, int]  # kept for backward at the peak (blocks × micro-batches in flight, ends), and the
+    activations: dict[
+        str, int
+    ]  # kept for backward at the peak (blocks × micro-batches in flight, ends), and the
     # activation-sized tensors a backward makes (`BACKWARD_ALLOCATED`)
     total: int = 0  # what the device holds at the peak: everything above but the host part
 
     def __post_init__(self) -> None:
-        self.total = (self.model_states["total"] - self.model_states.get("host", 0) + sum(self.transient.values())
-                      + sum(self.activations.values()))
+        self.total = (
+            self.model_states["total"]
+            - self.model_states.get("host", 0)
+            + sum(self.transient.values())
+            + sum(self.activations.values())
+        )
 
 
 def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
@@ -51,15 +79,25 @@ def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
     for f in engine.flats:
         owned = sum(b - a for _, a, b in f.segments)
         part = formulas.flat_model_state_bytes(
-            f.layout.padded_numel, f.shard_numel, owned, len(f.segments), stage=engine.zero_stage, param_bytes=pb,
-            grad_bytes=gb, separate_master=pb != 4, hpz=hpz, offload=f.offload)
+            f.layout.padded_numel,
+            f.shard_numel,
+            owned,
+            len(f.segments),
+            stage=engine.zero_stage,
+            param_bytes=pb,
+            grad_bytes=gb,
+            separate_master=pb != 4,
+            hpz=hpz,
+            offload=f.offload,
+        )
         for k in out:
             out[k] += part[k]
     return out
 
 
-def _transient(engine: Any, cfg: Config, accumulating: bool, reductions: int,
-               deferred_w: bool = False) -> dict[str, int]:
+def _transient(
+    engine: Any, cfg: Config, accumulating: bool, reductions: int, deferred_w: bool = False
+) -> dict[str, int]:
     """Buffers that come and go during a step, at the backward's peak: ZeRO-2/3's full gradient buffers (at most
     ``inflight_buckets`` launched and one filling; all of them while gradients accumulate unreduced: ``no_sync``
     under pp or ``defer_reduce``) and the temporaries later reduce-scatters land in; the gradient autograd makes
@@ -74,17 +112,21 @@ def _transient(engine: Any, cfg: Config, accumulating: bool, reductions: int,
     if stage >= 2 and engine.comm.size > 1:
         n = len(sizes) if accumulating else z.inflight_buckets + 1
         out["gradient buckets"] = sum(sizes[:n]) * gb
-        if reductions > 1:  # a later reduction's reduce-scatter lands in a temporary added to the shard
+        if (
+            reductions > 1
+        ):  # a later reduction's reduce-scatter lands in a temporary added to the shard
             shards = sorted((f.shard_numel for f in engine.flats), reverse=True)
-            out["reduce-scatter outputs"] = sum(shards[:z.inflight_buckets]) * gb
+            out["reduce-scatter outputs"] = sum(shards[: z.inflight_buckets]) * gb
     if stage in (1, 2) or (stage == 0 and pb != gb):
         out["parameter gradient"] = max(p.numel() for f in engine.flats for p in f.params) * pb
     if stage == 3 and engine.comm.size > 1:
-        units = [(module is engine.module, f.layout.padded_numel) for module, f in engine.fsdp.units]
+        units = [
+            (module is engine.module, f.layout.padded_numel) for module, f in engine.fsdp.units
+        ]
         root = sum(n for is_root, n in units if is_root)  # gathered around all its children
         others = sorted((n for is_root, n in units if not is_root), reverse=True)
         every = not z.reshard_after_forward or deferred_w
-        gathered = sum(n for _, n in units) if every else root + sum(others[:1 + z.prefetch])
+        gathered = sum(n for _, n in units) if every else root + sum(others[: 1 + z.prefetch])
         out["gathered units"] = gathered * pb
         out["unit gradients"] = sizes[0] * pb
     return out
@@ -109,12 +151,29 @@ def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
     moe = m.moe if is_moe else None
     if moe is not None and recompute != "full":
         hidden = moe.hidden or m.ffn_hidden
-        ffn = formulas.moe_ffn_activation_bytes(run.micro_batch * seq, m.dim, moe.experts, moe.top_k, hidden,
-                                                moe.shared_experts * hidden, dtype_bytes=s)
+        ffn = formulas.moe_ffn_activation_bytes(
+            run.micro_batch * seq,
+            m.dim,
+            moe.experts,
+            moe.top_k,
+            hidden,
+            moe.shared_experts * hidden,
+            dtype_bytes=s,
+        )
     return formulas.activation_bytes_per_block(
-        run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads, m.ffn_hidden, dtype_bytes=s,
-        attention=cfg.model.attention if p.cp == 1 else "sdpa", recompute=recompute, tp=p.tp,
-        sp=cfg.parallel.sp and p.tp > 1, ffn_bytes=ffn)
+        run.micro_batch,
+        seq,
+        m.dim,
+        m.n_heads,
+        m.n_kv_heads,
+        m.ffn_hidden,
+        dtype_bytes=s,
+        attention=cfg.model.attention if p.cp == 1 else "sdpa",
+        recompute=recompute,
+        tp=p.tp,
+        sp=cfg.parallel.sp and p.tp > 1,
+        ffn_bytes=ffn,
+    )
 
 
 def in_flight(schedule: Schedule, rank: int) -> tuple[int, int]:
@@ -150,14 +209,32 @@ def _activations(cfg: Config, run: RunPlan, parts: Parts, pp_rank: int) -> dict[
         whole, pending = in_flight(parts.schedule, pp_rank)
     else:
         n_stages, whole, pending = 1, 1, 0
-    blocks = [b for stage in stages.values() for b in (stage.layers.values() if stage.layers is not None else ())]
+    blocks = [
+        b
+        for stage in stages.values()
+        for b in (stage.layers.values() if stage.layers is not None else ())
+    ]
     n_moe = sum(1 for b in blocks if _is_moe(b))
-    return activation_bytes(cfg, run, list(stages), n_stages, ((False, len(blocks) - n_moe), (True, n_moe)),
-                            whole, pending)
+    return activation_bytes(
+        cfg,
+        run,
+        list(stages),
+        n_stages,
+        ((False, len(blocks) - n_moe), (True, n_moe)),
+        whole,
+        pending,
+    )
 
 
-def activation_bytes(cfg: Config, run: RunPlan, stage_ids: Collection[int], n_stages: int,
-                     kinds: Iterable[tuple[bool, int]], whole: int, pending: int) -> dict[str, int]:
+def activation_bytes(
+    cfg: Config,
+    run: RunPlan,
+    stage_ids: Collection[int],
+    n_stages: int,
+    kinds: Iterable[tuple[bool, int]],
+    whole: int,
+    pending: int,
+) -> dict[str, int]:
     """Bytes kept for backward at the peak by a rank holding stages `stage_ids` (of `n_stages`) with blocks of
     `kinds` ((is_moe, count) pairs) among them, `whole` (stage, micro-batch) pairs in flight and `pending` awaiting
     W (`in_flight`): every block × the micro-batches its stages have in flight, the embedding's output on the first
@@ -170,30 +247,61 @@ def activation_bytes(cfg: Config, run: RunPlan, stage_ids: Collection[int], n_st
     seq = t.seq_len // p.cp
     sp = cfg.parallel.sp and p.tp > 1
     kinds = [(moe, n) for moe, n in kinds if n]
-    per_chunk = whole / len(stage_ids)  # in flight counts (stage, micro-batch) pairs: V chunks share a rank's count
-    out: dict[str, int] = {"blocks": int(sum(kind_bytes(cfg, run, moe, t.recompute) * n for moe, n in kinds)
-                                         * per_chunk)}
+    per_chunk = whole / len(
+        stage_ids
+    )  # in flight counts (stage, micro-batch) pairs: V chunks share a rank's count
+    out: dict[str, int] = {
+        "blocks": int(
+            sum(kind_bytes(cfg, run, moe, t.recompute) * n for moe, n in kinds) * per_chunk
+        )
+    }
     if pending:  # zero-bubble: between I and W a block keeps only what its weight gradients need
-        moe_ffn = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
-        w = [(formulas.weight_grad_pending_bytes(run.micro_batch, seq, m.dim, m.n_heads, m.n_kv_heads,
-                                                 moe_ffn if moe else m.ffn_hidden, dtype_bytes=s, tp=p.tp), n)
-             for moe, n in kinds]
-        out["blocks awaiting W"] = int(sum(x["inputs"] * n for x, n in w) * pending / len(stage_ids))
+        moe_ffn = (
+            m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
+        )
+        w = [
+            (
+                formulas.weight_grad_pending_bytes(
+                    run.micro_batch,
+                    seq,
+                    m.dim,
+                    m.n_heads,
+                    m.n_kv_heads,
+                    moe_ffn if moe else m.ffn_hidden,
+                    dtype_bytes=s,
+                    tp=p.tp,
+                ),
+                n,
+            )
+            for moe, n in kinds
+        ]
+        out["blocks awaiting W"] = int(
+            sum(x["inputs"] * n for x, n in w) * pending / len(stage_ids)
+        )
         out[W_GRADS] = int(sum(x["grads"] * n for x, n in w) * pending / len(stage_ids))
     if 0 in stage_ids and t.recompute != "full":
-        out["embedding"] = int(run.micro_batch * (seq // p.tp if sp else seq) * m.dim * s * per_chunk)
+        out["embedding"] = int(
+            run.micro_batch * (seq // p.tp if sp else seq) * m.dim * s * per_chunk
+        )
     if n_stages - 1 in stage_ids:
-        out["head and loss"] = int(formulas.head_activation_bytes(run.micro_batch, seq, m.dim, m.vocab_size,
-                                                                  dtype_bytes=s, tp=p.tp, sp=sp) * max(1, per_chunk))
+        out["head and loss"] = int(
+            formulas.head_activation_bytes(
+                run.micro_batch, seq, m.dim, m.vocab_size, dtype_bytes=s, tp=p.tp, sp=sp
+            )
+            * max(1, per_chunk)
+        )
         out[LOGITS_GRAD] = run.micro_batch * seq * m.vocab_size // p.tp * s
         out[LOSS_CHUNK] = formulas.loss_chunk_bytes(run.micro_batch, seq, m.vocab_size, p.tp)
     if kinds:
         hidden = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
-        out[WORKING] = formulas.backward_working_bytes(run.micro_batch, seq, m.dim, max(hidden, m.ffn_hidden),
-                                                       dtype_bytes=s, tp=p.tp, sp=sp)
+        out[WORKING] = formulas.backward_working_bytes(
+            run.micro_batch, seq, m.dim, max(hidden, m.ffn_hidden), dtype_bytes=s, tp=p.tp, sp=sp
+        )
     if t.recompute != "none" and kinds:
-        out[RECOMPUTED] = max(kind_bytes(cfg, run, moe, "none") - kind_bytes(cfg, run, moe, t.recompute)
-                              for moe, _ in kinds)
+        out[RECOMPUTED] = max(
+            kind_bytes(cfg, run, moe, "none") - kind_bytes(cfg, run, moe, t.recompute)
+            for moe, _ in kinds
+        )
     return out
 
 
@@ -205,8 +313,9 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
     transient: dict[str, int] = {}
     accumulating = run.dims.pp > 1 or (cfg.zero.defer_reduce and run.grad_accum > 1)
     reductions = 1 if accumulating else run.grad_accum
-    deferred_w = isinstance(parts, PipelinedModel) and any(a.kind == W for acts in parts.schedule.actions
-                                                           for a in acts)
+    deferred_w = isinstance(parts, PipelinedModel) and any(
+        a.kind == W for acts in parts.schedule.actions for a in acts
+    )
     for _, engine in engines_of(parts):
         for k, v in _engine_states(engine, cfg).items():
             states[k] += v
@@ -214,6 +323,8 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
             transient[k] = transient.get(k, 0) + v
     states["total"] = states["params"] + states["grads"] + states["optimizer"]
     # the modules' own buffers (RoPE tables; this rank's positions under cp): not model states, held all along
-    transient["model buffers"] = sum(b.numel() * b.element_size() for m in parts.modules() for b in m.buffers())
+    transient["model buffers"] = sum(
+        b.numel() * b.element_size() for m in parts.modules() for b in m.buffers()
+    )
     held = sum(sum(n.values()) for n in local_numels(parts).values())
     return RankMemory(pp_rank, held, states, transient, _activations(cfg, run, parts, pp_rank))

@@ -24,11 +24,14 @@ def format_plan(plan: LayoutPlan) -> str:
     """Per GPU memory by part (pipeline ranks side by side; more than 6: the first three, the middle, the last two
     and the fullest), traffic per dimension, bubble, step time and MFU."""
     hw = plan.hardware
-    lines = [f"fivefold plan: {plan.model_name} ({plan.params / 1e9:,.2f}B parameters) on {plan.world} × {hw.name} "
-             f"({hw.gpus_per_node} per node)",
-             f"layout: {plan.layout}",
-             f"batch: global {plan.global_batch} × {plan.seq_len} tokens = micro {plan.micro_batch} × accum "
-             f"{plan.grad_accum} × dp {plan.dims.dp}; precision {plan.precision}", ""]
+    lines = [
+        f"fivefold plan: {plan.model_name} ({plan.params / 1e9:,.2f}B parameters) on {plan.world} × {hw.name} "
+        f"({hw.gpus_per_node} per node)",
+        f"layout: {plan.layout}",
+        f"batch: global {plan.global_batch} × {plan.seq_len} tokens = micro {plan.micro_batch} × accum "
+        f"{plan.grad_accum} × dp {plan.dims.dp}; precision {plan.precision}",
+        "",
+    ]
     ranks = plan.ranks
     if len(ranks) > 6:
         shown = {0, 1, 2, len(ranks) // 2, len(ranks) - 2, len(ranks) - 1}
@@ -51,47 +54,74 @@ def format_plan(plan: LayoutPlan) -> str:
         row(f"activations: {key} (GB)", [r.activations.get(key, 0) / GB for r in ranks])
     row("total on the GPU (GB)", [r.total / GB for r in ranks])
     m, d = plan.model, plan.dims
-    seed = formulas.korthikanti_block_bytes(plan.micro_batch, plan.seq_len // d.cp, m.dim, m.n_heads)
-    lines.append(f"{'one block keeps (GB)':56s}{plan.block_bytes / GB:>13,.2f}   (the GPT block of "
-                 f"docs/design.md#activation-memory, 34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash attention: "
-                 f"{seed / GB:,.2f} GB)")
+    seed = formulas.korthikanti_block_bytes(
+        plan.micro_batch, plan.seq_len // d.cp, m.dim, m.n_heads
+    )
+    lines.append(
+        f"{'one block keeps (GB)':56s}{plan.block_bytes / GB:>13,.2f}   (the GPT block of "
+        f"docs/design.md#activation-memory, 34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash attention: "
+        f"{seed / GB:,.2f} GB)"
+    )
     fits = "fits" if plan.fits else "DOES NOT FIT"
-    more = f"; {len(plan.ranks)} pipeline ranks, {len(ranks)} shown, all in --json" if len(ranks) < len(plan.ranks) \
+    more = (
+        f"; {len(plan.ranks)} pipeline ranks, {len(ranks)} shown, all in --json"
+        if len(ranks) < len(plan.ranks)
         else ""
-    lines += [f"{'GPU memory (GB)':56s}{hw.memory_gb:>13,.2f}   -> {fits} (peak {_bytes(plan.peak_bytes)}{more})", ""]
+    )
+    lines += [
+        f"{'GPU memory (GB)':56s}{hw.memory_gb:>13,.2f}   -> {fits} (peak {_bytes(plan.peak_bytes)}{more})",
+        "",
+    ]
     where = f" (pp rank {plan.traffic_rank}, the busiest)" if len(plan.ranks) > 1 else ""
-    lines += [f"traffic per step and GPU{where}",
-              f"  {'dim':16s}{'group':>7s}{'link':>12s}{'payload':>14s}{'ring wire':>14s}   collectives"]
+    lines += [
+        f"traffic per step and GPU{where}",
+        f"  {'dim':16s}{'group':>7s}{'link':>12s}{'payload':>14s}{'ring wire':>14s}   collectives",
+    ]
     for dim, t in plan.traffic.items():
         ops = ", ".join(f"{op} {_bytes(b)}" for op, b in t["ops"].items())
-        lines.append(f"  {dim:16s}{t['group']:>7d}{t['link']:>12s}{_bytes(t['payload_bytes']):>14s}"
-                     f"{_bytes(t['wire_bytes']):>14s}   {ops}")
+        lines.append(
+            f"  {dim:16s}{t['group']:>7d}{t['link']:>12s}{_bytes(t['payload_bytes']):>14s}"
+            f"{_bytes(t['wire_bytes']):>14s}   {ops}"
+        )
     lines.append("")
     if plan.bubble is not None:
-        lines.append(f"pipeline bubble (the schedule simulated with these stage costs): {plan.bubble:.1%}")
+        lines.append(
+            f"pipeline bubble (the schedule simulated with these stage costs): {plan.bubble:.1%}"
+        )
     tm = plan.time
-    lines += [f"estimated step: {_seconds(tm['step'])} = micro-batches {_seconds(tm['pipeline'])} (compute "
-              f"{_seconds(tm['compute'])} at {hw.compute_efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s; tp/cp/ep "
-              f"traffic not hidden {_seconds(tm['model traffic not hidden'])}; data-parallel traffic beside the passes "
-              f"{_seconds(tm['data-parallel during passes'])}) + after them {_seconds(tm['after the micro-batches'])}"
-              f" + optimizer {_seconds(tm['optimizer'])}",
-              f"throughput ≈ {tm['tokens/s']:,.0f} tokens/s, MFU ≈ {tm['MFU']:.1%} (links one way per GPU: "
-              f"intra-node {hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s; an estimate, "
-              "see docs/plan.md)"]
+    lines += [
+        f"estimated step: {_seconds(tm['step'])} = micro-batches {_seconds(tm['pipeline'])} (compute "
+        f"{_seconds(tm['compute'])} at {hw.compute_efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s; tp/cp/ep "
+        f"traffic not hidden {_seconds(tm['model traffic not hidden'])}; data-parallel traffic beside the passes "
+        f"{_seconds(tm['data-parallel during passes'])}) + after them {_seconds(tm['after the micro-batches'])}"
+        f" + optimizer {_seconds(tm['optimizer'])}",
+        f"throughput ≈ {tm['tokens/s']:,.0f} tokens/s, MFU ≈ {tm['MFU']:.1%} (links one way per GPU: "
+        f"intra-node {hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s; an estimate, "
+        "see docs/plan.md)",
+    ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
-def format_search(plans: list[LayoutPlan], valid: int, fitting: int, world: int, hardware: Hardware) -> str:
+def format_search(
+    plans: list[LayoutPlan], valid: int, fitting: int, world: int, hardware: Hardware
+) -> str:
     """`search`'s ranking: one line per layout."""
-    lines = [f"fivefold plan --search: {valid} valid layouts for {world} × {hardware.name}, {fitting} fit in "
-             f"{hardware.memory_gb:g} GB; the fastest by estimated step time:", ""]
+    lines = [
+        f"fivefold plan --search: {valid} valid layouts for {world} × {hardware.name}, {fitting} fit in "
+        f"{hardware.memory_gb:g} GB; the fastest by estimated step time:",
+        "",
+    ]
     head = f"{'#':>3s}  {'layout':60s}{'peak GB':>9s}{'step':>11s}{'tokens/s':>13s}{'MFU':>7s}{'bubble':>8s}"
     lines += [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
         bubble = f"{p.bubble:.1%}" if p.bubble is not None else "-"
-        lines.append(f"{i:>3d}  {p.layout:60s}{p.peak_bytes / GB:>9.1f}{_seconds(p.time['step']):>11s}"
-                     f"{p.time['tokens/s']:>13,.0f}{p.time['MFU']:>7.1%}{bubble:>8s}")
+        lines.append(
+            f"{i:>3d}  {p.layout:60s}{p.peak_bytes / GB:>9.1f}{_seconds(p.time['step']):>11s}"
+            f"{p.time['tokens/s']:>13,.0f}{p.time['MFU']:>7.1%}{bubble:>8s}"
+        )
     if not plans:
-        lines.append("  none fits: more GPUs, a smaller micro-batch or sequence, or a GPU with more memory")
+        lines.append(
+            "  none fits: more GPUs, a smaller micro-batch or sequence, or a GPU with more memory"
+        )
     return "\n".join(lines)

@@ -15,8 +15,15 @@ from fivefold.train.validate import validate_layout
 __all__ = ["SEARCHED", "candidate_layouts", "search"]
 
 # The keys `search` chooses; a user's own value of one of them (`fixed`) holds it there
-SEARCHED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.ep", "zero.stage",
-            "train.recompute")
+SEARCHED = (
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.cp",
+    "parallel.dp",
+    "parallel.ep",
+    "zero.stage",
+    "train.recompute",
+)
 
 
 def _divisors(n: int) -> list[int]:
@@ -26,13 +33,17 @@ def _divisors(n: int) -> list[int]:
 def _model_shape(cfg: Config) -> tuple[int, int | None]:
     """(blocks, experts or None) of `cfg`'s model, whatever its layout."""
     alone = copy.deepcopy(cfg)
-    alone.parallel = dataclasses.replace(cfg.parallel, tp=1, pp=1, cp=1, dp=1, ep=1, dp_replicate=1, sp=False)
+    alone.parallel = dataclasses.replace(
+        cfg.parallel, tp=1, pp=1, cp=1, dp=1, ep=1, dp_replicate=1, sp=False
+    )
     alone.train = dataclasses.replace(cfg.train, global_batch=None, grad_accum=None, micro_batch=1)
     model = validate_layout(alone, 1, device_type="cuda").model
     return model.n_layers, model.moe.experts if model.moe is not None else None
 
 
-def candidate_layouts(cfg: Config, world: int, hardware: Hardware, fixed: Collection[str] = ()) -> list[list[str]]:
+def candidate_layouts(
+    cfg: Config, world: int, hardware: Hardware, fixed: Collection[str] = ()
+) -> list[list[str]]:
     """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs, as overrides: tp a divisor of a node's GPU
     count (with SP), pp up to the number of blocks (1F1B), cp up to 16, dp the rest, ep over dp × cp as far as the
     experts divide (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none / selective / full. A key in
@@ -41,35 +52,82 @@ def candidate_layouts(cfg: Config, world: int, hardware: Hardware, fixed: Collec
     p, z, t = cfg.parallel, cfg.zero, cfg.train
 
     def choices(key: str, values: list) -> list:
-        return [dict(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep, stage=z.stage, recompute=t.recompute)[key]] \
-            if any(f.endswith("." + key) for f in fixed) else values
+        return (
+            [
+                dict(
+                    tp=p.tp,
+                    pp=p.pp,
+                    cp=p.cp,
+                    dp=p.dp,
+                    ep=p.ep,
+                    stage=z.stage,
+                    recompute=t.recompute,
+                )[key]
+            ]
+            if any(f.endswith("." + key) for f in fixed)
+            else values
+        )
 
     out = []
     for tp in choices("tp", [k for k in _divisors(hardware.gpus_per_node) if world % k == 0]):
-        for pp in choices("pp", [k for k in _divisors(world // tp) if k <= blocks] if world % tp == 0 else []):
-            for cp in choices("cp", [k for k in _divisors(world // (tp * pp)) if k <= 16]
-                              if world % (tp * pp) == 0 else []):
+        for pp in choices(
+            "pp", [k for k in _divisors(world // tp) if k <= blocks] if world % tp == 0 else []
+        ):
+            for cp in choices(
+                "cp",
+                [k for k in _divisors(world // (tp * pp)) if k <= 16]
+                if world % (tp * pp) == 0
+                else [],
+            ):
                 if world % (tp * pp * cp):
                     continue
                 dp = world // (tp * pp * cp)
                 if "parallel.dp" in fixed and dp != p.dp:
                     continue
-                eps = [k for k in _divisors(dp * cp) if experts and experts % k == 0] if experts else [1]
+                eps = (
+                    [k for k in _divisors(dp * cp) if experts and experts % k == 0]
+                    if experts
+                    else [1]
+                )
                 for ep in choices("ep", eps):
                     for stage in choices("stage", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                         for recompute in choices("recompute", ["none", "selective", "full"]):
-                            out.append(["--parallel.tp", str(tp), "--parallel.sp", str(tp > 1).lower(),
-                                        "--parallel.pp", str(pp), "--parallel.cp", str(cp), "--parallel.dp", str(dp),
-                                        "--parallel.ep", str(ep), "--zero.stage", str(stage),
-                                        "--train.recompute", recompute,
-                                        *(["--pipeline.schedule", "1f1b", "--pipeline.virtual", "1"] if pp > 1
-                                          and "pipeline.schedule" not in fixed else [])])
+                            out.append(
+                                [
+                                    "--parallel.tp",
+                                    str(tp),
+                                    "--parallel.sp",
+                                    str(tp > 1).lower(),
+                                    "--parallel.pp",
+                                    str(pp),
+                                    "--parallel.cp",
+                                    str(cp),
+                                    "--parallel.dp",
+                                    str(dp),
+                                    "--parallel.ep",
+                                    str(ep),
+                                    "--zero.stage",
+                                    str(stage),
+                                    "--train.recompute",
+                                    recompute,
+                                    *(
+                                        ["--pipeline.schedule", "1f1b", "--pipeline.virtual", "1"]
+                                        if pp > 1 and "pipeline.schedule" not in fixed
+                                        else []
+                                    ),
+                                ]
+                            )
     return out
 
 
-def search(cfg: Config, world: int, hardware: Hardware = HARDWARE["h100"], top: int = 10,
-           progress: Callable[[int, int], None] | None = None,
-           fixed: Collection[str] = ()) -> tuple[list[LayoutPlan], int, int]:
+def search(
+    cfg: Config,
+    world: int,
+    hardware: Hardware = HARDWARE["h100"],
+    top: int = 10,
+    progress: Callable[[int, int], None] | None = None,
+    fixed: Collection[str] = (),
+) -> tuple[list[LayoutPlan], int, int]:
     """Every candidate (`candidate_layouts`) planned on its first and last pipeline rank (which hold the most; the
     stages between are costed as the heavier end, so a full `plan_layout` may differ slightly), those that fit ranked
     by estimated step time, less memory first on a tie; returns (the best `top`, how many were valid, how many fit)."""

@@ -33,7 +33,9 @@ def attention_flops_per_token(run: RunPlan, cfg: Config, blocks: int, causal: bo
     return 12 * blocks * cfg.train.seq_len * run.model.dim / run.dims.tp / (2 if causal else 1)
 
 
-def _stage_flops(cfg: Config, run: RunPlan, stage: Any, numels: dict[str, int]) -> tuple[float, float]:
+def _stage_flops(
+    cfg: Config, run: RunPlan, stage: Any, numels: dict[str, int]
+) -> tuple[float, float]:
     """(forward, backward) FLOPs of one micro-batch through one stage on one rank: 2 (forward) and 4 (backward) per
     parameter and token it computes (embeddings are lookups; an MoE block's rows go to top_k experts, spread over
     the ep ranks), and attention (causal half); full recompute runs the forward again in backward, selective the
@@ -56,16 +58,29 @@ def _stage_flops(cfg: Config, run: RunPlan, stage: Any, numels: dict[str, int]) 
     return forward, backward
 
 
-def transfer_seconds(transfers: list[Transfer], run: RunPlan, hw: Hardware, phases: tuple[str, ...],
-                     dims: tuple[str, ...] | None = None) -> float:
+def transfer_seconds(
+    transfers: list[Transfer],
+    run: RunPlan,
+    hw: Hardware,
+    phases: tuple[str, ...],
+    dims: tuple[str, ...] | None = None,
+) -> float:
     """Seconds the `transfers` of these phases (and dims) take on their links, one after the other."""
-    return sum(t.wire_bytes / (link(t.dim, run.dims, hw, t.group)[1] * GB) for t in transfers
-               if t.phase in phases and (dims is None or t.dim in dims))
+    return sum(
+        t.wire_bytes / (link(t.dim, run.dims, hw, t.group)[1] * GB)
+        for t in transfers
+        if t.phase in phases and (dims is None or t.dim in dims)
+    )
 
 
-def step_time(cfg: Config, run: RunPlan, hw: Hardware, parts_by_rank: dict[int, Parts],
-              transfers: dict[int, list[Transfer]], memory: dict[int, RankMemory]) -> tuple[dict[str, float],
-                                                                                           float | None]:
+def step_time(
+    cfg: Config,
+    run: RunPlan,
+    hw: Hardware,
+    parts_by_rank: dict[int, Parts],
+    transfers: dict[int, list[Transfer]],
+    memory: dict[int, RankMemory],
+) -> tuple[dict[str, float], float | None]:
     """Seconds of one step by part, and the simulated bubble (None without pp)."""
     d, M = run.dims, run.grad_accum
     flops_per_s = hw.peak_tflops * 1e12 * hw.compute_efficiency
@@ -76,8 +91,13 @@ def step_time(cfg: Config, run: RunPlan, hw: Hardware, parts_by_rank: dict[int, 
         stages, numels = stages_of(parts), local_numels(parts)
         moved = transfers[r]
         blocks = sum(len(st.layers) if st.layers is not None else 0 for st in stages.values())
-        attention = attention_flops_per_token(run, cfg, blocks, causal=True) * run.micro_batch * \
-            cfg.train.seq_len / d.cp / flops_per_s
+        attention = (
+            attention_flops_per_token(run, cfg, blocks, causal=True)
+            * run.micro_batch
+            * cfg.train.seq_len
+            / d.cp
+            / flops_per_s
+        )
         ring = transfer_seconds(moved, run, hw, ("model",), ("cp",)) / M
         # ring attention's K/V travel while the attention computes: only the excess waits
         model = transfer_seconds(moved, run, hw, ("model",)) / M - ring + max(0.0, ring - attention)
@@ -92,29 +112,52 @@ def step_time(cfg: Config, run: RunPlan, hw: Hardware, parts_by_rank: dict[int, 
     bubble = None
     if isinstance(next(iter(parts_by_rank.values())), PipelinedModel):
         schedule = next(iter(parts_by_rank.values())).schedule
-        heavier = max(cost.values(), key=sum)  # stages of ranks not laid out (`search`) cost as the heavier end
+        heavier = max(
+            cost.values(), key=sum
+        )  # stages of ranks not laid out (`search`) cost as the heavier end
 
         def action_cost(a: Any) -> float:
             f, b = cost.get(a.stage, heavier)
             return {F: f, B: b, I: b / 2, W: b / 2}[a.kind]
 
         seq = cfg.train.seq_len // d.cp
-        message = run.micro_batch * (seq // d.tp if cfg.parallel.sp else seq) * run.model.dim * precision_bytes(cfg)[0]
+        message = (
+            run.micro_batch
+            * (seq // d.tp if cfg.parallel.sp else seq)
+            * run.model.dim
+            * precision_bytes(cfg)[0]
+        )
         timeline = simulate(schedule, action_cost, comm_cost=message / (link("pp", d, hw)[1] * GB))
         pipeline, bubble = timeline.makespan, timeline.bubble_fraction
-        busiest = max(range(d.pp), key=lambda r: sum(compute.get(s, 0.0) for s in schedule.stages_of(r)))
-        compute_time = sum(compute.get(s, max(compute.values())) for s in schedule.stages_of(busiest)) * M
+        busiest = max(
+            range(d.pp), key=lambda r: sum(compute.get(s, 0.0) for s in schedule.stages_of(r))
+        )
+        compute_time = (
+            sum(compute.get(s, max(compute.values())) for s in schedule.stages_of(busiest)) * M
+        )
     else:
         f, b = cost[0]
         pipeline, compute_time = M * (f + b), M * compute[0]
     after = max(transfer_seconds(moved, run, hw, ("after",)) for moved in transfers.values())
-    during = max(transfer_seconds(moved, run, hw, ("forward", "backward")) for moved in transfers.values())
+    during = max(
+        transfer_seconds(moved, run, hw, ("forward", "backward")) for moved in transfers.values()
+    )
     pb, gb = precision_bytes(cfg)
-    optimizer = max(2 * (memory[r].model_states["optimizer"]
-                         + sum(f.shard_numel for _, e in engines_of(parts) for f in e.flats) * (gb + pb))
-                    for r, parts in parts_by_rank.items()) / (hw.hbm_gbps * GB)
-    time = {"compute": compute_time, "pipeline": pipeline, "model traffic not hidden": max(blocking.values()),
-            "data-parallel during passes": during, "after the micro-batches": after, "optimizer": optimizer}
+    optimizer = max(
+        2
+        * (
+            memory[r].model_states["optimizer"]
+            + sum(f.shard_numel for _, e in engines_of(parts) for f in e.flats) * (gb + pb)
+        )
+        for r, parts in parts_by_rank.items()
+    ) / (hw.hbm_gbps * GB)
+    time = {
+        "compute": compute_time,
+        "pipeline": pipeline,
+        "model traffic not hidden": max(blocking.values()),
+        "data-parallel during passes": during,
+        "after the micro-batches": after,
+        "optimizer": optimizer,
+    }
     time["step"] = pipeline + after + optimizer
     return time, bubble
-

@@ -15,7 +15,14 @@ from fivefold.models.parallelize import PipelinedModel
 from fivefold.optim.clip import DIM_ORDER
 from fivefold.pipeline.actions import SEND_B, SEND_F
 from fivefold.pipeline.lowering import lower
-from fivefold.plan.assembly import Parts, engines_of, precision_bytes, rank_parts, resolved, stages_of
+from fivefold.plan.assembly import (
+    Parts,
+    engines_of,
+    precision_bytes,
+    rank_parts,
+    resolved,
+    stages_of,
+)
 from fivefold.train.validate import RunPlan
 
 __all__ = ["PHASES", "Transfer", "by_dim", "rank_traffic", "rank_transfers"]
@@ -37,7 +44,9 @@ class Transfer(NamedTuple):
     @property
     def wire_bytes(self) -> float:
         """Bytes this rank sends on a ring of the group (`formulas.ring_wire_bytes`; a receive sends nothing)."""
-        return 0.0 if self.op == "recv" else formulas.ring_wire_bytes(self.op, self.nbytes, self.group)
+        return (
+            0.0 if self.op == "recv" else formulas.ring_wire_bytes(self.op, self.nbytes, self.group)
+        )
 
 
 def by_dim(transfers: list[Transfer]) -> dict[str, dict[str, int]]:
@@ -67,28 +76,70 @@ def _engine(engine: Any, cfg: Config, run: RunPlan) -> list[Transfer]:
         if stage == 0:
             out.append(Transfer(dim, "all_reduce", when, reductions * sum(padded) * gb, n))
         elif engine.qgz:
-            out.append(Transfer(dim, "all_to_all", when,
-                                reductions * formulas.zero_grad_reduce_bytes(padded, n, gb, z.quant_block), n))
+            out.append(
+                Transfer(
+                    dim,
+                    "all_to_all",
+                    when,
+                    reductions * formulas.zero_grad_reduce_bytes(padded, n, gb, z.quant_block),
+                    n,
+                )
+            )
         else:
-            out.append(Transfer(dim, "reduce_scatter", when,
-                                reductions * formulas.zero_grad_reduce_bytes(padded, n, gb), n))
+            out.append(
+                Transfer(
+                    dim,
+                    "reduce_scatter",
+                    when,
+                    reductions * formulas.zero_grad_reduce_bytes(padded, n, gb),
+                    n,
+                )
+            )
     if engine.replicate is not None:
-        out.append(Transfer(engine.replicate.dim, "all_reduce", when, reductions * sum(padded) // n * gb,
-                            engine.replicate.size))
+        out.append(
+            Transfer(
+                engine.replicate.dim,
+                "all_reduce",
+                when,
+                reductions * sum(padded) // n * gb,
+                engine.replicate.size,
+            )
+        )
     if n > 1 and stage in (1, 2):
         out.append(Transfer(dim, "all_gather", "after", sum(padded) * pb, n))
     if n > 1 and stage == 3:
         block = z.quant_block if z.qwz else None
-        out.append(Transfer(dim, "all_gather", "forward",
-                            run.grad_accum * formulas.zero3_gather_bytes(padded, n, pb, block), n))
+        out.append(
+            Transfer(
+                dim,
+                "all_gather",
+                "forward",
+                run.grad_accum * formulas.zero3_gather_bytes(padded, n, pb, block),
+                n,
+            )
+        )
         if z.reshard_after_forward:
             if engine.hpz_comm is not None:
-                out.append(Transfer("dp_hpz", "all_gather", "backward",
-                                    run.grad_accum * formulas.zero3_gather_bytes(padded, engine.hpz_comm.size, pb),
-                                    engine.hpz_comm.size))
+                out.append(
+                    Transfer(
+                        "dp_hpz",
+                        "all_gather",
+                        "backward",
+                        run.grad_accum
+                        * formulas.zero3_gather_bytes(padded, engine.hpz_comm.size, pb),
+                        engine.hpz_comm.size,
+                    )
+                )
             else:
-                out.append(Transfer(dim, "all_gather", "backward",
-                                    run.grad_accum * formulas.zero3_gather_bytes(padded, n, pb, block), n))
+                out.append(
+                    Transfer(
+                        dim,
+                        "all_gather",
+                        "backward",
+                        run.grad_accum * formulas.zero3_gather_bytes(padded, n, pb, block),
+                        n,
+                    )
+                )
     return out
 
 
@@ -99,9 +150,13 @@ def _norm(parts: Parts, cfg: Config, run: RunPlan) -> list[Transfer]:
         return []
     dims = {d for d in ("tp", "pp", "ep") if run.dims.size(d) > 1}
     dims |= {e.comm.dim for _, e in engines_of(parts) if e.zero_stage >= 1 and e.comm.size > 1}
-    ordered = sorted(dims, key=lambda d: (DIM_ORDER.index(d) if d in DIM_ORDER else len(DIM_ORDER), d))
-    return [Transfer(d, "all_reduce", "after", 4 * 2 ** (len(ordered) - 1 - i), run.dims.size(d))
-            for i, d in enumerate(ordered)]
+    ordered = sorted(
+        dims, key=lambda d: (DIM_ORDER.index(d) if d in DIM_ORDER else len(DIM_ORDER), d)
+    )
+    return [
+        Transfer(d, "all_reduce", "after", 4 * 2 ** (len(ordered) - 1 - i), run.dims.size(d))
+        for i, d in enumerate(ordered)
+    ]
 
 
 @dataclass(frozen=True)
@@ -110,7 +165,9 @@ class _Shape:
     dim: int
 
 
-def _tp_ends(batch: int, seq: int, dim: int, s: int, sp: bool, first: bool, last: bool) -> dict[str, int]:
+def _tp_ends(
+    batch: int, seq: int, dim: int, s: int, sp: bool, first: bool, last: bool
+) -> dict[str, int]:
     """The parts of `formulas.tp_comm_formula` that belong to the model's ends, for a pipeline stage without them:
     the embedding's exit (one B·L·D), the head's entry (one B·L·D), the loss's 3·B·L fp32 all-reduces and the final
     norm's weight-gradient all-reduce (SP, D)."""
@@ -128,27 +185,50 @@ def _model(parts: Parts, cfg: Config, run: RunPlan, pp_rank: int) -> list[Transf
     s = precision_bytes(cfg)[0]
     M, B, seq = run.grad_accum, run.micro_batch, t.seq_len // d.cp
     n_stages = parts.schedule.n_stages if isinstance(parts, PipelinedModel) else 1
-    runs = 2 if t.recompute == "full" else 1  # a recomputed block runs its forward collectives again
+    runs = (
+        2 if t.recompute == "full" else 1
+    )  # a recomputed block runs its forward collectives again
     out: list[Transfer] = []
     for sid, stage in stages_of(parts).items():
         blocks = list(stage.layers.values()) if stage.layers is not None else []
         if d.tp > 1:
-            tp = formulas.tp_comm_formula(_Shape(len(blocks), m.dim), B, seq, cfg.parallel.sp, s, t.recompute)
-            ends = _tp_ends(B, seq, m.dim, s, cfg.parallel.sp, first=sid == 0, last=sid == n_stages - 1)
-            out += [Transfer("tp", op, "model", M * (nbytes - ends.get(op, 0)), d.tp) for op, nbytes in tp.items()]
+            tp = formulas.tp_comm_formula(
+                _Shape(len(blocks), m.dim), B, seq, cfg.parallel.sp, s, t.recompute
+            )
+            ends = _tp_ends(
+                B, seq, m.dim, s, cfg.parallel.sp, first=sid == 0, last=sid == n_stages - 1
+            )
+            out += [
+                Transfer("tp", op, "model", M * (nbytes - ends.get(op, 0)), d.tp)
+                for op, nbytes in tp.items()
+            ]
         if d.cp > 1:
-            ring = formulas.ring_attention_p2p_elements(B, t.seq_len, m.n_kv_heads, m.head_dim, d.cp)
+            ring = formulas.ring_attention_p2p_elements(
+                B, t.seq_len, m.n_kv_heads, m.head_dim, d.cp
+            )
             per_block = (ring["forward_kv"] * runs + ring["backward_kv"] + ring["backward_dkv"]) * s
-            out += [Transfer("cp", op, "model", M * per_block * len(blocks), d.cp) for op in ("send", "recv")]
+            out += [
+                Transfer("cp", op, "model", M * per_block * len(blocks), d.cp)
+                for op in ("send", "recv")
+            ]
         moe_blocks = sum(1 for b in blocks if getattr(b.feed_forward, "router", None) is not None)
         if moe_blocks and m.moe is not None:
-            rows = B * seq * m.moe.top_k  # rows dispatched per micro-batch; a rank receives as many on average
+            rows = (
+                B * seq * m.moe.top_k
+            )  # rows dispatched per micro-batch; a rank receives as many on average
             if d.ep > 1:
                 per_layer = runs * (m.moe.experts * 8 + 2 * rows * m.dim * s) + 2 * rows * m.dim * s
                 out.append(Transfer("ep", "all_to_all", "model", M * moe_blocks * per_layer, d.ep))
             if parts.loss_comm.size > 1:
-                out.append(Transfer(parts.loss_comm.dim, "all_reduce", "model",
-                                    M * moe_blocks * runs * (m.moe.experts + 1) * 4, parts.loss_comm.size))
+                out.append(
+                    Transfer(
+                        parts.loss_comm.dim,
+                        "all_reduce",
+                        "model",
+                        M * moe_blocks * runs * (m.moe.experts + 1) * 4,
+                        parts.loss_comm.size,
+                    )
+                )
     if isinstance(parts, PipelinedModel):
         sends = sum(1 for a in lower(parts.schedule).actions[pp_rank] if a.kind in (SEND_F, SEND_B))
         message = B * (seq // d.tp if cfg.parallel.sp else seq) * m.dim * s
@@ -156,7 +236,9 @@ def _model(parts: Parts, cfg: Config, run: RunPlan, pp_rank: int) -> list[Transf
     return out
 
 
-def rank_transfers(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None) -> list[Transfer]:
+def rank_transfers(
+    cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None
+) -> list[Transfer]:
     """Every transfer of one step on a rank of pipeline rank `pp_rank`, with its phase."""
     cfg = resolved(cfg, run)
     parts = parts if parts is not None else rank_parts(cfg, run, pp_rank)
@@ -166,6 +248,8 @@ def rank_transfers(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None 
     return out + _norm(parts, cfg, run)
 
 
-def rank_traffic(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None) -> dict[str, dict[str, int]]:
+def rank_traffic(
+    cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None
+) -> dict[str, dict[str, int]]:
     """Payload bytes per step on one rank of pipeline rank `pp_rank`, by mesh dimension and collective."""
     return by_dim(rank_transfers(cfg, run, pp_rank, parts))

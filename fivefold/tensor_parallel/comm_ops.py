@@ -14,7 +14,9 @@ SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 def _gather_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     # all_gather_into_tensor concatenates along dim 0: put the sequence first.
     local = x.transpose(0, SEQ_DIM).contiguous()
-    out = torch.empty((local.shape[0] * comm.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
+    out = torch.empty(
+        (local.shape[0] * comm.size, *local.shape[1:]), dtype=x.dtype, device=x.device
+    )
     comm.all_gather(out, local, tag=tag)
     # Contiguous: the column-parallel layers that share this input then save one copy for backward.
     return out.transpose(0, SEQ_DIM).contiguous()
@@ -23,8 +25,10 @@ def _gather_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
 def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     full = x.transpose(0, SEQ_DIM).contiguous()
     if full.shape[0] % comm.size:
-        raise ValueError(f"sequence parallel: sequence length {full.shape[0]} is not divisible by tp={comm.size}; "
-                         f"use a sequence length that is a multiple of {comm.size}")
+        raise ValueError(
+            f"sequence parallel: sequence length {full.shape[0]} is not divisible by tp={comm.size}; "
+            f"use a sequence length that is a multiple of {comm.size}"
+        )
     out = torch.empty((full.shape[0] // comm.size, *full.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter(out, full, tag=tag)
     return out.transpose(0, SEQ_DIM)
@@ -79,10 +83,12 @@ class _ScatterToSP(torch.autograd.Function):
 
 def all_reduce_grad_hook(comm: Comm, tag: str):
     """A tensor hook summing a replicated parameter's gradient over TP: under SP each rank's is a partial sum."""
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         comm.all_reduce(grad, tag=tag)
         return grad
+
     return hook
 
 

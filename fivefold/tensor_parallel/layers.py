@@ -22,8 +22,10 @@ from fivefold.tensor_parallel.comm_ops import (
 
 def shard_range(size: int, comm: Comm, what: str) -> tuple[int, int]:
     if size % comm.size:
-        raise ValueError(f"{what}={size} is not divisible by tp={comm.size}; choose a tensor-parallel degree that "
-                         f"divides it")
+        raise ValueError(
+            f"{what}={size} is not divisible by tp={comm.size}; choose a tensor-parallel degree that "
+            f"divides it"
+        )
     chunk = size // comm.size
     return comm.rank * chunk, (comm.rank + 1) * chunk
 
@@ -43,7 +45,9 @@ def _exit(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_localᵀ, W split by rows; `input_mode` "copy" (f), "gather" (SP) or "none" (e.g. `RegionEntry`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none") -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none"
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.input_mode = input_mode
@@ -51,8 +55,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, input_mode: str = "none", what: str = "out_features",
-                    ) -> ColumnParallelLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        comm: Comm,
+        input_mode: str = "none",
+        what: str = "out_features",
+    ) -> ColumnParallelLinear:
         a, b = shard_range(linear.out_features, comm, what)
         bias = linear.bias.detach()[a:b].clone() if linear.bias is not None else None
         return cls(linear.weight.detach()[a:b].clone(), bias, comm, input_mode)
@@ -67,19 +76,31 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = Σ_ranks x_local W_localᵀ (+ bias once) with W split by columns; exit all-reduce / SP scatter."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        comm: Comm,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        if self.bias is not None and sequence_parallel:  # added to each rank's chunk: sum the partial grads
+        if (
+            self.bias is not None and sequence_parallel
+        ):  # added to each rank's chunk: sum the partial grads
             self.bias.register_hook(all_reduce_grad_hook(comm, "sp_bias_grad"))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, sequence_parallel: bool = False,
-                    what: str = "in_features") -> RowParallelLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        comm: Comm,
+        sequence_parallel: bool = False,
+        what: str = "in_features",
+    ) -> RowParallelLinear:
         a, b = shard_range(linear.in_features, comm, what)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(linear.weight.detach()[:, a:b].clone(), bias, comm, sequence_parallel)
@@ -95,7 +116,9 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows [vocab_start, vocab_end) on this rank; the exit operator sums the ranks' parts."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, comm: Comm, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, vocab_start: int, comm: Comm, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.sequence_parallel = sequence_parallel
@@ -105,7 +128,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.no_weight_decay = True  # an embedding table, like nn.Embedding's
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, comm: Comm, sequence_parallel: bool = False) -> VocabParallelEmbedding:
+    def from_embedding(
+        cls, emb: nn.Embedding, comm: Comm, sequence_parallel: bool = False
+    ) -> VocabParallelEmbedding:
         a, b = shard_range(emb.num_embeddings, comm, "vocab_size")
         return cls(emb.weight.detach()[a:b].clone(), a, comm, sequence_parallel)
 

@@ -16,7 +16,12 @@ import torch.distributed as dist
 
 from fivefold.comm import Comm
 
-__all__ = ["CHUNK_ELEMENTS", "VocabParallelLoss", "cross_entropy_per_row", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "VocabParallelLoss",
+    "cross_entropy_per_row",
+    "vocab_parallel_cross_entropy",
+]
 
 CHUNK_ELEMENTS = 2**24  # fp32 elements per chunk: 64 MiB, about 130 rows of a 128k vocabulary
 
@@ -27,8 +32,14 @@ def _chunks(n_rows: int, chunk_rows: int):
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_start: int,  # type: ignore[override]
-                comm: Comm | None, chunk_rows: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        vocab_start: int,  # type: ignore[override]
+        comm: Comm | None,
+        chunk_rows: int,
+    ) -> torch.Tensor:
         n, vocab_local = logits.shape
         local_target = target - vocab_start
         owned = (local_target >= 0) & (local_target < vocab_local)
@@ -57,27 +68,42 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         minus_one = -owned.to(torch.float32).unsqueeze(1)
         for rows in _chunks(logits.shape[0], ctx.chunk_rows):
-            g = (logits[rows].float() - lse[rows].unsqueeze(1)).exp_()  # this chunk's softmax, in fp32
+            g = (
+                logits[rows].float() - lse[rows].unsqueeze(1)
+            ).exp_()  # this chunk's softmax, in fp32
             g.scatter_add_(1, index[rows], minus_one[rows])
             grad[rows] = g.mul_(grad_rows[rows].unsqueeze(1))
         return grad, None, None, None, None
 
 
-def cross_entropy_per_row(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, comm: Comm | None = None,
-                          chunk_rows: int | None = None) -> torch.Tensor:
+def cross_entropy_per_row(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int = 0,
+    comm: Comm | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """fp32 cross-entropy of each row of logits [N, V_local] (vocabulary ids [vocab_start, vocab_start + V_local) of
     the whole, the rest on the other ranks of `comm`; None: all of it here) against global target ids [N]."""
     chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[1])
     return _ChunkedCrossEntropy.apply(logits, target, vocab_start, comm, chunk_rows)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, comm: Comm,
-                                 ignore_index: int = -100, chunk_rows: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    comm: Comm,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of targets (global ids) except `ignore_index`; logits [..., V/T]: rows from `vocab_start`."""
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
     keep = target != ignore_index
-    losses = cross_entropy_per_row(logits, target.masked_fill(~keep, 0), vocab_start, comm, chunk_rows)
+    losses = cross_entropy_per_row(
+        logits, target.masked_fill(~keep, 0), vocab_start, comm, chunk_rows
+    )
     return (losses * keep).sum() / keep.sum().clamp(min=1)
 
 

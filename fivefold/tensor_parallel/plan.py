@@ -17,10 +17,23 @@ from torch import nn
 
 from fivefold.comm import Comm, Placement
 from fivefold.tensor_parallel.comm_ops import all_reduce_grad_hook, copy_to_tp, gather_from_sp
-from fivefold.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from fivefold.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
-__all__ = ["Colwise", "Norm", "ParamPlacement", "RegionEntry", "Rowwise", "TPPlan", "VocabEmbedding", "VocabHead",
-           "shard_by_plan"]
+__all__ = [
+    "Colwise",
+    "Norm",
+    "ParamPlacement",
+    "RegionEntry",
+    "Rowwise",
+    "TPPlan",
+    "VocabEmbedding",
+    "VocabHead",
+    "shard_by_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -87,12 +100,15 @@ def check_divisible(config: Any, plan: TPPlan, tp: int) -> None:
     bad = [f for f in fields if getattr(config, f) % tp]
     if bad:
         f = bad[0]
-        raise ValueError(f"tensor parallel: {f}={getattr(config, f)} is not divisible by tp={tp}; choose tp dividing "
-                         + ", ".join(f"{g} ({getattr(config, g)})" for g in fields))
+        raise ValueError(
+            f"tensor parallel: {f}={getattr(config, f)} is not divisible by tp={tp}; choose tp dividing "
+            + ", ".join(f"{g} ({getattr(config, g)})" for g in fields)
+        )
 
 
-def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel: bool = False,
-                  config: Any = None) -> dict[str, Placement]:
+def shard_by_plan(
+    model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel: bool = False, config: Any = None
+) -> dict[str, Placement]:
     """Swap `model`'s modules in place for their parallel versions over `comm` (tied weights stay tied); return each
     parameter's placement. `config` (default ``model.config``) is checked for divisibility first."""
     check_divisible(config if config is not None else model.config, plan, comm.size)
@@ -107,11 +123,15 @@ def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel:
             continue
         prefix = f"{name}." if name else ""
         if isinstance(style, VocabEmbedding):
-            _set_module(model, name, VocabParallelEmbedding.from_embedding(module, comm, sequence_parallel))
+            _set_module(
+                model, name, VocabParallelEmbedding.from_embedding(module, comm, sequence_parallel)
+            )
             sliced[prefix + "weight"] = 0  # vocabulary rows
         elif isinstance(style, Colwise | VocabHead):
             mode = entry if isinstance(style, VocabHead) else "none"
-            _set_module(model, name, ColumnParallelLinear.from_linear(module, comm, mode, style.divides))
+            _set_module(
+                model, name, ColumnParallelLinear.from_linear(module, comm, mode, style.divides)
+            )
             sliced.update({prefix + "weight": 0, prefix + "bias": 0})  # output features
         elif isinstance(style, Rowwise):
             _set_module(model, name, RowParallelLinear.from_linear(module, comm, sequence_parallel))
@@ -123,12 +143,16 @@ def shard_by_plan(model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel:
                 module.weight.register_hook(all_reduce_grad_hook(comm, "sp_norm_grad"))
         else:
             raise TypeError(f"unknown tensor-parallel style {style!r} for module '{name}'")
-    for tied in (names for names in names_of.values() if len(names) > 1):  # e.g. embedding = head: same slice
+    for tied in (
+        names for names in names_of.values() if len(names) > 1
+    ):  # e.g. embedding = head: same slice
         shared = model.get_parameter(tied[0])
         for other in tied[1:]:
             owner, _, attr = other.rpartition(".")
             setattr(model.get_submodule(owner), attr, shared)
-    return {n: ParamPlacement(sliced.get(n)) for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {
+        n: ParamPlacement(sliced.get(n)) for n, _ in model.named_parameters(remove_duplicate=False)
+    }
 
 
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -140,4 +164,5 @@ def _region_entry(comm: Comm, mode: str):
     def hook(module: nn.Module, args: tuple) -> tuple:
         x = copy_to_tp(args[0], comm) if mode == "copy" else gather_from_sp(args[0], comm)
         return (x, *args[1:])
+
     return hook

@@ -59,10 +59,14 @@ def check_run_dir(cfg: Config) -> Path | None:
             return find_checkpoint(resume, root)
         except CheckpointError as e:
             raise CheckpointError(f"run.resume={resume}: {e}") from None
-    held = [f for f in RUN_FILES[:1] if (where / f).exists()] + (["checkpoints"] if complete_checkpoints(root) else [])
+    held = [f for f in RUN_FILES[:1] if (where / f).exists()] + (
+        ["checkpoints"] if complete_checkpoints(root) else []
+    )
     if held and not cfg.run.overwrite and restart_count() == 0:
-        raise CheckpointError(f"run directory {str(where)!r} already holds a run ({', '.join(held)}): continue it "
-                              "with --resume, start over with --overwrite, or choose another --run.name")
+        raise CheckpointError(
+            f"run directory {str(where)!r} already holds a run ({', '.join(held)}): continue it "
+            "with --resume, start over with --overwrite, or choose another --run.name"
+        )
     return None
 
 
@@ -80,21 +84,37 @@ def clear_run_dir(cfg: Config) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-LAYOUT_FIELDS = ("world", *MESH_DIMS, "ep", "dp_replicate", "zero", "param_dtype")  # what `layout` records
+LAYOUT_FIELDS = (
+    "world",
+    *MESH_DIMS,
+    "ep",
+    "dp_replicate",
+    "zero",
+    "param_dtype",
+)  # what `layout` records
 
 
 def check_layout_fields(path: Path, meta: dict[str, Any]) -> None:
     """A checkpoint whose layout names a field this version does not know is refused, not half understood."""
     unknown = sorted(set(meta.get("layout", {})) - set(LAYOUT_FIELDS))
     if unknown:
-        raise CheckpointError(f"checkpoint {path} records layout field(s) {', '.join(unknown)} that this fivefold "
-                              "does not know (written by a newer version?): it cannot tell how to read them")
+        raise CheckpointError(
+            f"checkpoint {path} records layout field(s) {', '.join(unknown)} that this fivefold "
+            "does not know (written by a newer version?): it cannot tell how to read them"
+        )
 
 
 def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
-    hsdp = {"dp_replicate": mesh.size("dp_replicate")} if mesh.size("dp_replicate") > 1 else {}  # (as before HSDP)
-    return {"world": dist.get_world_size(), **{d: mesh.size(d) for d in (*MESH_DIMS, "ep")}, **hsdp,
-            "zero": cfg.zero.stage, "param_dtype": cfg.precision.param}
+    hsdp = (
+        {"dp_replicate": mesh.size("dp_replicate")} if mesh.size("dp_replicate") > 1 else {}
+    )  # (as before HSDP)
+    return {
+        "world": dist.get_world_size(),
+        **{d: mesh.size(d) for d in (*MESH_DIMS, "ep")},
+        **hsdp,
+        "zero": cfg.zero.stage,
+        "param_dtype": cfg.precision.param,
+    }
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -105,6 +125,7 @@ def watch_sigterm() -> None:
     """From now on a SIGTERM or SIGINT to this worker is remembered (`TrainCheckpoints.stop_requested`), not fatal:
     the run stops at the end of a step with a checkpoint. Main thread only (elsewhere the signals keep their
     defaults)."""
+
     def on_stop(signum: int, frame: Any) -> None:
         _SIGTERM["seen"] = _SIGTERM["seen"] or signal.Signals(signum).name
 
@@ -127,18 +148,28 @@ def unwatch_sigterm() -> None:
 class TrainCheckpoints:
     """One per rank, built after `parallelize` (collective: the control group)."""
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, parts: Any, model_config: Any,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: ParallelMesh,
+        parts: Any,
+        model_config: Any,
+        device: torch.device | None = None,
+    ) -> None:
         self.cfg, self.mesh, self.parts = cfg, mesh, parts
         self.device = device or torch.device("cpu")
         self.model_config = dataclasses.asdict(model_config)
-        self.ckpt = Checkpointer(checkpoint_root(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        self.ckpt = Checkpointer(
+            checkpoint_root(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+        )
         if self.ckpt._group is not None:
             mesh.own(self.ckpt._group)
         # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce, no device sync.
         self.control = mesh.own(dist.new_group(backend="gloo"))
         self._pending_reason: str | None = None  # why the background save in flight was started
-        self.warnings: list[str] = []  # failed saves under checkpoint.on_error=warn, for the trainer to say
+        self.warnings: list[
+            str
+        ] = []  # failed saves under checkpoint.on_error=warn, for the trainer to say
         watch_sigterm()
 
     def stop_requested(self) -> str | None:
@@ -169,14 +200,26 @@ class TrainCheckpoints:
         t0 = time.perf_counter()
         self._finish_pending()
         state = training_state(self.parts.engines.values(), self.mesh.comm("tp")).state_dict
-        state[f"rng.rank{dist.get_rank()}"] = {"cpu": torch.get_rng_state(),
-                                               "accelerator": _accelerator_rng(self.device)}
-        scalers = [e.loss_scaler.state_dict() for e in self.parts.engines.values() if e.loss_scaler is not None]
+        state[f"rng.rank{dist.get_rank()}"] = {
+            "cpu": torch.get_rng_state(),
+            "accelerator": _accelerator_rng(self.device),
+        }
+        scalers = [
+            e.loss_scaler.state_dict()
+            for e in self.parts.engines.values()
+            if e.loss_scaler is not None
+        ]
         if scalers:
             state["loss_scaler"] = scalers[0]
-        meta = {"steps_done": steps_done, "reason": reason, "layout": layout(self.cfg, self.mesh),
-                "model": self.model_config, "preset": self.cfg.model.preset, "config": self.cfg.to_dict(),
-                "saved_at": time.time()}
+        meta = {
+            "steps_done": steps_done,
+            "reason": reason,
+            "layout": layout(self.cfg, self.mesh),
+            "model": self.model_config,
+            "preset": self.cfg.model.preset,
+            "config": self.cfg.to_dict(),
+            "saved_at": time.time(),
+        }
         try:
             self.ckpt.save(steps_done, state, meta)
         except CheckpointSaveError as e:
@@ -196,7 +239,9 @@ class TrainCheckpoints:
     def _failed(self, error: CheckpointSaveError, reason: str) -> None:
         if self.cfg.checkpoint.on_error == "stop" or reason in ("SIGTERM", "SIGINT", "exit_after"):
             raise error
-        self.warnings.append(f"fivefold: warning: {error}; training goes on (checkpoint.on_error=warn)")
+        self.warnings.append(
+            f"fivefold: warning: {error}; training goes on (checkpoint.on_error=warn)"
+        )
 
     def restore(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had done."""
@@ -252,8 +297,16 @@ def _set_accelerator_rng(device: torch.device, state: Any) -> None:
 
 # What the weights' shapes depend on: a checkpoint is of this model when these agree (max_seq_len, which grows
 # with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor).
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings",
-                "attention_head_dim")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "tie_embeddings",
+    "attention_head_dim",
+)
 MOE_SHAPE_FIELDS = ("experts", "top_k", "shared_experts", "hidden", "every")
 
 
@@ -263,10 +316,15 @@ def check_model_matches(path: Path, meta: dict[str, Any], model: dict[str, Any])
     pairs = [(k, saved.get(k), model.get(k)) for k in SHAPE_FIELDS if k in saved and k in model]
     saved_moe, moe = saved.get("moe") or {}, model.get("moe") or {}
     if bool(saved_moe) != bool(moe):
-        pairs.append(("moe", "an MoE model" if saved_moe else "dense", "an MoE model" if moe else "dense"))
+        pairs.append(
+            ("moe", "an MoE model" if saved_moe else "dense", "an MoE model" if moe else "dense")
+        )
     elif moe:
-        pairs += [(f"moe.{k}", saved_moe.get(k), moe.get(k)) for k in MOE_SHAPE_FIELDS if k in saved_moe]
+        pairs += [
+            (f"moe.{k}", saved_moe.get(k), moe.get(k)) for k in MOE_SHAPE_FIELDS if k in saved_moe
+        ]
     for key, there, here in pairs:
         if there != here:
-            raise CheckpointError(f"checkpoint {path} is of another model: {key}={there!r} there, {key}={here!r} "
-                                  "here")
+            raise CheckpointError(
+                f"checkpoint {path} is of another model: {key}={there!r} there, {key}={here!r} here"
+            )

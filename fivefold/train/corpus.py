@@ -13,15 +13,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_CORPUS_MAX_BYTES", "SEPARATOR", "ByteTokenizer", "check_source", "default_corpus_bytes",
-           "load_splits", "load_tokens"]
+__all__ = [
+    "DEFAULT_CORPUS_MAX_BYTES",
+    "SEPARATOR",
+    "ByteTokenizer",
+    "check_source",
+    "default_corpus_bytes",
+    "load_splits",
+    "load_tokens",
+]
 
 #: Cap applied to the embedded default corpus when ``max_bytes`` is not given.
 DEFAULT_CORPUS_MAX_BYTES = 8 * 1024 * 1024
 #: Bytes placed between concatenated text files.
 SEPARATOR = b"\n\n"
 
-_SKIP_STDLIB_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+_SKIP_STDLIB_DIRS = frozenset(
+    {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+)
 _BINARY_EXTENSIONS = frozenset({".bin", ".npy", ".npz", ".pt", ".pth", ".ckpt", ".safetensors", ".pkl", ".pickle",
                                 ".pyc", ".pyo", ".so", ".dll", ".dylib", ".exe", ".o", ".a", ".lib", ".class", ".jar",
                                 ".zip", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z", ".tar", ".rar", ".png", ".jpg",
@@ -51,7 +60,9 @@ class ByteTokenizer:
             arr = np.fromiter((int(i) for i in ids), dtype=np.int64)
         arr = np.asarray(arr).reshape(-1)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got [{arr.min()}, {arr.max()}]")
+            raise ValueError(
+                f"token ids must lie in [0, {self.vocab_size}); got [{arr.min()}, {arr.max()}]"
+            )
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
@@ -100,7 +111,9 @@ def default_corpus_bytes(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> by
 
     data = _concat_capped(chunks(), max_bytes)
     if not data:
-        raise ValueError(f"default corpus is empty: no .py files under {sysconfig.get_paths()['stdlib']!r}")
+        raise ValueError(
+            f"default corpus is empty: no .py files under {sysconfig.get_paths()['stdlib']!r}"
+        )
     return data
 
 
@@ -146,7 +159,9 @@ def _load_one(path: Path, max_bytes: int | None) -> np.ndarray:
         return _load_bin(path, max_bytes)
     _checked_tokens(path, max_bytes)  # empty files and folders are named here
     if path.is_dir():
-        return _bytes_to_tokens(_concat_capped((f.read_bytes() for f in _folder_text_files(path)), max_bytes))
+        return _bytes_to_tokens(
+            _concat_capped((f.read_bytes() for f in _folder_text_files(path)), max_bytes)
+        )
     with path.open("rb") as fh:
         return _bytes_to_tokens(fh.read() if max_bytes is None else fh.read(max_bytes))
 
@@ -166,7 +181,9 @@ def _split_sources(path: str) -> list[Path]:
     return [Path(p) for p in parts]
 
 
-def load_splits(path: str | None, max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+def load_splits(
+    path: str | None, max_bytes: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Load a corpus source as ``(tokens, None)``, or as memory-mapped ``(train, val)`` for a nanoGPT folder
     (``train.bin`` + ``val.bin``, ``max_bytes`` capping each); other sources as in `load_tokens`."""
     if path is not None and _is_nanogpt_folder(Path(path)):
@@ -205,7 +222,9 @@ def check_source(path: str | None, max_bytes: int | None = None) -> tuple[int, i
         return (DEFAULT_CORPUS_MAX_BYTES if max_bytes is None else max_bytes), None
     sources = _split_sources(path)
     if len(sources) == 1 and _is_nanogpt_folder(sources[0]):
-        train, val = (_checked_tokens(sources[0] / name, max_bytes) for name in ("train.bin", "val.bin"))
+        train, val = (
+            _checked_tokens(sources[0] / name, max_bytes) for name in ("train.bin", "val.bin")
+        )
         return train, val
     return sum(_checked_tokens(p, max_bytes) for p in sources), None
 
@@ -246,7 +265,9 @@ def _checked_tokens(p: Path, max_bytes: int | None) -> int:
         if not files:
             raise ValueError(f"empty corpus: folder {str(p)!r} contains no non-empty text files")
         _readable(files)
-        return int(min(sum(f.stat().st_size for f in files) + len(SEPARATOR) * (len(files) - 1), cap))
+        return int(
+            min(sum(f.stat().st_size for f in files) + len(SEPARATOR) * (len(files) - 1), cap)
+        )
     _readable([p])
     size = p.stat().st_size
     if size == 0:

@@ -25,36 +25,60 @@ class TokenDataset:
     """Contiguous train/val split of a token array (the last ``val_fraction`` is validation) with deterministic,
     rank-independent batches of ``seq_len + 1``-token windows inside one split; ``np.memmap`` arrays are fine."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float = 0.05, seed: int = 0, *,
-                 source: str = "<tokens>") -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        *,
+        source: str = "<tokens>",
+    ) -> None:
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         _check_positive(seq_len=seq_len)
         n = len(tokens)
         n_val = int(n * val_fraction)
         if val_fraction > 0 and n_val < seq_len + 1:
-            raise ValueError(f"corpus {source} too small for seq_len={seq_len}: {n} tokens x "
-                             f"val_fraction={val_fraction} = {n_val} validation tokens, need at least seq_len + 1 = "
-                             f"{seq_len + 1}")
+            raise ValueError(
+                f"corpus {source} too small for seq_len={seq_len}: {n} tokens x "
+                f"val_fraction={val_fraction} = {n_val} validation tokens, need at least seq_len + 1 = "
+                f"{seq_len + 1}"
+            )
         self._init(tokens[: n - n_val], tokens[n - n_val :], seq_len, seed, source)
 
     @classmethod
-    def from_splits(cls, train: np.ndarray, val: np.ndarray | None, seq_len: int, seed: int = 0, *,
-                    source: str = "<tokens>") -> TokenDataset:
+    def from_splits(
+        cls,
+        train: np.ndarray,
+        val: np.ndarray | None,
+        seq_len: int,
+        seed: int = 0,
+        *,
+        source: str = "<tokens>",
+    ) -> TokenDataset:
         """Build from explicit train and val arrays (``val`` may be ``None`` or empty: no validation)."""
         _check_positive(seq_len=seq_len)
         if val is None:
             val = np.zeros(0, dtype=np.uint16)
         if 0 < len(val) < seq_len + 1:
-            raise ValueError(f"validation split of {source} too small for seq_len={seq_len}: "
-                             f"{len(val)} tokens, need at least {seq_len + 1}")
+            raise ValueError(
+                f"validation split of {source} too small for seq_len={seq_len}: "
+                f"{len(val)} tokens, need at least {seq_len + 1}"
+            )
         self = cls.__new__(cls)
         self._init(train, val, seq_len, seed, source)
         return self
 
     @classmethod
-    def from_path(cls, path: str | None, seq_len: int, val_fraction: float = 0.05, seed: int = 0,
-                  max_bytes: int | None = None) -> TokenDataset:
+    def from_path(
+        cls,
+        path: str | None,
+        seq_len: int,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        max_bytes: int | None = None,
+    ) -> TokenDataset:
         """Load a corpus source (see :func:`load_tokens`); a nanoGPT folder keeps its own train/val split."""
         source = repr(path) if path is not None else "<default: Python stdlib sources>"
         train, val = load_splits(path, max_bytes)
@@ -62,10 +86,14 @@ class TokenDataset:
             return cls.from_splits(train, val, seq_len, seed, source=source)
         return cls(train, seq_len, val_fraction, seed, source=source)
 
-    def _init(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, source: str) -> None:
+    def _init(
+        self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, source: str
+    ) -> None:
         if len(train) < seq_len + 1:
-            raise ValueError(f"corpus {source} too small for seq_len={seq_len}: training split has {len(train)} "
-                             f"tokens, need at least seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"corpus {source} too small for seq_len={seq_len}: training split has {len(train)} "
+                f"tokens, need at least seq_len + 1 = {seq_len + 1}"
+            )
         self.train_tokens = train
         self.val_tokens = val
         self.seq_len = int(seq_len)
@@ -90,15 +118,24 @@ class TokenDataset:
         """The global batch of ``step``, ``(x, y)`` int64 [global_batch_size, seq_len], from rng ``[seed, step]``."""
         return self._windows(self.train_tokens, self._train_starts(step, global_batch_size))
 
-    def micro_batch(self, step: int, global_batch_size: int, micro_step: int = 0, grad_accum: int = 1,
-                    dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_batch(
+        self,
+        step: int,
+        global_batch_size: int,
+        micro_step: int = 0,
+        grad_accum: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``[(micro_step * dp_size + dp_rank) * mb, ... + mb)`` of ``global_batch(step, ...)``, with ``mb =
         global_batch_size // (grad_accum * dp_size)``; only these rows are gathered."""
         _check_positive(global_batch_size=global_batch_size, grad_accum=grad_accum, dp_size=dp_size)
         per_step = grad_accum * dp_size
         if global_batch_size % per_step:
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
-                             f"grad_accum({grad_accum}) x dp_size({dp_size}) = {per_step}")
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"grad_accum({grad_accum}) x dp_size({dp_size}) = {per_step}"
+            )
         if not 0 <= micro_step < grad_accum:
             raise ValueError(f"micro_step={micro_step} out of range for grad_accum={grad_accum}")
         if not 0 <= dp_rank < dp_size:
@@ -112,28 +149,37 @@ class TokenDataset:
         """Start offsets into ``val_tokens`` of the ``n_batches * batch_size`` validation windows, evenly spaced."""
         _check_positive(n_batches=n_batches, batch_size=batch_size)
         if len(self.val_tokens) < self.seq_len + 1:
-            raise ValueError(f"no validation split in {self.source}: {len(self.val_tokens)} val tokens "
-                             f"(seq_len={self.seq_len}); use val_fraction > 0 or a val.bin")
+            raise ValueError(
+                f"no validation split in {self.source}: {len(self.val_tokens)} val tokens "
+                f"(seq_len={self.seq_len}); use val_fraction > 0 or a val.bin"
+            )
         last = len(self.val_tokens) - self.seq_len - 1
         return np.linspace(0, last, n_batches * batch_size).round().astype(np.int64)
 
-    def val_batches(self, n_batches: int, batch_size: int, dp_rank: int = 0,
-                    dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(
+        self, n_batches: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches ``dp_rank::dp_size`` of a fixed validation set; ``n_batches % dp_size == 0`` makes the
         mean of the per-rank means the global mean."""
         _check_positive(dp_size=dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
         if n_batches % dp_size:
-            raise ValueError(f"n_batches={n_batches} is not divisible by dp_size={dp_size}: "
-                             "ranks would average different numbers of batches")
+            raise ValueError(
+                f"n_batches={n_batches} is not divisible by dp_size={dp_size}: "
+                "ranks would average different numbers of batches"
+            )
         starts = self.val_starts(n_batches, batch_size).reshape(n_batches, batch_size)
-        return [self._windows(self.val_tokens, starts[b]) for b in range(dp_rank, n_batches, dp_size)]
+        return [
+            self._windows(self.val_tokens, starts[b]) for b in range(dp_rank, n_batches, dp_size)
+        ]
 
     def __len__(self) -> int:
         """Number of distinct training windows (valid start offsets)."""
         return len(self.train_tokens) - self.seq_len
 
     def __repr__(self) -> str:
-        return (f"TokenDataset(source={self.source}, train_tokens={len(self.train_tokens):,}, "
-                f"val_tokens={len(self.val_tokens):,}, seq_len={self.seq_len}, seed={self.seed})")
+        return (
+            f"TokenDataset(source={self.source}, train_tokens={len(self.train_tokens):,}, "
+            f"val_tokens={len(self.val_tokens):,}, seq_len={self.seq_len}, seed={self.seed})"
+        )

@@ -51,8 +51,12 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self.acquire()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.release()
 
 
@@ -65,12 +69,16 @@ def _take(directory: Path) -> int:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise RunDirLocked(f"run directory {str(directory)!r} is in use by {holder}: wait for that run to end or "
-                           "stop it, or choose another --run.name (or checkpoint.dir)") from None
+        raise RunDirLocked(
+            f"run directory {str(directory)!r} is in use by {holder}: wait for that run to end or "
+            "stop it, or choose another --run.name (or checkpoint.dir)"
+        ) from None
     except OSError:
         os.close(fd)
         raise
-    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+    record = json.dumps(
+        {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    ).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
     return fd

@@ -64,9 +64,13 @@ class TrainResult:
     tokens_per_s: float
     run_dir: str | None
     model_state_mb: float
-    comm_hidden_fraction: float | None = None  # run.trace: mean over ranks of the communication hidden behind compute
+    comm_hidden_fraction: float | None = (
+        None  # run.trace: mean over ranks of the communication hidden behind compute
+    )
     mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak
-    stopped: str | None = None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
+    stopped: str | None = (
+        None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
+    )
 
 
 def run(cfg: Config) -> TrainResult:
@@ -80,11 +84,17 @@ def run(cfg: Config) -> TrainResult:
             finally:
                 lock.release()
     if cfg.run.device not in ("auto", "cpu"):
-        raise ValueError(f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators")
+        raise ValueError(
+            f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators"
+        )
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
-    validate(cfg, cfg.run.nproc)  # every error here, before any directory is made or any process starts
+    validate(
+        cfg, cfg.run.nproc
+    )  # every error here, before any directory is made or any process starts
     with RunLock(*locked_dirs(cfg)):
-        return _launch(cfg, validate(cfg, cfg.run.nproc))  # (again, under the lock: what the directory holds now)
+        return _launch(
+            cfg, validate(cfg, cfg.run.nproc)
+        )  # (again, under the lock: what the directory holds now)
 
 
 def locked_dirs(cfg: Config) -> list[Path]:
@@ -109,19 +119,30 @@ def _lock_on_rank0(cfg: Config) -> RunLock:
 def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
     """Spawn the workers (restarting them after a lost one, `run.max_restarts` times); the run directory is
     locked."""
-    if cfg.run.overwrite and plan.resume_from is None:  # here, once: a restart must not find the old run's files
+    if (
+        cfg.run.overwrite and plan.resume_from is None
+    ):  # here, once: a restart must not find the old run's files
         clear_run_dir(cfg)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False))
     threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
     first_resume = cfg.run.resume
     for attempt in range(cfg.run.max_restarts + 1):
         try:
-            return launch_local(train, cfg.run.nproc, cfg, plan, threads=threads,
-                                timeout_s=cfg.run.collective_timeout_s,
-                                watch=(cfg.run.heartbeat_timeout_s, cfg.run.stall_timeout_s))[0]
+            return launch_local(
+                train,
+                cfg.run.nproc,
+                cfg,
+                plan,
+                threads=threads,
+                timeout_s=cfg.run.collective_timeout_s,
+                watch=(cfg.run.heartbeat_timeout_s, cfg.run.stall_timeout_s),
+            )[0]
         except Terminated:  # the launcher itself was told to stop
             raise
-        except (mp.ProcessExitedException, Stalled) as e:  # a worker lost (killed, crashed) or stuck: no Python error
+        except (
+            mp.ProcessExitedException,
+            Stalled,
+        ) as e:  # a worker lost (killed, crashed) or stuck: no Python error
             if attempt == cfg.run.max_restarts:
                 raise
             why = lost_worker_reason(e) if isinstance(e, mp.ProcessExitedException) else str(e)
@@ -129,12 +150,20 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
             latest = complete_checkpoints(checkpoint_root(cfg))
             resume = "latest" if latest else first_resume
             if latest and read_checkpoint_meta(latest[-1]).get("steps_done", 0) >= cfg.train.steps:
-                print(f"fivefold: {why} after the last checkpoint ({latest[-1]}, all {cfg.train.steps} steps); "
-                      "nothing left to restart", flush=True)
+                print(
+                    f"fivefold: {why} after the last checkpoint ({latest[-1]}, all {cfg.train.steps} steps); "
+                    "nothing left to restart",
+                    flush=True,
+                )
                 raise
-            print(f"fivefold: {why}; restart {attempt + 1} of {cfg.run.max_restarts} from "
-                  f"{latest[-1] if latest else resume or 'the start (no checkpoint yet)'}", flush=True)
-            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=resume, overwrite=not resume))
+            print(
+                f"fivefold: {why}; restart {attempt + 1} of {cfg.run.max_restarts} from "
+                f"{latest[-1] if latest else resume or 'the start (no checkpoint yet)'}",
+                flush=True,
+            )
+            cfg = dataclasses.replace(
+                cfg, run=dataclasses.replace(cfg.run, resume=resume, overwrite=not resume)
+            )
             plan = validate(cfg, cfg.run.nproc)
     raise AssertionError("unreachable")
 
@@ -147,20 +176,40 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         torch.set_float32_matmul_precision("high")
     log = CommLog(enabled=True)
     watch_comm_log(log)  # the heartbeat names the last collective
-    mesh = ParallelMesh(plan.dims, device, log, debug_collectives=debug_collectives_requested(cfg.debug.collectives),
-                        collective_timeout_s=cfg.run.collective_timeout_s)
-    t = cfg.train = dataclasses.replace(cfg.train, global_batch=plan.global_batch, micro_batch=plan.micro_batch,
-                                        grad_accum=plan.grad_accum)
+    mesh = ParallelMesh(
+        plan.dims,
+        device,
+        log,
+        debug_collectives=debug_collectives_requested(cfg.debug.collectives),
+        collective_timeout_s=cfg.run.collective_timeout_s,
+    )
+    t = cfg.train = dataclasses.replace(
+        cfg.train,
+        global_batch=plan.global_batch,
+        micro_batch=plan.micro_batch,
+        grad_accum=plan.grad_accum,
+    )
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
-    data = TokenDataset.from_path(cfg.data.path, t.seq_len, val_fraction=cfg.data.val_fraction, seed=t.seed,
-                                  max_bytes=cfg.data.max_bytes)
-    model_cfg = plan.model_for(int(max(data.train_tokens.max(), data.val_tokens.max() if len(data.val_tokens) else 0)))
+    data = TokenDataset.from_path(
+        cfg.data.path,
+        t.seq_len,
+        val_fraction=cfg.data.val_fraction,
+        seed=t.seed,
+        max_bytes=cfg.data.max_bytes,
+    )
+    model_cfg = plan.model_for(
+        int(max(data.train_tokens.max(), data.val_tokens.max() if len(data.val_tokens) else 0))
+    )
     n_params, active = param_counts(model_cfg)
     # MFU (docs/design.md#flops-and-mfu): model FLOPs per token, PaLM's 6·N + 12·n_layers·L·D, against every rank's
     # device peak
     flops_per_token = model_flops_per_token(active, model_cfg.n_layers, t.seq_len, model_cfg.dim)
-    peak = device_peak_flops(device, MixedPrecision.from_names(cfg.precision.param).param_dtype,
-                             cfg.run.peak_tflops) * dist.get_world_size()
+    peak = (
+        device_peak_flops(
+            device, MixedPrecision.from_names(cfg.precision.param).param_dtype, cfg.run.peak_tflops
+        )
+        * dist.get_world_size()
+    )
     parts = parallelize(cfg, model_cfg, mesh, device)
     is_main = dist.get_rank() == 0
     checkpoints = TrainCheckpoints(cfg, mesh, parts, model_cfg, device)
@@ -170,23 +219,42 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     else:
         if cfg.model.init_from:  # Hugging Face weights, each rank reading its own rectangles
             load_hf_weights(cfg.model.init_from, parts.engines.values(), mesh.comm("tp"))
-        if cfg.run.overwrite and is_main and restart_count() == 0:  # under torchrun (the launcher did it above)
+        if (
+            cfg.run.overwrite and is_main and restart_count() == 0
+        ):  # under torchrun (the launcher did it above)
             clear_run_dir(cfg)
     dist.barrier()
-    record = RunRecord(Path(cfg.run.out_dir) / cfg.run.name if is_main else None, t.steps, cfg.run.progress,
-                       cfg.run.name, resume_at=start if plan.resume_from is not None else None)
-    record.write({"kind": "config", **cfg.to_dict(), "model_config": dataclasses.asdict(model_cfg),
-                  "params": n_params, "world": dist.get_world_size(), "dp": dp,
-                  "resumed_from": str(plan.resume_from) if plan.resume_from else None, "start_step": start})
+    record = RunRecord(
+        Path(cfg.run.out_dir) / cfg.run.name if is_main else None,
+        t.steps,
+        cfg.run.progress,
+        cfg.run.name,
+        resume_at=start if plan.resume_from is not None else None,
+    )
+    record.write(
+        {
+            "kind": "config",
+            **cfg.to_dict(),
+            "model_config": dataclasses.asdict(model_cfg),
+            "params": n_params,
+            "world": dist.get_world_size(),
+            "dp": dp,
+            "resumed_from": str(plan.resume_from) if plan.resume_from else None,
+            "start_step": start,
+        }
+    )
     for note in plan.notes:
         record.say(f"fivefold: note: {note}")
     if plan.resume_from is not None:
         record.say(f"fivefold: resumed from {plan.resume_from} after {start} steps")
-    record.say(f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh, parts)}, "
-               f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), "
-               f"{data}")
-    eval_batches = data.val_batches(max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch,
-                                    dp_rank=dp_rank, dp_size=dp)
+    record.say(
+        f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh, parts)}, "
+        f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), "
+        f"{data}"
+    )
+    eval_batches = data.val_batches(
+        max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch, dp_rank=dp_rank, dp_size=dp
+    )
     tokens_per_step = t.global_batch * t.seq_len
     # No host sync on a step that is not logged: loss and norm stay on the device until a log step fetches them
     # (the one wait per log interval), so the host queues the next step while the device runs this one.
@@ -194,7 +262,11 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
     since, since_step = time.perf_counter(), start
     stopped = None
     tracer = make_tracer(cfg, parts, log, mesh, device)
-    traced = trace_window(start, t.steps, cfg.run.trace_steps, cfg.run.exit_after) if tracer else range(0)
+    traced = (
+        trace_window(start, t.steps, cfg.run.trace_steps, cfg.run.exit_after)
+        if tracer
+        else range(0)
+    )
     for step in range(start, t.steps):
         log.reset()
         if step in traced:
@@ -202,43 +274,72 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         set_debug_step(step)
         for group in parts.param_groups():
             group["lr"] = lr_at(step, cfg)
-        batches = [data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
-                   for micro in range(t.grad_accum)]
-        loss_sum = parts.forward_backward([(to_device(x, device), to_device(y, device)) for x, y in batches])
-        if step == min(start + 1, t.steps - 1) or (step == start and start > 0):  # optimizer state allocated
+        batches = [
+            data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
+            for micro in range(t.grad_accum)
+        ]
+        loss_sum = parts.forward_backward(
+            [(to_device(x, device), to_device(y, device)) for x, y in batches]
+        )
+        if step == min(start + 1, t.steps - 1) or (
+            step == start and start > 0
+        ):  # optimizer state allocated
             state_mb = parts.model_state_bytes() / 2**20
         try:
             grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None, t.check_finite)
         except NonFiniteGradient as e:
             checkpoints.close()  # a background save of a good step still completes
-            record.write({"kind": "error", "step": step, "error": "non-finite gradient", "message": str(e)})
+            record.write(
+                {"kind": "error", "step": step, "error": "non-finite gradient", "message": str(e)}
+            )
             record.abort()
             raise NonFiniteGradient(f"step {step + 1}: {e}") from None
         # the step's data-parallel traffic (gradients over dp or dp_cp, HSDP: dp_shard and dp_replicate, hpZ's backward
         # gathers: dp_hpz; MoE: experts over ep_dp, all-to-alls over ep), read before the metrics' own collectives
-        traffic = log.totals(dims=(parts.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate", "dp_hpz"))
+        traffic = log.totals(
+            dims=(parts.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate", "dp_hpz")
+        )
         loss = parts.global_loss(loss_sum)
         if step % cfg.run.log_every == 0 or step == t.steps - 1:
             losses.append(loss.item())  # waits for this step
             now = time.perf_counter()
-            intervals.append(dt := (now - since) / (step + 1 - since_step))  # seconds per step since the last log
+            intervals.append(
+                dt := (now - since) / (step + 1 - since_step)
+            )  # seconds per step since the last log
             since, since_step = now, step + 1
-            record.write({"kind": "train", "step": step, "loss": losses[-1], "lr": lr_at(step, cfg),
-                          "grad_norm": None if grad_norm is None else grad_norm.item(), "step_time_s": dt,
-                          "tokens_per_s": tokens_per_step / dt, "model_state_mb": state_mb,
-                          "flops_per_token": flops_per_token,
-                          "achieved_tflops_per_device": tokens_per_step * flops_per_token / dt
-                          / dist.get_world_size() / 1e12,
-                          "mfu": tokens_per_step * flops_per_token / dt / peak,
-                          "comm_calls": traffic.calls, "comm_payload_bytes": traffic.payload_bytes,
-                          "comm_wire_bytes": traffic.wire_bytes})
+            record.write(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "loss": losses[-1],
+                    "lr": lr_at(step, cfg),
+                    "grad_norm": None if grad_norm is None else grad_norm.item(),
+                    "step_time_s": dt,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "model_state_mb": state_mb,
+                    "flops_per_token": flops_per_token,
+                    "achieved_tflops_per_device": tokens_per_step
+                    * flops_per_token
+                    / dt
+                    / dist.get_world_size()
+                    / 1e12,
+                    "mfu": tokens_per_step * flops_per_token / dt / peak,
+                    "comm_calls": traffic.calls,
+                    "comm_payload_bytes": traffic.payload_bytes,
+                    "comm_wire_bytes": traffic.wire_bytes,
+                }
+            )
             moe = parts.moe_load()  # expert load of the step's last micro-batch (MoE models)
             if moe is not None:
                 record.write({"kind": "moe", "step": step, "layers": moe})
-            record.progress.update(step + 1 - record.progress.done, loss=f"{losses[-1]:.3f}",
-                                   tok_s=f"{tokens_per_step / dt:,.0f}", step_ms=f"{dt * 1e3:.0f}",
-                                   mfu=f"{tokens_per_step * flops_per_token / dt / peak:.1%}",
-                                   state_MB=f"{state_mb:.1f}")
+            record.progress.update(
+                step + 1 - record.progress.done,
+                loss=f"{losses[-1]:.3f}",
+                tok_s=f"{tokens_per_step / dt:,.0f}",
+                step_ms=f"{dt * 1e3:.0f}",
+                mfu=f"{tokens_per_step * flops_per_token / dt / peak:.1%}",
+                state_MB=f"{state_mb:.1f}",
+            )
         if step in traced:  # (before evaluation and checkpoints: the trace holds training steps)
             tracer.end_step(parts.action_marks())
         if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
@@ -250,29 +351,58 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
         reason = checkpoints.due(step + 1, step + 1 - start)
         if reason is not None:
             waited = checkpoints.save(step + 1, reason)
-            for warning in checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
-                record.write({"kind": "error", "step": step, "error": "checkpoint not saved", "message": warning})
+            for (
+                warning
+            ) in checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
+                record.write(
+                    {
+                        "kind": "error",
+                        "step": step,
+                        "error": "checkpoint not saved",
+                        "message": warning,
+                    }
+                )
                 record.say(warning)
             checkpoints.warnings.clear()
             if waited is None:
                 continue
-            record.write({"kind": "checkpoint", "step": step, "steps_done": step + 1, "reason": reason,
-                          "seconds": waited, "async": cfg.checkpoint.async_save})
+            record.write(
+                {
+                    "kind": "checkpoint",
+                    "step": step,
+                    "steps_done": step + 1,
+                    "reason": reason,
+                    "seconds": waited,
+                    "async": cfg.checkpoint.async_save,
+                }
+            )
             since += waited  # saving is not training time
             if reason in ("SIGTERM", "SIGINT", "exit_after"):
                 stopped = reason
-                record.say(f"fivefold: {reason}: stopped after {step + 1} of {t.steps} steps with a checkpoint in "
-                           f"{checkpoint_root(cfg)}; continue with --resume")
+                record.say(
+                    f"fivefold: {reason}: stopped after {step + 1} of {t.steps} steps with a checkpoint in "
+                    f"{checkpoint_root(cfg)}; continue with --resume"
+                )
                 break
     checkpoints.close()  # a background save finishes
     for warning in checkpoints.warnings:
         record.say(warning)
-    steady = sorted(intervals[1:] or intervals) or [float("nan")]  # (a run stopped before its first log step)
+    steady = sorted(intervals[1:] or intervals) or [
+        float("nan")
+    ]  # (a run stopped before its first log step)
     losses = losses or [float("nan")]
-    result = TrainResult(step + 1 if stopped else t.steps, losses[0], losses[-1], val_loss, n_params,
-                         tokens_per_step / steady[len(steady) // 2],
-                         str(record.run_dir) if record.run_dir else None, state_mb,
-                         mfu=tokens_per_step * flops_per_token / steady[len(steady) // 2] / peak, stopped=stopped)
+    result = TrainResult(
+        step + 1 if stopped else t.steps,
+        losses[0],
+        losses[-1],
+        val_loss,
+        n_params,
+        tokens_per_step / steady[len(steady) // 2],
+        str(record.run_dir) if record.run_dir else None,
+        state_mb,
+        mfu=tokens_per_step * flops_per_token / steady[len(steady) // 2] / peak,
+        stopped=stopped,
+    )
     parts.gather_timeline()  # the pipeline's measured timings, gathered once
     if parts.timeline is not None:
         s = parts.schedule
@@ -280,28 +410,41 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
             formula = bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual)
         except ValueError:  # a schedule without a textbook formula: the measured bubble alone
             formula = None
-        record.pipeline(parts.timeline, formula, f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}",
-                        chrome_trace=tracer is None)  # with run.trace, trace.json is the step trace (actions in it)
+        record.pipeline(
+            parts.timeline,
+            formula,
+            f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}",
+            chrome_trace=tracer is None,
+        )  # with run.trace, trace.json is the step trace (actions in it)
     if tracer is not None:  # every rank's traced steps, gathered once on rank 0
         tracer.close()
         traces = mesh.world.gather_object(tracer.result())
         figures = record.trace(traces, f"{cfg.model.preset}, {_layout(cfg, mesh, parts)}")
         if figures is not None:
             result.comm_hidden_fraction = figures["comm_hidden_fraction"]
-    record.close(dataclasses.asdict(result),
-                 f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}" if cfg.run.plot else None)
+    record.close(
+        dataclasses.asdict(result),
+        f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}" if cfg.run.plot else None,
+    )
     return result
 
 
-def make_tracer(cfg: Config, parts: object, log: CommLog, mesh: ParallelMesh,
-                device: torch.device) -> StepTracer | None:
+def make_tracer(
+    cfg: Config, parts: object, log: CommLog, mesh: ParallelMesh, device: torch.device
+) -> StepTracer | None:
     """With ``run.trace``, a `StepTracer` on this rank's embedding, blocks, norm and head (hooks installed now, idle
     outside the traced steps); otherwise None: no hook, and the log never times a collective."""
     if not cfg.run.trace:
         return None
     coords = {d: mesh.rank(d) for d in ("pp", "dp", "cp", "tp") if mesh.size(d) > 1}
-    return StepTracer(parts.traced_modules(), log, device, rank=dist.get_rank(), coords=coords,
-                      side_threads=(SIDE_THREAD,))
+    return StepTracer(
+        parts.traced_modules(),
+        log,
+        device,
+        rank=dist.get_rank(),
+        coords=coords,
+        side_threads=(SIDE_THREAD,),
+    )
 
 
 def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
@@ -310,13 +453,27 @@ def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
     units = getattr(parts, "schedule", None) is not None and any(parts.schedule.side_by_side)
     hsdp = mesh.size("dp_replicate")
     z = cfg.zero
-    zeropp = "".join(f"+{name}" for name, on in (("qwZ", z.qwz), ("qgZ", z.qgz), (f"hpZ({z.hpz})", z.hpz > 1)) if on)
-    return (f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage}{zeropp} tp={mesh.size('tp')}"
-            + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
-            + (" +SP" if cfg.parallel.sp else "") + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
-            + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
-            + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
-            + ((f" ({parts.overlap_reason})" if parts.overlap
-                else f" (F&B one after the other: {parts.overlap_reason})") if units else "")
-            + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
-            + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)")
+    zeropp = "".join(
+        f"+{name}"
+        for name, on in (("qwZ", z.qwz), ("qgZ", z.qgz), (f"hpZ({z.hpz})", z.hpz > 1))
+        if on
+    )
+    return (
+        f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage}{zeropp} tp={mesh.size('tp')}"
+        + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
+        + (" +SP" if cfg.parallel.sp else "")
+        + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
+        + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
+        + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
+        + (
+            (
+                f" ({parts.overlap_reason})"
+                if parts.overlap
+                else f" (F&B one after the other: {parts.overlap_reason})"
+            )
+            if units
+            else ""
+        )
+        + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
+        + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)"
+    )
