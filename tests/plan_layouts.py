@@ -13,7 +13,12 @@ from torch import nn
 
 from fivefold.comm import CommLog
 from fivefold.config import load_config
-from fivefold.memory import PeakSampler, block_activation_bytes, model_state_bytes, peak_activation_bytes
+from fivefold.memory import (
+    PeakSampler,
+    block_activation_bytes,
+    model_state_bytes,
+    peak_activation_bytes,
+)
 from fivefold.mesh import ParallelMesh
 from fivefold.models.parallelize import PipelinedModel, parallelize
 from fivefold.train.validate import validate_layout

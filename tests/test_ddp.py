@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import build_toy, initial_state, lm_loss, make_optimizer, reference_training, run_workers, toy_batch
+from dist_utils import (
+    build_toy,
+    initial_state,
+    lm_loss,
+    make_optimizer,
+    reference_training,
+    run_workers,
+    toy_batch,
+)
 from tolerance import KERNELS, assert_values_close, assert_within, reference
 
 from fivefold.comm import Comm, CommLog

@@ -18,7 +18,14 @@ import torch
 from fivefold.checkpoint.hf import read_hf_config
 from fivefold.checkpoint.manager import CheckpointError
 from fivefold.config import ConfigError, load_config
-from fivefold.models.llama import MODEL_LIMITS, PRESETS, Llama, check_model_bounds, get_config, param_counts
+from fivefold.models.llama import (
+    MODEL_LIMITS,
+    PRESETS,
+    Llama,
+    check_model_bounds,
+    get_config,
+    param_counts,
+)
 from fivefold.models.moe import MoEConfig
 from fivefold.pipeline.builders import build_schedule
 from fivefold.plan import fits

@@ -11,7 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from fivefold import comm, formulas
-from fivefold.formulas import RECIPES, expected_for, hsdp_expected, ring_wire_bytes, tp_comm_formula, zero_model_states
+from fivefold.formulas import (
+    RECIPES,
+    expected_for,
+    hsdp_expected,
+    ring_wire_bytes,
+    tp_comm_formula,
+    zero_model_states,
+)
 
 PSI, N = 1000, 4
 

@@ -22,7 +22,12 @@ import pytest
 import torch
 from dist_utils import run_workers
 
-from fivefold.checkpoint.manager import CHECKPOINT_META, _file_digest, complete_checkpoints, find_checkpoint
+from fivefold.checkpoint.manager import (
+    CHECKPOINT_META,
+    _file_digest,
+    complete_checkpoints,
+    find_checkpoint,
+)
 from fivefold.checkpoint.metadata import DCP_METADATA
 from fivefold.cli import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, main
 

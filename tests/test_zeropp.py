@@ -21,7 +21,12 @@ from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.data_parallel import quantize as q8
 from fivefold.data_parallel import zero as zero_module
-from fivefold.formulas import hpz_secondary_bytes, quantized_chunk_bytes, zero3_gather_bytes, zero_grad_reduce_bytes
+from fivefold.formulas import (
+    hpz_secondary_bytes,
+    quantized_chunk_bytes,
+    zero3_gather_bytes,
+    zero_grad_reduce_bytes,
+)
 from fivefold.memory import model_state_bytes
 from fivefold.models import build_model, get_config
 
