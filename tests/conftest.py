@@ -1,13 +1,14 @@
-"""The benchmarks live in the checkout's top-level `bench/` (not in the package): make `import bench` find them.
+"""Session setup: `import bench` finds the checkout's `bench/`, and the fast tier's spawn guard.
 
-And the fast tier's guard (`make test-fast`). A test that starts another process — gloo workers (`run_workers`,
-`launch_local`, the trainer), a subprocess, a process pool (tests/tolerance.py's OTHER kernel path), directly or
-through a fixture — is marked `multiprocess`. When a run deselects those (`-m "not multiprocess"`, or with
-FIVEFOLD_TEST_FAST=1 set), any attempt of an unmarked test (or of a module being collected) to start a process
-raises `UnmarkedSpawn` naming the test, and a test that swallowed that error fails all the same: a missing marker
-fails the fast tier loudly instead of slowing it. The guard is armed only while a collector or a test (its setup,
-call, teardown) runs, so pytest and its plugins may start what they like around them.
-"""
+The benchmarks live in the checkout's top-level `bench/` (not in the package). A test that starts
+another process — gloo workers (`run_workers`, `launch_local`, the trainer), a subprocess, a process
+pool (tests/tolerance.py's OTHER kernel path), directly or through a fixture — is marked
+`multiprocess`. When a run deselects those (`-m "not multiprocess"`, or with FIVEFOLD_TEST_FAST=1
+set), any attempt of an unmarked test (or of a module being collected) to start a process raises
+`UnmarkedSpawn` naming the test, and a test that swallowed that error fails all the same: a missing
+marker fails the fast tier loudly instead of slowing it. The guard is armed only while a collector
+or a test (its setup, call, teardown) runs, so pytest and its plugins may start what they like
+around them. No tests here."""
 
 from __future__ import annotations
 

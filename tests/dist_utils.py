@@ -1,4 +1,8 @@
-"""Shared helpers for multi-process tests: a toy model with awkward parameters, batches, launching."""
+"""Shared helpers for multi-process tests: a toy model with awkward parameters, batches, launching.
+
+`run_workers` spawns gloo workers through `launch_local`, so every test that calls it is marked
+`multiprocess`; `reference_training` and `trainer_reference` build the single-process training those
+tests compare with. No tests here."""
 
 from __future__ import annotations
 

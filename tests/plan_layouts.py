@@ -1,7 +1,9 @@
-"""The layouts `tests/test_plan.py` measures (one spawn of 4 gloo ranks runs them all) and the measuring itself:
-per layout, step 1's traffic by (op, dim) from `CommLog`, the model-state bytes after its backward, the peak during
-its backward (`memory.PeakSampler` over the engines) and the activations one forward keeps
-(`memory.block_activation_bytes` over the whole model and loss)."""
+"""The layouts `tests/test_plan.py` measures, and the measuring itself (no tests here).
+
+One spawn of 4 gloo ranks runs them all. Per layout: step 1's traffic by (op, dim) from `CommLog`,
+the model-state bytes after its backward, the peak during its backward (`memory.PeakSampler` over
+the engines) and the activations one forward keeps (`memory.block_activation_bytes` over the whole
+model and loss)."""
 
 from __future__ import annotations
 

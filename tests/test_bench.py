@@ -1,7 +1,11 @@
-"""Smoke tests of the benchmark harness: fivefold DDP / ZeRO 0-3 and torch's counterparts run, bytes and
-memory are measured and equal the formulas, losses agree — every contestant's with the contest's training in one
-process, within the bound tests/tolerance.py derives for it (`bench_reference`, shared with test_bench_parallel.py).
-No timing asserts."""
+"""Smoke tests of the DDP / ZeRO benchmarks: fivefold DDP and ZeRO 0-3 against torch's counterparts.
+
+Against torch DDP, ZeroRedundancyOptimizer and FSDP2 (± kept for backward): every contestant runs,
+measured bytes and model states equal the formulas (docs/design.md#data-parallel-traffic,
+docs/design.md#model-state-memory), every contestant's losses lie within the bound
+tests/tolerance.py derives around the contest's training in one process (`bench_reference`, shared
+with test_bench_parallel.py), the ideal communicates nothing, offload keeps less on the device. No
+timing asserts. The benchmark runs spawn gloo workers (`multiprocess`); CLI help runs in-process."""
 
 from __future__ import annotations
 

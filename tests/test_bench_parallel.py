@@ -1,10 +1,11 @@
-"""Smoke tests of the TP / PP / CP benchmarks (world 2, a few tiny steps; no timing assertions).
+"""Smoke tests of the TP / PP / CP / EP and other benchmarks (world 2, a few tiny steps, no timing).
 
-One launch per benchmark: every contestant produces results, fivefold's TP bytes equal the
-formula (and torch's collectives move the same volume), losses agree with torch's, the
-measured pipeline bubble is a fraction in [0, 1), and ring attention agrees with the
-all-gather-K/V baseline and sends the formula's volume. Losses are held to the contest's training in one process
-(test_bench.py's `bench_reference`) by the bound tests/tolerance.py derives for it.
+One launch per benchmark: every contestant produces results; fivefold's TP bytes equal the formula
+and torch TP's collectives move the same volume; losses agree with torch's (TP, and PP against
+`torch.distributed.pipelining`); the measured bubble is in [0, 1); ring attention equals the
+all-gather-K/V baseline and sends the formula's volume; the scaling benchmark's MFU is model FLOPs
+counted by hand over step time × peak. Losses are held to the contest's training in one process
+(`bench_reference`) by tolerance.py's bound. Each launch is `multiprocess`; `all`'s dispatch is not.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Checkpoints (DCP, keyed by global parameter names): boxes of a flat range, resharding across layouts, exact
-resume, async saves, rotation, restart after a lost worker, and the errors a bad checkpoint gets.
+"""Checkpoints (DCP, global names): resharding, exact resume, async saves, restarts, errors.
 
-Resharding: a run saves after K steps under ZeRO-3 dp 2 × tp 2 (4 processes) and trains on; the checkpoint is
-loaded under DDP dp 2, tp 2, pp 2, ZeRO-2 cp 2 and ZeRO-1 dp 3, and under the same layout; each continues. The same
-layout must reproduce the run that never stopped bit for bit; another layout, like the saved run itself, is held to
-the bound tests/tolerance.py derives from the single-process training of the same model (a lost or misplaced piece of
-optimizer state lands hundreds of bounds away). An MoE model saved with its experts split over ep 2 loads with every
-expert on every rank.
-"""
+A run saved under ZeRO-3 dp 2 × tp 2 loads under DDP, tp 2, pp 2, ZeRO-2 cp 2, ZeRO-1 dp 3 and its
+own layout (MoE: ep 2 to replicated experts). The same layout must reproduce the uninterrupted run
+bit for bit (also after `exit_after`, async saves and fp16's loss scaler); another layout is held to
+the bound tests/tolerance.py derives from single-process training. Also keep-k and `latest`, a
+SIGKILLed worker restarted, SIGTERM / SIGINT to the launcher, damaged, truncated and other-model
+checkpoints named. Box arithmetic runs in-process; every save, load and restart test spawns workers
+(`multiprocess`)."""
 
 from __future__ import annotations
 

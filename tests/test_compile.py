@@ -1,11 +1,11 @@
-"""``train.compile``: each transformer block's computation compiled by torch.compile (inductor's C++ backend on the
-CPU) trains like the eager blocks in every layout — DDP, ZeRO-3 (with full recompute too: the unit gathered again, the
-compiled block run again in backward), tp 2 (its collectives graph breaks), pp 2 (1F1B) — and really runs compiled
-code; what cannot compile is refused before any process starts, naming the key to change.
+"""``train.compile``: torch.compile'd transformer blocks train like eager blocks in every layout.
 
-One spawn (world 2) runs every layout eager and compiled; compiling dominates (the blocks share one graph per
-layout kind, and inductor's on-disk cache serves repeats). Compiled and eager kernels may sum in other orders: the two
-are held to the bound tests/tolerance.py derives from a single-process reference of the same training."""
+One spawn (world 2, `multiprocess`) runs DDP (also 12 blocks), ZeRO-3 (± full recompute: the unit
+gathered and the compiled block run again in backward), tp 2 (its collectives graph breaks), pp 2
+(1F1B), cp 2 and MoE ep 2, eager and compiled (inductor's C++ backend on the CPU). Both are held to
+the bound tests/tolerance.py derives from a single-process reference of the same training, and every
+block's output must come from a compiled graph; a copied compiled block runs its own weights. What
+cannot compile is refused before any process starts, naming the key (in-process tests)."""
 
 from __future__ import annotations
 

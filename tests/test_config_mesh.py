@@ -1,4 +1,7 @@
-"""Config schema, batch arithmetic and grid validation: bad input gets an error naming the numbers."""
+"""Config schema, batch arithmetic and grid validation: bad input gets an error naming the numbers.
+
+Also the ring wire-byte formulas (docs/design.md#collectives-on-a-ring) at known values, `CommLog`
+totals, and MoE keys from the command line and a TOML table. Pure Python: no process is started."""
 
 from __future__ import annotations
 

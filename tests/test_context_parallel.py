@@ -1,13 +1,11 @@
-"""Context parallel (docs/design.md#context-parallelism): ring attention against full attention, the sequence
-layouts, the p2p volume.
+"""Context parallel (docs/design.md#context-parallelism): ring attention against full attention.
 
-One spawn per world size (cp = 2 and 4) runs every case: zig-zag and contiguous layouts, causal and not, GQA
-(4 query heads on 2 kv heads) and plain multi-head, each block computed by either kernel (CPU flash, portable
-math). Each rank gets its layout's slice of the same q, k, v and of
-the upstream gradient; the outputs and dQ/dK/dV put back in sequence order must equal single-process attention
-(SDPA on the whole sequence) within the bound tests/tolerance.py derives. The CommLog of each case must show the
-formula's p2p volume.
-"""
+One spawn per cp size (2 and 4, `multiprocess`): zig-zag and contiguous layouts, causal or not, GQA
+and multi-head, either block kernel. Outputs and dQ/dK/dV, put back in sequence order, must equal
+single-process SDPA on the whole sequence within tests/tolerance.py's bound; each rank's p2p volume
+equals `formulas.ring_attention_p2p_elements`; saved activations fall as 1/C; cp 2, dp 2 × cp 2, cp
+2 × tp 2 + SP and pp 2 × cp 2 training equals single-process training. The layout's shard / unshard
+checks run in-process."""
 
 from __future__ import annotations
 

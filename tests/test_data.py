@@ -1,4 +1,7 @@
-"""Tests for fivefold.train.data: tokenizer, corpus sources, splits and the batch layout."""
+"""Tests for fivefold.train.data: tokenizer, corpus sources, splits and the batch layout.
+
+Round trips and hand-built expectations (disjoint train / val, shifted targets, micro-batches tiling
+the global batch, val batches sharded disjointly); errors name the path. No process is started."""
 
 from __future__ import annotations
 

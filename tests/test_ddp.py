@@ -1,8 +1,11 @@
 """DDP against single-process training, plus its communication counts and overlap.
 
-One spawn per world size runs every configuration; the single-process reference runs on the workers' kernels
-(tests/tolerance.py) and parameters after every step are held to the bound derived there.
-"""
+One spawn per world size (2 and 3; every test `multiprocess`) runs every configuration: SGD and
+AdamW, one parameter per bucket up to one bucket, accumulation, tied, frozen and unused weights.
+Parameters after every step are held to the bound tests/tolerance.py derives from single-process
+training on the workers' kernels; all-reduce count, payload and ring-wire bytes equal the formulas
+(docs/design.md#data-parallel-traffic); the first bucket's all-reduce is issued before backward
+ends."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""Collective fingerprints (`debug.collectives`): before each collective the ranks of its group compare (op, mesh
-dim, shapes, dtypes, call number, training step, tag, call site); a mismatch raises `CollectiveMismatch` on every
-rank naming both sides — different shapes, a collective skipped on one rank, an extra backward on one rank under
-DDP and under ZeRO-3 — instead of a hang or a silent pairing. Off, nothing is computed."""
+"""Collective fingerprints (`debug.collectives`): a mismatch raises on every rank naming both sides.
+
+Before each collective the ranks of its group compare (op, mesh dim, shapes, dtypes, call number,
+step, tag, call site); different shapes, a collective skipped on one rank and an extra backward on
+one rank under DDP and ZeRO-3 raise `CollectiveMismatch` instead of a hang or a silent pairing, and
+HSDP issues its collectives in one order everywhere. Off, nothing is computed. Every test spawns
+gloo workers (`multiprocess`)."""
 
 from __future__ import annotations
 

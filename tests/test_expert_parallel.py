@@ -1,13 +1,12 @@
-"""Expert parallelism (docs/design.md#expert-parallelism), the MoE layer: ep = 2 and 4 against the single-process layer.
+"""Expert parallelism (docs/design.md#expert-parallelism): the MoE layer against one process.
 
-Every rank builds the same layer (same seed) and keeps only its experts; each routes its own tokens. The
-single-process reference runs the whole layer on each rank's tokens in turn. Outputs, input gradients, the
-auxiliary losses, the routing counts (and with a capacity factor the dropped assignments) must equal the
-reference for that rank's tokens; a replicated parameter's gradient (router, shared expert) that rank's
-reference gradient; an expert's gradient the sum over every rank's tokens (they all reach it by all-to-all) —
-within the bound tests/tolerance.py derives, bitwise where the same ops run in the same order. The CommLog shows
-the formula's all-to-all payload. One spawn per ep degree runs every case.
-"""
+At ep 2 and 4 every rank builds the same layer (same seed), keeps its experts and routes its own
+tokens; the single-process layer runs each rank's tokens in turn. Outputs, input gradients,
+auxiliary losses, routing counts and dropped assignments equal it; replicated gradients equal that
+rank's, an expert's gradient the sum over every rank's tokens, within tests/tolerance.py's bound
+(bitwise where the ops agree). All-to-all payload equals the formula; dp × ep (ZeRO 0-3) and pp 2 ×
+dp 2 × ep 2 training equals single-process training. One spawn per ep degree (`multiprocess`);
+routing unit tests don't."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""A run that cannot fit is refused before any worker starts (`fivefold.plan.fits.check_fits`), in one line naming
-the figures and what would fit; absurd shapes are refused before anything is built (`check_model_bounds`,
-`config_from_hf`); `param_counts` is arithmetic. The prediction is `plan.memory.rank_memory`'s, part for part, without
-building a module. No process is spawned; available memory is given (8 GiB), so nothing depends on this machine."""
+"""A run that cannot fit is refused before any worker starts, in one line naming the figures.
+
+`fivefold.plan.fits.check_fits` names what would fit; absurd shapes are refused before anything is
+built (`check_model_bounds`, `config_from_hf`); `param_counts` is arithmetic, checked against the
+meta-device model. The prediction is `plan.memory.rank_memory`'s, part for part, without building a
+module. No process is spawned; available memory is given (8 GiB), so nothing depends on this
+machine."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""`fivefold.formulas` at known values (docs/design.md#reference-figures); no processes.
+"""`fivefold.formulas` at known values and the figures of docs/design.md#reference-figures.
 
-`ring_wire_bytes` is tested in test_config_mesh, `bubble_formula` in test_pipeline_schedules."""
+Model states per ZeRO stage (docs/design.md#model-state-memory), DDP / ZeRO traffic
+(docs/design.md#data-parallel-traffic), HSDP (docs/design.md#hsdp), TP / SP volumes and the ZeRO
+paper's numbers; the module imports nothing but `typing`. No processes. `ring_wire_bytes` is tested
+in test_config_mesh, `bubble_formula` in test_pipeline_schedules."""
 
 from __future__ import annotations
 

@@ -1,19 +1,22 @@
 """The GPU path, checked on a machine without one (docs/gpus.md).
 
-1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at once, nothing is
-   sent) and the `meta` device standing in for CUDA — tensors with shapes and dtypes but no storage, on a device that
-   is not the CPU. Each layout (DDP, ZeRO-3, tp 2 + SP, pp 2, pp × ZeRO-3 zero-bubble, a pipeline stage without
-   blocks under tp, dp 2 × cp 2 ring attention with ZeRO-3, HSDP, ZeRO++ on dp 4; traced runs with the clocks on
-   device events) runs two training steps as the trainer does. What fails here fails on CUDA + NCCL too: a CPU
-   tensor handed to a collective (`Comm` refuses it) or mixed into a device op (torch refuses it). Every host sync
-   (`.item()`, `bool(t)`, a device-to-host copy, a data-dependent shape) is counted by a dispatch mode, and a
-   training step may make none: loss and norm stay on the device
-   until a log step fetches them.
-   (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch build it cannot copy into a
-   fake CUDA tensor — "PyTorch is not linked with support for cuda devices" — so `meta` stands in.)
-2. Device rules (`launch.resolve_device`) with the accelerator API faked: one device per local rank, a clear error
-   when local ranks exceed devices or the requested accelerator is absent.
-"""
+1. A dry run of one rank "on an accelerator": torch's `fake` process group (collectives complete at
+   once, nothing is sent) and the `meta` device standing in for CUDA — tensors with shapes and
+   dtypes but no storage, on a device that is not the CPU. Each layout (DDP, ZeRO-3, tp 2 + SP, pp
+   2, pp × ZeRO-3 zero-bubble, a pipeline stage without blocks under tp, dp 2 × cp 2 ring attention
+   with ZeRO-3, HSDP, ZeRO++ on dp 4; traced runs with the clocks on device events) runs two
+   training steps as the trainer does. What fails here fails on CUDA + NCCL too: a CPU tensor handed
+   to a collective (`Comm` refuses it) or mixed into a device op (torch refuses it). Every host sync
+   (`.item()`, `bool(t)`, a device-to-host copy, a data-dependent shape) is counted by a dispatch
+   mode, and a training step may make none: loss and norm stay on the device until a log step
+   fetches them. (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch
+   build it cannot copy into a fake CUDA tensor — "PyTorch is not linked with support for cuda
+   devices" — so `meta` stands in.)
+2. Device rules (`launch.resolve_device`) with the accelerator API faked: one device per local rank,
+   a clear error when local ranks exceed devices or the requested accelerator is absent.
+
+Part 1 runs each rank in a fresh process (`multiprocess`); part 2 and the checks of host batches and
+chunked fp32 cross-entropy run in-process."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""Hugging Face Llama in and out: config mapping and refusals, `fivefold export` of a checkpoint written under
-ZeRO-1 dp 2 (parameters equal, HF's LlamaForCausalLM gives fivefold's logits), a model saved by `transformers`
-(Llama-3 RoPE scaling, an explicit head_dim, tied embeddings, several shards) loaded into ZeRO-3 dp 2 × tp 2 with
-each rank reading its rectangles (parameters equal, logits equal), damaged files named."""
+"""Hugging Face Llama in and out, checked against `transformers` itself.
+
+Config mapping and refusals; Llama-3 RoPE scaling equal to transformers'; `fivefold export` of a
+ZeRO-1 dp 2 checkpoint (parameters equal, LlamaForCausalLM gives fivefold's logits); a model saved
+by `transformers` (RoPE scaling, explicit head_dim, tied embeddings, several shards) loaded into
+ZeRO-3 dp 2 × tp 2 reading only each rank's rectangles (parameters and logits equal); train from an
+HF model and export it back; damaged files named. The export / load tests spawn (`multiprocess`)."""
 
 from __future__ import annotations
 

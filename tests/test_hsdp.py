@@ -1,13 +1,12 @@
-"""HSDP (docs/design.md#hsdp): ZeRO-1/2/3 inside shard groups, each reduced shard all-reduced across the replicas.
+"""HSDP (docs/design.md#hsdp): ZeRO-1/2/3 in shard groups, reduced shards all-reduced over replicas.
 
-One spawn of 4 processes (dp 4 = dp_replicate 2 × dp_shard 2) runs everything; the parent builds the single-process
-references. The engine on the toy model (odd sizes: padding, a tied pair, a frozen layer) and a tiny Llama is held to
-single-process AdamW / SGD (SGD sees a wrong gradient divisor that AdamW would normalise away), its CommLog per
-sub-dimension and its model-state bytes to `formulas.hsdp_expected` (N = N_shard). The Llama through `parallelize`
-(ZeRO-2 with accumulation, ZeRO-3, ZeRO-3 with cp 2 inside the shard group, an MoE with ep 2) equals single-process
-training; a checkpoint saved under HSDP resumes bitwise in the same layout and continues under plain ZeRO dp 4.
-"Equals" is within the bound tests/tolerance.py derives.
-"""
+One spawn of 4 processes (dp_replicate 2 × dp_shard 2; every test `multiprocess`); the parent builds
+the single-process references. The engine on the toy model (padding, a tied pair, a frozen layer)
+and a tiny Llama is held to single-process AdamW / SGD, its CommLog per sub-dimension and
+model-state bytes to `formulas.hsdp_expected` (N = N_shard); the Llama through `parallelize` (ZeRO-2
+with accumulation, ZeRO-3, cp 2 inside the shard group, MoE with ep 2) equals single-process
+training; an HSDP checkpoint resumes bitwise and under plain ZeRO. "Equals" is within the bound
+tests/tolerance.py derives."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""What a local launch exposes and leaves behind: every listening socket of the launcher and its workers is on
-loopback, a killed launcher's temporary directory is removed by the next launch, and a worker lost to SIGKILL is
-reported with the out-of-memory evidence there is."""
+"""What a local launch exposes and leaves behind, and how a lost worker is reported.
+
+Every listening socket of the launcher and its workers is on loopback; a launch removes the
+temporary directories of dead launchers only; a worker lost to SIGKILL is reported with the
+out-of-memory evidence there is (cgroup counters, the kernel log), faked in-process for each source.
+The real launches are marked `multiprocess`; the readers of that evidence run in-process."""
 
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
-"""Each rank materialises only its share of the model (docs/design.md#mechanisms): `parallelize` builds on the
-meta device and the ZeRO engine fills this rank's TP slice / pipeline stages / ZeRO shard from the seeded initial
-values.
+"""Each rank materialises only its share of the model (docs/design.md#mechanisms).
 
-Checked in one spawn of two gloo ranks, per layout:
-- values: every parameter equals the seeded single-process init (`Llama(config, seed)`) bit for bit — the fp32
-  master from the fp32 value (never the 16-bit copy), the compute copy its rounding, TP slices at the right offset;
-- start-up memory: the process's resident high-water mark while `parallelize` runs (Linux VmHWM, reset through
-  /proc/self/clear_refs; glibc told to return freed blocks at once) rises by at most what the engine then holds plus
-  one ZeRO-3 unit and two copies of the largest parameter — not the whole model (the old path: ~3 fp32 copies).
-  A control, a plain fp32 `Llama` build, must show at least its 4Ψ bytes, so the instrument cannot pass blindly.
-- ZeRO-3 draws only the initial values that overlap its dp shard (ZeRO 0-2 keep the whole compute copy: all).
-- `broadcast_module_state` in small messages (no concatenated copy of the model) makes every rank equal rank 0.
-"""
+`parallelize` builds on the meta device and the ZeRO engine fills this rank's TP slice / pipeline
+stages / ZeRO shard from the seeded initial values. One spawn of two gloo ranks (every test
+`multiprocess`) checks per layout: every parameter equals the seeded single-process init
+(`Llama(config, seed)`) bit for bit — the fp32 master from the fp32 value, never the 16-bit copy —;
+the resident high-water mark while `parallelize` runs (Linux VmHWM) rises by at most what the engine
+holds plus one ZeRO-3 unit and two copies of the largest parameter, while a plain fp32 `Llama` build
+(the control) shows at least its 4Ψ bytes; ZeRO-3 draws only the values overlapping its dp shard;
+`broadcast_module_state` in small messages makes every rank equal rank 0."""
 
 from __future__ import annotations
 

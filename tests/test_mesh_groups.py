@@ -1,7 +1,10 @@
-"""The derived process groups at world 8: dp_cp (gradients and loss over dp × cp), ep carved from
-dp × cp and its complement ep_dp, HSDP's dp_shard and dp_replicate — every rank's membership
-against the layout computed here from the grid (world = pp × dp × cp × tp, tp innermost),
-independently of the mesh code."""
+"""The derived process groups at world 8, against the layout computed here from the grid.
+
+dp_cp (gradients and loss over dp × cp), ep carved from dp × cp and its complement ep_dp, HSDP's
+dp_shard and dp_replicate: every rank's membership for six layouts against world = pp × dp × cp × tp
+(tp innermost), computed independently of the mesh code; `ParallelDims.derived_rank` / `group_span`
+(what `fivefold plan` uses) say the same without processes. The group tests spawn 8 gloo ranks
+(`multiprocess`)."""
 
 from __future__ import annotations
 

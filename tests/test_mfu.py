@@ -1,5 +1,8 @@
-"""MFU's arithmetic (docs/design.md#flops-and-mfu): model FLOPs per token by PaLM's convention, counted by hand
-from the shapes, and the CPU peak probe the trainer divides by."""
+"""MFU's arithmetic (docs/design.md#flops-and-mfu): FLOPs per token counted by hand, and the peaks.
+
+Model FLOPs per token by PaLM's convention, counted by hand from the shapes for two presets; the CPU
+peak probe the trainer divides by (positive, bounded, cached; marked `multiprocess` because
+`platform.processor()` runs `uname`) and accelerator peaks from the table or an override."""
 
 from __future__ import annotations
 

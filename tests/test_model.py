@@ -1,4 +1,9 @@
-"""Tests for fivefold.models.llama: shapes, parameter counts, determinism, causality, TP-readiness."""
+"""Tests for fivefold.models.llama: shapes, parameter counts, determinism, causality, TP-readiness.
+
+Against hand computations and the model itself: parameter counts from the shapes (and Llama 3 on
+meta), seeded builds bit-equal, meta then materialise equal to a direct build, GQA equal to MHA with
+repeated kv weights, attention head shards summing to full attention, a fresh loss uniform and a
+tiny training overfitting. Single process: no process is started."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Multi-node as users run it: two `torchrun --nnodes 2 --node-rank {0,1} --rdzv-backend c10d` invocations on
-127.0.0.1, two processes each, train the same as four local workers (which the other tests hold to single-process
-training): the same losses and, in the final checkpoint, the same parameters."""
+"""Multi-node as users run it: two torchrun "nodes" train like four local workers.
+
+Two `torchrun --nnodes 2 --node-rank {0,1} --rdzv-backend c10d` invocations on 127.0.0.1, two
+processes each, against four local workers (which the other tests hold to single-process training):
+the same losses and, in the final checkpoint, the same parameters, bit for bit. `multiprocess`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Numerical guards: a non-finite gradient stops the run on every rank before the step is applied, naming the
-first parameter whose gradient is not finite; fp16 skips such a step instead; the run's metrics stay strict JSON
-and its last checkpoint intact; `fivefold train` exits non-zero with one line."""
+"""Numerical guards: a non-finite gradient stops every rank before the step, naming the parameter.
+
+The first parameter whose gradient is not finite is named; fp16 skips such a step instead (in
+process); a diverging run keeps strict-JSON metrics and its last checkpoint intact, and `fivefold
+train` exits non-zero with one line. The training runs spawn workers (`multiprocess`)."""
 
 from __future__ import annotations
 

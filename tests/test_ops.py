@@ -1,6 +1,8 @@
-"""`fivefold.ops.linear`: plain F.linear outside a recording forward; after one, backward returns the
-input gradient only (no weight gradient, no hook) and `WeightGradStore.run` later adds exactly the
-weight and bias gradients autograd would have, through AccumulateGrad so hooks fire once."""
+"""`fivefold.ops.linear`: deferred weight gradients (zero-bubble W) equal autograd's.
+
+Plain F.linear outside a recording forward; after one, backward returns the input gradient only (no
+weight gradient, no hook) and `WeightGradStore.run` later adds exactly the weight and bias gradients
+autograd would have, through AccumulateGrad so hooks fire once. Single process, no spawn."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The pipeline runtime against single-process training: every schedule, P = 2 and 4, M = 4 and 8.
 
-One spawn per pipeline size runs all schedules; each rank returns its loss and the gradients of
-the parameters it holds (single-process names), and the parent compares them, bit for bit, with
-single-process training on the same micro-batches accumulated in the schedule's order. pp × dp
-training is held to the bounds of tests/tolerance.py (data parallelism reorders the sums).
-"""
+One spawn per pipeline size (every test `multiprocess`) runs all schedules, both p2p semantics and
+DualPipeV's units side by side; loss and gradients equal, bit for bit, single-process training on
+the same micro-batches accumulated in the schedule's order. p2p volume per boundary equals the
+formula (docs/design.md#pipeline-schedules). pp 2 × dp 2 (ZeRO 0-3, offload, constant buffers), a
+stage without parameters and pp 2 × dp 2 × tp 2 + SP are held to tests/tolerance.py's bounds."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """Pipeline schedules as data: completeness, deadlock freedom, and the bubble / memory formulas.
 
-Pure Python, no processes. Cost models under which the textbook formulas are exact (checked here):
+Pure Python, no processes. The formulas (docs/design.md#pipeline-schedules) are exact under these
+cost models, checked on the simulated timelines:
 
-- GPipe, 1F1B: bubble (P-1)/(M+P-1) for *any* constant per-stage F and B costs (F=1, B=2 and others).
-- Interleaved 1F1B: (P-1)/(V·M+P-1) when every model chunk costs 1/V of a rank's per-micro-batch
-  F and B — i.e. constant per-chunk costs, here F=1, B=2 per chunk (and F=B=1).
+- GPipe, 1F1B: bubble (P-1)/(M+P-1) for *any* constant per-stage F and B costs (F=1, B=2 and
+  others).
+- Interleaved 1F1B: (P-1)/(V·M+P-1) when every model chunk costs 1/V of a rank's per-micro-batch F
+  and B — i.e. constant per-chunk costs, here F=1, B=2 per chunk (and F=B=1).
 - ZB-H1 with F = I = W = 1: (P-1)/(3M+P-1), strictly below 1F1B's (P-1)/(M+P-1) with F=1, B=I+W=2.
 """
 

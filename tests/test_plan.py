@@ -1,19 +1,12 @@
-"""`fivefold plan` against measurement and against the seeds.
+"""`fivefold plan` against measurement and against the published figures of docs/design.md.
 
-One spawn of 4 gloo ranks trains every layout of `plan_layouts.LAYOUTS` (ZeRO 0-3, fp32 and bf16, defer_reduce,
-tp ± SP with full recompute, pp with GPipe / 1F1B / interleaved / ZB-H1, cp, HSDP, ZeRO++ hpZ + qwZ, MoE over ep 2
-and 4 with selective recompute) for two steps. On every rank the plan laid out for that rank must give
-- the model-state bytes `memory.model_state_bytes` measures after the second backward, byte for byte;
-- the second step's traffic `CommLog` records, per mesh dimension and collective, byte for byte (expert
-  all-to-alls depend on the routing: their mean over the ep group equals the plan);
-- a transient peak (model states + buffers in flight) at or above the peak `memory.PeakSampler` sees over the
-  engines during that step, and not loosely (at least 60 % of it; 0.76-1.00 measured);
-- activations within 15 % of what the forwards keep (`memory.block_activation_bytes`; pipelines: the most alive
-  at once over a step, `memory.peak_activation_bytes`).
-Then the published numbers through the planner: the model-state table of docs/design.md#model-state-memory at
-N = 64, Llama 3 405B's layouts of docs/design.md#reference-figures fitting 80 GB (and not without recompute), the
-TP, SP, PP and CP volumes, the bubble formula.
-"""
+One spawn of 4 gloo ranks (`multiprocess`) trains every layout of `plan_layouts.LAYOUTS` (ZeRO 0-3,
+tp ± SP, pp schedules, cp, HSDP, ZeRO++, MoE over ep 2 and 4) for two steps. Per rank the plan must
+give the model-state bytes and the second step's traffic per dimension and collective byte for byte
+(expert all-to-alls: their mean over the ep group), a transient peak at or above `PeakSampler`'s and
+at least 60 % of it, activations within 15 % (docs/plan.md#checked-against-measurement). In-process:
+docs/design.md#model-state-memory's table at N = 64, Llama 3 405B's docs/design.md#reference-figures
+fitting 80 GB only with recompute, the TP, SP, PP and CP volumes and bubble, the CLI and search."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Activation recompute (`train.recompute` none | full | selective): training unchanged, activations as predicted.
+"""Activation recompute (`train.recompute`): training unchanged, activations as predicted.
 
-Single process: each block's activation bytes, measured by the allocator (`memory.block_activation_bytes`), against
-`formulas.activation_bytes_per_block` (docs/design.md#activation-memory, applied to the Llama block) for both
-attention cores, fp32 and bf16; gradients bit-equal to no recompute. One spawn of 4 ranks trains the layouts whose
-collectives run again inside a recomputation — ZeRO-3 with tp 2 + SP, pp 2 zero-bubble with ZeRO-3, cp 2 ring
-attention, MoE over ep 2 — in each mode: full and selective must equal none bit for bit (none itself is checked
-against single-process training in each dimension's own tests), the tp traffic must follow
-`tp_comm_formula(recompute=)` and the per-rank activations under tp 2 + SP the formula's SP variant.
+In process: each block's activation bytes (`memory.block_activation_bytes`) against
+`formulas.activation_bytes_per_block` (docs/design.md#activation-memory) for none / full /
+selective, both attention cores, fp32 and bf16, and gradients bit-equal to no recompute. One spawn
+of 4 ranks (`multiprocess`): ZeRO-3 × tp 2 + SP, pp 2 zero-bubble × ZeRO-3, cp 2 and MoE ep 2 under
+full and selective equal none bit for bit (none is held to single-process training in each
+dimension's own tests); tp traffic and per-rank activations under tp 2 (± SP) follow the formulas.
 """
 
 from __future__ import annotations

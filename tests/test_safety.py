@@ -1,10 +1,12 @@
-"""Nothing executed, nothing lost, nothing exposed: the probes of a crafted checkpoint, a path that leads out, two
-runs on one directory, a full disk, and bad input that must get one line and its exit code.
+"""Nothing executed, nothing lost, nothing exposed: crafted checkpoints, escaping paths, full disks.
 
-A crafted pickle's payload opens a marker file; every test that loads one asserts the marker does not exist. The
-checkpoints are real: one `fivefold train` run (stopped by ``run.exit_after``, exit 75) is copied and crafted as an
-attacker would, its SHA-256 manifest rewritten to match (it is unsigned, so it cannot help).
-"""
+A crafted pickle (in DCP's `.metadata`, or in a saved object with its SHA-256 manifest resealed — it
+is unsigned) would create a marker file, which must not exist; a pickle-only checkpoint is refused
+naming `--trust-checkpoint`; names that lead out are refused; a second run on a held directory is
+refused naming the holder, and the lock dies with it; a full disk stops in one line or warns and
+trains on (docs/reliability.md#safety-nothing-executed-nothing-lost-nothing-exposed). The crafted
+checkpoints come from a real `fivefold train` run, so those tests are `multiprocess`; the rest
+aren't."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Pure checks of two pieces every layout relies on: cutting a model into pipeline stages by module
-names (stages chained give exactly the whole model), and the global gradient norm over placements
-(summed over exactly the dimensions a group is partitioned over)."""
+"""Pure checks of two pieces every layout relies on: pipeline stage cuts and the global norm.
+
+Stages cut by module names, chained, give exactly the whole model (each parameter on one stage, the
+output bit-equal), and `keep_only` refuses what it cannot cut cleanly; the global norm over
+placements sums each one over exactly the dimensions its group is partitioned over (values by hand),
+naming a missing `Comm`. No process is started."""
 
 from __future__ import annotations
 

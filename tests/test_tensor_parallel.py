@@ -1,12 +1,12 @@
-"""Tensor and sequence parallelism (docs/design.md#tensor-and-sequence-parallelism) against single-process PyTorch.
+"""Tensor and sequence parallelism (docs/design.md#tensor-and-sequence-parallelism) vs one process.
 
-One spawn per world size:
+One spawn per world size (every test `multiprocess`):
 - world 2: every parallel layer at tp 2; the whole tiny Llama at tp 2 (without SP, with SP, tied
-  embeddings) with its communication per block and its saved activations; the error messages;
+  embeddings) with its communication per block and its saved activations
+  (docs/design.md#activation-memory); the error messages;
 - world 4: every parallel layer at tp 4; five training steps at dp 2 × tp 2 with ZeRO-1 / ZeRO-3.
-Workers return their local tensors; the parent gathers the slices along the dimension the plan
-says and compares them with a single-process reference (fp32) within the bound tests/tolerance.py derives.
-"""
+  The parent gathers the slices along the plan's dimension and compares them with single-process
+  PyTorch (fp32) within the bound tests/tolerance.py derives."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""Step traces (`run.trace`): ``trace.json`` (Chrome / Perfetto), ``step_trace.png`` and the share of communication
-hidden behind compute. One spawn of 2 gloo workers trains several layouts in-process with the trainer (dp 2 ZeRO-0,
-dp 2 ZeRO-3, ZeRO-3 with full recompute, tp 2 + SP, pp 2 1F1B, and tracing off), recording each step's CommLog;
-the tests check the trace against it: a forward and a backward span per block and micro-batch (a recompute span
-inside the backward under full recompute), every collective of the traced steps with its op, dim, bytes and tag,
-DDP's buckets launched during backward, ZeRO-3's gathers per unit with the prefetch ahead of use, and the hidden
-fraction recomputed from the file. Interval arithmetic, lanes and the device-event clock are unit-tested."""
+"""Step traces (`run.trace`): ``trace.json``, ``step_trace.png`` and the hidden-communication share.
+
+One spawn of 2 gloo workers (`multiprocess`) trains dp 2 ZeRO-0, dp 2 ZeRO-3, ZeRO-3 with full
+recompute, tp 2 + SP, pp 2 1F1B and tracing off in-process with the trainer, recording each step's
+CommLog; the trace is checked against it: a forward and a backward span per block and micro-batch (a
+recompute span inside backward), every collective of the traced steps with its op, dim, bytes and
+tag, DDP's buckets during backward, ZeRO-3's gathers per unit with the prefetch ahead of use, the
+hidden fraction recomputed from the file. Interval arithmetic, lanes and the device-event clock are
+unit-tested in-process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""The trainer end to end (2 spawned gloo workers) and the model-state memory meter."""
+"""The trainer end to end (spawned gloo workers) and the model-state memory meter.
+
+Trained runs (DDP, ZeRO-3 with accumulation, pp 2 × tp 2 zero-bubble; `multiprocess`) must learn,
+write their metrics, plots and trace, and log traffic, model-state bytes (16Ψ/N under ZeRO-3), MFU
+and the bubble equal to the formulas (docs/design.md#data-parallel-traffic,
+docs/design.md#flops-and-mfu). In process: a bad layout refused before spawning, the lr schedule,
+and 16Ψ for fp32 Adam."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Stall detection: the launcher reads every worker's heartbeat; a frozen worker (SIGSTOP) stops the job within the
-heartbeat timeout, naming its rank, pid, step and last collective; ranks that all beat without finishing a step are
-reported as a hang after the stall limit (scaled to the slowest step)."""
+"""Stall detection: a frozen worker (SIGSTOP) stops the job within the heartbeat timeout, named.
+
+The launcher reads every worker's heartbeat; the message names its rank, pid, step and last
+collective; ranks that all beat without finishing a step are reported as a hang after the stall
+limit (scaled to the slowest step) — unit-tested on written heartbeats. The real launches (a stopped
+worker, one collective timeout for every group of the run) are `multiprocess`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""ZeRO stages 0-3 against single-process AdamW; their memory and communication against the formulas.
+"""ZeRO stages 0-3 against single-process training; their memory and traffic against the formulas.
 
-One spawn per world size runs every configuration (world 2 and 3 for correctness — 3 forces
-padding — and 2 and 4 for the memory formulas); the single-process references run on the workers' kernels and the
-comparisons use the bounds tests/tolerance.py derives.
-"""
+One spawn per world size (every test `multiprocess`): 2 and 3 for correctness (3 forces padding),
+AdamW and SGD, clipping, accumulation, tied and frozen weights, ZeRO-3 prefetch, bf16; 2 and 4 for
+the model-state bytes (docs/design.md#model-state-memory) and collectives per step
+(docs/design.md#data-parallel-traffic). References run on the workers' kernels; comparisons use the
+bounds tests/tolerance.py derives. Also: ZeRO-3 materialises only current and prefetched units,
+ZeRO-2 keeps only its gradient shard, an fp16 overflow on one rank skips the step everywhere."""
 
 from __future__ import annotations
 

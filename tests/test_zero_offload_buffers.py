@@ -1,18 +1,14 @@
-"""ZeRO-Offload and ZeRO-R constant buffers (docs/design.md#offload-and-constant-buffers) against the plain engine.
+"""ZeRO-Offload and constant buffers (docs/design.md#offload-and-constant-buffers) equal plain ZeRO.
 
-1. Same results: every stage with ``offload_optimizer``, ``constant_buffers`` and both equals the plain engine bit for
-   bit over five steps (fp32 and bf16 on the CPU: the same math on other buffers) — with accumulation, ``no_sync``,
-   clipping, SGD, ZeRO-3 prefetch 0/2, units kept gathered, activation recompute of whole units (the unit's hooks run
-   inside its backward) and inside them. Plain runs are held to the single-process reference by test_zero.py.
-2. Offload memory: the host holds the fp32 master, Adam's m and v and the fp32 gradient copy; the device only the
-   compute parameters and gradients (formulas computed here from the layout).
-3. Constant buffers: a TorchDispatchMode over a post-warm-up step counts the factory operators that make a tensor
-   of a bucket's, a shard's or a gather buffer's size, and storage resizes: none with the pool, some without (so the
-   count can fail). The backward peak with the pool, walked independently, stays within the formula plus the pool.
-4. A gather into a slot another gathered unit holds is refused; a backward that raised half-way (reduce-scatters in
-   flight, units gathered) leaves nothing behind for the next steps; a checkpoint saved with offload resumes exactly
-   (and into plain ZeRO-2 within the bound tests/tolerance.py derives around the single-process reference).
-"""
+One spawn at N = 2 (every test `multiprocess`); test_zero.py holds the plain engine to one process:
+1. every stage with ``offload_optimizer``, ``constant_buffers`` and both equals the plain engine bit
+   for bit over five steps (fp32, bf16, accumulation, ``no_sync``, clipping, SGD, prefetch 0/2,
+   units kept, recompute of whole units and inside them);
+2. offload: the host holds the fp32 master, m, v and the gradient copy; the device the rest;
+3. with the pool no factory op of a bucket / shard / gather-buffer size and no storage resize after
+   warm-up (some without it), and the backward peak stays within the formula plus the pool;
+4. a gather into a held slot is refused, a backward that raised leaves nothing behind, an offloaded
+   checkpoint resumes exactly (into plain ZeRO-2 within tests/tolerance.py's bound)."""
 
 from __future__ import annotations
 

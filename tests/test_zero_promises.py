@@ -1,12 +1,12 @@
-"""What ZeRO promises beyond the steady state: memory at the *peak* of backward, fp32 master weights
-that start exact, and collectives that only ever see tensors on their group's device.
+"""What ZeRO promises beyond the steady state: peak memory, exact masters, collectives on device.
 
-Peak memory is counted independently of the engines' own report (`model_state_tensors`): every
-storage reachable from the wrapper and its optimizer, walked after every operator of the backward
-(`fivefold.memory.PeakSampler`), and also at each block boundary. One spawn per world size (2, 4)
-runs every layout; the bounds are computed here from the layout (Ψ, buckets, units), not read
-from the engine. Control runs without the in-flight bound show that the test can fail.
-"""
+Peak model-state bytes are counted independently of the engines' report: every storage reachable
+from the wrapper and its optimizer, walked after every operator of backward (`memory.PeakSampler`)
+and at block boundaries, against bounds computed here from the layout
+(docs/design.md#model-state-memory plus what is in flight) and torch FSDP2's peak on the same units;
+controls show it can fail. fp16 / bf16 ZeRO-3 equals hand-written mixed precision. One spawn per
+world size (2, 4; `multiprocess`); the AST audit of device-less tensor factories and the storage
+walk's own checks run in-process."""
 
 from __future__ import annotations
 

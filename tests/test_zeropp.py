@@ -1,10 +1,11 @@
-"""ZeRO++ (docs/design.md#zero-qwz-qgz-hpz; Wang et al. 2023): qwZ, qgZ and hpZ against plain ZeRO-3 and the formulas.
+"""ZeRO++ (docs/design.md#zero-qwz-qgz-hpz; Wang et al. 2023): qwZ, qgZ, hpZ against plain ZeRO-3.
 
-One spawn at world 2 (qwZ / qgZ: bytes per step against `formulas`, 30 training steps against the unquantised run,
-qgZ's reduced gradient within its per-block bound, every rank gathering the same dequantised weights) and one at world
-4 (hpZ over groups of 2: backward all-gathers only inside the group, results bit-equal to plain ZeRO-3, the secondary
-copy's memory against the formula). Quantise -> dequantise is bounded by half a step per block (property test).
-"""
+World 2: qwZ / qgZ bytes per step against `formulas`, 30 training steps within 2 % of the loss of
+the unquantised run, qgZ's reduced gradient within its per-block bound, every rank gathering the
+same dequantised weights. World 4: hpZ over groups of 2 gathers only inside the group in backward,
+is bit-equal to plain ZeRO-3, and its secondary copy's memory equals the formula; ZeRO++ composes
+with pp, tp, cp, MoE and HSDP. Those spawn (`multiprocess`); quantise -> dequantise within half a
+step per block (a property test) runs in-process."""
 
 from __future__ import annotations
 

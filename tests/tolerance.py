@@ -1,46 +1,54 @@
-"""How close a layout must come to its single-process reference: one rule for the kernels, one for the bound.
+"""How close a layout must come to its single-process reference: the kernels and the bound.
 
-Every training-equality test compares what the workers computed with a single-process reference built in the
-same test. Two things decide whether that comparison means the same on every processor:
+Every training-equality test compares what the workers computed with a single-process reference
+built in the same test. Two things decide whether that comparison means the same on every processor:
 
-**The kernels.** The workers run one thread each. A reference computed in the pytest process would run on as many
-threads as the machine has and could pick other GEMM blockings, so the two sides would round differently for a
-reason that has nothing to do with the layout. `reference(fn, *args)` runs every reference the way the workers
-run: one thread, `torch.use_deterministic_algorithms`, restored afterwards. Then the two sides differ only where
-the layout itself changes the order of a sum (micro-batches, ranks, shards), and where it changes nothing the test
-can assert bit-equality. `reference(fn, *args, kernels=OTHER)` computes the same reference in a process forced
-onto another kernel path (`MKL_CBWR=COMPATIBLE`: MKL's processor-independent GEMM; 2 threads; on an AVX-512
-processor `ATEN_CPU_CAPABILITY=avx2`), as another processor would: the tests marked `other_kernels` check that
-the bound below holds there too, so the suite does not depend on the processor it runs on.
+**The kernels.** The workers run one thread each. A reference computed in the pytest process would
+run on as many threads as the machine has and could pick other GEMM blockings, so the two sides
+would round differently for a reason that has nothing to do with the layout. `reference(fn, *args)`
+runs every reference the way the workers run: one thread, `torch.use_deterministic_algorithms`,
+restored afterwards. Then the two sides differ only where the layout itself changes the order of a
+sum (micro-batches, ranks, shards), and where it changes nothing the test can assert bit-equality.
+`reference(fn, *args, kernels=OTHER)` computes the same reference in a process forced onto another
+kernel path (`MKL_CBWR=COMPATIBLE`: MKL's processor-independent GEMM; 2 threads; on an AVX-512
+processor `ATEN_CPU_CAPABILITY=avx2`), as another processor would: the tests marked `other_kernels`
+check that the bound below holds there too, so the suite does not depend on the processor it runs
+on.
 
 **The bound.** Derived, not read off a run (docs/testing.md). u is the dtype's unit roundoff.
 
-1. *One sum in another order.* Two orders of the same n-term sum differ by at most 2·γ_n·Σ|x_i| (γ_n ≈ n·u,
-   Higham, *Accuracy and Stability of Numerical Algorithms*, §4.2), and — rounding errors taken as independent
-   and zero-mean — by at most 2·λ·√n·u·Σ|x_i| except with probability 2·exp(−λ²/2) (Higham & Mary, SIAM J. Sci.
-   Comput. 41(5), 2019, Thm 3.1). λ = 4 is used. n (`terms`) is the longest sum whose order the layout changes:
-   the tokens summed into a weight gradient (split into micro-batches and ranks), or an inner dimension split
-   into tensor-parallel shards. Σ|x_i| is bounded by a scale of the same quantity that does not cancel: for a
-   gradient, the largest gradient entry of the whole model (an error travels back through every layer, and a
-   tensor whose entries all cancel — an attention query weight at initialisation — is no guide to its terms);
-   for an activation or a loss, the largest magnitude of the compared tensor.
+1. *One sum in another order.* Two orders of the same n-term sum differ by at most 2·γ_n·Σ|x_i| (γ_n
+   ≈ n·u, Higham, *Accuracy and Stability of Numerical Algorithms*, §4.2), and — rounding errors
+   taken as independent and zero-mean — by at most 2·λ·√n·u·Σ|x_i| except with probability
+   2·exp(−λ²/2) (Higham & Mary, SIAM J. Sci. Comput. 41(5), 2019, Thm 3.1). λ = 4 is used. n
+   (`terms`) is the longest sum whose order the layout changes: the tokens summed into a weight
+   gradient (split into micro-batches and ranks), or an inner dimension split into tensor-parallel
+   shards. Σ|x_i| is bounded by a scale of the same quantity that does not cancel: for a gradient,
+   the largest gradient entry of the whole model (an error travels back through every layer, and a
+   tensor whose entries all cancel — an attention query weight at initialisation — is no guide to
+   its terms); for an activation or a loss, the largest magnitude of the compared tensor.
    → `value_bound(terms, scale)` / `assert_values_close` for a loss, a gradient or an activation.
-2. *Parameters after k optimizer steps.* A gradient error moves the update, and through the moved parameters every
-   later gradient: Adam divides by √v̂+ε, so an entry whose gradient is ~ε amplifies an error by up to 1/ε while
-   one whose gradient is large barely moves; clipping rescales everything; a moved parameter changes the next
-   step's gradients through the loss's curvature. Rather than bound each of these by hand (their worst cases
-   compound into a bound of no use), the reference is trained again, SHADOW_RUNS times, with every gradient
-   entry of every step moved by rule 1's full bound, ±reordered_sum(n)·G with random signs (G the step's
-   largest gradient entry) — as if every sum had erred by the most it can, all at once — and the bound of each
-   compared tensor is the largest deviation from the plain reference any re-run shows (plus rule 1's relative
-   term for the value itself). The dynamics are the reference's own; only the size of the error is assumed.
-   → `reference(fn, ..., terms=n)` returns (value, bounds): a `Bound` for every floating leaf of fn's result.
+2. *Parameters after k optimizer steps.* A gradient error moves the update, and through the moved
+   parameters every later gradient: Adam divides by √v̂+ε, so an entry whose gradient is ~ε
+   amplifies an error by up to 1/ε while one whose gradient is large barely moves; clipping rescales
+   everything; a moved parameter changes the next step's gradients through the loss's curvature.
+   Rather than bound each of these by hand (their worst cases compound into a bound of no use), the
+   reference is trained again, SHADOW_RUNS times, with every gradient entry of every step moved by
+   rule 1's full bound, ±reordered_sum(n)·G with random signs (G the step's largest gradient entry)
+   — as if every sum had erred by the most it can, all at once — and the bound of each compared
+   tensor is the largest deviation from the plain reference any re-run shows (plus rule 1's relative
+   term for the value itself). The dynamics are the reference's own; only the size of the error is
+   assumed.
+   → `reference(fn, ..., terms=n)` returns (value, bounds): a `Bound` for every floating leaf of
+   fn's result.
 
-What a bound of that size still catches (`tests/test_tolerance.py` shows it): a dropped micro-batch, a parameter
-whose gradient is lost for a step, weight decay on the wrong group, clipping skipped — each lands tens to hundreds
-of bounds away. A uniform rescaling of every gradient, to which AdamW and clipping are blind, is caught by the
-gradient and SGD comparisons.
-"""
+What a bound of that size still catches (`tests/test_tolerance.py` shows it): a dropped micro-batch,
+a parameter whose gradient is lost for a step, weight decay on the wrong group, clipping skipped —
+each lands tens to hundreds of bounds away. A uniform rescaling of every gradient, to which AdamW
+and clipping are blind, is caught by the gradient and SGD comparisons.
+
+No tests here (tests/test_tolerance.py tests it). `reference(..., kernels=OTHER)` starts a process
+pool, so every test that calls it is marked `multiprocess`."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
     .venv/bin/python -m pytest -s tests/gpu
 
-Two processes, one GPU each, NCCL: DDP, ZeRO-3, tp 2 (+SP), pp 2 (1F1B and zero-bubble, rendezvous p2p) and cp 2 each
-train a few steps of a small Llama in fp32 and must equal single-process training on one GPU (TF32 off, so they
-differ by reduction order only); the time per step of each layout is printed.
-"""
+Two processes (`multiprocess`), one GPU each, NCCL: DDP, ZeRO-3, tp 2 (+SP), pp 2 (1F1B and
+zero-bubble, rendezvous p2p) and cp 2 each train a few steps of a small Llama in fp32 and must equal
+single-process training on one GPU (TF32 off, so they differ by reduction order only); the time per
+step of each layout is printed."""
 
 from __future__ import annotations
 
