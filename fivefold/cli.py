@@ -1,8 +1,9 @@
-"""Command line: ``fivefold train [--config run.toml] [--section.key value ...]``, ``fivefold plan --gpus N ...``
-(what a layout costs, before renting GPUs), ``fivefold bench`` and ``fivefold export``. ``train`` defaults to the
-small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks). Every error is one
-line; the exit codes are the EXIT_* constants below (0 done, 1 failed, 2 refused before starting, 75 stopped early
-with a checkpoint, 143 stopped by a signal without one)."""
+"""Command line: ``fivefold train [--config run.toml] [--section.key value ...]``,
+``fivefold plan --gpus N ...`` (what a layout costs, before renting GPUs), ``fivefold bench`` and
+``fivefold export``. ``train`` defaults to the small Llama on this Python's stdlib sources, on 2
+local CPU workers (under torchrun: its ranks). Every error is one line; the exit codes are the
+EXIT_* constants below (0 done, 1 failed, 2 refused before starting, 75 stopped early with a
+checkpoint, 143 stopped by a signal without one)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="fivefold train",
         add_help=True,
-        description="Train a Llama-style model (dp / ZeRO / tp / sp / pp). Every config key can be overridden as "
-        "--section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
+        description="Train a Llama-style model (dp / ZeRO / tp / sp / pp). Every config key can be "
+        "overridden as --section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
         + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()),
     )
     parser.add_argument(
@@ -32,16 +33,16 @@ def _train(argv: list[str]) -> int:
         "[precision] [pipeline] [run] [checkpoint]",
     )
     parser.epilog = (
-        "--resume [PATH]: continue the run from its latest complete checkpoint, or from the checkpoint "
-        "PATH; --overwrite: start over in a run directory that already holds a run"
+        "--resume [PATH]: continue the run from its latest complete checkpoint, or from the "
+        "checkpoint PATH; --overwrite: start over in a run directory that already holds a run"
     )
     args, overrides = parser.parse_known_args(argv)
     import logging
 
     import torch.multiprocessing as mp
 
-    # torch's spawn logs "Terminating process N via signal SIGTERM" for the other workers once one has failed:
-    # the failure is said below, once
+    # torch's spawn logs "Terminating process N via signal SIGTERM" for the other workers once one
+    # has failed: the failure is said below, once
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
     from fivefold.launch import Terminated, lost_worker_reason
@@ -71,12 +72,14 @@ def _train(argv: list[str]) -> int:
     except OSError as e:
         print(f"fivefold train: error: {os_error_line(e)}", file=sys.stderr)
         return EXIT_FAILED
-    # under torchrun every rank returns a result; a rank that stopped early with a checkpoint says so in its code
+    # under torchrun every rank returns a result; a rank that stopped early with a checkpoint says
+    # so in its code
     return EXIT_STOPPED if getattr(result, "stopped", None) else EXIT_DONE
 
 
 def worker_error(e: BaseException) -> str:
-    """The last line of a worker's traceback, with fivefold's own exception classes' module path dropped."""
+    """The last line of a worker's traceback, with fivefold's own exception classes' module path
+    dropped."""
     last = [line for line in str(e).splitlines() if line.strip()][-1]
     return re.sub(r"^fivefold(\.\w+)+\.(\w+): ", r"\2: ", last)
 
@@ -89,13 +92,15 @@ def os_error_line(e: OSError) -> str:
 
 
 def _bench(argv: list[str]) -> int:
-    """ddp | zero | tp | pp | parallel | all: a source checkout's ``bench/run.py`` (not in the installed package)."""
+    """ddp | zero | tp | pp | parallel | all: a source checkout's ``bench/run.py`` (not in the
+    installed package)."""
     root = Path(fivefold.__file__).resolve().parent.parent
     if not (root / "bench" / "run.py").is_file():
         print(
-            "fivefold bench: the benchmarks ship with the source checkout (bench/ next to the fivefold package), "
-            f"not with an installed package; none found in {root}. Clone the repository and run `fivefold bench` "
-            "from an editable install (pip install -e .) or `python bench/run.py` there.",
+            "fivefold bench: the benchmarks ship with the source checkout (bench/ next to the "
+            f"fivefold package), not with an installed package; none found in {root}. Clone the "
+            "repository and run `fivefold bench` from an editable install (pip install -e .) or "
+            "`python bench/run.py` there.",
             file=sys.stderr,
         )
         return 2
@@ -128,8 +133,8 @@ def _export(argv: list[str]) -> int:
     parser.add_argument(
         "--trust-checkpoint",
         action="store_true",
-        help="read a checkpoint whose metadata only DCP's pickle holds (another DCP program's or an "
-        "older fivefold's): a pickle can run code, so only one from a source you trust",
+        help="read a checkpoint whose metadata only DCP's pickle holds (another DCP program's or "
+        "an older fivefold's): a pickle can run code, so only one from a source you trust",
     )
     args = parser.parse_args(argv)
     from fivefold.checkpoint.hf import export_checkpoint
@@ -157,8 +162,8 @@ def _export(argv: list[str]) -> int:
         print(f"fivefold export: error: {os_error_line(e)}", file=sys.stderr)
         return EXIT_FAILED
     print(
-        f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> {args.to}: "
-        f"{', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
+        f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> "
+        f"{args.to}: {', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
         f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)"
     )
     return 0
@@ -188,17 +193,18 @@ def _plan(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="fivefold plan",
-        description="Predict per-GPU memory (model states, transient buffers, activations), communication per step "
-        "and dimension, pipeline bubble, step time and MFU of a layout before renting GPUs; --search "
-        "ranks every layout that fits. Layout and model as for `fivefold train` (--config, --section.key "
-        "value), plus the short flags below. Without --config the defaults are for GPUs, not train's CPU "
-        "demo: bf16 parameters with fp32 gradient reduction (torchtitan's), one sequence per micro-batch "
-        "of the model's context length, 4 × pp × virtual micro-batches under pp.",
+        description="Predict per-GPU memory (model states, transient buffers, activations), "
+        "communication per step and dimension, pipeline bubble, step time and MFU of a layout "
+        "before renting GPUs; --search ranks every layout that fits. Layout and model as for "
+        "`fivefold train` (--config, --section.key value), plus the short flags below. Without "
+        "--config the defaults are for GPUs, not train's CPU demo: bf16 parameters with fp32 "
+        "gradient reduction (torchtitan's), one sequence per micro-batch of the model's context "
+        "length, 4 × pp × virtual micro-batches under pp.",
         epilog="short flags: "
         + ", ".join(f"--{k} (= {v})" for k, v in PLAN_FLAGS.items() if v)
         + "; --sp (= "
-        "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 --pp 4 "
-        "--zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective",
+        "--parallel.sp true); --zero N; e.g. fivefold plan --model llama3-70b --gpus 512 --tp 8 "
+        "--pp 4 --zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective",
     )
     parser.add_argument("--config", help="a train TOML file: its layout, model and batch")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
@@ -299,8 +305,9 @@ def _plan(argv: list[str]) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         hint = (
             (
-                " (fivefold plan's own flags: --gpus, --model, --seq, --micro-batch, --global-batch, --grad-accum, "
-                "--tp, --pp, --cp, --ep, --sp, --recompute; see fivefold plan --help)"
+                " (fivefold plan's own flags: --gpus, --model, --seq, --micro-batch, "
+                "--global-batch, --grad-accum, --tp, --pp, --cp, --ep, --sp, --recompute; see "
+                "fivefold plan --help)"
             )
             if "unknown" in str(e)
             else ""
@@ -311,8 +318,9 @@ def _plan(argv: list[str]) -> int:
 
 
 def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Config
-    """Planning defaults where the command line sets nothing (train's are for a CPU demo): one sequence per
-    micro-batch of the model's context length, and under pp 4 × pp × virtual micro-batches so the pipeline fills."""
+    """Planning defaults where the command line sets nothing (train's are for a CPU demo): one
+    sequence per micro-batch of the model's context length, and under pp 4 × pp × virtual
+    micro-batches so the pipeline fills."""
     from fivefold.models import get_config
 
     notes = []
@@ -324,13 +332,14 @@ def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Confi
     if cfg.parallel.pp > 1 and not given & {"train.grad_accum", "train.global_batch"}:
         cfg.train.grad_accum = 4 * cfg.parallel.pp * cfg.pipeline.virtual
         notes.append(
-            f"--grad-accum / --global-batch not given: {cfg.train.grad_accum} micro-batches (4 × pp × "
-            "virtual stages) so the pipeline fills"
+            f"--grad-accum / --global-batch not given: {cfg.train.grad_accum} micro-batches (4 × "
+            "pp × virtual stages) so the pipeline fills"
         )
     return notes
 
 
-# Exit codes of `fivefold train` (and export / plan where they apply), documented in docs/reliability.md#exit-codes.
+# Exit codes of `fivefold train` (and export / plan where they apply), documented in
+# docs/reliability.md#exit-codes.
 EXIT_DONE = 0  # every step of train.steps done
 EXIT_FAILED = 1  # the run failed: a worker's error, a lost or stalled worker, an I/O error
 EXIT_CONFIG = (

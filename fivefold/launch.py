@@ -1,5 +1,5 @@
-"""Starting processes: from a torchrun environment (`init_distributed`) or as N local CPU workers joined by gloo
-(`launch_local`), and the device each computes on."""
+"""Starting processes: from a torchrun environment (`init_distributed`) or as N local CPU workers
+joined by gloo (`launch_local`), and the device each computes on."""
 
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ __all__ = [
 
 
 def resolve_device(requested: str = "auto") -> torch.device:
-    """The one rule for where this process computes. ``cpu``: the CPU. ``auto``: the local accelerator if torch sees
-    one, else the CPU. ``cuda`` (any accelerator type): that accelerator, which must exist. The device index is
-    ``LOCAL_RANK`` (one process per device) unless given (``cuda:1``); a local rank without its own device is an
-    error, never a silently shared one. Sets the current device."""
+    """The one rule for where this process computes. ``cpu``: the CPU. ``auto``: the local
+    accelerator if torch sees one, else the CPU. ``cuda`` (any accelerator type): that accelerator,
+    which must exist. The device index is ``LOCAL_RANK`` (one process per device) unless given
+    (``cuda:1``); a local rank without its own device is an error, never a silently shared one. Sets
+    the current device."""
     requested = (requested or "auto").strip().lower()
     if requested == "cpu":
         return torch.device("cpu")
@@ -57,8 +58,8 @@ def resolve_device(requested: str = "auto") -> torch.device:
             wanted = torch.device(requested)
         except RuntimeError:
             raise ValueError(
-                f"run.device={requested!r} is not a device; use auto, cpu or an accelerator such as "
-                "cuda"
+                f"run.device={requested!r} is not a device; use auto, cpu or an accelerator such "
+                "as cuda"
             ) from None
         if accelerator is None or accelerator.type != wanted.type:
             have = accelerator.type if accelerator is not None else "no accelerator"
@@ -70,17 +71,18 @@ def resolve_device(requested: str = "auto") -> torch.device:
     index = wanted.index if wanted.index is not None else local_rank
     if index >= count:
         raise ValueError(
-            f"local rank {local_rank} needs {wanted.type} device {index}, but this node has {count}: "
-            f"start at most {count} processes per node (torchrun --nproc-per-node {count}), one per "
-            "device, or set run.device=cpu"
+            f"local rank {local_rank} needs {wanted.type} device {index}, but this node has "
+            f"{count}: start at most {count} processes per node (torchrun --nproc-per-node "
+            f"{count}), one per device, or set run.device=cpu"
         )
     torch.accelerator.set_device_index(index)
     return torch.device(wanted.type, index)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch onto `device` without making the host wait: pinned, then copied asynchronously (an accelerator
-    runs the copy in order before the kernels that read it). On the CPU it is returned as is."""
+    """A host batch onto `device` without making the host wait: pinned, then copied asynchronously
+    (an accelerator runs the copy in order before the kernels that read it). On the CPU it is
+    returned as is."""
     if t.device == device:
         return t
     accelerator = (
@@ -102,9 +104,10 @@ def backend_for(device: torch.device) -> str:
 def init_distributed(
     device: torch.device | str | None = None, backend: str | None = None, timeout_s: float = 600.0
 ) -> torch.device:
-    """Initialise the default process group from a torchrun-style environment for `device` (default: `resolve_device`)
-    with its backend (gloo for the CPU, NCCL for CUDA). An accelerator is bound as ``device_id``: communicators
-    are created at once (errors surface here, not at the first collective) and sub-groups split from them."""
+    """Initialise the default process group from a torchrun-style environment for `device` (default:
+    `resolve_device`) with its backend (gloo for the CPU, NCCL for CUDA). An accelerator is bound as
+    ``device_id``: communicators are created at once (errors surface here, not at the first
+    collective) and sub-groups split from them."""
     device = resolve_device() if device is None else torch.device(device)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -119,7 +122,8 @@ def init_distributed(
 def distributed(
     device: torch.device | str | None = None, timeout_s: float = 600.0
 ) -> Iterator[torch.device]:
-    """`init_distributed` for the body, then the group torn down (the engines' reference cycles collected first)."""
+    """`init_distributed` for the body, then the group torn down (the engines' reference cycles
+    collected first)."""
     device = init_distributed(device, timeout_s=timeout_s)
     try:
         yield device
@@ -128,9 +132,10 @@ def distributed(
 
 
 def teardown() -> None:
-    """Destroy the default process group. Engines sit in reference cycles (parameter -> gradient hook -> reducer ->
-    parameter) that hold process groups and work handles; collected after the group is gone, their teardown can abort
-    the process (seen: an intermittent SIGABRT in the test suite). Collect them while the group exists."""
+    """Destroy the default process group. Engines sit in reference cycles (parameter -> gradient
+    hook -> reducer -> parameter) that hold process groups and work handles; collected after the
+    group is gone, their teardown can abort the process (seen: an intermittent SIGABRT in the test
+    suite). Collect them while the group exists."""
     gc.collect()
     dist.destroy_process_group()
 
@@ -139,15 +144,17 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK
 
 
 def is_torchrun_env() -> bool:
-    """True under torchrun (or any launcher that sets what it sets); raises if only some of its variables are set,
-    e.g. left over in the shell, which would otherwise make a local run wait for ranks that never come."""
+    """True under torchrun (or any launcher that sets what it sets); raises if only some of its
+    variables are set, e.g. left over in the shell, which would otherwise make a local run wait for
+    ranks that never come."""
     present = [k for k in TORCHRUN_VARS if k in os.environ]
     if present and len(present) < len(TORCHRUN_VARS):
         missing = [k for k in TORCHRUN_VARS if k not in os.environ]
         raise ValueError(
-            f"{', '.join(f'{k}={os.environ[k]}' for k in present)} set but not {', '.join(missing)}: "
-            "these look left over from another launch. To run locally, unset them (env -u "
-            f"{' -u '.join(present)} fivefold train ...); under torchrun all of them are set"
+            f"{', '.join(f'{k}={os.environ[k]}' for k in present)} set but not "
+            f"{', '.join(missing)}: these look left over from another launch. To run locally, "
+            f"unset them (env -u {' -u '.join(present)} fivefold train ...); under torchrun all of "
+            "them are set"
         )
     return bool(present)
 
@@ -156,8 +163,8 @@ SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def loopback_interface() -> str:
-    """The name of the network interface holding 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS): what a local run's
-    gloo binds to (``GLOO_SOCKET_IFNAME``)."""
+    """The name of the network interface holding 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS): what
+    a local run's gloo binds to (``GLOO_SOCKET_IFNAME``)."""
     try:
         names = [name for _, name in socket.if_nameindex()]
     except OSError:
@@ -167,7 +174,9 @@ def loopback_interface() -> str:
 
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             for name in names:
-                try:  # struct ifreq: the name (16 bytes), then a sockaddr_in whose address is at bytes 20-24
+                try:
+                    # struct ifreq: the name (16 bytes), then a sockaddr_in whose address is at
+                    # bytes 20-24
                     ifreq = fcntl.ioctl(
                         probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
                     )
@@ -179,10 +188,11 @@ def loopback_interface() -> str:
 
 
 def _loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The launcher's rendezvous store, listening on 127.0.0.1 only at a port the OS chose. Given a host and port
-    alone, TCPStore's master listens on every interface (IPv4 and IPv6) and its keys are readable by anyone who
-    connects; handed a socket already bound to loopback (``master_listen_fd``, either backend), it listens there
-    and owns the socket (closes it with the store)."""
+    """The launcher's rendezvous store, listening on 127.0.0.1 only at a port the OS chose. Given a
+    host and port alone, TCPStore's master listens on every interface (IPv4 and IPv6) and its keys
+    are readable by anyone who connects; handed a socket already bound to loopback
+    (``master_listen_fd``, either backend), it listens there and owns the socket (closes it with the
+    store)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", 0))
@@ -191,7 +201,8 @@ def _loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     except OSError:
         listener.close()
         raise
-    # the store closes the descriptor: the Python socket must not close it again (by then maybe another file's)
+    # the store closes the descriptor: the Python socket must not close it again (by then maybe
+    # another file's)
     return dist.TCPStore(
         "127.0.0.1",
         port,
@@ -220,8 +231,9 @@ def _local_worker(
         from fivefold.watchdog import Heartbeat
 
         Heartbeat(heartbeat_dir, rank)
-    # gloo's listening sockets (one per worker, for its pair connections) otherwise bind the address the hostname
-    # resolves to, or an interface left set for a multi-node run: every peer is on this host, so loopback
+    # gloo's listening sockets (one per worker, for its pair connections) otherwise bind the address
+    # the hostname resolves to, or an interface left set for a multi-node run: every peer is on this
+    # host, so loopback
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -251,15 +263,16 @@ def _local_worker(
 
 
 class Terminated(RuntimeError):
-    """The launcher was sent SIGTERM or SIGINT and its workers did not all finish cleanly (e.g. stopped during
-    start-up)."""
+    """The launcher was sent SIGTERM or SIGINT and its workers did not all finish cleanly (e.g.
+    stopped during start-up)."""
 
 
 @contextlib.contextmanager
 def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[None]:
-    """A SIGTERM (a job's time limit) or SIGINT (Ctrl-C) to the launcher goes on to its workers: they
-    finish the step, save a checkpoint and stop (`fivefold.train.checkpointing`); the launcher waits for them as
-    usual and cleans up. A second SIGINT kills them at once. ``received[0]`` records that a stop was asked."""
+    """A SIGTERM (a job's time limit) or SIGINT (Ctrl-C) to the launcher goes on to its workers:
+    they finish the step, save a checkpoint and stop (`fivefold.train.checkpointing`); the launcher
+    waits for them as usual and cleans up. A second SIGINT kills them at once. ``received[0]``
+    records that a stop was asked."""
 
     def forward(signum: int, frame: Any) -> None:
         again = received[0] and signum == signal.SIGINT
@@ -294,9 +307,10 @@ _LOCK = ".launcher.lock"
 
 @contextlib.contextmanager
 def _held_while_alive(directory: str) -> Iterator[None]:
-    """Hold an exclusive lock on a file in a launch's `directory` for the launch. The kernel releases it when the
-    launcher dies, however it dies: a lock still held marks the directory as in use where its pid cannot say (a
-    launcher in another pid namespace sharing this temporary directory)."""
+    """Hold an exclusive lock on a file in a launch's `directory` for the launch. The kernel
+    releases it when the launcher dies, however it dies: a lock still held marks the directory as in
+    use where its pid cannot say (a launcher in another pid namespace sharing this temporary
+    directory)."""
     try:
         import fcntl
     except ImportError:  # no flock here: the pid alone decides
@@ -343,9 +357,10 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_dead_launchers_dirs() -> None:
-    """Remove the directories that launchers which died without cleaning up (SIGKILL, the OOM killer) left in the
-    temporary directory: this user's ``fivefold-<pid>-*`` directories whose pid is not a live process and whose
-    lock nobody holds. Those of live processes and of other users stay; anything else (a link, a file) is left."""
+    """Remove the directories that launchers which died without cleaning up (SIGKILL, the OOM
+    killer) left in the temporary directory: this user's ``fivefold-<pid>-*`` directories whose pid
+    is not a live process and whose lock nobody holds. Those of live processes and of other users
+    stay; anything else (a link, a file) is left."""
     root = tempfile.gettempdir()
     try:
         entries = os.listdir(root)
@@ -375,14 +390,16 @@ def launch_local(
     device: str = "cpu",
     watch: tuple[float, float] | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes; return the results.
-    ``device="cpu"``: gloo CPU workers; an accelerator type (``"cuda"``): one device per worker, its backend (the GPU
-    smoke test). The store listens on 127.0.0.1 at a port the OS chose, never a fixed one, and the workers' gloo on
-    loopback: nothing of the job is reachable from another host. A worker's exception re-raises with its traceback;
-    `lost_worker_reason` says why a worker that exited was lost. The results pass through a directory
-    ``fivefold-<pid>-*`` in the temporary directory, removed at the end; those of launchers that died first are
-    removed at the next launch's start. ``watch`` = (heartbeat_s, stall_s): watch the workers' heartbeats and, on a
-    stall, kill them and raise `fivefold.watchdog.Stalled` (`fivefold.watchdog`)."""
+    """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes;
+    return the results. ``device="cpu"``: gloo CPU workers; an accelerator type (``"cuda"``): one
+    device per worker, its backend (the GPU smoke test). The store listens on 127.0.0.1 at a port
+    the OS chose, never a fixed one, and the workers' gloo on loopback: nothing of the job is
+    reachable from another host. A worker's exception re-raises with its traceback;
+    `lost_worker_reason` says why a worker that exited was lost. The results pass through a
+    directory ``fivefold-<pid>-*`` in the temporary directory, removed at the end; those of
+    launchers that died first are removed at the next launch's start. ``watch`` = (heartbeat_s,
+    stall_s): watch the workers' heartbeats and, on a stall, kill them and raise
+    `fivefold.watchdog.Stalled` (`fivefold.watchdog`)."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: need at least one process")
     _record_launch_start()
@@ -431,7 +448,8 @@ def launch_local(
     return results
 
 
-# Where the kernel records out-of-memory kills (module attributes: the tests point them at fake files)
+# Where the kernel records out-of-memory kills (module attributes: the tests point them at fake
+# files)
 PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
 KMSG = "/dev/kmsg"
@@ -439,16 +457,17 @@ KMSG_MAX_BYTES = (
     16 << 20
 )  # read no more of the kernel log than this (its ring buffer is usually 1 MiB or less)
 OOM_HINT = (
-    "lower --train.micro_batch, use --zero 3 or --train.recompute full (local workers share this machine's "
-    "memory: more of them do not help)"
+    "lower --train.micro_batch, use --zero 3 or --train.recompute full (local workers share this "
+    "machine's memory: more of them do not help)"
 )
 _KILLED = re.compile(rb"Killed process (\d+) \(")
 
 
 def _oom_counter_files() -> list[str]:
-    """The files that may hold this process's memory cgroup's OOM-kill count, most specific first: cgroup v2
-    ``memory.events``, cgroup v1 ``memory.oom_control``; each under the cgroup's path, then under the mount's root
-    (a container that sees its own cgroup there while /proc/self/cgroup names the host's path)."""
+    """The files that may hold this process's memory cgroup's OOM-kill count, most specific first:
+    cgroup v2 ``memory.events``, cgroup v1 ``memory.oom_control``; each under the cgroup's path,
+    then under the mount's root (a container that sees its own cgroup there while /proc/self/cgroup
+    names the host's path)."""
     try:
         with open(PROC_CGROUP) as f:
             lines = f.read().splitlines()
@@ -486,16 +505,18 @@ def _oom_counter() -> tuple[str, int] | None:
 
 
 def oom_kills() -> int | None:
-    """How many processes of this process's memory cgroup (and those under it) the kernel's out-of-memory killer
-    has killed so far (cgroup v2 ``memory.events`` oom_kill; v1 ``memory.oom_control``); None where unreadable.
-    `launch_local` records it at its start for `lost_worker_reason`."""
+    """How many processes of this process's memory cgroup (and those under it) the kernel's
+    out-of-memory killer has killed so far (cgroup v2 ``memory.events`` oom_kill; v1
+    ``memory.oom_control``); None where unreadable. `launch_local` records it at its start for
+    `lost_worker_reason`."""
     counter = _oom_counter()
     return None if counter is None else counter[1]
 
 
 def _kernel_log() -> list[tuple[int, bytes]]:
-    """(sequence number, message) of the kernel log's records still in its ring buffer; [] where /dev/kmsg is not
-    readable (reading it needs CAP_SYSLOG where dmesg is restricted). Never blocks: non-blocking reads to the end."""
+    """(sequence number, message) of the kernel log's records still in its ring buffer; [] where
+    /dev/kmsg is not readable (reading it needs CAP_SYSLOG where dmesg is restricted). Never blocks:
+    non-blocking reads to the end."""
     try:
         fd = os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -539,15 +560,16 @@ _launch_start: dict[str, int | None] = {"oom_kills": None, "kmsg_sequence": None
 
 
 def _record_launch_start() -> None:
-    """What `lost_worker_reason` compares with: the OOM-kill count and the kernel log's last record at the start."""
+    """What `lost_worker_reason` compares with: the OOM-kill count and the kernel log's last record
+    at the start."""
     _launch_start["oom_kills"] = oom_kills()
     _launch_start["kmsg_sequence"] = _last_kernel_log_sequence()
 
 
 def _oom_evidence(pid: int) -> list[str]:
-    """What says the kernel's out-of-memory killer ended `pid` since the last launch started: the cgroup's OOM-kill
-    count having risen, a kernel log record killing `pid` (records after the start only: pids are reused; none if
-    the log was not readable then)."""
+    """What says the kernel's out-of-memory killer ended `pid` since the last launch started: the
+    cgroup's OOM-kill count having risen, a kernel log record killing `pid` (records after the start
+    only: pids are reused; none if the log was not readable then)."""
     evidence = []
     before, counter = _launch_start["oom_kills"], _oom_counter()
     if before is not None and counter is not None and counter[1] > before:
@@ -568,21 +590,31 @@ def _oom_evidence(pid: int) -> list[str]:
 
 def lost_worker_reason(exc: BaseException) -> str:
     """One line saying why a worker of `launch_local` was lost, from the `torch.multiprocessing.
-    ProcessExitedException` its join raised. For SIGKILL, the out-of-memory evidence readable here (the memory
-    cgroup's OOM-kill count against the one at the launch's start; the kernel log's record of the kill) and what to
-    lower; else that nothing here tells an OOM kill from another process's SIGKILL. Another signal or an exit code:
-    said plainly. A worker's exception: its last line (the error itself). Any other exception: its first line."""
+    ProcessExitedException` its join raised. For SIGKILL, the out-of-memory evidence readable here
+    (the memory cgroup's OOM-kill count against the one at the launch's start; the kernel log's
+    record of the kill) and what to lower; else that nothing here tells an OOM kill from another
+    process's SIGKILL. Another signal or an exit code: said plainly. A worker's exception: its last
+    line (the error itself). Any other exception: its first line."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     if isinstance(exc, mp.ProcessRaisedException):
-        return f"worker {exc.error_index} (pid {exc.error_pid}) raised {lines[-1].strip() if lines else 'an error'}"
+        return (
+            f"worker {exc.error_index} (pid {exc.error_pid}) raised "
+            f"{lines[-1].strip() if lines else 'an error'}"
+        )
     if not isinstance(exc, mp.ProcessExitedException):
         return lines[0].strip() if lines else type(exc).__name__
     who = f"worker {exc.error_index} (pid {exc.error_pid})"
     if exc.signal_name == "SIGKILL":
         evidence = _oom_evidence(exc.error_pid)
         if evidence:
-            return f"{who} was killed by the kernel's out-of-memory killer (SIGKILL; {'; '.join(evidence)}): {OOM_HINT}"
-        return f"{who} was killed by SIGKILL (by another process, or out of memory: no OOM record readable here)"
+            return (
+                f"{who} was killed by the kernel's out-of-memory killer (SIGKILL; "
+                f"{'; '.join(evidence)}): {OOM_HINT}"
+            )
+        return (
+            f"{who} was killed by SIGKILL (by another process, or out of memory: no OOM record "
+            "readable here)"
+        )
     if exc.signal_name is not None:
         return f"{who} was killed by {exc.signal_name}"
     return f"{who} exited with code {exc.exit_code} before finishing"

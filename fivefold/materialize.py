@@ -1,10 +1,12 @@
-"""Moving a module off the meta device (imports only torch): `materialize` gives its meta parameters and buffers
-storage on a device; with ``storage=False`` parameters get storage-less stand-ins instead (right shape, dtype and
-device, zero strides) for an engine that repoints them into its flat buffers and fills only what this rank holds.
+"""Moving a module off the meta device (imports only torch): `materialize` gives its meta parameters
+and buffers storage on a device; with ``storage=False`` parameters get storage-less stand-ins
+instead (right shape, dtype and device, zero strides) for an engine that repoints them into its flat
+buffers and fills only what this rank holds.
 
-Parameters are replaced, not refilled in place (a payload cannot change device type, and `FakeTensorMode` refuses
-the swap), so what the old Parameter carried travels to the new one: ties, attributes (``no_weight_decay``) and
-gradient hooks (sequence parallel's norm-weight all-reduce, registered when TP sharded the model on meta)."""
+Parameters are replaced, not refilled in place (a payload cannot change device type, and
+`FakeTensorMode` refuses the swap), so what the old Parameter carried travels to the new one: ties,
+attributes (``no_weight_decay``) and gradient hooks (sequence parallel's norm-weight all-reduce,
+registered when TP sharded the model on meta)."""
 
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ def materialize(
     storage: bool = True,
     select: Callable[[str], bool] | None = None,
 ) -> nn.Module:
-    """Give `module`'s meta buffers, and its meta parameters unless not `parameters` (only those whose name
-    `select` accepts, if given), uninitialised storage on `device` (``storage=False``: parameters get stand-ins
-    without storage). Shared tensors stay shared."""
+    """Give `module`'s meta buffers, and its meta parameters unless not `parameters` (only those
+    whose name `select` accepts, if given), uninitialised storage on `device` (``storage=False``:
+    parameters get stand-ins without storage). Shared tensors stay shared."""
     made: dict[int, torch.Tensor] = {}
     chosen = None if select is None else {id(p) for n, p in module.named_parameters() if select(n)}
     for m in module.modules():

@@ -1,11 +1,12 @@
-"""Measured model-state memory of one rank (parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12), counting each
-*unique storage* once (a gradient viewing a bucket counts it, padding included) to check the formulas of
-docs/design.md#model-state-memory:
-`model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what is reachable;
-`block_activation_bytes` follows what blocks allocate in a forward and keep (docs/design.md#activation-memory).
-Besides the three model states an engine may report ``buffers`` (ZeRO-R's constant communication buffers: pools and
-gather slots, counted there whoever borrows them) and which of its storages live on the host (``host``: ZeRO-Offload's
-masters, optimizer state and host gradient copies), so ``device`` = what the accelerator holds."""
+"""Measured model-state memory of one rank (parameters 2Ψ, gradients 2Ψ, optimizer KΨ, K = 12),
+counting each *unique storage* once (a gradient viewing a bucket counts it, padding included) to
+check the formulas of docs/design.md#model-state-memory:
+`model_state_bytes` asks an engine at one moment; `PeakSampler` trusts no self-report and walks what
+is reachable; `block_activation_bytes` follows what blocks allocate in a forward and keep
+(docs/design.md#activation-memory). Besides the three model states an engine may report ``buffers``
+(ZeRO-R's constant communication buffers: pools and gather slots, counted there whoever borrows
+them) and which of its storages live on the host (``host``: ZeRO-Offload's masters, optimizer state
+and host gradient copies), so ``device`` = what the accelerator holds."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class ModelStateBytes:
     params: int
     grads: int
     optimizer: int
-    buffers: int = 0  # constant communication buffers (pools, gather slots), not model states but held for the run
+    # constant communication buffers (pools, gather slots), not model states but held for the run
+    buffers: int = 0
     host: int = 0  # bytes of all the above that live in host memory (offloaded)
 
     @property
@@ -61,12 +63,13 @@ def model_state_bytes(
     optimizer: torch.optim.Optimizer | None = None,
     extra_params: Iterable[torch.Tensor] = (),
 ) -> ModelStateBytes:
-    """Unique storage bytes of parameters (+ `extra_params` the model does not expose), gradients, optimizer state."""
+    """Unique storage bytes of parameters (+ `extra_params` the model does not expose), gradients,
+    optimizer state."""
     seen: set[tuple[str, int]] = set()
     if hasattr(model, "model_state_tensors"):  # ZeRO engines know what they hold (shards, buffers)
         held = model.model_state_tensors()
-        # pooled buffers first: a gradient bucket borrowing one counts there, not as a gradient, so the split does
-        # not depend on the moment
+        # pooled buffers first: a gradient bucket borrowing one counts there, not as a gradient, so
+        # the split does not depend on the moment
         buffers = _storage_bytes(held.get("buffers", ()), seen)
         host = _storage_bytes(held.get("host", ()), set())
         return ModelStateBytes(
@@ -92,8 +95,9 @@ def model_state_bytes(
 
 
 class _NewStorages(TorchDispatchMode):
-    """Every storage an operator on this thread allocates while a block is open (an output sharing no input's
-    storage), attributed to that block, held by a weak reference: alive later means something kept it."""
+    """Every storage an operator on this thread allocates while a block is open (an output sharing
+    no input's storage), attributed to that block, held by a weak reference: alive later means
+    something kept it."""
 
     def __init__(self, n_blocks: int) -> None:
         super().__init__()
@@ -136,12 +140,13 @@ class _NewStorages(TorchDispatchMode):
 
 
 def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any]) -> list[int]:
-    """Bytes of the storages each of `modules` (transformer blocks) allocated during ``run()`` — a forward — that are
-    still alive when it returns (keep its result alive in it: return it): what each block keeps for backward, its
-    output included where the next block keeps it. Seen by a dispatch mode, through weak references to the storages:
-    nothing is trusted from the model; other threads' allocations (gloo's) and storages that the block frees, or that
-    die after it (a 16-bit block's output, once the next block kept its fp32 copy), do not count. For tests and
-    benchmarks: `formulas.activation_bytes_per_block` predicts it."""
+    """Bytes of the storages each of `modules` (transformer blocks) allocated during ``run()`` — a
+    forward — that are still alive when it returns (keep its result alive in it: return it): what
+    each block keeps for backward, its output included where the next block keeps it. Seen by a
+    dispatch mode, through weak references to the storages: nothing is trusted from the model; other
+    threads' allocations (gloo's) and storages that the block frees, or that die after it (a 16-bit
+    block's output, once the next block kept its fp32 copy), do not count. For tests and benchmarks:
+    `formulas.activation_bytes_per_block` predicts it."""
     modules = list(modules)
     tracker = _NewStorages(len(modules))
     handles = []
@@ -153,8 +158,8 @@ def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any])
         def leave(module: nn.Module, args: Any, out: Any) -> None:
             tracker.current = None
 
-        # after the module's other pre-hooks (a ZeRO-3 gather is not the block's), before its other post-hooks (a
-        # ZeRO-3 free is not either)
+        # after the module's other pre-hooks (a ZeRO-3 gather is not the block's), before its other
+        # post-hooks (a ZeRO-3 free is not either)
         handles += [
             m.register_forward_pre_hook(enter),
             m.register_forward_hook(leave, prepend=True),
@@ -162,8 +167,8 @@ def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any])
     try:
         with tracker:
             result = run()
-        # a backend's worker thread may hold a collective's tensor a moment after the call returned (gloo): wait
-        # until three readings 50 ms apart agree
+        # a backend's worker thread may hold a collective's tensor a moment after the call returned
+        # (gloo): wait until three readings 50 ms apart agree
         readings = [tracker.alive_bytes()]
         while len(readings) < 40 and not (
             len(readings) >= 3 and readings[-1] == readings[-2] == readings[-3]
@@ -180,10 +185,11 @@ def block_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any])
 
 
 def peak_activation_bytes(modules: Iterable[nn.Module], run: Callable[[], Any]) -> int:
-    """The most bytes alive at once, read each time one of `modules` (pipeline stages) finishes a forward during
-    ``run()`` (a pipeline step: forwards and backwards interleaved), of the storages those forwards allocated: the
-    activations the micro-batches in flight keep. Seen as `block_activation_bytes` sees them; what a backward
-    allocates (gradient buffers, activation gradients) is not counted."""
+    """The most bytes alive at once, read each time one of `modules` (pipeline stages) finishes a
+    forward during ``run()`` (a pipeline step: forwards and backwards interleaved), of the storages
+    those forwards allocated: the activations the micro-batches in flight keep. Seen as
+    `block_activation_bytes` sees them; what a backward allocates (gradient buffers, activation
+    gradients) is not counted."""
     modules = list(modules)
     tracker = _NewStorages(1)
     peak = [0]
@@ -216,7 +222,8 @@ _OPAQUE = (type, types.ModuleType, types.CodeType, types.FrameType)
 
 
 def _reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
-    """Tensors reachable from `roots` (containers, closures, ``.grad``, ``._base``, DTensor shards, not globals)."""
+    """Tensors reachable from `roots` (containers, closures, ``.grad``, ``._base``, DTensor shards,
+    not globals)."""
     seen: set[int] = set()
     stack = list(roots)
     while stack:
@@ -246,7 +253,8 @@ def _reachable_tensors(roots: Iterable[Any]) -> Iterator[torch.Tensor]:
 
 
 def _has_data(t: torch.Tensor) -> bool:
-    """False for wrapper subclasses without storage of their own (a DTensor: its local shard counts)."""
+    """False for wrapper subclasses without storage of their own (a DTensor: its local shard
+    counts)."""
     try:
         t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -255,7 +263,8 @@ def _has_data(t: torch.Tensor) -> bool:
 
 
 def reachable_storage_bytes(roots: Iterable[Any], exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the unique storages reachable from `roots`, except `exclude`'s (e.g. the model's constant buffers)."""
+    """Bytes of the unique storages reachable from `roots`, except `exclude`'s (e.g. the model's
+    constant buffers)."""
     seen: set[tuple[str, int]] = {(str(t.device), t.untyped_storage().data_ptr()) for t in exclude}
     return _storage_bytes(_reachable_tensors(roots), seen)
 
@@ -268,10 +277,12 @@ _DISPATCH_WRAPPERS = (
 
 
 class PeakSampler(TorchDispatchMode):
-    """Peak `reachable_storage_bytes` over a region, sampled after each dispatched operator and on exit; slow, for
-    tests and one benchmark step. ``with PeakSampler([engine, optimizer], exclude=model.buffers()) as s: ...``.
-    ``frames=True`` adds the region's frame locals as roots: a buffer held only in a local while being filled (a
-    reduce-scatter input) counts, and so, a small overcount, does an activation gradient handed to a hook."""
+    """Peak `reachable_storage_bytes` over a region, sampled after each dispatched operator and on
+    exit; slow, for tests and one benchmark step.
+    ``with PeakSampler([engine, optimizer], exclude=model.buffers()) as s: ...``. ``frames=True``
+    adds the region's frame locals as roots: a buffer held only in a local while being filled (a
+    reduce-scatter input) counts, and so, a small overcount, does an activation gradient handed to a
+    hook."""
 
     def __init__(
         self,
@@ -284,8 +295,9 @@ class PeakSampler(TorchDispatchMode):
         self.roots = list(roots)
         self.exclude = list(exclude)
         self.frames = frames
-        # ``allocations``: also every storage an operator of the region allocated on this thread while it is alive,
-        # reachable or not (autograd's saved tensors are not reachable from Python): the whole of what the region holds
+        # ``allocations``: also every storage an operator of the region allocated on this thread
+        # while it is alive, reachable or not (autograd's saved tensors are not reachable from
+        # Python): the whole of what the region holds
         self._made: dict[int, tuple[int, int]] | None = (
             {} if allocations else None
         )  # data_ptr -> (weak ref, bytes)
@@ -325,7 +337,8 @@ class PeakSampler(TorchDispatchMode):
         return value
 
     def mark(self, label: str) -> None:
-        """A labelled sample of the roots alone (called from a hook: its arguments are activations)."""
+        """A labelled sample of the roots alone (called from a hook: its arguments are
+        activations)."""
         self.marks.append((label, self.sample()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
@@ -348,7 +361,8 @@ class PeakSampler(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self.sample()  # what the region left behind (e.g. a gradient autograd assigned without an operator)
+        # what the region left behind (e.g. a gradient autograd assigned without an operator)
+        self.sample()
         for handle, _ in (self._made or {}).values():
             torch.UntypedStorage._free_weak_ref(handle)
         self._made = {} if self._made is not None else None

@@ -1,10 +1,11 @@
-"""`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (Qi et al. 2023) can split backward
-into I (input gradient) and W (weight gradients, deferred into bubbles): under `recording_weight_grads` I only queues
-(x, grad_out), and `WeightGradStore.run` (W) later hands dW, db to autograd, so accumulation and DP hooks fire then.
-`recompute(fn, *args)`: activation checkpointing (docs/design.md#activation-memory) that keeps the same recording
-state, and tells a watcher (`watch_recompute`: the tracer) when a recomputation runs. Backward markers shared by
-ZeRO-3's unit hooks and the tracer: `call_in_backward` (an identity whose backward calls a hook first),
-`in_backward`."""
+"""`linear(x, w, b)`, which layers opt into so a zero-bubble pipeline (Qi et al. 2023) can split
+backward into I (input gradient) and W (weight gradients, deferred into bubbles): under
+`recording_weight_grads` I only queues (x, grad_out), and `WeightGradStore.run` (W) later hands dW,
+db to autograd, so accumulation and DP hooks fire then. `recompute(fn, *args)`: activation
+checkpointing (docs/design.md#activation-memory) that keeps the same recording state, and tells a
+watcher (`watch_recompute`: the tracer) when a recomputation runs. Backward markers shared by
+ZeRO-3's unit hooks and the tracer: `call_in_backward` (an identity whose backward calls a hook
+first), `in_backward`."""
 
 from __future__ import annotations
 
@@ -41,13 +42,14 @@ def graph_task_id() -> int:
 
 
 def in_backward() -> bool:
-    """True while autograd runs a backward on this thread (a recomputed forward inside it, for instance)."""
+    """True while autograd runs a backward on this thread (a recomputed forward inside it, for
+    instance)."""
     return graph_task_id() != -1
 
 
 class _RunInBackward(torch.autograd.Function):
-    """Identity whose backward first calls a hook: on a module's outputs it runs before the module's backward, on
-    its inputs after it."""
+    """Identity whose backward first calls a hook: on a module's outputs it runs before the module's
+    backward, on its inputs after it."""
 
     @staticmethod
     def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
@@ -61,8 +63,9 @@ class _RunInBackward(torch.autograd.Function):
 
 
 def call_in_backward(tree: Any, hook: Callable[[], None]) -> Any:
-    """`tree` with its grad-requiring tensors passed through one identity whose backward calls ``hook`` first, once
-    their gradients are all there (None if there are none, as a module hook returns to change nothing)."""
+    """`tree` with its grad-requiring tensors passed through one identity whose backward calls
+    ``hook`` first, once their gradients are all there (None if there are none, as a module hook
+    returns to change nothing)."""
     leaves, spec = tree_flatten(tree)
     idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
@@ -106,9 +109,10 @@ class WeightGradStore:
 
 @contextmanager
 def _full_shaped(items: list[tuple]) -> Iterator[None]:
-    """Autograd checks a gradient against its parameter's shape *now*. By W time ZeRO-3 may have freed the gathered
-    unit (the parameter is an empty placeholder until the next gather), so stand in a zero-cost view of the full shape
-    (the reducer only reads the gradient) while the gradients are handed over, then put the placeholder back."""
+    """Autograd checks a gradient against its parameter's shape *now*. By W time ZeRO-3 may have
+    freed the gathered unit (the parameter is an empty placeholder until the next gather), so stand
+    in a zero-cost view of the full shape (the reducer only reads the gradient) while the gradients
+    are handed over, then put the placeholder back."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     for weight, bias, x, grad_out in items:
         for p, shape in (
@@ -132,7 +136,8 @@ _recording: ContextVar[WeightGradStore | None] = ContextVar(
 
 @contextmanager
 def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
-    """Linears run in this block leave their weight gradients to `store` (added later by `store.run(key)`)."""
+    """Linears run in this block leave their weight gradients to `store` (added later by
+    `store.run(key)`)."""
     token = _recording.set(store)
     try:
         yield
@@ -142,12 +147,13 @@ def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x Wᵀ + b; under `recording_weight_grads` its weight gradients wait in the store."""
-    # A compiled block (train.compile) never records: validate refuses compile with the zero-bubble schedules, and
-    # dynamo cannot read a ContextVar (it would break the graph at every linear).
+    # A compiled block (train.compile) never records: validate refuses compile with the zero-bubble
+    # schedules, and dynamo cannot read a ContextVar (it would break the graph at every linear).
     store = None if torch.compiler.is_compiling() else _recording.get()
     if store is None or not (torch.is_grad_enabled() and x.requires_grad):
-        # nothing to defer to: without a gradient path through x there is no I pass to split off (the first
-        # layer of a stage fed raw inputs), so the weight gradient is computed by the one backward there is
+        # nothing to defer to: without a gradient path through x there is no I pass to split off
+        # (the first layer of a stage fed raw inputs), so the weight gradient is computed by the one
+        # backward there is
         return F.linear(x, weight, bias)
     # The parameters travel outside autograd's inputs: no AccumulateGrad (and no hook) until W.
     return _LinearInputGradOnly.apply(
@@ -155,17 +161,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     )
 
 
-# Who wants to know when the recomputation of a `recompute` region runs (the tracer's span of the enclosing block):
-# read at forward time, so the backward (on any thread) tells the watcher of the forward that set it.
+# Who wants to know when the recomputation of a `recompute` region runs (the tracer's span of the
+# enclosing block): read at forward time, so the backward (on any thread) tells the watcher of the
+# forward that set it.
 _recompute_watcher: ContextVar[Callable[[bool], None] | None] = ContextVar(
     "fivefold_recompute_watch", default=None
 )
 
 
 def watch_recompute(watcher: Callable[[bool], None] | None) -> Token:
-    """Regions `recompute` runs from now on (in this context) call ``watcher(True)`` when their recomputation starts
-    in backward and ``watcher(False)`` when it ends (also when torch stops it early, once backward has what it needs).
-    Returns the token for ``unwatch_recompute``."""
+    """Regions `recompute` runs from now on (in this context) call ``watcher(True)`` when their
+    recomputation starts in backward and ``watcher(False)`` when it ends (also when torch stops it
+    early, once backward has what it needs). Returns the token for ``unwatch_recompute``."""
     return _recompute_watcher.set(watcher)
 
 
@@ -174,7 +181,8 @@ def unwatch_recompute(token: Token) -> None:
 
 
 class _Told(AbstractContextManager):
-    """A recomputation's context (entered on each recomputation): ``inner``'s, with the watcher told around it."""
+    """A recomputation's context (entered on each recomputation): ``inner``'s, with the watcher told
+    around it."""
 
     def __init__(self, inner: AbstractContextManager, watcher: Callable[[bool], None]) -> None:
         self.inner, self.watcher = inner, watcher
@@ -191,12 +199,13 @@ class _Told(AbstractContextManager):
 
 
 def recompute(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when backward needs
-    them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once, through the normal graph, and
-    DP hooks see nothing new). The recomputation runs in the same `recording_weight_grads` state as the forward did
-    (the I pass of a zero-bubble pipeline computes it outside that context): the same ops, the same saved tensors.
-    The RNG state is not stashed (fivefold's models draw no random numbers in forward: no dropout), which saves its
-    copy per call (5 KiB on the CPU); a function that draws would need ``preserve_rng_state``."""
+    """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when
+    backward needs them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once,
+    through the normal graph, and DP hooks see nothing new). The recomputation runs in the same
+    `recording_weight_grads` state as the forward did (the I pass of a zero-bubble pipeline computes
+    it outside that context): the same ops, the same saved tensors. The RNG state is not stashed
+    (fivefold's models draw no random numbers in forward: no dropout), which saves its copy per call
+    (5 KiB on the CPU); a function that draws would need ``preserve_rng_state``."""
     if not torch.is_grad_enabled():
         return fn(*args)
     store = _recording.get()
@@ -221,7 +230,8 @@ def _weight_grads(x: torch.Tensor, grad_out: torch.Tensor, with_bias: bool) -> t
     return g.t() @ x.flatten(0, -2), (g.sum(0) if with_bias else None)
 
 
-class _Deferred:  # where a recorded linear's weight gradients go: a plain object, so not an autograd input
+class _Deferred:
+    # where a recorded linear's weight gradients go: a plain object, so not an autograd input
     def __init__(
         self, store: WeightGradStore, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> None:

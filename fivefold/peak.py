@@ -1,6 +1,7 @@
-"""The peak FLOP/s MFU is measured against (docs/design.md#flops-and-mfu): on an accelerator, the vendor's dense peak
-for the compute dtype from a table of known devices (or ``run.peak_tflops``); on the CPU, a short matmul measured with
-the threads this process uses, cached per machine — so "MFU" on a laptop means the fraction of what its cores can do."""
+"""The peak FLOP/s MFU is measured against (docs/design.md#flops-and-mfu): on an accelerator, the
+vendor's dense peak for the compute dtype from a table of known devices (or ``run.peak_tflops``); on
+the CPU, a short matmul measured with the threads this process uses, cached per machine — so "MFU"
+on a laptop means the fraction of what its cores can do."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 
 __all__ = ["DEVICE_PEAKS", "cpu_peak_flops", "device_peak_flops"]
 
-# Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the device has them and
-# fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts; PCIe ones are lower: set the override).
+# Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the
+# device has them and fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts;
+# PCIe ones are lower: set the override).
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
     "H200": (989.0, 494.5),
     "H100": (989.0, 494.5),
@@ -39,8 +41,9 @@ _CACHE = (
 def device_peak_flops(
     device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0
 ) -> float:
-    """Peak FLOP/s of one `device` in `dtype`: ``override_tflops`` if set; on the CPU `cpu_peak_flops`; on an
-    accelerator the table's entry for its name, or a ValueError saying to set ``run.peak_tflops``."""
+    """Peak FLOP/s of one `device` in `dtype`: ``override_tflops`` if set; on the CPU
+    `cpu_peak_flops`; on an accelerator the table's entry for its name, or a ValueError saying to
+    set ``run.peak_tflops``."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type == "cpu":
@@ -50,15 +53,19 @@ def device_peak_flops(
         if fragment in props.name:
             return (single if dtype == torch.float32 else half) * 1e12
     raise ValueError(
-        f"no known peak for the {device.type} device {props.name!r}: set run.peak_tflops to its dense "
-        f"{dtype} TFLOP/s (the data sheet's, without sparsity)"
+        f"no known peak for the {device.type} device {props.name!r}: set run.peak_tflops to its "
+        f"dense {dtype} TFLOP/s (the data sheet's, without sparsity)"
     )
 
 
 def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
-    """Matmul FLOP/s of this CPU with `threads` threads in `dtype`, measured once (square matmuls of 512, the best of
-    a few repeats over about ``seconds``) and cached per machine, thread count, dtype and torch version."""
-    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{threads}|{dtype}|{torch.__version__}"
+    """Matmul FLOP/s of this CPU with `threads` threads in `dtype`, measured once (square matmuls of
+    512, the best of a few repeats over about ``seconds``) and cached per machine, thread count,
+    dtype and torch version."""
+    key = (
+        f"{platform.processor() or platform.machine()}|{os.cpu_count()}|"
+        f"{threads}|{dtype}|{torch.__version__}"
+    )
     cached = _read_cache()
     if key in cached:
         return float(cached[key])

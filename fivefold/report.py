@@ -1,6 +1,7 @@
-"""Pictures of a run: the loss curve, pipeline timelines (PNG, Chrome trace) and step traces (`run.trace`: Chrome /
-Perfetto JSON and a PNG of one step), written atomically. Reads plain data (``metrics.jsonl`` records,
-`pipeline.simulator.Timeline` s, `trace.StepTracer.result` dicts) and owns every matplotlib import of the package.
+"""Pictures of a run: the loss curve, pipeline timelines (PNG, Chrome trace) and step traces
+(`run.trace`: Chrome / Perfetto JSON and a PNG of one step), written atomically. Reads plain data
+(``metrics.jsonl`` records, `pipeline.simulator.Timeline` s, `trace.StepTracer.result` dicts) and
+owns every matplotlib import of the package.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix:
 
 
 def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") -> None:
-    """Gantt chart PNG of ``timeline``: a row per rank, a box per event coloured by kind; later chunks lighter."""
+    """Gantt chart PNG of ``timeline``: a row per rank, a box per event coloured by kind; later
+    chunks lighter."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -114,9 +116,9 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") 
 
 
 def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: float = 1e6) -> None:
-    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one "X" event per action, tid = rank
-    (a pass that ran beside another: tid = rank + P·lane, "rank r (side by side)"), times × ``us_per_unit`` as
-    microseconds (the default reads times as seconds)."""
+    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, Perfetto): one "X" event per
+    action, tid = rank (a pass that ran beside another: tid = rank + P·lane, "rank r (side by
+    side)"), times × ``us_per_unit`` as microseconds (the default reads times as seconds)."""
     t0, P = timeline.start, timeline.n_ranks
     events: list[dict] = []
     for r, evs in enumerate(timeline.events):
@@ -158,8 +160,9 @@ def to_chrome_trace(timeline: Timeline, path: str | os.PathLike, us_per_unit: fl
 
 
 def plot_moe_load(records: list[dict], out_png: str | Path) -> Path:
-    """MoE expert load from metrics records: the last logged step's tokens per expert in each layer (bars), and
-    over steps each layer's imbalance, the busiest expert's load over the mean (1 = balanced), with drops noted."""
+    """MoE expert load from metrics records: the last logged step's tokens per expert in each layer
+    (bars), and over steps each layer's imbalance, the busiest expert's load over the mean (1 =
+    balanced), with drops noted."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -196,7 +199,8 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # x = steps done (a record's 0-based step + 1), as the console counts them ("step 50: val loss ...")
+    # x = steps done (a record's 0-based step + 1), as the console counts them ("step 50: val loss
+    # ...")
     train = [
         (r["step"] + 1, r["loss"])
         for r in records
@@ -224,7 +228,7 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
     return Path(out_png)
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Step traces (`run.trace`): every rank's events of the traced steps, from `trace.StepTracer.result`
 
 SPAN_COLORS = {
@@ -255,9 +259,10 @@ def _event_color(e: dict) -> str:
 
 
 def step_trace_lanes(events: list[dict]) -> list[tuple[str, list[dict]]]:
-    """One rank's events by display lane, in order: step, compute, side thread, pipeline, then one lane per mesh dim
-    of collectives ("comm dp", ...) in order of first use. Collectives of one dim that partly overlap (buckets or
-    prefetched gathers in flight together) go to further lanes ("comm dp #2"): a Chrome trace lane must nest."""
+    """One rank's events by display lane, in order: step, compute, side thread, pipeline, then one
+    lane per mesh dim of collectives ("comm dp", ...) in order of first use. Collectives of one dim
+    that partly overlap (buckets or prefetched gathers in flight together) go to further lanes
+    ("comm dp #2"): a Chrome trace lane must nest."""
     by_lane: dict[str, list[dict]] = {}
     for e in sorted(events, key=lambda e: (e["start"], -e["end"])):
         by_lane.setdefault(e["lane"], []).append(e)
@@ -282,9 +287,10 @@ def _rank_label(r: dict) -> str:
 
 
 def write_step_trace(ranks: list[dict], path: str | os.PathLike, other: dict | None = None) -> None:
-    """Chrome trace JSON (Perfetto, chrome://tracing) of every rank's traced steps: pid = rank, tid = lane (see
-    `step_trace_lanes`), "X" events with ts / dur in µs from the earliest event; collectives carry op, dim, tag and
-    bytes in args. ``other``: run-level figures for ``otherData``."""
+    """Chrome trace JSON (Perfetto, chrome://tracing) of every rank's traced steps: pid = rank,
+    tid = lane (see `step_trace_lanes`), "X" events with ts / dur in µs from the earliest event;
+    collectives carry op, dim, tag and bytes in args. ``other``: run-level figures for
+    ``otherData``."""
     t0 = min((e["start"] for r in ranks for s in r["steps"] for e in s["events"]), default=0)
     events: list[dict] = []
     for r in sorted(ranks, key=lambda r: r["rank"]):
@@ -343,9 +349,10 @@ def plot_step_trace(
     title: str = "",
     max_ranks: int = 8,
 ) -> int:
-    """PNG of one traced step (default: the last) on each rank (the first ``max_ranks``; trace.json has them all): a
-    row per lane — compute spans coloured forward / backward / recompute with waits for collectives in red, pipeline
-    actions, then collectives per mesh dim coloured by op. Returns the step drawn."""
+    """PNG of one traced step (default: the last) on each rank (the first ``max_ranks``; trace.json
+    has them all): a row per lane — compute spans coloured forward / backward / recompute with waits
+    for collectives in red, pipeline actions, then collectives per mesh dim coloured by op. Returns
+    the step drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

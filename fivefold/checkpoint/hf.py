@@ -1,9 +1,11 @@
-"""Hugging Face Llama weights in and out: `export_checkpoint` (a fivefold checkpoint -> safetensors + config.json in
-HF Llama naming, one parameter at a time) and `load_hf_weights` (HF safetensors -> this rank's share of any layout,
-reading only its rectangles from the memory-mapped files).
+"""Hugging Face Llama weights in and out: `export_checkpoint` (a fivefold checkpoint ->
+safetensors + config.json in HF Llama naming, one parameter at a time) and `load_hf_weights` (HF
+safetensors -> this rank's share of any layout, reading only its rectangles from the memory-mapped
+files).
 
-fivefold's Llama uses HF's rotate-half RoPE, so weights map one to one, by name only (`HF_NAMES`). What HF Llama
-cannot express is refused with the reason: MoE blocks, biases, another activation, another RoPE scaling type.
+fivefold's Llama uses HF's rotate-half RoPE, so weights map one to one, by name only (`HF_NAMES`).
+What HF Llama cannot express is refused with the reason: MoE blocks, biases, another activation,
+another RoPE scaling type.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ _TOP = {
 
 
 def hf_name(name: str) -> str:
-    """fivefold parameter name -> HF Llama's (``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn...``)."""
+    """fivefold parameter name -> HF Llama's (``layers.3.attention.wq.weight`` ->
+    ``model.layers.3.self_attn...``)."""
     if name in _TOP:
         return _TOP[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -114,8 +117,9 @@ def config_to_hf(c: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
-    """An HF ``config.json`` (Llama) as a `LlamaConfig`; what fivefold's Llama cannot express is an error, and so is
-    a value of the wrong type (naming its key) or a size beyond `check_model_bounds` (naming config.json's key)."""
+    """An HF ``config.json`` (Llama) as a `LlamaConfig`; what fivefold's Llama cannot express is an
+    error, and so is a value of the wrong type (naming its key) or a size beyond
+    `check_model_bounds` (naming config.json's key)."""
     import math
 
     from fivefold.models.llama import check_model_bounds
@@ -222,7 +226,8 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
 
 
 def read_hf_config(directory: str | Path) -> LlamaConfig:
-    """`config_from_hf` of ``directory``/config.json; every error is a `CheckpointError` naming the file."""
+    """`config_from_hf` of ``directory``/config.json; every error is a `CheckpointError` naming the
+    file."""
     path = Path(directory) / HF_CONFIG
     try:
         text = path.read_text()
@@ -253,7 +258,7 @@ def read_hf_config(directory: str | Path) -> LlamaConfig:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-# -- out --------------------------------------------------------------------------------------------------------
+# -- out -------------------------------------------------------------------------------------------
 
 
 def _model_parameters(meta: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -282,11 +287,12 @@ def export_checkpoint(
     max_shard_bytes: int = 2 << 30,
     trust: bool = False,
 ) -> dict[str, Any]:
-    """Write the model of the fivefold checkpoint ``source`` (a checkpoint, a run's checkpoint folder or a run
-    directory: its latest) as HF Llama safetensors in ``out_dir``: shards of at most ``max_shard_bytes`` (with
-    ``model.safetensors.index.json`` when more than one) and ``config.json``. One process; it holds one shard and
-    one parameter at a time, each read from DCP alone. Returns a summary (files, bytes, peak held bytes). A
-    checkpoint whose metadata only DCP's pickle holds needs ``trust`` (`UntrustedCheckpoint`)."""
+    """Write the model of the fivefold checkpoint ``source`` (a checkpoint, a run's checkpoint
+    folder or a run directory: its latest) as HF Llama safetensors in ``out_dir``: shards of at most
+    ``max_shard_bytes`` (with ``model.safetensors.index.json`` when more than one) and
+    ``config.json``. One process; it holds one shard and one parameter at a time, each read from DCP
+    alone. Returns a summary (files, bytes, peak held bytes). A checkpoint whose metadata only DCP's
+    pickle holds needs ``trust`` (`UntrustedCheckpoint`)."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -373,7 +379,7 @@ def export_checkpoint(
     }
 
 
-# -- in ---------------------------------------------------------------------------------------------------------
+# -- in --------------------------------------------------------------------------------------------
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -403,8 +409,9 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 
 
 def check_hf_weights(directory: str | Path, config: LlamaConfig) -> None:
-    """Before any worker starts: every tensor of ``config``'s model is in the directory's safetensors files with
-    its shape (only the files' headers are read). Raises `CheckpointError` naming the first problem."""
+    """Before any worker starts: every tensor of ``config``'s model is in the directory's
+    safetensors files with its shape (only the files' headers are read). Raises `CheckpointError`
+    naming the first problem."""
     from safetensors import safe_open
 
     from fivefold.models.llama import Llama
@@ -454,9 +461,9 @@ class _opened:
 def load_hf_weights(
     directory: str | Path, engines: Iterable[ZeroDataParallel], tp: Comm | None
 ) -> int:
-    """Fill every engine's fp32 master shard from the HF Llama safetensors in ``directory``, each rank reading only
-    the rectangles its layout holds (`training_state`'s `Pieces`), then refresh the compute copies. Returns the
-    number of elements read on this rank."""
+    """Fill every engine's fp32 master shard from the HF Llama safetensors in ``directory``, each
+    rank reading only the rectangles its layout holds (`training_state`'s `Pieces`), then refresh
+    the compute copies. Returns the number of elements read on this rank."""
     from safetensors import safe_open
 
     directory = Path(directory)

@@ -1,20 +1,24 @@
-"""`Checkpointer`: where checkpoints live, how one is written atomically and which one a resume reads.
+"""`Checkpointer`: where checkpoints live, how one is written atomically and which one a resume
+reads.
 
-A checkpoint is a directory ``<root>/step-<NNNNNNNN>`` holding DCP's files (one or more ``.distcp`` per rank and
-``.metadata``) and ``fivefold.json`` (step, layout, model config: what `fivefold export` and error messages need).
-Every rank writes into ``<root>/.partial-step-<N>``; once DCP's last collective has returned (all data and the
-metadata are on disk) rank 0 renames it to its final name and then points ``<root>/latest`` at it (written to a
-temporary file and renamed), so a directory without ``.partial`` in its name is complete and ``latest`` never names
-a half-written one. Keep-last-k rotation removes older complete checkpoints after that. With ``async_save`` the
-state is copied to host memory (`Pieces.snapshot`) and the same DCP save runs on a background thread over a process
-group of its own (so its collectives never interleave with training's), as DCP's ``async_save`` does; at most one save
-is in flight. ``fivefold.json`` lists every file with its size and SHA-256; a load checks them first.
+A checkpoint is a directory ``<root>/step-<NNNNNNNN>`` holding DCP's files (one or more ``.distcp``
+per rank and ``.metadata``) and ``fivefold.json`` (step, layout, model config: what
+`fivefold export` and error messages need). Every rank writes into ``<root>/.partial-step-<N>``;
+once DCP's last collective has returned (all data and the metadata are on disk) rank 0 renames it to
+its final name and then points ``<root>/latest`` at it (written to a temporary file and renamed), so
+a directory without ``.partial`` in its name is complete and ``latest`` never names a half-written
+one. Keep-last-k rotation removes older complete checkpoints after that. With ``async_save`` the
+state is copied to host memory (`Pieces.snapshot`) and the same DCP save runs on a background thread
+over a process group of its own (so its collectives never interleave with training's), as DCP's
+``async_save`` does; at most one save is in flight. ``fivefold.json`` lists every file with its size
+and SHA-256; a load checks them first.
 
 Loading executes nothing the checkpoint holds: DCP's metadata is read from ``dcp-metadata.json``
-(`fivefold.checkpoint.metadata`), objects with ``torch.load(weights_only=True)``, and every name a file gives — the
-``latest`` pointer, the manifest's file names, DCP's data files — must be a plain entry of its own directory, not a
-symlink out of it. Before a save rank 0 checks the file system has room for it; a save that fails anyway removes its
-``.partial`` directory and says why in one line (`CheckpointSaveError`; no space left: ENOSPC, the path, the sizes).
+(`fivefold.checkpoint.metadata`), objects with ``torch.load(weights_only=True)``, and every name a
+file gives — the ``latest`` pointer, the manifest's file names, DCP's data files — must be a plain
+entry of its own directory, not a symlink out of it. Before a save rank 0 checks the file system has
+room for it; a save that fails anyway removes its ``.partial`` directory and says why in one line
+(`CheckpointSaveError`; no space left: ENOSPC, the path, the sizes).
 """
 
 from __future__ import annotations
@@ -63,11 +67,13 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, incomplete or damaged (the message says which and where)."""
+    """A checkpoint that cannot be used: missing, incomplete or damaged (the message says which and
+    where)."""
 
 
 class CheckpointSaveError(CheckpointError):
-    """A save that failed (its ``.partial`` directory removed; the last complete checkpoint stays)."""
+    """A save that failed (its ``.partial`` directory removed; the last complete checkpoint
+    stays)."""
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -107,8 +113,8 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
 
 
 def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
-    """``where``: "latest" (the newest complete checkpoint under ``root``), a checkpoint directory, or a run's
-    checkpoint root (its newest)."""
+    """``where``: "latest" (the newest complete checkpoint under ``root``), a checkpoint directory,
+    or a run's checkpoint root (its newest)."""
     if str(where) == "latest":
         if root is None:
             raise CheckpointError("--resume latest needs a run directory")
@@ -151,7 +157,8 @@ def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
 
 
 def _snapshot(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state copied to host memory, so training may change it while a background save writes the copy."""
+    """The state copied to host memory, so training may change it while a background save writes the
+    copy."""
     return {
         k: v.snapshot()
         if isinstance(v, Pieces)
@@ -171,8 +178,9 @@ def _file_digest(path: Path) -> dict[str, Any]:
 
 
 def verify_files(path: Path, meta: dict[str, Any], rank: int = 0, world: int = 1) -> list[str]:
-    """Problems with the checkpoint's files against the manifest in its ``fivefold.json``: every file's size, and
-    the SHA-256 of this rank's share of them (file i is checked by rank i mod world)."""
+    """Problems with the checkpoint's files against the manifest in its ``fivefold.json``: every
+    file's size, and the SHA-256 of this rank's share of them (file i is checked by rank i mod
+    world)."""
     files = meta.get("files")
     if files is None:
         return [f"{path / CHECKPOINT_META} lists no files"]
@@ -191,7 +199,8 @@ def verify_files(path: Path, meta: dict[str, Any], rank: int = 0, world: int = 1
             problems.append(f"{f} is missing")
         elif f.stat().st_size != want["bytes"]:
             problems.append(
-                f"{f} has {f.stat().st_size} bytes, {want['bytes']} were written (truncated or replaced)"
+                f"{f} has {f.stat().st_size} bytes, {want['bytes']} were written (truncated or "
+                "replaced)"
             )
         elif i % world == rank and _file_digest(f)["sha256"] != want["sha256"]:
             problems.append(f"{f} does not match its SHA-256 (damaged)")
@@ -199,8 +208,8 @@ def verify_files(path: Path, meta: dict[str, Any], rank: int = 0, world: int = 1
 
 
 class Checkpointer:
-    """Saves and finds this run's checkpoints under ``root`` (every rank constructs one, in the same order: with
-    ``async_save`` it creates the background process group, a collective)."""
+    """Saves and finds this run's checkpoints under ``root`` (every rank constructs one, in the same
+    order: with ``async_save`` it creates the background process group, a collective)."""
 
     def __init__(self, root: Path, keep: int = 3, async_save: bool = False) -> None:
         self.root = root
@@ -214,9 +223,10 @@ class Checkpointer:
         self._pending: Future | None = None
 
     def save(self, step: int, state_dict: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Write the checkpoint of ``step`` (``state_dict``: `training_state`'s plus plain objects); ``meta`` goes
-        to ``fivefold.json``. Collective. Async: returns once the state is copied to host memory. Raises
-        `CheckpointSaveError` (on every rank) when the file system lacks room or the write fails."""
+        """Write the checkpoint of ``step`` (``state_dict``: `training_state`'s plus plain objects);
+        ``meta`` goes to ``fivefold.json``. Collective. Async: returns once the state is copied to
+        host memory. Raises `CheckpointSaveError` (on every rank) when the file system lacks room or
+        the write fails."""
         self.wait()  # one save in flight at a time
         final = _step_dir(self.root, step)
         partial = self.root / f".partial-{final.name}"
@@ -230,8 +240,8 @@ class Checkpointer:
                 if free < need:
                     problem[0] = (
                         f"no space for checkpoint {final}: it needs {_mib(need)}, {self.root} has "
-                        f"{_mib(free)} free (ENOSPC ahead); free space there or set checkpoint.dir to a "
-                        "larger disk"
+                        f"{_mib(free)} free (ENOSPC ahead); free space there or set checkpoint.dir "
+                        "to a larger disk"
                     )
                 else:
                     partial.mkdir()
@@ -332,8 +342,8 @@ class Checkpointer:
 
     @staticmethod
     def verify(path: Path) -> None:
-        """Check the checkpoint's files against its manifest (sizes everywhere, the SHA-256 of each file on one
-        rank). Collective: every rank raises the same error if one is wrong."""
+        """Check the checkpoint's files against its manifest (sizes everywhere, the SHA-256 of each
+        file on one rank). Collective: every rank raises the same error if one is wrong."""
         meta = read_checkpoint_meta(path)
         mine = verify_files(path, meta, dist.get_rank(), dist.get_world_size())
         every: list = [None] * dist.get_world_size()
@@ -346,9 +356,10 @@ class Checkpointer:
     def load(
         path: Path, state_dict: dict[str, Any], verified: bool = False, trust: bool = False
     ) -> None:
-        """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at ``path``; each rank
-        reads only the rectangles its layout holds. Collective; `verify` first unless ``verified``. The metadata
-        is read from its JSON; a checkpoint with only DCP's pickle needs ``trust`` (`UntrustedCheckpoint`)."""
+        """Fill ``state_dict`` (`training_state`'s, plus plain objects) from the checkpoint at
+        ``path``; each rank reads only the rectangles its layout holds. Collective; `verify` first
+        unless ``verified``. The metadata is read from its JSON; a checkpoint with only DCP's pickle
+        needs ``trust`` (`UntrustedCheckpoint`)."""
         if not verified:
             Checkpointer.verify(path)
         try:
@@ -369,7 +380,8 @@ class Checkpointer:
     def saved_optimizer_keys(
         path: Path, trust: bool = False
     ) -> tuple[list[str], dict[str, torch.dtype]]:
-        """(elementwise keys, scalar keys -> dtype) of the optimizer state in the checkpoint at ``path``."""
+        """(elementwise keys, scalar keys -> dtype) of the optimizer state in the checkpoint at
+        ``path``."""
         md = read_safe_metadata(path, trust).state_dict_metadata
         elementwise, scalars = [], {}
         for fqn, m in md.items():
@@ -383,8 +395,9 @@ class Checkpointer:
 
 
 def check_loadable(path: Path, trust: bool = False) -> None:
-    """The checkpoint's metadata can be read without executing anything (or ``trust`` says so): its JSON parses
-    and names only its own data files. Raises `UntrustedCheckpoint` or `CheckpointError`."""
+    """The checkpoint's metadata can be read without executing anything (or ``trust`` says so): its
+    JSON parses and names only its own data files. Raises `UntrustedCheckpoint` or
+    `CheckpointError`."""
     try:
         read_safe_metadata(path, trust)
     except DamagedMetadata as e:
@@ -392,8 +405,9 @@ def check_loadable(path: Path, trust: bool = False) -> None:
 
 
 def _checkpoint_bytes(state_dict: dict[str, Any]) -> int:
-    """What the checkpoint of ``state_dict`` takes on disk: every global tensor once (replicas write one copy) plus
-    DCP's per-item framing; every rank's names are gathered (pipeline stages hold different ones). Collective."""
+    """What the checkpoint of ``state_dict`` takes on disk: every global tensor once (replicas write
+    one copy) plus DCP's per-item framing; every rank's names are gathered (pipeline stages hold
+    different ones). Collective."""
     mine: dict[str, int] = {}
     for fqn, v in state_dict.items():
         if isinstance(v, Pieces):
@@ -427,8 +441,9 @@ def _os_error(e: OSError) -> str:
 
 
 def _save_failure(final: Path, root: Path, error: BaseException, need: int) -> str:
-    """One line for a failed save: ENOSPC with the path and the sizes when the disk is full (DCP's zip writer
-    reports a short write as ``unexpected pos``; the free space tells), else the first error."""
+    """One line for a failed save: ENOSPC with the path and the sizes when the disk is full (DCP's
+    zip writer reports a short write as ``unexpected pos``; the free space tells), else the first
+    error."""
     causes = list(getattr(error, "failures", {}).values()) or [(error, None)]
     first = causes[0][0] if isinstance(causes[0], tuple) else causes[0]
     chain = [first]
@@ -444,8 +459,9 @@ def _save_failure(final: Path, root: Path, error: BaseException, need: int) -> s
     if full:
         return (
             f"checkpoint {final} was not saved: no space left on device (ENOSPC) on {root} "
-            f"({_mib(free or 0)} free, the checkpoint needs {_mib(need)}); its partial files were removed and "
-            "the last complete checkpoint stays. Free space there or set checkpoint.dir to a larger disk"
+            f"({_mib(free or 0)} free, the checkpoint needs {_mib(need)}); its partial files were "
+            "removed and the last complete checkpoint stays. Free space there or set "
+            "checkpoint.dir to a larger disk"
         )
     what = _os_error(first) if isinstance(first, OSError) else f"{type(first).__name__}: {first}"
     return f"checkpoint {final} was not saved ({what}); its partial files were removed"
@@ -459,7 +475,8 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    """A rename is durable once its directory is synced (POSIX); where a directory cannot be opened, nothing."""
+    """A rename is durable once its directory is synced (POSIX); where a directory cannot be opened,
+    nothing."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -1,18 +1,20 @@
 """DCP's checkpoint metadata as JSON, so that loading a checkpoint executes nothing it holds.
 
-DCP writes its `Metadata` (which tensors, their chunks, which file and byte range holds each) with `pickle` into
-``.metadata`` and reads it back with ``pickle.load``; its default planner reads every non-tensor object with
-``torch.load(weights_only=False)``. Either runs whatever code a crafted checkpoint carries. fivefold's checkpoints
-carry the same metadata as JSON in ``dcp-metadata.json`` (`JsonMetadataWriter` writes it beside DCP's own file, which
-stays for torch's tools), and fivefold reads only that (`SafeReader`): the loader builds DCP's `Metadata` from plain
-numbers and strings, checked field by field, every file name confined to the checkpoint directory. JSON written by
-fivefold was chosen over a restricted unpickler because its safety does not depend on which classes an allow-list
-admits (each admitted class's constructor would run with arguments the file chose) and because the format is
-fivefold's own, stable across torch versions. Objects (RNG states, the loss scaler) are read with
-``torch.load(weights_only=True)`` (`PiecesLoadPlanner.load_bytes`).
+DCP writes its `Metadata` (which tensors, their chunks, which file and byte range holds each) with
+`pickle` into ``.metadata`` and reads it back with ``pickle.load``; its default planner reads every
+non-tensor object with ``torch.load(weights_only=False)``. Either runs whatever code a crafted
+checkpoint carries. fivefold's checkpoints carry the same metadata as JSON in ``dcp-metadata.json``
+(`JsonMetadataWriter` writes it beside DCP's own file, which stays for torch's tools), and fivefold
+reads only that (`SafeReader`): the loader builds DCP's `Metadata` from plain numbers and strings,
+checked field by field, every file name confined to the checkpoint directory. JSON written by
+fivefold was chosen over a restricted unpickler because its safety does not depend on which classes
+an allow-list admits (each admitted class's constructor would run with arguments the file chose) and
+because the format is fivefold's own, stable across torch versions. Objects (RNG states, the loss
+scaler) are read with ``torch.load(weights_only=True)`` (`PiecesLoadPlanner.load_bytes`).
 
-A checkpoint without ``dcp-metadata.json`` (written by another DCP user, or by fivefold before this format) is
-refused unless the caller trusts it (``--trust-checkpoint``): then DCP's pickle is read, as DCP itself does.
+A checkpoint without ``dcp-metadata.json`` (written by another DCP user, or by fivefold before this
+format) is refused unless the caller trusts it (``--trust-checkpoint``): then DCP's pickle is read,
+as DCP itself does.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def _ints(value: Any, what: str) -> list[int]:
 
 
 def metadata_to_json(md: Metadata) -> dict[str, Any]:
-    """DCP's `Metadata` of a fivefold save as plain JSON values (tensors: dtype, size, chunks; objects: names;
-    storage: file name and byte range of every item)."""
+    """DCP's `Metadata` of a fivefold save as plain JSON values (tensors: dtype, size, chunks;
+    objects: names; storage: file name and byte range of every item)."""
     tensors, objects = {}, []
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
@@ -106,8 +108,8 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     for index, info in md.storage_data.items():
         if info.transform_descriptors:
             raise TypeError(
-                f"{index.fqn}: stored with transforms {info.transform_descriptors}, which fivefold does "
-                "not write"
+                f"{index.fqn}: stored with transforms {info.transform_descriptors}, which fivefold "
+                "does not write"
             )
         storage.append(
             {
@@ -211,17 +213,19 @@ def metadata_from_json(d: Any) -> Metadata:
 
 
 def read_safe_metadata(path: Path, trust: bool = False) -> Metadata:
-    """The checkpoint's DCP metadata from its JSON; without one, DCP's pickle only when ``trust``."""
+    """The checkpoint's DCP metadata from its JSON; without one, DCP's pickle only when
+    ``trust``."""
     src = Path(path) / DCP_METADATA
     try:
         text = src.read_text()
     except FileNotFoundError:
         if not trust:
             raise UntrustedCheckpoint(
-                f"checkpoint {path} has no {DCP_METADATA}: its metadata is a pickle (DCP's .metadata, written by "
-                "another DCP program or by a fivefold older than this format), and reading it can run any code the "
-                "file carries. Load it only if you trust where it came from, with --trust-checkpoint (a fivefold "
-                "checkpoint saved after that is in the safe format)"
+                f"checkpoint {path} has no {DCP_METADATA}: its metadata is a pickle (DCP's "
+                ".metadata, written by another DCP program or by a fivefold older than this "
+                "format), and reading it can run any code the file carries. Load it only if you "
+                "trust where it came from, with --trust-checkpoint (a fivefold checkpoint saved "
+                "after that is in the safe format)"
             ) from None
         return FileSystemReader(path).read_metadata()
     try:
@@ -231,7 +235,8 @@ def read_safe_metadata(path: Path, trust: bool = False) -> Metadata:
 
 
 class JsonMetadataWriter(FileSystemWriter):
-    """DCP's `FileSystemWriter`, also writing the metadata as ``dcp-metadata.json`` (atomically, fsynced)."""
+    """DCP's `FileSystemWriter`, also writing the metadata as ``dcp-metadata.json`` (atomically,
+    fsynced)."""
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills metadata.storage_data, writes DCP's .metadata
@@ -245,7 +250,8 @@ class JsonMetadataWriter(FileSystemWriter):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's `FileSystemReader` reading the metadata from ``dcp-metadata.json`` (`read_safe_metadata`)."""
+    """DCP's `FileSystemReader` reading the metadata from ``dcp-metadata.json``
+    (`read_safe_metadata`)."""
 
     def __init__(self, path: str | os.PathLike, trust: bool = False) -> None:
         super().__init__(path)

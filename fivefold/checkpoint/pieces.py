@@ -1,11 +1,13 @@
-"""What one rank holds of a global tensor, as boxes of global coordinates: the unit checkpoints are written in.
+"""What one rank holds of a global tensor, as boxes of global coordinates: the unit checkpoints are
+written in.
 
-A rank holds a parameter (or its optimizer state) as a flat range [a, b) of its TP-local tensor (a ZeRO shard cuts
-the flat buffer anywhere, mid-row included), and the TP-local tensor is itself a slice of the global one along one
-dimension. `row_major_boxes` cuts such a range into at most 2·ndim-1 boxes, each a contiguous run of the flat
-storage and a rectangle of the tensor; shifted by the TP offset they are rectangles of the global tensor, which is
-what a DCP chunk is. So a checkpoint stores every parameter under its global name and shape, and any other layout
-reads back the rectangles it needs (`fivefold.checkpoint.planner`).
+A rank holds a parameter (or its optimizer state) as a flat range [a, b) of its TP-local tensor (a
+ZeRO shard cuts the flat buffer anywhere, mid-row included), and the TP-local tensor is itself a
+slice of the global one along one dimension. `row_major_boxes` cuts such a range into at most
+2·ndim-1 boxes, each a contiguous run of the flat storage and a rectangle of the tensor; shifted by
+the TP offset they are rectangles of the global tensor, which is what a DCP chunk is. So a
+checkpoint stores every parameter under its global name and shape, and any other layout reads back
+the rectangles it needs (`fivefold.checkpoint.planner`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ __all__ = ["Box", "Pieces", "row_major_boxes"]
 
 @dataclass(frozen=True)
 class Box:
-    """A rectangle of a tensor (``offsets``, ``sizes`` per dimension) that is also the contiguous flat range
-    [``flat_start``, ``flat_start`` + numel) of its row-major storage."""
+    """A rectangle of a tensor (``offsets``, ``sizes`` per dimension) that is also the contiguous
+    flat range [``flat_start``, ``flat_start`` + numel) of its row-major storage."""
 
     flat_start: int
     offsets: tuple[int, ...]
@@ -34,8 +36,9 @@ class Box:
 
 
 def row_major_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
-    """Boxes covering the flat range [start, stop) of a row-major tensor of ``shape``, in flat order: a partial
-    leading row, whole rows, a partial trailing row (each partial row cut the same way one dimension down)."""
+    """Boxes covering the flat range [start, stop) of a row-major tensor of ``shape``, in flat
+    order: a partial leading row, whole rows, a partial trailing row (each partial row cut the same
+    way one dimension down)."""
     shape = tuple(shape)
     if not 0 <= start <= stop <= math.prod(shape):
         raise ValueError(f"flat range [{start}, {stop}) outside a tensor of shape {shape}")
@@ -81,8 +84,9 @@ def row_major_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
 @dataclass
 class Pieces:
-    """This rank's share of the global tensor ``size`` (``dtype``): rectangles at global ``offsets``, each with
-    the tensor that holds (save) or receives (load) its values, shaped like the rectangle. A share may be empty."""
+    """This rank's share of the global tensor ``size`` (``dtype``): rectangles at global
+    ``offsets``, each with the tensor that holds (save) or receives (load) its values, shaped like
+    the rectangle. A share may be empty."""
 
     size: torch.Size
     dtype: torch.dtype
@@ -96,7 +100,8 @@ class Pieces:
             o + s > n for o, s, n in zip(key, values.shape, self.size)
         ):
             raise ValueError(
-                f"box at {key} of shape {tuple(values.shape)} outside a tensor of size {tuple(self.size)}"
+                f"box at {key} of shape {tuple(values.shape)} outside a tensor of size "
+                f"{tuple(self.size)}"
             )
         self.boxes[key] = values
 
@@ -107,8 +112,9 @@ class Pieces:
         start: int,
         local_offset: Sequence[int],
     ) -> None:
-        """The values ``flat`` (1-D) of the local tensor's flat range [start, start + len(flat)) — the local tensor
-        being the slice of shape ``local_shape`` at ``local_offset`` of the global one."""
+        """The values ``flat`` (1-D) of the local tensor's flat range [start, start + len(flat)) —
+        the local tensor being the slice of shape ``local_shape`` at ``local_offset`` of the global
+        one."""
         for box in row_major_boxes(local_shape, start, start + flat.numel()):
             a = box.flat_start - start
             values = flat[a : a + box.numel].view(box.sizes)

@@ -1,11 +1,13 @@
-"""DCP planners that write and read `Pieces`: every rectangle a rank holds is one DCP chunk of the global tensor.
+"""DCP planners that write and read `Pieces`: every rectangle a rank holds is one DCP chunk of the
+global tensor.
 
-Saving, each rectangle becomes a ``WriteItem`` at its global offsets; DCP's coordinator drops the copies that
-replicas (dp under ZeRO-0, tp for replicated weights, ep_dp for experts, dp_replicate under HSDP) write at the same
-offsets and checks that the chunks neither overlap nor leave a hole. Loading, each rectangle asks DCP for its
-overlap with whatever chunks the writer's layout left (`create_read_items_for_chunk_list`), so any layout reads any
-other's checkpoint, each rank reading only its slices. Plain tensors in the state dict keep DCP's default handling;
-objects are read with ``torch.load(weights_only=True)``, never DCP's full unpickling.
+Saving, each rectangle becomes a ``WriteItem`` at its global offsets; DCP's coordinator drops the
+copies that replicas (dp under ZeRO-0, tp for replicated weights, ep_dp for experts, dp_replicate
+under HSDP) write at the same offsets and checks that the chunks neither overlap nor leave a hole.
+Loading, each rectangle asks DCP for its overlap with whatever chunks the writer's layout left
+(`create_read_items_for_chunk_list`), so any layout reads any other's checkpoint, each rank reading
+only its slices. Plain tensors in the state dict keep DCP's default handling; objects are read with
+``torch.load(weights_only=True)``, never DCP's full unpickling.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ __all__ = ["CheckpointMismatch", "PiecesLoadPlanner", "PiecesSavePlanner"]
 
 
 class CheckpointMismatch(ValueError):
-    """The checkpoint does not hold what this run needs (a missing tensor, another shape or dtype)."""
+    """The checkpoint does not hold what this run needs (a missing tensor, another shape or
+    dtype)."""
 
 
 def _box(pieces: Pieces, index: MetadataIndex) -> torch.Tensor:
@@ -48,10 +51,12 @@ def _box(pieces: Pieces, index: MetadataIndex) -> torch.Tensor:
 
 
 class PiecesSavePlanner(DefaultSavePlanner):
-    """`DefaultSavePlanner` that also writes `Pieces` values as their rectangles. Flat state dicts only."""
+    """`DefaultSavePlanner` that also writes `Pieces` values as their rectangles. Flat state dicts
+    only."""
 
     def __init__(self) -> None:
-        # replicas' copies of a tensor are written once, by the rank that has written least so far (not all by rank 0)
+        # replicas' copies of a tensor are written once, by the rank that has written least so far
+        # (not all by rank 0)
         super().__init__(
             flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False
         )
@@ -97,7 +102,8 @@ class PiecesSavePlanner(DefaultSavePlanner):
 
 
 class PiecesLoadPlanner(DefaultLoadPlanner):
-    """`DefaultLoadPlanner` that fills `Pieces` values from whichever saved chunks overlap their rectangles."""
+    """`DefaultLoadPlanner` that fills `Pieces` values from whichever saved chunks overlap their
+    rectangles."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -116,8 +122,9 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
         )
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        # DCP's default unpickles objects with weights_only=False (any code the file carries would run): tensors,
-        # numbers and plain containers only. An object is replaced, not filled: hand it to the caller's dict too.
+        # DCP's default unpickles objects with weights_only=False (any code the file carries would
+        # run): tensors, numbers and plain containers only. An object is replaced, not filled: hand
+        # it to the caller's dict too.
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:

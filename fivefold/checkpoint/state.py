@@ -1,11 +1,12 @@
-"""The training state of one rank as a DCP state dict keyed by global names (`training_state`), and its inverse
-(`after_load`).
+"""The training state of one rank as a DCP state dict keyed by global names (`training_state`), and
+its inverse (`after_load`).
 
-Per parameter ``name`` (the single-process name, whatever the layout): ``model.<name>`` — the fp32 master values —
-and ``optim.<key>.<name>`` for every elementwise optimizer state (AdamW: exp_avg, exp_avg_sq), each a `Pieces` of
-what this rank's ZeRO shard holds of the TP-local tensor, in global coordinates: a flat shard is saved as the pieces
-of the parameters it covers. Per-parameter optimizer scalars (AdamW's step) are plain 0-d tensors
-``optim.<key>.<name>``. Everything else a resume needs (step, loss scaler, RNG states, layout) is the caller's.
+Per parameter ``name`` (the single-process name, whatever the layout): ``model.<name>`` — the fp32
+master values — and ``optim.<key>.<name>`` for every elementwise optimizer state (AdamW: exp_avg,
+exp_avg_sq), each a `Pieces` of what this rank's ZeRO shard holds of the TP-local tensor, in global
+coordinates: a flat shard is saved as the pieces of the parameters it covers. Per-parameter
+optimizer scalars (AdamW's step) are plain 0-d tensors ``optim.<key>.<name>``. Everything else a
+resume needs (step, loss scaler, RNG states, layout) is the caller's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ __all__ = ["ParamShare", "TrainingState", "optimizer_state_keys", "param_shares"
 
 @dataclass(frozen=True)
 class ParamShare:
-    """Where parameter ``name`` sits: global ``size``, its TP-local tensor's ``local_shape`` at ``local_offset``."""
+    """Where parameter ``name`` sits: global ``size``, its TP-local tensor's ``local_shape`` at
+    ``local_offset``."""
 
     name: str
     size: torch.Size
@@ -35,7 +37,8 @@ class ParamShare:
 
 
 def param_shares(engine: ZeroDataParallel, tp: Comm | None) -> dict[str, ParamShare]:
-    """Every parameter of `engine` with its global size and TP offset (`ParamPlacement.tp_dim` of the module)."""
+    """Every parameter of `engine` with its global size and TP offset (`ParamPlacement.tp_dim` of
+    the module)."""
     placements = getattr(engine.module, "tp_placements", {})
     out = {}
     for flat in engine.flats:
@@ -51,8 +54,8 @@ def param_shares(engine: ZeroDataParallel, tp: Comm | None) -> dict[str, ParamSh
 
 
 def _segment_ranges(flat: FlatParam) -> Iterator[tuple[int, int, int, Any, int]]:
-    """(slot index, lo, hi, master param, its first index) for every overlap of a parameter slot with an optimizer
-    segment, in flat-buffer coordinates [lo, hi)."""
+    """(slot index, lo, hi, master param, its first index) for every overlap of a parameter slot
+    with an optimizer segment, in flat-buffer coordinates [lo, hi)."""
     for (_, a, b), mp in zip(flat.segments, flat.master_params):
         seg_lo, seg_hi = flat.start + a, flat.start + b
         for i, slot in enumerate(flat.layout.slots):
@@ -62,7 +65,8 @@ def _segment_ranges(flat: FlatParam) -> Iterator[tuple[int, int, int, Any, int]]
 
 
 def optimizer_state_keys(engine: ZeroDataParallel) -> tuple[list[str], list[str]]:
-    """(elementwise keys, scalar keys) of the optimizer state this engine holds now (empty before the first step)."""
+    """(elementwise keys, scalar keys) of the optimizer state this engine holds now (empty before
+    the first step)."""
     elementwise, scalar = [], []
     for flat in engine.flats:
         for mp in flat.master_params:
@@ -77,7 +81,8 @@ def optimizer_state_keys(engine: ZeroDataParallel) -> tuple[list[str], list[str]
 def _ensure_optimizer_state(
     engine: ZeroDataParallel, elementwise: Iterable[str], scalars: dict[str, torch.dtype]
 ) -> None:
-    """Create the optimizer state a load will fill (a torch optimizer allocates it at its first step)."""
+    """Create the optimizer state a load will fill (a torch optimizer allocates it at its first
+    step)."""
     for flat in engine.flats:
         for mp in flat.master_params:
             state = engine.optimizer.state.setdefault(mp, {})
@@ -92,15 +97,16 @@ def _ensure_optimizer_state(
 
 @dataclass
 class TrainingState:
-    """What `training_state` returns: the DCP state dict, and for a load the optimizer scalars to hand on (one
-    loaded value per parameter, copied into every optimizer segment holding a part of it)."""
+    """What `training_state` returns: the DCP state dict, and for a load the optimizer scalars to
+    hand on (one loaded value per parameter, copied into every optimizer segment holding a part of
+    it)."""
 
     state_dict: dict[str, Any]
     scalar_targets: list[tuple[str, torch.Tensor]]
 
     def after_load(self, engines: Iterable[ZeroDataParallel]) -> None:
-        """The fp32 masters and optimizer state were loaded: set the segments' scalars, refresh the compute copies
-        (16-bit shards; ZeRO-1/2's full buffers)."""
+        """The fp32 masters and optimizer state were loaded: set the segments' scalars, refresh the
+        compute copies (16-bit shards; ZeRO-1/2's full buffers)."""
         for fqn, target in self.scalar_targets:
             target.copy_(self.state_dict[fqn])
         works = []
@@ -119,9 +125,9 @@ def training_state(
     optimizer_scalars: dict[str, torch.dtype] | None = None,
     optimizer_elementwise: Iterable[str] | None = None,
 ) -> TrainingState:
-    """This rank's model and optimizer state keyed by global names, as `Pieces` viewing the live tensors (save:
-    what is written; load: where it lands). For a load give the optimizer keys the checkpoint has: the state is
-    created (zeros) where the optimizer has none yet."""
+    """This rank's model and optimizer state keyed by global names, as `Pieces` viewing the live
+    tensors (save: what is written; load: where it lands). For a load give the optimizer keys the
+    checkpoint has: the state is created (zeros) where the optimizer has none yet."""
     engines = list(engines)
     state: dict[str, Any] = {}
     targets: list[tuple[str, torch.Tensor]] = []

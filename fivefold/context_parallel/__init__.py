@@ -1,5 +1,5 @@
-"""Context parallelism (docs/design.md#context-parallelism): the sequence split over the cp group, attention as a
-ring."""
+"""Context parallelism (docs/design.md#context-parallelism): the sequence split over the cp group,
+attention as a ring."""
 
 from fivefold.context_parallel.layout import LAYOUTS, SequenceLayout
 from fivefold.context_parallel.plan import CPPlan, apply_context_parallel

@@ -1,8 +1,8 @@
-"""How a sequence is split over the cp group (docs/design.md#context-parallelism). The sequence is cut into equal
-chunks; a rank holds some of them, in order. Causal attention makes later chunks costlier (a query attends to every key
-before it), so `zigzag` gives rank i chunks i and 2C-1-i of 2C: every rank then does the same work (Llama 3's CP,
-Megatron-LM). `contiguous` (rank i holds chunk i of C) is the textbook layout, kept for tests and non-causal
-attention."""
+"""How a sequence is split over the cp group (docs/design.md#context-parallelism). The sequence is
+cut into equal chunks; a rank holds some of them, in order. Causal attention makes later chunks
+costlier (a query attends to every key before it), so `zigzag` gives rank i chunks i and 2C-1-i of
+2C: every rank then does the same work (Llama 3's CP, Megatron-LM). `contiguous` (rank i holds chunk
+i of C) is the textbook layout, kept for tests and non-causal attention."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ class SequenceLayout:
     def check(self, seq_len: int) -> None:
         if seq_len % self.n_chunks:
             raise ValueError(
-                f"context parallel ({self.kind}, cp={self.cp}) cuts the sequence into {self.n_chunks} "
-                f"equal chunks: seq_len={seq_len} is not divisible by {self.n_chunks}; use a multiple "
-                f"of {self.n_chunks}"
+                f"context parallel ({self.kind}, cp={self.cp}) cuts the sequence into "
+                f"{self.n_chunks} equal chunks: seq_len={seq_len} is not divisible by "
+                f"{self.n_chunks}; use a multiple of {self.n_chunks}"
             )
 
     def positions(
@@ -57,7 +57,8 @@ class SequenceLayout:
         return x.index_select(dim, self.positions(rank, x.shape[dim], x.device))
 
     def unshard(self, parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        """The whole sequence from every rank's part (inverse of `shard`; for tests and gathering outputs)."""
+        """The whole sequence from every rank's part (inverse of `shard`; for tests and gathering
+        outputs)."""
         seq_len = sum(p.shape[dim] for p in parts)
         order = torch.cat([self.positions(r, seq_len, parts[0].device) for r in range(self.cp)])
         whole = torch.cat(parts, dim=dim)

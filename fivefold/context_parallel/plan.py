@@ -1,6 +1,7 @@
-"""A context-parallel plan is data (which modules attend, which buffers are indexed by position), applied by
-`apply_context_parallel`: every attention core becomes ring attention over the cp group, and each position table
-keeps the rows of this rank's tokens, so the model's own forward runs unchanged on its part of the sequence."""
+"""A context-parallel plan is data (which modules attend, which buffers are indexed by position),
+applied by `apply_context_parallel`: every attention core becomes ring attention over the cp group,
+and each position table keeps the rows of this rank's tokens, so the model's own forward runs
+unchanged on its part of the sequence."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def apply_context_parallel(
     seq_len: int,
     plan: CPPlan,
 ) -> nn.Module:
-    """Make `model` (whole or a pipeline stage, tables already filled) run on `comm.rank`'s part of sequences of
-    `seq_len` tokens laid out by `layout`."""
+    """Make `model` (whole or a pipeline stage, tables already filled) run on `comm.rank`'s part of
+    sequences of `seq_len` tokens laid out by `layout`."""
     layout.check(seq_len)
     attention = [
         m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, plan.attention)

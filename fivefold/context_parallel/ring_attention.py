@@ -1,19 +1,21 @@
-"""Ring attention (Liu et al. 2024; docs/design.md#context-parallelism): attention over a sequence split across the cp
-group.
+"""Ring attention (Liu et al. 2024; docs/design.md#context-parallelism): attention over a sequence
+split across the cp group.
 
-Each rank keeps its queries; the keys and values travel around the ring (rank r sends to r+1, receives from r-1),
-the next transfer in flight while the current block is computed, C-1 transfers in all. Blocks of (query chunk, key
-chunk) are merged with the online-softmax rule — running output and log-sum-exp — so no L×L score matrix exists,
-only one chunk×chunk block at a time. Causal: a key chunk after the query chunk is skipped, the diagonal block
-masked. GQA: keys and values travel with their own (fewer) heads, never the expanded copies. Each block is computed
-by a kernel: torch's fused flash-attention on CPU (a block's kv heads expanded for it), portable fp32 math elsewhere
+Each rank keeps its queries; the keys and values travel around the ring (rank r sends to r+1,
+receives from r-1), the next transfer in flight while the current block is computed, C-1 transfers
+in all. Blocks of (query chunk, key chunk) are merged with the online-softmax rule — running output
+and log-sum-exp — so no L×L score matrix exists, only one chunk×chunk block at a time. Causal: a key
+chunk after the query chunk is skipped, the diagonal block masked. GQA: keys and values travel with
+their own (fewer) heads, never the expanded copies. Each block is computed by a kernel: torch's
+fused flash-attention on CPU (a block's kv heads expanded for it), portable fp32 math elsewhere
 (each query-head group broadcast against its kv head) — the same merge and the same ring either way.
 
-Backward is blockwise from the saved output and log-sum-exp (FlashAttention's rule, no forward recomputation
-beyond each block's scores): keys and values go around the ring again, and each kv shard's gradient accumulator
-travels with it, every rank adding its part; after C steps it arrives back at the owner (C transfers).
-Per rank and step a transfer is 2·B·(L/C)·H_kv·d elements: ≈ 2·L·D/C·(C-1) per direction over a forward, the textbook
-volume scaled by H_kv/H for GQA (`formulas.ring_attention_p2p_elements`).
+Backward is blockwise from the saved output and log-sum-exp (FlashAttention's rule, no forward
+recomputation beyond each block's scores): keys and values go around the ring again, and each kv
+shard's gradient accumulator travels with it, every rank adding its part; after C steps it arrives
+back at the owner (C transfers). Per rank and step a transfer is 2·B·(L/C)·H_kv·d elements: ≈
+2·L·D/C·(C-1) per direction over a forward, the textbook volume scaled by H_kv/H for GQA
+(`formulas.ring_attention_p2p_elements`).
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ __all__ = ["KERNELS", "RingAttention", "default_kernel", "ring_attention"]
 
 
 def _mode(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
-    """How query chunk `q_chunk` attends to key chunk `k_chunk`: all of it, causally (same chunk), or not at all."""
+    """How query chunk `q_chunk` attends to key chunk `k_chunk`: all of it, causally (same chunk),
+    or not at all."""
     if not causal or k_chunk < q_chunk:
         return "full"
     return "diag" if k_chunk == q_chunk else None
 
 
 def _blocks(rank: int, src: int, layout: SequenceLayout, chunk: int, causal: bool):
-    """(query slice, key slice, diagonal?) of every block rank `rank` computes against the kv shard of `src`."""
+    """(query slice, key slice, diagonal?) of every block rank `rank` computes against the kv shard
+    of `src`."""
     for i, qc in enumerate(layout.chunks_of(rank)):
         for j, kc in enumerate(layout.chunks_of(src)):
             mode = _mode(qc, kc, causal)
@@ -48,13 +52,16 @@ def _blocks(rank: int, src: int, layout: SequenceLayout, chunk: int, causal: boo
                 )
 
 
-# -- one block: q [B, H, Lq, d] against k, v [B, H_kv, Lk, d] (a diagonal block is square and causal) ----------
-# forward -> (out [B, H, Lq, d] fp32, lse [B, H, Lq] fp32); backward(dO, q, k, v, O, lse) with the *final* O and
-# lse -> this block's dq [B, H, Lq, d], dk, dv [B, H_kv, Lk, d] (fp32). Two implementations of the same math.
+# -- one block -------------------------------------------------------------------------------------
+# q [B, H, Lq, d] against k, v [B, H_kv, Lk, d] (a diagonal block is square and causal): forward ->
+# (out [B, H, Lq, d] fp32, lse [B, H, Lq] fp32); backward(dO, q, k, v, O, lse) with the *final* O
+# and lse -> this block's dq [B, H, Lq, d], dk, dv [B, H_kv, Lk, d] (fp32). Two implementations of
+# the same math.
 
 
 class MathBlocks:
-    """Portable: plain matmuls in fp32, the query heads of one kv head grouped so k and v broadcast."""
+    """Portable: plain matmuls in fp32, the query heads of one kv head grouped so k and v
+    broadcast."""
 
     @staticmethod
     def _scores(q: torch.Tensor, k: torch.Tensor, diag: bool, scale: float) -> torch.Tensor:
@@ -94,8 +101,9 @@ class MathBlocks:
 
 
 class CPUFlashBlocks:
-    """CPU: torch's fused flash-attention kernels (about 9x the math path's speed on a 2k block, and a masked
-    half skipped); GQA by expanding the block's kv heads, whose gradients are summed back."""
+    """CPU: torch's fused flash-attention kernels (about 9x the math path's speed on a 2k block, and
+    a masked half skipped); GQA by expanding the block's kv heads, whose gradients are summed
+    back."""
 
     def forward(self, q, k, v, diag: bool, scale: float):
         k, v = self._expand(k, q), self._expand(v, q)
@@ -133,7 +141,8 @@ KERNELS = {"math": MathBlocks(), "cpu_flash": CPUFlashBlocks()}
 
 
 def default_kernel(device: torch.device) -> str:
-    """The fused kernel where fivefold has one (CPU), the portable math elsewhere (CUDA: correct, not fused)."""
+    """The fused kernel where fivefold has one (CPU), the portable math elsewhere (CUDA: correct,
+    not fused)."""
     return "cpu_flash" if device.type == "cpu" else "math"
 
 
@@ -245,9 +254,10 @@ def ring_attention(
     causal: bool = True,
     kernel: str | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's queries q [B, H, L/C, d] over the whole sequence, whose keys and values k, v
-    [B, H_kv, L/C, d] are spread over `comm` as `layout` says (rank order = ring order). `kernel` computes each
-    block: "math" or "cpu_flash" (default: `default_kernel` of q's device)."""
+    """Attention of this rank's queries q [B, H, L/C, d] over the whole sequence, whose keys and
+    values k, v [B, H_kv, L/C, d] are spread over `comm` as `layout` says (rank order = ring order).
+    `kernel` computes each block: "math" or "cpu_flash" (default: `default_kernel` of q's
+    device)."""
     kernel = kernel or default_kernel(q.device)
     if kernel not in KERNELS:
         raise ValueError(f"ring attention kernel {kernel!r}: choose {' or '.join(KERNELS)}")
@@ -256,16 +266,17 @@ def ring_attention(
         raise ValueError(f"the layout is for cp={layout.cp}, but the group has {comm.size} ranks")
     if q.shape[2] % chunks or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"ring attention needs q [B, H, L, d] and k, v [B, H_kv, L, d] with H divisible by H_kv "
-            f"and L by {chunks} (chunks per rank); got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            "ring attention needs q [B, H, L, d] and k, v [B, H_kv, L, d] with H divisible by "
+            f"H_kv and L by {chunks} (chunks per rank); got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
     return _RingAttention.apply(q, k, v, comm, layout, causal, kernel)
 
 
 @dataclass
 class RingAttention:
-    """An attention core (q, k, v -> out) for `Attention.core`: ring attention over `comm` with `layout`, for
-    sequences of `seq_len` tokens (the positions the model's RoPE tables were cut to)."""
+    """An attention core (q, k, v -> out) for `Attention.core`: ring attention over `comm` with
+    `layout`, for sequences of `seq_len` tokens (the positions the model's RoPE tables were cut
+    to)."""
 
     comm: Comm
     layout: SequenceLayout
@@ -275,8 +286,8 @@ class RingAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] * self.comm.size != self.seq_len:
             raise ValueError(
-                f"context parallel was set up for sequences of {self.seq_len} tokens (each rank's RoPE "
-                f"positions); this rank got {q.shape[2]} of a {q.shape[2] * self.comm.size}-token "
-                "sequence: use the configured train.seq_len"
+                f"context parallel was set up for sequences of {self.seq_len} tokens (each rank's "
+                f"RoPE positions); this rank got {q.shape[2]} of a "
+                f"{q.shape[2] * self.comm.size}-token sequence: use the configured train.seq_len"
             )
         return ring_attention(q, k, v, self.comm, self.layout, self.causal)

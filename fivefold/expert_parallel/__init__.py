@@ -1,5 +1,5 @@
-"""Expert parallelism (docs/design.md#expert-parallelism): MoE experts split over the ep group, tokens exchanged by
-all-to-all."""
+"""Expert parallelism (docs/design.md#expert-parallelism): MoE experts split over the ep group,
+tokens exchanged by all-to-all."""
 
 from fivefold.expert_parallel.dispatch import AllToAllExperts, GlobalBalance, all_to_all
 

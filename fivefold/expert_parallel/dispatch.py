@@ -1,13 +1,15 @@
-"""Expert parallelism's token exchange (docs/design.md#expert-parallelism): the experts of an MoE layer are split over
-the ep group (rank r holds experts [r·E/ep, (r+1)·E/ep)); each rank routes its own tokens, sends every (token, expert)
-row to the rank holding the expert, and gets the outputs back in the order it sent them.
+"""Expert parallelism's token exchange (docs/design.md#expert-parallelism): the experts of an MoE
+layer are split over the ep group (rank r holds experts [r·E/ep, (r+1)·E/ep)); each rank routes its
+own tokens, sends every (token, expert) row to the rank holding the expert, and gets the outputs
+back in the order it sent them.
 
-Per layer and forward: one all-to-all of the E per-expert row counts (so every rank knows what it will receive),
-the dispatch all-to-all of the rows (uneven splits), the experts on what arrived (grouped by expert across the
-sources), and the combine all-to-all back. Backward is the mirror: each all-to-all's gradient travels the
-reverse way (`_AllToAll`). Payload per rank: dispatch = its k·T rows (including the ones for its own experts:
-the whole input buffer is counted), combine = the rows it received; summed over the group both equal k·T·D.
-Split sizes are read on the host: one sync per layer, as in every dropless implementation.
+Per layer and forward: one all-to-all of the E per-expert row counts (so every rank knows what it
+will receive), the dispatch all-to-all of the rows (uneven splits), the experts on what arrived
+(grouped by expert across the sources), and the combine all-to-all back. Backward is the mirror:
+each all-to-all's gradient travels the reverse way (`_AllToAll`). Payload per rank: dispatch = its
+k·T rows (including the ones for its own experts: the whole input buffer is counted), combine = the
+rows it received; summed over the group both equal k·T·D. Split sizes are read on the host: one sync
+per layer, as in every dropless implementation.
 """
 
 from __future__ import annotations
@@ -54,15 +56,17 @@ def all_to_all(
     tag: str,
     backward_comm: Comm | None = None,
 ) -> torch.Tensor:
-    """Rows of `x` split as `in_splits` go to each rank; `out_splits` rows arrive from each. Differentiable: the
-    gradient goes back over ``backward_comm`` (default `comm`; the same ranks on another process group)."""
+    """Rows of `x` split as `in_splits` go to each rank; `out_splits` rows arrive from each.
+    Differentiable: the gradient goes back over ``backward_comm`` (default `comm`; the same ranks on
+    another process group)."""
     return _AllToAll.apply(x, comm, out_splits, in_splits, tag, backward_comm or comm)
 
 
 class AllToAllExperts:
-    """The `MoEFeedForward.exchange` under expert parallelism over `comm` (the layer keeps only its experts).
-    ``backward_comm``: the same ep ranks on a second process group, for the backward's all-to-alls, so a forward and
-    a backward running side by side (DualPipeV's units) never interleave their calls on one group."""
+    """The `MoEFeedForward.exchange` under expert parallelism over `comm` (the layer keeps only its
+    experts). ``backward_comm``: the same ep ranks on a second process group, for the backward's
+    all-to-alls, so a forward and a backward running side by side (DualPipeV's units) never
+    interleave their calls on one group."""
 
     def __init__(self, comm: Comm, n_experts: int, backward_comm: Comm | None = None) -> None:
         if n_experts % comm.size:
@@ -78,8 +82,9 @@ class AllToAllExperts:
         tokens: torch.Tensor,
         counts: torch.Tensor,
     ) -> torch.Tensor:
-        """`tokens` sorted by global expert id, `counts` [E] rows per expert -> the experts' outputs, same order.
-        ``run(grouped tokens, group sizes, first expert id)`` applies this rank's experts (the layer's)."""
+        """`tokens` sorted by global expert id, `counts` [E] rows per expert -> the experts'
+        outputs, same order. ``run(grouped tokens, group sizes, first expert id)`` applies this
+        rank's experts (the layer's)."""
         ep, per_rank = self.comm.size, self.per_rank
         received_counts = torch.empty_like(counts)
         self.comm.all_to_all(received_counts, counts.contiguous(), tag="ep_counts")
@@ -89,7 +94,8 @@ class AllToAllExperts:
         arrived = all_to_all(
             tokens, self.comm, recv_splits, send_splits, "ep_dispatch", self.backward_comm
         )
-        # Arrived rows are source-major (each source's rows sorted by local expert): regroup expert-major.
+        # Arrived rows are source-major (each source's rows sorted by local expert): regroup
+        # expert-major.
         segment = torch.arange(ep * per_rank, device=tokens.device).repeat_interleave(
             received_counts.reshape(-1)
         )
@@ -106,8 +112,9 @@ class AllToAllExperts:
 
 
 class GlobalBalance:
-    """The `MoEFeedForward.balance` under data parallelism: routing counts and token totals summed over `comm`
-    (dp × cp), so the load-balancing loss is the one of the global micro-batch, as in single-process training."""
+    """The `MoEFeedForward.balance` under data parallelism: routing counts and token totals summed
+    over `comm` (dp × cp), so the load-balancing loss is the one of the global micro-batch, as in
+    single-process training."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm

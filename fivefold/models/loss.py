@@ -1,7 +1,8 @@
-"""Next-token cross-entropy over the full vocabulary, without an fp32 copy of the logits: the vocabulary-parallel
-loss with the whole vocabulary on one rank (`tensor_parallel.loss`, one implementation). Logits of any dtype are read
-in row chunks upcast to fp32, so the extra memory is one chunk, not ``N × V × 4`` bytes (≈ 4 GB per micro-batch for
-a 128k vocabulary at 8k tokens); only a log-sum-exp per row is saved for backward."""
+"""Next-token cross-entropy over the full vocabulary, without an fp32 copy of the logits: the
+vocabulary-parallel loss with the whole vocabulary on one rank (`tensor_parallel.loss`, one
+implementation). Logits of any dtype are read in row chunks upcast to fp32, so the extra memory is
+one chunk, not ``N × V × 4`` bytes (≈ 4 GB per micro-batch for a 128k vocabulary at 8k tokens); only
+a log-sum-exp per row is saved for backward."""
 
 from __future__ import annotations
 

@@ -1,20 +1,24 @@
-"""Mixture-of-experts feed-forward (docs/design.md#expert-parallelism) as plain single-process PyTorch.
+"""Mixture-of-experts feed-forward (docs/design.md#expert-parallelism) as plain single-process
+PyTorch.
 
-A router scores every token against E experts (softmax, or sigmoid as DeepSeek-V3), keeps the top k (optionally
-renormalised to sum to 1), and the token's output is the weighted sum of those experts' SwiGLU outputs (plus shared
-experts every token goes through). Experts run batched: the token copies are sorted by expert and each expert runs
-once on its group, through `ops.Linear`, so zero-bubble deferral covers them.
+A router scores every token against E experts (softmax, or sigmoid as DeepSeek-V3), keeps the top k
+(optionally renormalised to sum to 1), and the token's output is the weighted sum of those experts'
+SwiGLU outputs (plus shared experts every token goes through). Experts run batched: the token copies
+are sorted by expert and each expert runs once on its group, through `ops.Linear`, so zero-bubble
+deferral covers them.
 
-Capacity: with ``capacity_factor`` c an expert takes at most ceil(c·T·k/E) of a micro-batch's T·k assignments,
-first by slot (every token's first choice before any second choice) then by token order — deterministic; the
-dropped ones contribute nothing (the residual carries the token). Without it, dropless.
+Capacity: with ``capacity_factor`` c an expert takes at most ceil(c·T·k/E) of a micro-batch's T·k
+assignments, first by slot (every token's first choice before any second choice) then by token order
+— deterministic; the dropped ones contribute nothing (the residual carries the token). Without it,
+dropless.
 
-Auxiliary losses (Switch/GShard load balancing E·Σ_e f_e·P_e with f_e the fraction of assignments routed to e and
-P_e the mean routing probability; router z-loss mean(logsumexp(logits)²)) are not returned: their gradient is
-injected in backward (`_AuxGrad`), scaled like the main loss, so they work inside pipeline stages unchanged. Two
-hooks keep this file free of parallel code: ``exchange`` applies the experts to expert-sorted tokens (here: all
-experts are local; expert parallelism swaps in an all-to-all), ``balance`` says over which tokens f and P are
-counted (here: this micro-batch; under data parallelism: the global micro-batch, so the loss equals single-process).
+Auxiliary losses (Switch/GShard load balancing E·Σ_e f_e·P_e with f_e the fraction of assignments
+routed to e and P_e the mean routing probability; router z-loss mean(logsumexp(logits)²)) are not
+returned: their gradient is injected in backward (`_AuxGrad`), scaled like the main loss, so they
+work inside pipeline stages unchanged. Two hooks keep this file free of parallel code: ``exchange``
+applies the experts to expert-sorted tokens (here: all experts are local; expert parallelism swaps
+in an all-to-all), ``balance`` says over which tokens f and P are counted (here: this micro-batch;
+under data parallelism: the global micro-batch, so the loss equals single-process).
 """
 
 from __future__ import annotations
@@ -57,22 +61,22 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None  # None: dropless
-    # Device-limited routing (DeepSeek-V3): experts form `groups` contiguous groups (set it to ep, or a multiple, and
-    # a group lives on one ep rank); a token's top k come from at most `group_limit` groups, the groups ranked by the
-    # sum of their two best scores.
+    # Device-limited routing (DeepSeek-V3): experts form `groups` contiguous groups (set it to ep,
+    # or a multiple, and a group lives on one ep rank); a token's top k come from at most
+    # `group_limit` groups, the groups ranked by the sum of their two best scores.
     groups: int = 1
     group_limit: int | None = None
 
     def validate(self) -> MoEConfig:
         if self.experts < 1 or self.top_k < 1 or self.every < 1 or self.shared_experts < 0:
             raise ValueError(
-                f"moe: experts={self.experts}, top_k={self.top_k}, every={self.every} must be positive "
-                f"and shared_experts={self.shared_experts} not negative"
+                f"moe: experts={self.experts}, top_k={self.top_k}, every={self.every} must be "
+                f"positive and shared_experts={self.shared_experts} not negative"
             )
         if self.top_k > self.experts:
             raise ValueError(
-                f"moe.top_k={self.top_k} exceeds moe.experts={self.experts}: a token cannot choose more "
-                "experts than there are"
+                f"moe.top_k={self.top_k} exceeds moe.experts={self.experts}: a token cannot choose "
+                "more experts than there are"
             )
         if self.score not in SCORES:
             raise ValueError(f"moe.score={self.score!r}: choose {' or '.join(SCORES)}")
@@ -91,8 +95,8 @@ class MoEConfig:
                 or self.top_k > self.group_limit * per_group
             ):
                 raise ValueError(
-                    f"moe.group_limit={self.group_limit} must lie in [1, groups={self.groups}] and leave "
-                    f"top_k={self.top_k} experts to choose from ({per_group} per group)"
+                    f"moe.group_limit={self.group_limit} must lie in [1, groups={self.groups}] and "
+                    f"leave top_k={self.top_k} experts to choose from ({per_group} per group)"
                 )
         return self
 
@@ -102,7 +106,8 @@ class MoEConfig:
 
 @dataclass
 class MoEStats:
-    """One forward's routing, for metrics: kept assignments per expert, dropped ones, the auxiliary losses."""
+    """One forward's routing, for metrics: kept assignments per expert, dropped ones, the auxiliary
+    losses."""
 
     tokens_per_expert: torch.Tensor  # [E], this micro-batch on this rank
     dropped: torch.Tensor  # 0-d
@@ -113,8 +118,9 @@ class MoEStats:
 def run_experts(
     experts: nn.ModuleDict, tokens: torch.Tensor, counts: list[int], first: int
 ) -> torch.Tensor:
-    """Tokens grouped by expert — counts[i] rows for expert ``first + i`` — through their experts, in order. An
-    expert without tokens still runs (on zero rows): its parameters get a zero gradient, never none."""
+    """Tokens grouped by expert — counts[i] rows for expert ``first + i`` — through their experts,
+    in order. An expert without tokens still runs (on zero rows): its parameters get a zero
+    gradient, never none."""
     outs, start = [], 0
     for i, n in enumerate(counts):
         outs.append(experts[str(first + i)](tokens[start : start + n]))
@@ -135,7 +141,8 @@ class LocalExperts:
 
 
 class LocalBalance:
-    """Load-balancing statistics over this micro-batch alone: (counts, tokens, ranks) unchanged, 1 rank."""
+    """Load-balancing statistics over this micro-batch alone: (counts, tokens, ranks) unchanged, 1
+    rank."""
 
     def __call__(
         self, counts: torch.Tensor, tokens: torch.Tensor
@@ -144,7 +151,8 @@ class LocalBalance:
 
 
 class _AuxGrad(torch.autograd.Function):
-    """Identity on `out`; in backward also hands `aux` the gradient `scale` (the aux loss joins the loss)."""
+    """Identity on `out`; in backward also hands `aux` the gradient `scale` (the aux loss joins the
+    loss)."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
@@ -159,8 +167,9 @@ class _AuxGrad(torch.autograd.Function):
 
 
 class MoEFeedForward(nn.Module):
-    """Router + experts (+ shared experts); see the module doc. Expert ``e`` is ``experts[str(e)]``: expert
-    parallelism keeps only this rank's, and the parameter names stay the single-process ones."""
+    """Router + experts (+ shared experts); see the module doc. Expert ``e`` is ``experts[str(e)]``:
+    expert parallelism keeps only this rank's, and the parameter names stay the single-process
+    ones."""
 
     def __init__(
         self,
@@ -197,11 +206,13 @@ class MoEFeedForward(nn.Module):
         self.stats: MoEStats | None = None
 
     def run_experts(self, tokens: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:
-        """`run_experts` on this layer's experts (those this rank holds under expert parallelism)."""
+        """`run_experts` on this layer's experts (those this rank holds under expert
+        parallelism)."""
         return run_experts(self.experts, tokens, counts, first)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 logits [T, E] -> (weights [T, k], experts [T, k], probabilities [T, E] for load balancing)."""
+        """fp32 logits [T, E] -> (weights [T, k], experts [T, k], probabilities [T, E] for load
+        balancing)."""
         c = self.config
         scores = logits.softmax(dim=-1) if c.score == "softmax" else logits.sigmoid()
         choosable = scores
@@ -221,7 +232,8 @@ class MoEFeedForward(nn.Module):
         return weights, experts, probs
 
     def capacity_mask(self, experts: torch.Tensor) -> torch.Tensor:
-        """[T, k] bool: which assignments fit their expert's capacity (slot first, then token order)."""
+        """[T, k] bool: which assignments fit their expert's capacity (slot first, then token
+        order)."""
         c = self.config
         if c.capacity_factor is None:
             return torch.ones_like(experts, dtype=torch.bool)
@@ -242,7 +254,8 @@ class MoEFeedForward(nn.Module):
         logits = self.router(t).float()
         weights, experts, probs = self.route(logits)
         kept = self.capacity_mask(experts)
-        # Each kept (token, slot) is one row sent to its expert; sorted by expert (stable: token order within).
+        # Each kept (token, slot) is one row sent to its expert; sorted by expert (stable: token
+        # order within).
         flat_experts = experts.reshape(-1)
         token_of = torch.arange(n_tokens, device=t.device).repeat_interleave(c.top_k)
         if c.capacity_factor is not None:
@@ -262,8 +275,9 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(t)
 
-        # Load balancing over the tokens `balance` covers: f from (all-reduced) routing counts, P from this rank's
-        # probabilities; scaled by the number of ranks so that the mean over ranks of their aux is the global aux.
+        # Load balancing over the tokens `balance` covers: f from (all-reduced) routing counts, P
+        # from this rank's probabilities; scaled by the number of ranks so that the mean over ranks
+        # of their aux is the global aux.
         chosen = torch.bincount(experts.reshape(-1), minlength=c.experts).float()
         chosen, total, ranks = self.balance(chosen, torch.tensor(float(n_tokens), device=t.device))
         f = chosen / (total * c.top_k)

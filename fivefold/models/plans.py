@@ -1,8 +1,8 @@
-"""Where each part of fivefold's Llama goes under each dimension, as data applied by `models.parallelize`:
-`LLAMA_TP_PLAN` (heads split, wo and w2 row-parallel, embedding and head vocab-parallel, norms replicated),
-`LLAMA_CP_PLAN` (ring attention in every block, RoPE tables by position) and `llama_stage_modules` (contiguous
-blocks, the embedding first, the norm and head last) — docs/design.md#tensor-and-sequence-parallelism,
-#context-parallelism and #pipeline-schedules."""
+"""Where each part of fivefold's Llama goes under each dimension, as data applied by
+`models.parallelize`: `LLAMA_TP_PLAN` (heads split, wo and w2 row-parallel, embedding and head
+vocab-parallel, norms replicated), `LLAMA_CP_PLAN` (ring attention in every block, RoPE tables by
+position) and `llama_stage_modules` (contiguous blocks, the embedding first, the norm and head last)
+— docs/design.md#tensor-and-sequence-parallelism, #context-parallelism and #pipeline-schedules."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def llama_stage_modules(
     """For each stage, the names of the modules it holds (for `pipeline.split.keep_only`)."""
     if config.tie_embeddings and n_stages > 1:
         raise ValueError(
-            "tie_embeddings=True with pipeline parallelism: the embedding (first stage) and the head "
-            "(last stage) live on different ranks; set model.tie_embeddings=false or pp=1"
+            "tie_embeddings=True with pipeline parallelism: the embedding (first stage) and the "
+            "head (last stage) live on different ranks; set model.tie_embeddings=false or pp=1"
         )
     stages = []
     for s, blocks in enumerate(split_layers(config.n_layers, n_stages, layers_per_stage)):

@@ -1,8 +1,9 @@
-"""The global gradient norm of a model spread over a mesh, and the optimizer step it gates. Each group declares its
-`Placement`, the dimensions it is partitioned over; squared norms are summed over exactly those (over a replicated one
-the same elements would count N times), innermost first (`DIM_ORDER`). Every rank issues the same collectives — one
-small all-reduce per dimension taken part in, whatever this rank holds (a pipeline stage without parameters adds
-zeros) — and gets the same norm, so a non-finite one (fp16 overflow) skips all engines."""
+"""The global gradient norm of a model spread over a mesh, and the optimizer step it gates. Each
+group declares its `Placement`, the dimensions it is partitioned over; squared norms are summed over
+exactly those (over a replicated one the same elements would count N times), innermost first
+(`DIM_ORDER`). Every rank issues the same collectives — one small all-reduce per dimension taken
+part in, whatever this rank holds (a pipeline stage without parameters adds zeros) — and gets the
+same norm, so a non-finite one (fp16 overflow) skips all engines."""
 
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ def global_grad_sq_norm(
     comms: Mapping[str, Comm],
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Σ‖g‖² over every rank's pieces: `parts` are local squared sums keyed by placement; `comms` the dimensions
-    to sum over (all ranks must pass the same ones). Squares are kept in a vector indexed by the subset of those
-    dimensions they are partitioned over, a fixed layout on every rank: reducing dimension d all-reduces the
-    entries that contain d and folds them into the entries without it."""
+    """Σ‖g‖² over every rank's pieces: `parts` are local squared sums keyed by placement; `comms`
+    the dimensions to sum over (all ranks must pass the same ones). Squares are kept in a vector
+    indexed by the subset of those dimensions they are partitioned over, a fixed layout on every
+    rank: reducing dimension d all-reduces the entries that contain d and folds them into the
+    entries without it."""
     dims = sorted((d for d, c in comms.items() if c.size > 1), key=_order)
     vec = torch.zeros(2 ** len(dims), dtype=torch.float32, device=device)
     for part in parts:
@@ -49,8 +51,9 @@ def global_grad_sq_norm(
             missing = sorted(placement - set(comms))
             if missing:
                 raise ValueError(
-                    f"gradients are partitioned over {missing} but no Comm was given for them; pass "
-                    f"comms={{{', '.join(repr(d) + ': ...' for d in missing)}}} (e.g. to step_together)"
+                    f"gradients are partitioned over {missing} but no Comm was given for them; "
+                    f"pass comms={{{', '.join(repr(d) + ': ...' for d in missing)}}} (e.g. to "
+                    "step_together)"
                 )
             index = sum(1 << i for i, d in enumerate(dims) if d in placement)
             vec[index] += sq
@@ -79,8 +82,8 @@ class Engine(Protocol):
 
 
 class NonFiniteGradient(FloatingPointError):
-    """The global gradient norm is not finite (and no loss scaler is there to skip the step): the step is not
-    applied, so the weights (and the last checkpoint) stay as they were."""
+    """The global gradient norm is not finite (and no loss scaler is there to skip the step): the
+    step is not applied, so the weights (and the last checkpoint) stay as they were."""
 
 
 def step_together(
@@ -90,14 +93,16 @@ def step_together(
     check_finite: bool = False,
     world: Comm | None = None,
 ) -> torch.Tensor | None:
-    """One step of the engines forming one model (this rank's stages), clipped by their global norm; `comms` maps
-    the other partitioned dimensions to groups (every rank passes the same: "tp", "pp"; "dp" is the engines' own
-    when they shard). Returns the norm (a 0-d tensor on the group's device) if one was needed.
+    """One step of the engines forming one model (this rank's stages), clipped by their global norm;
+    `comms` maps the other partitioned dimensions to groups (every rank passes the same: "tp", "pp";
+    "dp" is the engines' own when they shard). Returns the norm (a 0-d tensor on the group's device)
+    if one was needed.
 
-    The norm and the clipping stay on the device: no host sync, so the next step's work can be queued while this
-    one runs. A loss scaler (fp16) reads the norm on the host, to skip an overflowed step on every rank alike; so
-    does ``check_finite``, to stop before a non-finite gradient reaches the weights: every rank raises
-    `NonFiniteGradient` naming the first parameter whose gradient is not finite (found over ``world``)."""
+    The norm and the clipping stay on the device: no host sync, so the next step's work can be
+    queued while this one runs. A loss scaler (fp16) reads the norm on the host, to skip an
+    overflowed step on every rank alike; so does ``check_finite``, to stop before a non-finite
+    gradient reaches the weights: every rank raises `NonFiniteGradient` naming the first parameter
+    whose gradient is not finite (found over ``world``)."""
     comms = dict(comms or {})
     for e in engines:
         e.check_step_allowed()
@@ -123,8 +128,8 @@ def step_together(
 
 
 def _first_non_finite(engines: Sequence[Engine], norm: float, world: Comm | None) -> str:
-    """The message every rank raises: the norm and the first parameter (by rank, then order) with a non-finite
-    gradient element in this rank's shard."""
+    """The message every rank raises: the norm and the first parameter (by rank, then order) with a
+    non-finite gradient element in this rank's shard."""
     mine = None
     for e in engines:
         mine = mine or e.optimizer.first_non_finite_grad()
@@ -138,6 +143,7 @@ def _first_non_finite(engines: Sequence[Engine], norm: float, world: Comm | None
         else "no single parameter's gradient is non-finite (the sum of squares overflowed)"
     )
     return (
-        f"the global gradient norm is {norm}: {detail}; the step was not applied, the weights and the last "
-        "checkpoint are as they were. Lower train.lr, check the data, or use fp16/bf16 loss scaling"
+        f"the global gradient norm is {norm}: {detail}; the step was not applied, the weights and "
+        "the last checkpoint are as they were. Lower train.lr, check the data, or use fp16/bf16 "
+        "loss scaling"
     )

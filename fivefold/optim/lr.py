@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to ``lr × min_lr_ratio`` at the last step."""
+"""Learning-rate schedule: linear warmup, then cosine decay to ``lr × min_lr_ratio`` at the last
+step."""
 
 from __future__ import annotations
 

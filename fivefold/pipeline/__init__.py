@@ -1,8 +1,9 @@
 """Pipeline parallelism, schedules as data.
 
-`actions` (vocabulary, `steps`), `builders` (one ``(P, M, V) -> Schedule`` per schedule), `lowering` (`lower`),
-`checks` (`validate`, `check_deadlock_free`), `simulator` (timing only), `runtime` (executes a lowered schedule on
-this rank's stages), `split` (cutting a model into stages by module names).
+`actions` (vocabulary, `steps`), `builders` (one ``(P, M, V) -> Schedule`` per schedule), `lowering`
+(`lower`), `checks` (`validate`, `check_deadlock_free`), `simulator` (timing only), `runtime`
+(executes a lowered schedule on this rank's stages), `split` (cutting a model into stages by module
+names).
 """
 
 from fivefold.pipeline.actions import (

@@ -1,11 +1,14 @@
-"""Pipeline schedules as data: the vocabulary (`Action`, `Schedule`) and `steps`, the one reading of a lowered list.
+"""Pipeline schedules as data: the vocabulary (`Action`, `Schedule`) and `steps`, the one reading of
+a lowered list.
 
-S = P·V virtual stages are placed by ``stage_to_rank`` (plain: stage s on rank s; interleaved: ``s % P``). Compute:
-``F``, full backward ``B``, or its zero-bubble halves ``I`` (input gradient, critical path) and ``W`` (weight
-gradient, fills bubbles). Comm (added by `lowering.lower`): ``SEND_F``/``RECV_F`` activations, ``SEND_B``/``RECV_B``
-input gradients, ``stage`` being this rank's stage that makes or uses the tensor (`Action.counterpart`). A lowered list
-means (runtime, checks and simulator alike): computes one by one; the comm actions between two computes are one
-batch (one ``batch_isend_irecv``, waited on before the next compute); sends buffered, receives blocking.
+S = P·V virtual stages are placed by ``stage_to_rank`` (plain: stage s on rank s; interleaved:
+``s % P``). Compute: ``F``, full backward ``B``, or its zero-bubble halves ``I`` (input gradient,
+critical path) and ``W`` (weight gradient, fills bubbles). Comm (added by `lowering.lower`):
+``SEND_F``/``RECV_F`` activations, ``SEND_B``/``RECV_B`` input gradients, ``stage`` being this
+rank's stage that makes or uses the tensor (`Action.counterpart`). A lowered list means (runtime,
+checks and simulator alike): computes one by one; the comm actions between two computes are one
+batch (one ``batch_isend_irecv``, waited on before the next compute); sends buffered, receives
+blocking.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class DeadlockError(ScheduleError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's list: ``kind`` of ``microbatch`` at virtual ``stage``; ``peer`` only for comm actions."""
+    """One step of a rank's list: ``kind`` of ``microbatch`` at virtual ``stage``; ``peer`` only for
+    comm actions."""
 
     kind: str
     microbatch: int
@@ -72,7 +76,8 @@ class Action:
             )
         if self.is_comm != (self.peer is not None):
             raise ValueError(
-                f"{self.kind} needs peer={'a rank' if self.is_comm else 'None'}, got peer={self.peer}"
+                f"{self.kind} needs peer={'a rank' if self.is_comm else 'None'}, got "
+                f"peer={self.peer}"
             )
 
     @property
@@ -106,8 +111,9 @@ class Action:
 
 @dataclass
 class Schedule:
-    """Per-rank action lists, compute only as built, with communication after `lower` (``is_lowered``).
-    ``fuse_forward_backward`` asks `lower` to treat an F and the backward right after it as one unit."""
+    """Per-rank action lists, compute only as built, with communication after `lower`
+    (``is_lowered``). ``fuse_forward_backward`` asks `lower` to treat an F and the backward right
+    after it as one unit."""
 
     name: str
     n_ranks: int
@@ -117,8 +123,9 @@ class Schedule:
     actions: list[list[Action]]
     is_lowered: bool = False
     fuse_forward_backward: bool = False  # see `lower`
-    # Per rank, the backward actions that run *beside* the forward right before them (DualPipe's overlapped F&B
-    # unit: one micro-batch's communication hides behind the other's compute); empty: every compute runs alone.
+    # Per rank, the backward actions that run *beside* the forward right before them (DualPipe's
+    # overlapped F&B unit: one micro-batch's communication hides behind the other's compute); empty:
+    # every compute runs alone.
     side_by_side: list[frozenset[Action]] = field(default_factory=list)
 
     @property
@@ -138,7 +145,8 @@ class Schedule:
         return any(a.kind == I for acts in self.actions for a in acts)
 
     def runs_beside_forward(self, rank: int, a: Action) -> bool:
-        """True if ``a`` (a backward on ``rank``) runs side by side with the forward right before it."""
+        """True if ``a`` (a backward on ``rank``) runs side by side with the forward right before
+        it."""
         return bool(self.side_by_side) and a in self.side_by_side[rank]
 
     def compute_actions(self, rank: int) -> list[Action]:
@@ -162,7 +170,8 @@ Step = Action | list[Action]
 
 
 def iter_steps(rank_actions: Sequence[Action]) -> Iterator[Action | list[Action]]:
-    """Walk one rank's lowered list: compute actions one by one, each run of comm actions as one list (batch)."""
+    """Walk one rank's lowered list: compute actions one by one, each run of comm actions as one
+    list (batch)."""
     batch: list[Action] = []
     for a in rank_actions:
         if a.is_comm:
@@ -182,7 +191,8 @@ def steps(rank_actions: Sequence[Action]) -> list[Step]:
 
 
 def channel(rank: int, a: Action) -> tuple:
-    """Identity of the message a communication action sends or receives: (src, dst, kind, m, src stage)."""
+    """Identity of the message a communication action sends or receives: (src, dst, kind, m, src
+    stage)."""
     if a.kind.startswith("SEND"):
         return (rank, a.peer, a.kind[-1], a.microbatch, a.stage)
     c = a.counterpart(rank)

@@ -1,6 +1,6 @@
-"""Checks of schedules: `validate` (each rank's list complete and ordered, communication matched) and
-`check_deadlock_free` (the lists together cannot block and pair their messages in order), the latter reading lowered
-lists through `actions.steps` like the runtime and simulator.
+"""Checks of schedules: `validate` (each rank's list complete and ordered, communication matched)
+and `check_deadlock_free` (the lists together cannot block and pair their messages in order), the
+latter reading lowered lists through `actions.steps` like the runtime and simulator.
 """
 
 from __future__ import annotations
@@ -32,20 +32,23 @@ __all__ = ["validate", "check_deadlock_free"]
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise `ScheduleError` unless ``schedule`` is complete (one F and one B, or I and W, per micro-batch and
-    stage, on the stage's rank), ordered within each rank, and, if lowered, has every SEND matched by its RECV
-    around the right computes. Cross-rank feasibility is `check_deadlock_free`'s job."""
+    """Raise `ScheduleError` unless ``schedule`` is complete (one F and one B, or I and W, per
+    micro-batch and stage, on the stage's rank), ordered within each rank, and, if lowered, has
+    every SEND matched by its RECV around the right computes. Cross-rank feasibility is
+    `check_deadlock_free`'s job."""
     P, M, S = schedule.n_ranks, schedule.n_microbatches, schedule.n_stages
     errors: list[str] = []
     if len(schedule.actions) != P:
         raise ScheduleError(f"{schedule.name}: {len(schedule.actions)} action lists for {P} ranks")
     if S != P * schedule.n_virtual:
         raise ScheduleError(
-            f"{schedule.name}: stage_to_rank has {S} entries, expected P·V = {P * schedule.n_virtual}"
+            f"{schedule.name}: stage_to_rank has {S} entries, expected P·V = "
+            f"{P * schedule.n_virtual}"
         )
     if any(not 0 <= r < P for r in schedule.stage_to_rank):
         raise ScheduleError(
-            f"{schedule.name}: stage_to_rank {schedule.stage_to_rank} names a rank outside 0..{P - 1}"
+            f"{schedule.name}: stage_to_rank {schedule.stage_to_rank} names a rank outside "
+            f"0..{P - 1}"
         )
     rank_of = schedule.stage_to_rank
 
@@ -56,13 +59,15 @@ def validate(schedule: Schedule) -> None:
         for idx, a in enumerate(acts):
             if not (0 <= a.microbatch < M and 0 <= a.stage < S):
                 errors.append(
-                    f"rank {rank} step {idx}: {a} is outside micro-batches 0..{M - 1} / stages 0..{S - 1}"
+                    f"rank {rank} step {idx}: {a} is outside micro-batches 0..{M - 1} / stages "
+                    f"0..{S - 1}"
                 )
                 continue
             if a.is_compute:
                 if rank_of[a.stage] != rank:
                     errors.append(
-                        f"rank {rank} step {idx}: {a} but stage {a.stage} lives on rank {rank_of[a.stage]}"
+                        f"rank {rank} step {idx}: {a} but stage {a.stage} lives on rank "
+                        f"{rank_of[a.stage]}"
                     )
                 where[(a.kind, a.microbatch, a.stage)].append((rank, idx))
             elif not schedule.is_lowered:
@@ -113,8 +118,8 @@ def validate(schedule: Schedule) -> None:
 
 
 def _validate_side_by_side(schedule: Schedule, errors: list[str]) -> None:
-    """An overlapped unit is a backward (B or I) right after a forward of another micro-batch, no message between:
-    the two run at once, so neither may need the other's result."""
+    """An overlapped unit is a backward (B or I) right after a forward of another micro-batch, no
+    message between: the two run at once, so neither may need the other's result."""
     if not schedule.side_by_side:
         return
     if len(schedule.side_by_side) != schedule.n_ranks:
@@ -136,7 +141,8 @@ def _validate_side_by_side(schedule: Schedule, errors: list[str]) -> None:
                 )
             elif before.microbatch == a.microbatch:
                 errors.append(
-                    f"rank {rank} step {idx}: {a} beside {before}: one micro-batch's passes cannot overlap"
+                    f"rank {rank} step {idx}: {a} beside {before}: one micro-batch's passes cannot "
+                    "overlap"
                 )
         errors.extend(
             f"rank {rank}: {a} is marked to run beside a forward but is not in its list"
@@ -173,7 +179,8 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
             continue
         if rank_of[neighbour] == rank:
             errors.append(
-                f"rank {rank}: {a} although stage {neighbour} is on the same rank (no transfer needed)"
+                f"rank {rank}: {a} although stage {neighbour} is on the same rank (no transfer "
+                "needed)"
             )
             continue
         if (a.peer, a.counterpart(rank)) not in comm_pos:
@@ -205,8 +212,9 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
 
 
 def _order_errors(lists: Sequence[Sequence[Action]]) -> list[str]:
-    """Point-to-point messages between two ranks match in posting order (no tags: NCCL, and gloo as the runtime
-    uses them), so the k-th receive of rank d from rank s must expect the k-th message s sends to d."""
+    """Point-to-point messages between two ranks match in posting order (no tags: NCCL, and gloo as
+    the runtime uses them), so the k-th receive of rank d from rank s must expect the k-th message s
+    sends to d."""
     sends: dict[tuple[int, int], list] = defaultdict(list)
     recvs: dict[tuple[int, int], list] = defaultdict(list)
     for r, acts in enumerate(lists):
@@ -220,8 +228,9 @@ def _order_errors(lists: Sequence[Sequence[Action]]) -> list[str]:
         for k, ((s_act, s_ch), (r_act, r_ch)) in enumerate(zip(sent, recvs[(src, dst)])):
             if s_ch != r_ch:
                 errors.append(
-                    f"rank {dst}'s receive #{k} from rank {src} is {r_act} but rank {src}'s message #{k} "
-                    f"to rank {dst} is {s_act}: messages between two ranks match in posting order"
+                    f"rank {dst}'s receive #{k} from rank {src} is {r_act} but rank {src}'s "
+                    f"message #{k} to rank {dst} is {s_act}: messages between two ranks match in "
+                    "posting order"
                 )
                 break
     return errors
@@ -235,10 +244,11 @@ def _report(name: str, what: str, errors: list[str], limit: int = 12) -> str:
 def check_deadlock_free(
     schedule: Schedule | Sequence[Sequence[Action]], rendezvous: bool = False
 ) -> None:
-    """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever, a SEND is
-    never received, or two ranks post a pair's messages in different orders (they match by order on the wire).
-    Default: sends are buffered, a batch waits for its receives; ``rendezvous=True`` (NCCL): a batch completes
-    only when every op in it is matched by a posted peer op."""
+    """Execute a lowered schedule's lists symbolically; raise `DeadlockError` if they block forever,
+    a SEND is never received, or two ranks post a pair's messages in different orders (they match by
+    order on the wire). Default: sends are buffered, a batch waits for its receives;
+    ``rendezvous=True`` (NCCL): a batch completes only when every op in it is matched by a posted
+    peer op."""
     lists = [
         list(acts) for acts in (schedule.actions if isinstance(schedule, Schedule) else schedule)
     ]
@@ -280,7 +290,8 @@ def check_deadlock_free(
                 return False
             for b in step:
                 (sent if b.kind.startswith("SEND") else received)[channel(r, b)] += 1
-        else:  # issuing the batch posts its sends (once); it completes when every receive has its send
+        else:
+            # issuing the batch posts its sends (once); it completes when every receive has its send
             if r not in issued:
                 issued.add(r)
                 for b in step:

@@ -1,7 +1,8 @@
 """Lowering: insert the SEND / RECV each rank needs around its compute actions.
 
-Each batch between two computes is "send what the last compute produced, receive what the next one needs"
-(Megatron's ``send_forward_recv_backward`` pairing); a neighbouring stage on the same rank needs no transfer.
+Each batch between two computes is "send what the last compute produced, receive what the next one
+needs" (Megatron's ``send_forward_recv_backward`` pairing); a neighbouring stage on the same rank
+needs no transfer.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def transfers(schedule: Schedule, rank: int, a: Action) -> tuple[list[Action], l
 
 def lower(schedule: Schedule) -> Schedule:
     """Return a copy of ``schedule`` with the communication each rank needs made explicit. With
-    ``fuse_forward_backward`` an F and the backward right after it are one unit with no communication inside
-    (Megatron's ``send_forward_backward_recv_forward_backward``): interleaved 1F1B with M > P needs it under NCCL."""
+    ``fuse_forward_backward`` an F and the backward right after it are one unit with no
+    communication inside (Megatron's ``send_forward_backward_recv_forward_backward``): interleaved
+    1F1B with M > P needs it under NCCL."""
     if schedule.is_lowered:
         return schedule
     out: list[list[Action]] = []

@@ -1,8 +1,9 @@
-"""Timing model of pipeline schedules: simulated (or measured) timelines, bubble, activations in flight.
+"""Timing model of pipeline schedules: simulated (or measured) timelines, bubble, activations in
+flight.
 
-A `Timeline` is only per-rank ``(kind, microbatch, stage, start, end)`` records, reused for measured steps. Tests check
-`formulas.bubble_formula` exactly: GPipe and 1F1B for any constant F and B, interleaved when a chunk costs 1/V of a
-rank's F and B, ZB-H1 with F = I = W.
+A `Timeline` is only per-rank ``(kind, microbatch, stage, start, end)`` records, reused for measured
+steps. Tests check `formulas.bubble_formula` exactly: GPipe and 1F1B for any constant F and B,
+interleaved when a chunk costs 1/V of a rank's F and B, ZB-H1 with F = I = W.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ OVERLAPPED = "F&B"  # the cost key of an overlapped (forward, backward) unit, as
 
 
 class Event(NamedTuple):
-    """One timed action on one rank: an action kind or a runtime label (e.g. ``"RECV_F"`` for a wait)."""
+    """One timed action on one rank: an action kind or a runtime label (e.g. ``"RECV_F"`` for a
+    wait)."""
 
     kind: str
     microbatch: int
@@ -55,8 +57,9 @@ class Event(NamedTuple):
 
 
 class Timeline:
-    """Per-rank timed events of one pipeline step, from ``(kind, microbatch, stage, start, end)`` tuples, `Event` s
-    or ``(Action, start, end)`` in execution order, in any time unit. Only F, B, I, W count as busy."""
+    """Per-rank timed events of one pipeline step, from ``(kind, microbatch, stage, start, end)``
+    tuples, `Event` s or ``(Action, start, end)`` in execution order, in any time unit. Only F, B,
+    I, W count as busy."""
 
     def __init__(self, records: Sequence[Iterable], name: str = "", n_virtual: int = 1):
         self.name = name
@@ -95,7 +98,8 @@ class Timeline:
         return self.end - self.start
 
     def busy(self, rank: int) -> float:
-        """Time ``rank`` spends computing: the union of its compute intervals (an overlapped F and B count once)."""
+        """Time ``rank`` spends computing: the union of its compute intervals (an overlapped F and B
+        count once)."""
         total, reach = 0.0, float("-inf")
         for e in sorted((e for e in self.events[rank] if e.is_compute), key=lambda e: e.start):
             if e.end > reach:
@@ -104,8 +108,9 @@ class Timeline:
         return total
 
     def lanes(self, rank: int) -> list[int]:
-        """A lane per event of ``rank`` (aligned with ``events[rank]``) so that events in one lane never overlap: 0
-        for all of a sequential rank, 1 for the second of two passes that ran side by side (for drawing)."""
+        """A lane per event of ``rank`` (aligned with ``events[rank]``) so that events in one lane
+        never overlap: 0 for all of a sequential rank, 1 for the second of two passes that ran side
+        by side (for drawing)."""
         ends: list[float] = []  # per lane, when its last event ends
         out = [0] * len(self.events[rank])
         for i in sorted(range(len(out)), key=lambda i: self.events[rank][i].start):
@@ -118,7 +123,8 @@ class Timeline:
         return out
 
     def overlapped(self, rank: int) -> list[tuple[Event, Event]]:
-        """Pairs of ``rank``'s compute events that ran at the same time (DualPipe's F&B units), in time order."""
+        """Pairs of ``rank``'s compute events that ran at the same time (DualPipe's F&B units), in
+        time order."""
         evs = sorted((e for e in self.events[rank] if e.is_compute), key=lambda e: e.start)
         return [
             (a, b)
@@ -136,10 +142,10 @@ class Timeline:
 
     @property
     def peak_in_flight(self) -> list[int]:
-        """Per rank, the most (stage, micro-batch) activations alive at once: an F stores one from its start, a B
-        or W frees it at its end (not I: the weight gradient still needs the inputs), a free first on a tie. So a
-        forward run beside a backward counts with the activation that backward is still using. With V > 1 a unit
-        is one chunk's activations."""
+        """Per rank, the most (stage, micro-batch) activations alive at once: an F stores one from
+        its start, a B or W frees it at its end (not I: the weight gradient still needs the inputs),
+        a free first on a tie. So a forward run beside a backward counts with the activation that
+        backward is still using. With V > 1 a unit is one chunk's activations."""
         peaks = []
         for evs in self.events:
             changes = sorted(
@@ -165,13 +171,15 @@ def simulate(
     costs: Mapping[str, float] | Callable[[Action], float] | None = None,
     comm_cost: float = 0.0,
 ) -> Timeline:
-    """Event-driven play of ``schedule`` with ``costs`` per action kind (or a function of the `Action`): an action
-    starts when its rank is free and its input exists (+ ``comm_cost`` across ranks); lowered batches wait for their
-    receives as in the runtime. Raises `DeadlockError` if the lists can never finish.
+    """Event-driven play of ``schedule`` with ``costs`` per action kind (or a function of the
+    `Action`): an action starts when its rank is free and its input exists (+ ``comm_cost`` across
+    ranks); lowered batches wait for their receives as in the runtime. Raises `DeadlockError` if the
+    lists can never finish.
 
-    An overlapped unit (`Schedule.side_by_side`: a forward and the backward after it) takes ``costs["F&B"]``, DeepSeek's
-    notation, with both events spanning it; without that key (or with callable costs) the two run one after the
-    other, F then B, as they do in a runtime that does not overlap them."""
+    An overlapped unit (`Schedule.side_by_side`: a forward and the backward after it) takes
+    ``costs["F&B"]``, DeepSeek's notation, with both events spanning it; without that key (or with
+    callable costs) the two run one after the other, F then B, as they do in a runtime that does not
+    overlap them."""
     if costs is None:
         costs = DEFAULT_COSTS
     cost_of = costs if callable(costs) else (lambda a: costs[a.kind])
@@ -203,7 +211,8 @@ def simulate(
         return done[dep] + (comm_cost if rank_of[dep_stage] != rank_of[s] else 0.0)
 
     def advance(r: int) -> bool:
-        """Run rank r's next step (a compute, or a batch of communication); False if it must wait."""
+        """Run rank r's next step (a compute, or a batch of communication); False if it must
+        wait."""
         step = plans[r][pc[r]]
         if not isinstance(step, Action):
             for c in step:

@@ -1,6 +1,7 @@
-"""Cutting a model into pipeline stages by module names (torchtitan style; docs/design.md#pipeline-schedules); imports
-no model. A stage is the model with every module not named for it removed (`keep_only`), so parameters keep their
-single-process names and the model's own forward, which skips absent parts, runs the stage."""
+"""Cutting a model into pipeline stages by module names (torchtitan style;
+docs/design.md#pipeline-schedules); imports no model. A stage is the model with every module not
+named for it removed (`keep_only`), so parameters keep their single-process names and the model's
+own forward, which skips absent parts, runs the stage."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ __all__ = ["copy_kept", "keep_only", "split_layers"]
 def split_layers(
     n_layers: int, n_stages: int, layers_per_stage: list[int] | None = None
 ) -> list[range]:
-    """Contiguous block ranges per stage: explicit, or even with extras on early stages (the last has head and loss)."""
+    """Contiguous block ranges per stage: explicit, or even with extras on early stages (the last
+    has head and loss)."""
     if layers_per_stage is not None:
         if (
             len(layers_per_stage) != n_stages
@@ -43,8 +45,9 @@ def split_layers(
 
 
 def keep_only(model: nn.Module, names: Iterable[str]) -> nn.Module:
-    """Remove in place (pass a copy) every submodule not named, inside a named one or containing one; return `model`.
-    Refuses to remove from a ModuleList / Sequential: the later indices, hence parameter names, would shift."""
+    """Remove in place (pass a copy) every submodule not named, inside a named one or containing
+    one; return `model`. Refuses to remove from a ModuleList / Sequential: the later indices, hence
+    parameter names, would shift."""
     keep = set(names)
     present = {name for name, _ in model.named_modules()}
     missing = sorted(keep - present)
@@ -69,16 +72,17 @@ def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
             del module[child_name]
         elif isinstance(module, nn.ModuleList | nn.Sequential):
             raise ValueError(
-                f"cannot remove '{full}' from a {type(module).__name__}: the indices after it would "
-                "shift and rename parameters; keep such blocks in an nn.ModuleDict"
+                f"cannot remove '{full}' from a {type(module).__name__}: the indices after it "
+                "would shift and rename parameters; keep such blocks in an nn.ModuleDict"
             )
         else:
             setattr(module, child_name, None)
 
 
 def copy_kept(model: nn.Module, names: Iterable[str]) -> nn.Module:
-    """``keep_only(copy.deepcopy(model), names)`` without copying what is removed (a stage of a large model on the
-    meta device: the copy is of its blocks, not of the whole model); `model` is left as it was."""
+    """``keep_only(copy.deepcopy(model), names)`` without copying what is removed (a stage of a
+    large model on the meta device: the copy is of its blocks, not of the whole model); `model` is
+    left as it was."""
     keep = set(names)
     skip: dict[int, None] = {}
     for parent_name, parent in model.named_modules():

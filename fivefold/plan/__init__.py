@@ -1,13 +1,14 @@
-"""`fivefold plan`: what a layout costs per GPU before any GPU is rented — `fivefold.formulas` run forward on the
-layout `fivefold train` would build.
+"""`fivefold plan`: what a layout costs per GPU before any GPU is rented — `fivefold.formulas` run
+forward on the layout `fivefold train` would build.
 
-Nothing is computed twice: `assembly` runs the trainer's own `parallelize` on the meta device over stand-in groups, one
-pipeline rank at a time, so every flat buffer, its padding, ZeRO-3 unit and expert shard is the one a run would hold;
-`memory` and `traffic` turn them into bytes with `formulas` (docs/design.md: model states, TP, SP, PP, CP, EP volumes
-and activations), the pipeline simulator gives micro-batches in flight and the bubble; `timing` estimates a step from
-FLOPs and link bandwidths (`hardware`); `layout.plan_layout` puts one plan together, `search` ranks every layout of a
-GPU count, `report` prints them. `tests/test_plan.py` holds the memory and traffic against measurement, byte for byte
-where the math allows."""
+Nothing is computed twice: `assembly` runs the trainer's own `parallelize` on the meta device over
+stand-in groups, one pipeline rank at a time, so every flat buffer, its padding, ZeRO-3 unit and
+expert shard is the one a run would hold; `memory` and `traffic` turn them into bytes with
+`formulas` (docs/design.md: model states, TP, SP, PP, CP, EP volumes and activations), the pipeline
+simulator gives micro-batches in flight and the bubble; `timing` estimates a step from FLOPs and
+link bandwidths (`hardware`); `layout.plan_layout` puts one plan together, `search` ranks every
+layout of a GPU count, `report` prints them. `tests/test_plan.py` holds the memory and traffic
+against measurement, byte for byte where the math allows."""
 
 from fivefold.plan.assembly import PlanningMesh, local_numels, rank_parts
 from fivefold.plan.hardware import GB, HARDWARE, Hardware

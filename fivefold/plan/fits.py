@@ -1,19 +1,22 @@
-"""Whether a run fits this machine, said before any worker starts: `check_fits` predicts each local rank's peak with
-the planner's memory model and refuses, in one line naming the figures and a layout that would fit, a run the
-kernel's OOM killer would otherwise end after spawning workers (or a device would fail in its first step).
+"""Whether a run fits this machine, said before any worker starts: `check_fits` predicts each local
+rank's peak with the planner's memory model and refuses, in one line naming the figures and a layout
+that would fit, a run the kernel's OOM killer would otherwise end after spawning workers (or a
+device would fail in its first step).
 
-This module owns three things. `predict_rank` is `memory.rank_memory` without its assembly: `rank_memory` reads the
-flat buffers, ZeRO-3 units and stage cuts off the trainer's own `parallelize` run on the meta device, which builds
-every module (seconds for a 405B shape, ~40 s for DeepSeek-V3's, minutes for 10,000 blocks); here the same buffers
-come from arithmetic on the model's shape — the bucket rule of `buckets.assign_buckets`, the padding and optimizer
-segments of `FlatParam`, the units of `fsdp.find_unit_modules` — and the same functions price them (`formulas`;
-`memory.activation_bytes` the activations, of the blocks by kind; `in_flight`), into the same `RankMemory`
-(`tests/test_fits.py` holds it equal to `rank_memory`).
-`available_memory` reads what this machine can give (host: MemAvailable and the cgroup's room; a device:
-``mem_get_info``). The advice tries the layout changes the memory model says fit.
+This module owns three things. `predict_rank` is `memory.rank_memory` without its assembly:
+`rank_memory` reads the flat buffers, ZeRO-3 units and stage cuts off the trainer's own
+`parallelize` run on the meta device, which builds every module (seconds for a 405B shape, ~40 s for
+DeepSeek-V3's, minutes for 10,000 blocks); here the same buffers come from arithmetic on the model's
+shape — the bucket rule of `buckets.assign_buckets`, the padding and optimizer segments of
+`FlatParam`, the units of `fsdp.find_unit_modules` — and the same functions price them (`formulas`;
+`memory.activation_bytes` the activations, of the blocks by kind; `in_flight`), into the same
+`RankMemory` (`tests/test_fits.py` holds it equal to `rank_memory`).
+`available_memory` reads what this machine can give (host: MemAvailable and the cgroup's room; a
+device: ``mem_get_info``). The advice tries the layout changes the memory model says fit.
 
-On the CPU a worker also holds what the memory model does not count (the interpreter, torch, gloo, the corpus):
-`PROCESS_BASELINE` per rank, measured; and the RoPE tables are built in fp64 at start-up (`ROPE_BUILD_BYTES`)."""
+On the CPU a worker also holds what the memory model does not count (the interpreter, torch, gloo,
+the corpus): `PROCESS_BASELINE` per rank, measured; and the RoPE tables are built in fp64 at
+start-up (`ROPE_BUILD_BYTES`)."""
 
 from __future__ import annotations
 
@@ -45,25 +48,27 @@ __all__ = [
     "predict_rank",
 ]
 
-# What a CPU worker holds besides the memory model's tensors, measured on `make run`'s job (torch 2.13, Linux, 2
-# ranks): an idle process with fivefold's trainer imported is 277 MB resident (198 MB anonymous); a worker's peak
-# exceeds its predicted tensors by 351 MB (small, the default) to 476 MB (medium) with the shared libraries counted
-# once (PSS), 365-571 MB resident (VmHWM; tiny to medium): the interpreter and torch, the default corpus (8.4M
-# uint16 tokens) and its loading, gloo, the autograd graph's bookkeeping. 300 MiB (315 MB) stays below all: the
-# check must never refuse a run that fits, so one predicted just inside may still be 5-10 % short.
+# What a CPU worker holds besides the memory model's tensors, measured on `make run`'s job (torch
+# 2.13, Linux, 2 ranks): an idle process with fivefold's trainer imported is 277 MB resident (198 MB
+# anonymous); a worker's peak exceeds its predicted tensors by 351 MB (small, the default) to 476 MB
+# (medium) with the shared libraries counted once (PSS), 365-571 MB resident (VmHWM; tiny to
+# medium): the interpreter and torch, the default corpus (8.4M uint16 tokens) and its loading, gloo,
+# the autograd graph's bookkeeping. 300 MiB (315 MB) stays below all: the check must never refuse a
+# run that fits, so one predicted just inside may still be 5-10 % short.
 PROCESS_BASELINE = 300 * 2**20
-# `llama.precompute_rope` builds the tables in fp64 on the CPU at start-up: 24 bytes per (position, channel) beside
-# the fp32 tables themselves (measured: 24.05), freed before the first step.
+# `llama.precompute_rope` builds the tables in fp64 on the CPU at start-up: 24 bytes per (position,
+# channel) beside the fp32 tables themselves (measured: 24.05), freed before the first step.
 ROPE_BUILD_BYTES = 24
 
 
-# -- a rank's flat buffers, from the shape ------------------------------------------------------------------------
+# -- a rank's flat buffers, from the shape ---------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class _Flat:
-    """One flat buffer as rank 0 of its group holds it (`FlatParam`): padded size, shard, real elements in the
-    shard, optimizer segments, its largest parameter; ``root``: ZeRO-3's root unit."""
+    """One flat buffer as rank 0 of its group holds it (`FlatParam`): padded size, shard, real
+    elements in the shard, optimizer segments, its largest parameter; ``root``: ZeRO-3's root
+    unit."""
 
     padded: int
     shard: int
@@ -73,8 +78,8 @@ class _Flat:
     root: bool = False
 
 
-# a parameter: (elements, optimizer-group sort key); the key orders groups as `ZeroDataParallel` does: decay first,
-# then partitioned (more mesh dims) before replicated
+# a parameter: (elements, optimizer-group sort key); the key orders groups as `ZeroDataParallel`
+# does: decay first, then partitioned (more mesh dims) before replicated
 _Param = tuple[int, tuple]
 
 
@@ -84,9 +89,9 @@ def _key(skip_decay: bool, placement: Iterable[str]) -> tuple:
 
 
 def _flat(params: Sequence[_Param], world: int, root: bool = False) -> _Flat:
-    """`FlatParam` of `params` over `world` ranks (1: unsharded): groups contiguous (stable sort by key), total
-    padded to a multiple of world, rank 0's shard [0, padded / world), each group's part of it in
-    `OPTIMIZER_CHUNK`-element segments."""
+    """`FlatParam` of `params` over `world` ranks (1: unsharded): groups contiguous (stable sort by
+    key), total padded to a multiple of world, rank 0's shard [0, padded / world), each group's part
+    of it in `OPTIMIZER_CHUNK`-element segments."""
     ordered = sorted(params, key=lambda p: p[1])
     numel = sum(n for n, _ in ordered)
     padded = -(-numel // world) * world
@@ -104,8 +109,8 @@ def _flat(params: Sequence[_Param], world: int, root: bool = False) -> _Flat:
 
 
 def _buckets(params: Sequence[_Param], bucket_bytes: float, world: int) -> list[_Flat]:
-    """`buckets.assign_buckets` (reverse registration order, closed once at least `bucket_bytes`; the stand-ins it
-    measures are fp32, whatever the precision), each bucket a flat buffer."""
+    """`buckets.assign_buckets` (reverse registration order, closed once at least `bucket_bytes`;
+    the stand-ins it measures are fp32, whatever the precision), each bucket a flat buffer."""
     out, current, size = [], [], 0
     for p in reversed(params):
         current.append(p)
@@ -119,7 +124,8 @@ def _buckets(params: Sequence[_Param], bucket_bytes: float, world: int) -> list[
 
 
 def _uniform_flat(n: int, numel: int, world: int) -> _Flat:
-    """`_flat` of `n` parameters of `numel` elements each in one optimizer group (experts), in closed form."""
+    """`_flat` of `n` parameters of `numel` elements each in one optimizer group (experts), in
+    closed form."""
     padded = -(-n * numel // world) * world
     shard = padded // world
     return _Flat(
@@ -130,8 +136,8 @@ def _uniform_flat(n: int, numel: int, world: int) -> _Flat:
 def _uniform_buckets(
     n: int, numel: int, bucket_bytes: float, world: int
 ) -> list[tuple[_Flat, int]]:
-    """`_buckets` of `n` parameters of `numel` elements each (the experts of a stage's MoE layers, one after the
-    other): k to a bucket, as (flat, count)."""
+    """`_buckets` of `n` parameters of `numel` elements each (the experts of a stage's MoE layers,
+    one after the other): k to a bucket, as (flat, count)."""
     if n == 0:
         return []
     k = max(1, math.ceil(bucket_bytes / (numel * 4)))
@@ -142,7 +148,8 @@ def _uniform_buckets(
 
 @dataclasses.dataclass(frozen=True)
 class _Engine:
-    """A `ZeroDataParallel` of one stage: its flats (with multiplicity), group size, stage, hpZ group size."""
+    """A `ZeroDataParallel` of one stage: its flats (with multiplicity), group size, stage, hpZ
+    group size."""
 
     flats: tuple[tuple[_Flat, int], ...]
     comm: int
@@ -153,9 +160,9 @@ class _Engine:
 def _stage_engines(
     m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: int, n_stages: int, blocks: range
 ) -> list[_Engine]:
-    """The engines `models.parallelize._engines` gives stage `stage_id` (its blocks; the embedding on the first, the
-    norm and head on the last) of this rank: the dense one over dp × cp (HSDP: dp_shard), the experts' over ep_dp,
-    rank 0 of every dimension."""
+    """The engines `models.parallelize._engines` gives stage `stage_id` (its blocks; the embedding
+    on the first, the norm and head on the last) of this rank: the dense one over dp × cp (HSDP:
+    dp_shard), the experts' over ep_dp, rank 0 of every dimension."""
     stage, bucket_mb, hpz = zero
     tp, pp = dims.tp, frozenset({"pp"}) if dims.pp > 1 else frozenset()
     tp_dims = pp | ({"tp"} if tp > 1 else set())  # a TP-sliced parameter's placement
@@ -196,7 +203,9 @@ def _stage_engines(
         for i in blocks:
             params += moe_block if m.is_moe_block(i) else dense_block
         dense = [(f, 1) for f in _buckets(params + head + output, bucket_mb * 2**20, world)]
-    else:  # units: each block, the embedding and the head (untied), the root (the final norm; a tied embedding)
+    else:
+        # units: each block, the embedding and the head (untied), the root (the final norm; a tied
+        # embedding)
         dense = [(_flat(dense_block, world), n_dense)] if n_dense else []
         dense += [(_flat(moe_block, world), n_moe)] if n_moe else []
         for unit in (embedding if not m.tie_embeddings else [], output):
@@ -209,7 +218,8 @@ def _stage_engines(
     if m.moe is not None:
         ep_dp = dims.size("ep_dp")
         world = ep_dp if stage >= 1 and ep_dp > 1 else 1
-        # every expert weight is dim × hidden, decayed, placed over pp and ep alike: one optimizer group
+        # every expert weight is dim × hidden, decayed, placed over pp and ep alike: one optimizer
+        # group
         if stage < 3:
             flats = _uniform_buckets(
                 3 * experts_per_rank * n_moe, expert_numel, bucket_mb * 2**20, world
@@ -228,7 +238,8 @@ _ENGINES: dict[tuple, tuple[_Engine, ...]] = {}
 def _engines_cached(
     m: LlamaConfig, dims: ParallelDims, zero: tuple, stage_id: int, n_stages: int, blocks: range
 ) -> tuple[_Engine, ...]:
-    # the advice prices several batch sizes and recompute modes of one layout: its buffers are laid out once
+    # the advice prices several batch sizes and recompute modes of one layout: its buffers are laid
+    # out once
     key = (repr(m), dims, zero, stage_id, n_stages, blocks.start, blocks.stop)
     if key not in _ENGINES:
         if len(_ENGINES) > 64:
@@ -304,8 +315,9 @@ def _transient(
 def _in_flight(
     schedule: str, pp: int, micro_batches: int, virtual: int, rank: int
 ) -> tuple[int, int]:
-    """`memory.in_flight` of the schedule: GPipe holds all M; the others reach their steady state within a few
-    rounds (the simulation's cost grows with M), so M beyond 8·P·V is simulated at 8·P·V (`tests/test_fits.py`)."""
+    """`memory.in_flight` of the schedule: GPipe holds all M; the others reach their steady state
+    within a few rounds (the simulation's cost grows with M), so M beyond 8·P·V is simulated at
+    8·P·V (`tests/test_fits.py`)."""
     if schedule == "gpipe":
         return micro_batches, 0
     cap = 8 * pp * virtual
@@ -313,8 +325,8 @@ def _in_flight(
 
 
 def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
-    """`memory.rank_memory(cfg, run, pp_rank)` computed from the model's shape: nothing is built, a 405B or a
-    10,000-block shape costs milliseconds. The same `RankMemory`, part for part."""
+    """`memory.rank_memory(cfg, run, pp_rank)` computed from the model's shape: nothing is built, a
+    405B or a 10,000-block shape costs milliseconds. The same `RankMemory`, part for part."""
     cfg = resolved(cfg, run)
     m, dims, z, p = run.model, run.dims, cfg.zero, cfg.pipeline
     if dims.pp > 1:
@@ -361,7 +373,8 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
 def _held(
     m: LlamaConfig, dims: ParallelDims, stage_ids: list[int], n_stages: int, ranges: list[range]
 ) -> int:
-    """The parameters of this rank's stages (its TP slice, its experts): `assembly.local_numels`' sum."""
+    """The parameters of this rank's stages (its TP slice, its experts): `assembly.local_numels`'
+    sum."""
     tp, hd = dims.tp, m.head_dim
     attention = 2 * m.dim + 2 * m.n_heads * hd // tp * m.dim + 2 * m.n_kv_heads * hd // tp * m.dim
     dense = attention + 3 * m.ffn_hidden // tp * m.dim
@@ -384,7 +397,7 @@ def _held(
     return total
 
 
-# -- what the machine has ---------------------------------------------------------------------------------------
+# -- what the machine has --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,9 +430,9 @@ def _stat(path: Path, key: str) -> int:
 def _cgroup_room(
     proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
 ) -> int | None:
-    """The least room (limit − usage) of this process's memory cgroup and its ancestors, v2 or v1; None: no limit.
-    Usage less the inactive page cache (reclaimable, as `docker stats` counts it): a cgroup that read many files
-    would otherwise look full."""
+    """The least room (limit − usage) of this process's memory cgroup and its ancestors, v2 or v1;
+    None: no limit. Usage less the inactive page cache (reclaimable, as `docker stats` counts it): a
+    cgroup that read many files would otherwise look full."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -465,16 +478,18 @@ def _mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    try:  # not Linux: free pages (less than what could be freed, so the check errs towards starting)
+    try:
+        # not Linux: free pages (less than what could be freed, so the check errs towards starting)
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
 
 
 def available_memory(device_type: str = "cpu") -> Available | None:
-    """What this machine can give the run: on the CPU the smaller of MemAvailable and the memory cgroup's room;
-    on an accelerator the current device's free memory (``torch.<device_type>.mem_get_info``; torch's accelerator
-    modules are imported only then). None when it cannot be told."""
+    """What this machine can give the run: on the CPU the smaller of MemAvailable and the memory
+    cgroup's room; on an accelerator the current device's free memory
+    (``torch.<device_type>.mem_get_info``; torch's accelerator modules are imported only then). None
+    when it cannot be told."""
     if device_type == "cpu":
         host, room = _mem_available(), _cgroup_room()
         if room is not None and (host is None or room < host):
@@ -489,7 +504,7 @@ def available_memory(device_type: str = "cpu") -> Available | None:
     return Available(int(free), f"free on {device_type}:{module.current_device()}, mem_get_info")
 
 
-# -- the check ----------------------------------------------------------------------------------------------------
+# -- the check -------------------------------------------------------------------------------------
 
 
 def _fmt(n: float) -> str:
@@ -507,15 +522,17 @@ class _Prediction:
     baseline: int  # per rank: `PROCESS_BASELINE` (CPU, workers not started yet) or 0
 
     def rank_bytes(self, pp_rank: int) -> int:
-        """What one rank needs: the device's peak; on the CPU also the host part (offload), the process baseline,
-        and the start-up's RoPE build if that peak (beside the model states and tables) is the higher one."""
+        """What one rank needs: the device's peak; on the CPU also the host part (offload), the
+        process baseline, and the start-up's RoPE build if that peak (beside the model states and
+        tables) is the higher one."""
         r = self.per_rank[pp_rank]
         if not self.cpu:
             return r.total
         return max(r.total + r.model_states.get("host", 0), self.start_up(pp_rank)) + self.baseline
 
     def start_up(self, pp_rank: int) -> int:
-        """The host's peak while the model is set up (CPU): its states and tables, and one stage's fp64 build."""
+        """The host's peak while the model is set up (CPU): its states and tables, and one stage's
+        fp64 build."""
         r = self.per_rank[pp_rank]
         return r.model_states["total"] + r.transient["model buffers"] + self.rope_build
 
@@ -525,15 +542,16 @@ class _Prediction:
 
     @property
     def total(self) -> int:
-        """What is compared with the machine: the local ranks' sum on the CPU (one host), else the largest rank."""
+        """What is compared with the machine: the local ranks' sum on the CPU (one host), else the
+        largest rank."""
         return sum(self.rank_bytes(r) for r in self.ranks) if self.cpu else self.largest
 
     def need(self) -> str:
         return f"{_fmt(self.total)} in total" if self.cpu else f"{_fmt(self.total)} per rank"
 
     def states(self, world: int) -> int:
-        """Model states summed over the `world` ranks (what more ranks would share under ZeRO-3): the mean of the
-        pipeline ranks priced (all of them for a local launch) times the world."""
+        """Model states summed over the `world` ranks (what more ranks would share under ZeRO-3):
+        the mean of the pipeline ranks priced (all of them for a local launch) times the world."""
         return (
             world
             * sum(m.model_states["total"] for m in self.per_rank.values())
@@ -563,7 +581,8 @@ def _fits(pred: _Prediction, available: int) -> bool:
 def _variant(
     cfg: Config, world: int, device_type: str, **sections: dict
 ) -> tuple[Config, RunPlan] | None:
-    """`cfg` with some keys changed, and its plan; None when the trainer would refuse that layout."""
+    """`cfg` with some keys changed, and its plan; None when the trainer would refuse that
+    layout."""
     new = dataclasses.replace(
         cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
     )
@@ -574,9 +593,10 @@ def _variant(
 
 
 def _micro_batches(run: RunPlan) -> list[int]:
-    """The micro-batches below the run's that keep its batch per dp rank (micro_batch × grad_accum): its divisors,
-    by trial division up to √n (at most 10^5 trials: a batch beyond 10^10 gets its small divisors only). Under pp at
-    most `MAX_PIPELINE_MICRO_BATCHES` micro-batches a step: a schedule of more is itself seconds to build."""
+    """The micro-batches below the run's that keep its batch per dp rank (micro_batch × grad_accum):
+    its divisors, by trial division up to √n (at most 10^5 trials: a batch beyond 10^10 gets its
+    small divisors only). Under pp at most `MAX_PIPELINE_MICRO_BATCHES` micro-batches a step: a
+    schedule of more is itself seconds to build."""
     n = run.micro_batch * run.grad_accum
     found: set[int] = set()
     for d in range(1, min(math.isqrt(n), 100_000) + 1):
@@ -602,8 +622,9 @@ def _advice(
     available: int,
     device_type: str,
 ) -> str:
-    """The first change the memory model says fits: a smaller micro-batch (the global batch kept), ZeRO-3, full
-    recompute, all three; else how many such machines (devices) ZeRO-3 would need, and a preset that fits."""
+    """The first change the memory model says fits: a smaller micro-batch (the global batch kept),
+    ZeRO-3, full recompute, all three; else how many such machines (devices) ZeRO-3 would need, and
+    a preset that fits."""
     world, t = run.dims.world_size, cfg.train
     batch = run.micro_batch * run.grad_accum  # per dp rank and step: micro_batch × grad_accum stays
 
@@ -616,8 +637,9 @@ def _advice(
         )
         return _predict(*v, ranks, cpu, baseline) if v is not None else None
 
-    # the largest that fits, by bisection: the peak grows with the micro-batch (activations ∝ micro-batch ×
-    # micro-batches in flight, which a smaller one never raises; GPipe's stay: then none fits)
+    # the largest that fits, by bisection: the peak grows with the micro-batch (activations ∝
+    # micro-batch × micro-batches in flight, which a smaller one never raises; GPipe's stay: then
+    # none fits)
     micros, best = _micro_batches(run), None
     lo, hi = 0, len(micros) - 1
     while lo <= hi:
@@ -630,16 +652,16 @@ def _advice(
     if best is not None:
         micro, pred = best
         return (
-            f"--train.micro_batch {micro} --train.grad_accum {batch // micro} (the same global batch, "
-            f"{run.global_batch}) would need {pred.need()}"
+            f"--train.micro_batch {micro} --train.grad_accum {batch // micro} (the same global "
+            f"batch, {run.global_batch}) would need {pred.need()}"
         )
     shard = run.dims.size("dp_shard") if run.dims.dp_replicate > 1 else run.dims.size("dp_cp")
     if cfg.zero.stage != 3 and shard > 1:
         v = _variant(cfg, world, device_type, zero=dict(stage=3))
         if v is not None and _fits(pred := _predict(*v, ranks, cpu, baseline), available):
             return (
-                f"--zero 3 (parameters, gradients and optimizer state sharded over {shard} ranks) would need "
-                f"{pred.need()}"
+                f"--zero 3 (parameters, gradients and optimizer state sharded over {shard} ranks) "
+                f"would need {pred.need()}"
             )
     if t.recompute != "full":
         v = _variant(cfg, world, device_type, train=dict(recompute="full"))
@@ -667,8 +689,8 @@ def _advice(
     pred = _predict(*v, ranks, cpu, baseline)
     if _fits(pred, available):
         return f"{flags} together would need {pred.need()}"
-    # ZeRO-3 over more ranks: each holds ~1/N of the world's model states beside its own activations and buffers,
-    # which stay; a host with fewer ranks on it has room for more of the states
+    # ZeRO-3 over more ranks: each holds ~1/N of the world's model states beside its own activations
+    # and buffers, which stay; a host with fewer ranks on it has room for more of the states
     states = pred.states(v[1].dims.world_size)
     beside = max(
         pred.rank_bytes(r) - pred.per_rank[r].model_states["total"] for r in set(pred.ranks)
@@ -687,8 +709,9 @@ def _advice(
     else:
         more = f"even one rank's activations and buffers ({_fmt(beside)}) exceed what is available"
     return (
-        f"the model does not fit on this machine, even with {flags} ({pred.need()}): {more}, or a smaller "
-        f"model with them ({_smaller_model(cfg, run, ranks, cpu, baseline, available, device_type, least)})"
+        f"the model does not fit on this machine, even with {flags} ({pred.need()}): {more}, or a "
+        "smaller model with them "
+        f"({_smaller_model(cfg, run, ranks, cpu, baseline, available, device_type, least)})"
     )
 
 
@@ -702,8 +725,8 @@ def _smaller_model(
     device_type: str,
     changes: dict[str, dict],
 ) -> str:
-    """The largest preset smaller than the model that fits this layout with `changes` (the least-memory settings
-    just named); else what the smallest needs."""
+    """The largest preset smaller than the model that fits this layout with `changes` (the
+    least-memory settings just named); else what the smallest needs."""
     mine = param_counts(run.model)[0]
     presets = sorted(((param_counts(c)[0], name) for name, c in PRESETS.items()), reverse=True)
     blank = {
@@ -746,15 +769,17 @@ def check_fits(
     available: int | None = None,
     workers_started: bool = False,
 ) -> list[str]:
-    """Refuse (`ConfigError`, one line) a run whose predicted peak exceeds this machine's memory, naming the
-    figures per rank and in total, what is available, the first layout change that would fit, and the override
-    (``--run.check_memory false``). `plan`: `validate_layout`'s. `nproc`: the ranks started on this machine, global
-    ranks ``ranks`` (default 0 .. nproc-1; the pipeline rank decides a rank's share). On the CPU the local ranks
-    share the host's memory: their sum (with `PROCESS_BASELINE` each) against `available_memory`; on an
-    accelerator each rank its device: the largest against the device's free memory. ``available``: bytes, instead
-    of measuring (tests). ``workers_started`` (under torchrun the ranks run the check themselves): their processes
-    exist, so their baseline is already outside the available memory. Returns notes for the start-up (the check
-    skipped, and why); nothing is built, so even a 405B or 10,000-block shape takes milliseconds."""
+    """Refuse (`ConfigError`, one line) a run whose predicted peak exceeds this machine's memory,
+    naming the figures per rank and in total, what is available, the first layout change that would
+    fit, and the override (``--run.check_memory false``). `plan`: `validate_layout`'s. `nproc`: the
+    ranks started on this machine, global ranks ``ranks`` (default 0 .. nproc-1; the pipeline rank
+    decides a rank's share). On the CPU the local ranks share the host's memory: their sum (with
+    `PROCESS_BASELINE` each) against `available_memory`; on an accelerator each rank its device: the
+    largest against the device's free memory. ``available``: bytes, instead of measuring (tests).
+    ``workers_started`` (under torchrun the ranks run the check themselves): their processes exist,
+    so their baseline is already outside the available memory. Returns notes for the start-up (the
+    check skipped, and why); nothing is built, so even a 405B or 10,000-block shape takes
+    milliseconds."""
     check_model_bounds(plan.model)
     ranks = tuple(ranks) if ranks is not None else tuple(range(nproc))
     cpu = device_type == "cpu"
@@ -768,28 +793,29 @@ def check_fits(
         have = available_memory(device_type)
         if have is None:
             return [
-                f"memory check skipped: this machine's free {'host' if cpu else device_type} memory cannot be read"
+                f"memory check skipped: this machine's free {'host' if cpu else device_type} "
+                "memory cannot be read"
             ]
     if _fits(pred, have.bytes):
         return []
     worst = max(set(pred.ranks), key=pred.rank_bytes)
     r = pred.per_rank[worst]
     parts = (
-        f"model states {_fmt(r.model_states['total'])}, activations {_fmt(sum(r.activations.values()))}, "
-        f"buffers {_fmt(sum(r.transient.values()))}"
+        f"model states {_fmt(r.model_states['total'])}, activations "
+        f"{_fmt(sum(r.activations.values()))}, buffers {_fmt(sum(r.transient.values()))}"
         + (f", process {_fmt(baseline)}" if cpu and baseline else "")
     )
     if cpu and pred.start_up(worst) > r.total + r.model_states.get("host", 0):
         parts += f"; at start-up the RoPE tables' fp64 build, {_fmt(pred.rope_build)}, is the peak"
     if cpu:
         need = (
-            f"about {_fmt(pred.largest)} per rank ({parts}) × {len(ranks)} local rank{'s' * (len(ranks) > 1)} "
-            f"= {_fmt(pred.total)}"
+            f"about {_fmt(pred.largest)} per rank ({parts}) × {len(ranks)} local "
+            f"rank{'s' * (len(ranks) > 1)} = {_fmt(pred.total)}"
         )
     else:
         need = f"about {_fmt(pred.largest)} per rank ({parts})"
     advice = _advice(cfg, plan, ranks, cpu, baseline, have.bytes, device_type)
     raise ConfigError(
-        f"memory: this run needs {need}, more than the {_fmt(have.bytes)} available ({have.source}); "
-        f"{advice}; or --run.check_memory false to start it anyway"
+        f"memory: this run needs {need}, more than the {_fmt(have.bytes)} available "
+        f"({have.source}); {advice}; or --run.check_memory false to start it anyway"
     )

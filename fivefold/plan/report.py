@@ -21,15 +21,15 @@ def _seconds(s: float) -> str:
 
 
 def format_plan(plan: LayoutPlan) -> str:
-    """Per GPU memory by part (pipeline ranks side by side; more than 6: the first three, the middle, the last two
-    and the fullest), traffic per dimension, bubble, step time and MFU."""
+    """Per GPU memory by part (pipeline ranks side by side; more than 6: the first three, the
+    middle, the last two and the fullest), traffic per dimension, bubble, step time and MFU."""
     hw = plan.hardware
     lines = [
-        f"fivefold plan: {plan.model_name} ({plan.params / 1e9:,.2f}B parameters) on {plan.world} × {hw.name} "
-        f"({hw.gpus_per_node} per node)",
+        f"fivefold plan: {plan.model_name} ({plan.params / 1e9:,.2f}B parameters) on {plan.world} "
+        f"× {hw.name} ({hw.gpus_per_node} per node)",
         f"layout: {plan.layout}",
-        f"batch: global {plan.global_batch} × {plan.seq_len} tokens = micro {plan.micro_batch} × accum "
-        f"{plan.grad_accum} × dp {plan.dims.dp}; precision {plan.precision}",
+        f"batch: global {plan.global_batch} × {plan.seq_len} tokens = micro {plan.micro_batch} × "
+        f"accum {plan.grad_accum} × dp {plan.dims.dp}; precision {plan.precision}",
         "",
     ]
     ranks = plan.ranks
@@ -59,8 +59,8 @@ def format_plan(plan: LayoutPlan) -> str:
     )
     lines.append(
         f"{'one block keeps (GB)':56s}{plan.block_bytes / GB:>13,.2f}   (the GPT block of "
-        f"docs/design.md#activation-memory, 34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash attention: "
-        f"{seed / GB:,.2f} GB)"
+        "docs/design.md#activation-memory, 34·B·L·D + 5·B·L²·H in fp16, unsplit, no flash "
+        f"attention: {seed / GB:,.2f} GB)"
     )
     fits = "fits" if plan.fits else "DOES NOT FIT"
     more = (
@@ -69,7 +69,8 @@ def format_plan(plan: LayoutPlan) -> str:
         else ""
     )
     lines += [
-        f"{'GPU memory (GB)':56s}{hw.memory_gb:>13,.2f}   -> {fits} (peak {_bytes(plan.peak_bytes)}{more})",
+        f"{'GPU memory (GB)':56s}{hw.memory_gb:>13,.2f}   -> {fits} (peak "
+        f"{_bytes(plan.peak_bytes)}{more})",
         "",
     ]
     where = f" (pp rank {plan.traffic_rank}, the busiest)" if len(plan.ranks) > 1 else ""
@@ -90,14 +91,15 @@ def format_plan(plan: LayoutPlan) -> str:
         )
     tm = plan.time
     lines += [
-        f"estimated step: {_seconds(tm['step'])} = micro-batches {_seconds(tm['pipeline'])} (compute "
-        f"{_seconds(tm['compute'])} at {hw.compute_efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s; tp/cp/ep "
-        f"traffic not hidden {_seconds(tm['model traffic not hidden'])}; data-parallel traffic beside the passes "
-        f"{_seconds(tm['data-parallel during passes'])}) + after them {_seconds(tm['after the micro-batches'])}"
-        f" + optimizer {_seconds(tm['optimizer'])}",
-        f"throughput ≈ {tm['tokens/s']:,.0f} tokens/s, MFU ≈ {tm['MFU']:.1%} (links one way per GPU: "
-        f"intra-node {hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s; an estimate, "
-        "see docs/plan.md)",
+        f"estimated step: {_seconds(tm['step'])} = micro-batches {_seconds(tm['pipeline'])} "
+        f"(compute {_seconds(tm['compute'])} at {hw.compute_efficiency:.0%} of {hw.peak_tflops:g} "
+        f"TFLOP/s; tp/cp/ep traffic not hidden {_seconds(tm['model traffic not hidden'])}; "
+        f"data-parallel traffic beside the passes {_seconds(tm['data-parallel during passes'])}) + "
+        f"after them {_seconds(tm['after the micro-batches'])} + optimizer "
+        f"{_seconds(tm['optimizer'])}",
+        f"throughput ≈ {tm['tokens/s']:,.0f} tokens/s, MFU ≈ {tm['MFU']:.1%} (links one way per "
+        f"GPU: intra-node {hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s; an "
+        "estimate, see docs/plan.md)",
     ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -108,11 +110,14 @@ def format_search(
 ) -> str:
     """`search`'s ranking: one line per layout."""
     lines = [
-        f"fivefold plan --search: {valid} valid layouts for {world} × {hardware.name}, {fitting} fit in "
-        f"{hardware.memory_gb:g} GB; the fastest by estimated step time:",
+        f"fivefold plan --search: {valid} valid layouts for {world} × {hardware.name}, {fitting} "
+        f"fit in {hardware.memory_gb:g} GB; the fastest by estimated step time:",
         "",
     ]
-    head = f"{'#':>3s}  {'layout':60s}{'peak GB':>9s}{'step':>11s}{'tokens/s':>13s}{'MFU':>7s}{'bubble':>8s}"
+    head = (
+        f"{'#':>3s}  "
+        f"{'layout':60s}{'peak GB':>9s}{'step':>11s}{'tokens/s':>13s}{'MFU':>7s}{'bubble':>8s}"
+    )
     lines += [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
         bubble = f"{p.bubble:.1%}" if p.bubble is not None else "-"

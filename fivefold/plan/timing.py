@@ -1,14 +1,16 @@
-"""An estimated step time, from FLOPs and link bandwidths — a model, not a measurement (no GPU has checked it).
+"""An estimated step time, from FLOPs and link bandwidths — a model, not a measurement (no GPU has
+checked it).
 
-Compute runs at ``Hardware.compute_efficiency`` of the peak; attention's FLOPs count the causal half of the L × L
-square (a flash kernel skips the rest; MFU keeps PaLM's whole square, `formulas.model_flops_per_token`). Every
-transfer takes its ring wire bytes over its group's link (intra-node when the group fits in a node), no latency
-term. Per micro-batch and stage, in the schedule simulation: a pass lasts as long as the longer of its compute and
-the data-parallel traffic fivefold overlaps with it (ZeRO-3's prefetched gathers; without pp the bucket reductions
-beside the backward), plus its share of TP and expert traffic and of ring attention's K/V beyond the attention's own
-compute (on the critical path); pipeline messages delay the next stage. Then what runs after the micro-batches (a
-pipeline's deferred reduction, ZeRO-1/2's all-gather of the updated parameters) and the optimizer streaming its
-states through memory."""
+Compute runs at ``Hardware.compute_efficiency`` of the peak; attention's FLOPs count the causal half
+of the L × L square (a flash kernel skips the rest; MFU keeps PaLM's whole square,
+`formulas.model_flops_per_token`). Every transfer takes its ring wire bytes over its group's link
+(intra-node when the group fits in a node), no latency term. Per micro-batch and stage, in the
+schedule simulation: a pass lasts as long as the longer of its compute and the data-parallel traffic
+fivefold overlaps with it (ZeRO-3's prefetched gathers; without pp the bucket reductions beside the
+backward), plus its share of TP and expert traffic and of ring attention's K/V beyond the
+attention's own compute (on the critical path); pipeline messages delay the next stage. Then what
+runs after the micro-batches (a pipeline's deferred reduction, ZeRO-1/2's all-gather of the updated
+parameters) and the optimizer streaming its states through memory."""
 
 from __future__ import annotations
 
@@ -28,18 +30,19 @@ __all__ = ["attention_flops_per_token", "step_time", "transfer_seconds"]
 
 
 def attention_flops_per_token(run: RunPlan, cfg: Config, blocks: int, causal: bool) -> float:
-    """Forward + backward FLOPs of attention's scores and weighted values per token of one rank, for `blocks`
-    blocks: 12·L·D per block (PaLM), half of it when the causal kernel skips the masked half; over tp."""
+    """Forward + backward FLOPs of attention's scores and weighted values per token of one rank, for
+    `blocks` blocks: 12·L·D per block (PaLM), half of it when the causal kernel skips the masked
+    half; over tp."""
     return 12 * blocks * cfg.train.seq_len * run.model.dim / run.dims.tp / (2 if causal else 1)
 
 
 def _stage_flops(
     cfg: Config, run: RunPlan, stage: Any, numels: dict[str, int]
 ) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one micro-batch through one stage on one rank: 2 (forward) and 4 (backward) per
-    parameter and token it computes (embeddings are lookups; an MoE block's rows go to top_k experts, spread over
-    the ep ranks), and attention (causal half); full recompute runs the forward again in backward, selective the
-    attention core."""
+    """(forward, backward) FLOPs of one micro-batch through one stage on one rank: 2 (forward) and 4
+    (backward) per parameter and token it computes (embeddings are lookups; an MoE block's rows go
+    to top_k experts, spread over the ep ranks), and attention (causal half); full recompute runs
+    the forward again in backward, selective the attention core."""
     m, d = run.model, run.dims
     tokens = run.micro_batch * cfg.train.seq_len / d.cp
     active = 0.0
@@ -65,7 +68,8 @@ def transfer_seconds(
     phases: tuple[str, ...],
     dims: tuple[str, ...] | None = None,
 ) -> float:
-    """Seconds the `transfers` of these phases (and dims) take on their links, one after the other."""
+    """Seconds the `transfers` of these phases (and dims) take on their links, one after the
+    other."""
     return sum(
         t.wire_bytes / (link(t.dim, run.dims, hw, t.group)[1] * GB)
         for t in transfers

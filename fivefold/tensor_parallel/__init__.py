@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism: conjugate comm operators, parallel layers, vocab-parallel loss."""
+"""Tensor and sequence parallelism: conjugate comm operators, parallel layers, vocab-parallel
+loss."""
 
 from fivefold.tensor_parallel.comm_ops import (
     copy_to_tp,

@@ -1,6 +1,7 @@
-"""The conjugate communication operators of TP and SP (Megatron, docs/design.md#tensor-and-sequence-parallelism), each
-backward its partner's forward. Per block TP costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces each
-with an all-gather and a reduce-scatter of the same volume."""
+"""The conjugate communication operators of TP and SP (Megatron,
+docs/design.md#tensor-and-sequence-parallelism), each backward its partner's forward. Per block TP
+costs 4 all-reduces of B·L·D (2 g forward, 2 f backward); SP replaces each with an all-gather and a
+reduce-scatter of the same volume."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     full = x.transpose(0, SEQ_DIM).contiguous()
     if full.shape[0] % comm.size:
         raise ValueError(
-            f"sequence parallel: sequence length {full.shape[0]} is not divisible by tp={comm.size}; "
-            f"use a sequence length that is a multiple of {comm.size}"
+            f"sequence parallel: sequence length {full.shape[0]} is not divisible by "
+            f"tp={comm.size}; use a sequence length that is a multiple of {comm.size}"
         )
     out = torch.empty((full.shape[0] // comm.size, *full.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter(out, full, tag=tag)
@@ -82,7 +83,8 @@ class _ScatterToSP(torch.autograd.Function):
 
 
 def all_reduce_grad_hook(comm: Comm, tag: str):
-    """A tensor hook summing a replicated parameter's gradient over TP: under SP each rank's is a partial sum."""
+    """A tensor hook summing a replicated parameter's gradient over TP: under SP each rank's is a
+    partial sum."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
@@ -94,7 +96,8 @@ def all_reduce_grad_hook(comm: Comm, tag: str):
 
 @eager_region
 def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """f: identity forward, all-reduce of the gradient backward (entry of a column-parallel region)."""
+    """f: identity forward, all-reduce of the gradient backward (entry of a column-parallel
+    region)."""
     return _CopyToTP.apply(x, comm)
 
 

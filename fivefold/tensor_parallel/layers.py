@@ -1,7 +1,8 @@
-"""Tensor-parallel layers (Megatron, docs/design.md#tensor-and-sequence-parallelism), each holding this rank's slice of
-a weight: column-parallel splits output features, row-parallel input features (partial outputs summed by the exit), the
-embedding vocabulary rows. Each is built *from* the full module (`from_linear`): every rank initialises the whole weight
-from the model's seed and keeps its slice, so TP and single-process runs start from identical weights."""
+"""Tensor-parallel layers (Megatron, docs/design.md#tensor-and-sequence-parallelism), each holding
+this rank's slice of a weight: column-parallel splits output features, row-parallel input features
+(partial outputs summed by the exit), the embedding vocabulary rows. Each is built *from* the full
+module (`from_linear`): every rank initialises the whole weight from the model's seed and keeps its
+slice, so TP and single-process runs start from identical weights."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from fivefold.tensor_parallel.comm_ops import (
 def shard_range(size: int, comm: Comm, what: str) -> tuple[int, int]:
     if size % comm.size:
         raise ValueError(
-            f"{what}={size} is not divisible by tp={comm.size}; choose a tensor-parallel degree that "
-            f"divides it"
+            f"{what}={size} is not divisible by tp={comm.size}; choose a tensor-parallel degree "
+            f"that divides it"
         )
     chunk = size // comm.size
     return comm.rank * chunk, (comm.rank + 1) * chunk
@@ -43,7 +44,8 @@ def _exit(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_localᵀ, W split by rows; `input_mode` "copy" (f), "gather" (SP) or "none" (e.g. `RegionEntry`)."""
+    """y_local = x W_localᵀ, W split by rows; `input_mode` "copy" (f), "gather" (SP) or "none" (e.g.
+    `RegionEntry`)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none"
@@ -74,7 +76,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = Σ_ranks x_local W_localᵀ (+ bias once) with W split by columns; exit all-reduce / SP scatter."""
+    """y = Σ_ranks x_local W_localᵀ (+ bias once) with W split by columns; exit all-reduce / SP
+    scatter."""
 
     def __init__(
         self,
@@ -114,7 +117,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows [vocab_start, vocab_end) on this rank; the exit operator sums the ranks' parts."""
+    """Embedding rows [vocab_start, vocab_end) on this rank; the exit operator sums the ranks'
+    parts."""
 
     def __init__(
         self, weight: torch.Tensor, vocab_start: int, comm: Comm, sequence_parallel: bool = False
@@ -141,4 +145,7 @@ class VocabParallelEmbedding(nn.Module):
         return _exit(out, self.comm, self.sequence_parallel)
 
     def extra_repr(self) -> str:
-        return f"rows [{self.vocab_start}, {self.vocab_end}), tp={self.comm.size}, sp={self.sequence_parallel}"
+        return (
+            f"rows [{self.vocab_start}, {self.vocab_end}), tp={self.comm.size}, "
+            f"sp={self.sequence_parallel}"
+        )

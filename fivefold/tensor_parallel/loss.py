@@ -1,10 +1,12 @@
-"""Cross-entropy over a vocabulary split across the tp group (docs/design.md#tensor-and-sequence-parallelism), and the
-single-process loss as its T = 1 case (`models.loss`): one implementation.
+"""Cross-entropy over a vocabulary split across the tp group
+(docs/design.md#tensor-and-sequence-parallelism), and the single-process loss as its T = 1 case
+(`models.loss`): one implementation.
 
-The full logits never exist on one rank, and no fp32 copy of this rank's [N, V/T] logits is made either: rows are
-read in chunks of about `CHUNK_ELEMENTS`, each upcast to fp32 for its max, sum of exponentials and (in backward) its
-softmax. Saved for backward: the logits as given (alive anyway) and one log-sum-exp per row. Three all-reduces of one
-value per token (the max, the sum of exponentials, the target's logit from the rank that owns it); backward is local.
+The full logits never exist on one rank, and no fp32 copy of this rank's [N, V/T] logits is made
+either: rows are read in chunks of about `CHUNK_ELEMENTS`, each upcast to fp32 for its max, sum of
+exponentials and (in backward) its softmax. Saved for backward: the logits as given (alive anyway)
+and one log-sum-exp per row. Three all-reduces of one value per token (the max, the sum of
+exponentials, the target's logit from the rank that owns it); backward is local.
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def cross_entropy_per_row(
     comm: Comm | None = None,
     chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """fp32 cross-entropy of each row of logits [N, V_local] (vocabulary ids [vocab_start, vocab_start + V_local) of
-    the whole, the rest on the other ranks of `comm`; None: all of it here) against global target ids [N]."""
+    """fp32 cross-entropy of each row of logits [N, V_local] (vocabulary ids [vocab_start,
+    vocab_start + V_local) of the whole, the rest on the other ranks of `comm`; None: all of it
+    here) against global target ids [N]."""
     chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[1])
     return _ChunkedCrossEntropy.apply(logits, target, vocab_start, comm, chunk_rows)
 
@@ -97,7 +100,8 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of targets (global ids) except `ignore_index`; logits [..., V/T]: rows from `vocab_start`."""
+    """Mean cross-entropy of targets (global ids) except `ignore_index`; logits [..., V/T]: rows
+    from `vocab_start`."""
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
     keep = target != ignore_index
@@ -109,7 +113,8 @@ def vocab_parallel_cross_entropy(
 
 @dataclass
 class VocabParallelLoss:
-    """Mean next-token cross-entropy on vocab-parallel logits [B, L, V/T] (this rank's rows from `vocab_start`)."""
+    """Mean next-token cross-entropy on vocab-parallel logits [B, L, V/T] (this rank's rows from
+    `vocab_start`)."""
 
     comm: Comm
     vocab_start: int

@@ -1,9 +1,10 @@
 """A tensor-parallel plan is data (module-name patterns -> typed styles), applied by `shard_by_plan`
 (docs/design.md#tensor-and-sequence-parallelism).
-`Colwise` splits output features; `Rowwise` input features (its bias, added once after the exit, is replicated);
-`VocabEmbedding` / `VocabHead` the vocabulary; `RegionEntry` is one entry operator shared by a region's column layers
-(2 entries + 2 exits per block); `Norm` stays replicated, its weight gradient all-reduced under SP (a partial sum).
-``divides`` names the config field tp must divide, checked before anything is sharded."""
+`Colwise` splits output features; `Rowwise` input features (its bias, added once after the exit, is
+replicated); `VocabEmbedding` / `VocabHead` the vocabulary; `RegionEntry` is one entry operator
+shared by a region's column layers (2 entries + 2 exits per block); `Norm` stays replicated, its
+weight gradient all-reduced under SP (a partial sum). ``divides`` names the config field tp must
+divide, checked before anything is sharded."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ParamPlacement:
-    """Where a parameter's elements live under TP: split along tensor dimension `tp_dim` over the tp group (rank r
-    holds the r-th contiguous chunk), or replicated (None). The global norm needs `mesh_dims`; checkpoints that
-    reshard, and tests, need the dimension."""
+    """Where a parameter's elements live under TP: split along tensor dimension `tp_dim` over the tp
+    group (rank r holds the r-th contiguous chunk), or replicated (None). The global norm needs
+    `mesh_dims`; checkpoints that reshard, and tests, need the dimension."""
 
     tp_dim: int | None = None
 
@@ -101,16 +102,17 @@ def check_divisible(config: Any, plan: TPPlan, tp: int) -> None:
     if bad:
         f = bad[0]
         raise ValueError(
-            f"tensor parallel: {f}={getattr(config, f)} is not divisible by tp={tp}; choose tp dividing "
-            + ", ".join(f"{g} ({getattr(config, g)})" for g in fields)
+            f"tensor parallel: {f}={getattr(config, f)} is not divisible by tp={tp}; choose tp "
+            "dividing " + ", ".join(f"{g} ({getattr(config, g)})" for g in fields)
         )
 
 
 def shard_by_plan(
     model: nn.Module, comm: Comm, plan: TPPlan, sequence_parallel: bool = False, config: Any = None
 ) -> dict[str, Placement]:
-    """Swap `model`'s modules in place for their parallel versions over `comm` (tied weights stay tied); return each
-    parameter's placement. `config` (default ``model.config``) is checked for divisibility first."""
+    """Swap `model`'s modules in place for their parallel versions over `comm` (tied weights stay
+    tied); return each parameter's placement. `config` (default ``model.config``) is checked for
+    divisibility first."""
     check_divisible(config if config is not None else model.config, plan, comm.size)
     entry = "gather" if sequence_parallel else "copy"
     names_of: dict[int, list[str]] = {}

@@ -1,1 +1,2 @@
-"""Training: the loop and launcher (`trainer`), config validation, corpus and dataset, run records."""
+"""Training: the loop and launcher (`trainer`), config validation, corpus and dataset, run
+records."""

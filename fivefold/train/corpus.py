@@ -1,5 +1,6 @@
-"""Corpus sources -> uint16 token arrays (`load_tokens`, `load_splits`), the byte tokenizer, and `check_source`
-(the same source checked from file sizes and names, before any process starts). No downloads.
+"""Corpus sources -> uint16 token arrays (`load_tokens`, `load_splits`), the byte tokenizer, and
+`check_source` (the same source checked from file sizes and names, before any process starts). No
+downloads.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ SEPARATOR = b"\n\n"
 _SKIP_STDLIB_DIRS = frozenset(
     {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 )
-_BINARY_EXTENSIONS = frozenset({".bin", ".npy", ".npz", ".pt", ".pth", ".ckpt", ".safetensors", ".pkl", ".pickle",
-                                ".pyc", ".pyo", ".so", ".dll", ".dylib", ".exe", ".o", ".a", ".lib", ".class", ".jar",
-                                ".zip", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z", ".tar", ".rar", ".png", ".jpg",
-                                ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".tif", ".tiff", ".mp3", ".wav", ".flac",
-                                ".ogg", ".mp4", ".avi", ".mov", ".mkv", ".webm", ".pdf", ".doc", ".docx", ".xls",
-                                ".xlsx", ".ppt", ".pptx", ".ttf", ".otf", ".woff", ".woff2", ".db", ".sqlite",
-                                ".parquet", ".arrow"})  # fmt: skip
+_BINARY_EXTENSIONS = frozenset({".bin", ".npy", ".npz", ".pt", ".pth", ".ckpt", ".safetensors",
+                                ".pkl", ".pickle", ".pyc", ".pyo", ".so", ".dll", ".dylib", ".exe",
+                                ".o", ".a", ".lib", ".class", ".jar", ".zip", ".gz", ".tgz", ".bz2",
+                                ".xz", ".zst", ".7z", ".tar", ".rar", ".png", ".jpg", ".jpeg",
+                                ".gif", ".bmp", ".ico", ".webp", ".tif", ".tiff", ".mp3", ".wav",
+                                ".flac", ".ogg", ".mp4", ".avi", ".mov", ".mkv", ".webm", ".pdf",
+                                ".doc", ".docx", ".xls", ".xlsx", ".ppt", ".pptx", ".ttf", ".otf",
+                                ".woff", ".woff2", ".db", ".sqlite", ".parquet",
+                                ".arrow"})  # fmt: skip
 _SNIFF_BYTES = 1024
 
 
@@ -51,7 +54,8 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor) -> str:
-        """Decode token ids to text; invalid UTF-8 (a window cut inside a character) becomes U+FFFD, not an error."""
+        """Decode token ids to text; invalid UTF-8 (a window cut inside a character) becomes U+FFFD,
+        not an error."""
         if isinstance(ids, torch.Tensor):
             arr = ids.detach().cpu().numpy()
         elif isinstance(ids, np.ndarray):
@@ -99,8 +103,9 @@ def _stdlib_files() -> list[Path]:
 
 
 def default_corpus_bytes(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> bytes:
-    """The embedded default corpus: this interpreter's stdlib ``.py`` sources in sorted order (site-packages, tests,
-    idlelib, lib2to3 skipped), cut at ``max_bytes``. Deterministic per Python version, offline, ~10 MB of code."""
+    """The embedded default corpus: this interpreter's stdlib ``.py`` sources in sorted order
+    (site-packages, tests, idlelib, lib2to3 skipped), cut at ``max_bytes``. Deterministic per Python
+    version, offline, ~10 MB of code."""
 
     def chunks() -> Iterable[bytes]:
         for f in _stdlib_files():
@@ -129,7 +134,8 @@ def _is_text_file(path: Path) -> bool:
 
 
 def _folder_text_files(folder: Path) -> list[Path]:
-    """All text-like files under ``folder``, recursively, in sorted order; hidden entries skipped."""
+    """All text-like files under ``folder``, recursively, in sorted order; hidden entries
+    skipped."""
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
@@ -184,8 +190,9 @@ def _split_sources(path: str) -> list[Path]:
 def load_splits(
     path: str | None, max_bytes: int | None = None
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Load a corpus source as ``(tokens, None)``, or as memory-mapped ``(train, val)`` for a nanoGPT folder
-    (``train.bin`` + ``val.bin``, ``max_bytes`` capping each); other sources as in `load_tokens`."""
+    """Load a corpus source as ``(tokens, None)``, or as memory-mapped ``(train, val)`` for a
+    nanoGPT folder (``train.bin`` + ``val.bin``, ``max_bytes`` capping each); other sources as in
+    `load_tokens`."""
     if path is not None and _is_nanogpt_folder(Path(path)):
         folder = Path(path)
         return _load_bin(folder / "train.bin", max_bytes), _load_bin(folder / "val.bin", max_bytes)
@@ -193,10 +200,11 @@ def load_splits(
 
 
 def load_tokens(path: str | None, max_bytes: int | None = None) -> np.ndarray:
-    """Load a corpus source as one uint16 token array (byte tokens, or nanoGPT ids for ``.bin``): ``None`` (the
-    embedded default corpus, capped at ``max_bytes`` or `DEFAULT_CORPUS_MAX_BYTES`), a text file, a folder (text files
-    below it in sorted order; binaries and hidden entries skipped), a nanoGPT ``.bin`` (memory-mapped) or folder
-    (train then val, a copy; `load_splits` keeps the split), or a comma-separated list of non-nanoGPT sources."""
+    """Load a corpus source as one uint16 token array (byte tokens, or nanoGPT ids for ``.bin``):
+    ``None`` (the embedded default corpus, capped at ``max_bytes`` or `DEFAULT_CORPUS_MAX_BYTES`), a
+    text file, a folder (text files below it in sorted order; binaries and hidden entries skipped),
+    a nanoGPT ``.bin`` (memory-mapped) or folder (train then val, a copy; `load_splits` keeps the
+    split), or a comma-separated list of non-nanoGPT sources."""
     if path is None:
         cap = DEFAULT_CORPUS_MAX_BYTES if max_bytes is None else max_bytes
         return _bytes_to_tokens(default_corpus_bytes(cap))
@@ -213,9 +221,10 @@ def load_tokens(path: str | None, max_bytes: int | None = None) -> np.ndarray:
 
 
 def check_source(path: str | None, max_bytes: int | None = None) -> tuple[int, int | None]:
-    """Raise what `load_tokens` would (missing path, empty file or folder, a ``.bin`` that is not whole uint16 tokens,
-    a non-positive cap) from file sizes and names alone, without reading tokens. Returns (tokens, val tokens if the
-    source holds its own split, else None) as `load_splits` would load them (the default corpus: its cap)."""
+    """Raise what `load_tokens` would (missing path, empty file or folder, a ``.bin`` that is not
+    whole uint16 tokens, a non-positive cap) from file sizes and names alone, without reading
+    tokens. Returns (tokens, val tokens if the source holds its own split, else None) as
+    `load_splits` would load them (the default corpus: its cap)."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"data.max_bytes={max_bytes} must be positive (or none for no cap)")
     if path is None:
@@ -230,9 +239,10 @@ def check_source(path: str | None, max_bytes: int | None = None) -> tuple[int, i
 
 
 def binary_share(path: str | None, sample_bytes: int = 1 << 16) -> tuple[float, str] | None:
-    """For a text source: the share of bytes in the first ``sample_bytes`` of its first file that are neither
-    printable ASCII, common whitespace nor part of valid UTF-8 — high for random or binary data fed as text — and
-    that file's name. None for the default corpus and ``.bin`` token files."""
+    """For a text source: the share of bytes in the first ``sample_bytes`` of its first file that
+    are neither printable ASCII, common whitespace nor part of valid UTF-8 — high for random or
+    binary data fed as text — and that file's name. None for the default corpus and ``.bin`` token
+    files."""
     if path is None:
         return None
     for src in _split_sources(path):
@@ -252,7 +262,8 @@ def binary_share(path: str | None, sample_bytes: int = 1 << 16) -> tuple[float, 
 
 
 def _readable(files: list[Path]) -> None:
-    """Every file the workers will read can be read (else a `PermissionError` naming it, before they start)."""
+    """Every file the workers will read can be read (else a `PermissionError` naming it, before they
+    start)."""
     for f in files:
         if not os.access(f, os.R_OK):
             raise PermissionError(errno.EACCES, "not readable (permission denied)", str(f))

@@ -1,8 +1,9 @@
 """The token dataset: a deterministic train/validation split and the batch layout over ranks.
 
-Determinism contract: a step's global batch depends only on the tokens, ``seq_len``, ``seed``, ``step`` and
-``global_batch_size`` (not on the number of ranks, which rank asks or the call order), and the micro-batches in
-layout order are exactly it, so tests compare distributed with single-process training. No ``torch.distributed``.
+Determinism contract: a step's global batch depends only on the tokens, ``seq_len``, ``seed``,
+``step`` and ``global_batch_size`` (not on the number of ranks, which rank asks or the call order),
+and the micro-batches in layout order are exactly it, so tests compare distributed with
+single-process training. No ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def _check_positive(**values: int) -> None:
 
 
 class TokenDataset:
-    """Contiguous train/val split of a token array (the last ``val_fraction`` is validation) with deterministic,
-    rank-independent batches of ``seq_len + 1``-token windows inside one split; ``np.memmap`` arrays are fine."""
+    """Contiguous train/val split of a token array (the last ``val_fraction`` is validation) with
+    deterministic, rank-independent batches of ``seq_len + 1``-token windows inside one split;
+    ``np.memmap`` arrays are fine."""
 
     def __init__(
         self,
@@ -42,8 +44,8 @@ class TokenDataset:
         if val_fraction > 0 and n_val < seq_len + 1:
             raise ValueError(
                 f"corpus {source} too small for seq_len={seq_len}: {n} tokens x "
-                f"val_fraction={val_fraction} = {n_val} validation tokens, need at least seq_len + 1 = "
-                f"{seq_len + 1}"
+                f"val_fraction={val_fraction} = {n_val} validation tokens, need at least seq_len + "
+                f"1 = {seq_len + 1}"
             )
         self._init(tokens[: n - n_val], tokens[n - n_val :], seq_len, seed, source)
 
@@ -57,7 +59,8 @@ class TokenDataset:
         *,
         source: str = "<tokens>",
     ) -> TokenDataset:
-        """Build from explicit train and val arrays (``val`` may be ``None`` or empty: no validation)."""
+        """Build from explicit train and val arrays (``val`` may be ``None`` or empty: no
+        validation)."""
         _check_positive(seq_len=seq_len)
         if val is None:
             val = np.zeros(0, dtype=np.uint16)
@@ -79,7 +82,8 @@ class TokenDataset:
         seed: int = 0,
         max_bytes: int | None = None,
     ) -> TokenDataset:
-        """Load a corpus source (see :func:`load_tokens`); a nanoGPT folder keeps its own train/val split."""
+        """Load a corpus source (see :func:`load_tokens`); a nanoGPT folder keeps its own train/val
+        split."""
         source = repr(path) if path is not None else "<default: Python stdlib sources>"
         train, val = load_splits(path, max_bytes)
         if val is not None:
@@ -111,11 +115,13 @@ class TokenDataset:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         _check_positive(global_batch_size=global_batch_size)
         rng = np.random.default_rng([self.seed, int(step)])
-        # largest valid start is len - seq_len - 1 (the window needs seq_len + 1 tokens); high is exclusive
+        # largest valid start is len - seq_len - 1 (the window needs seq_len + 1 tokens); high is
+        # exclusive
         return rng.integers(0, len(self.train_tokens) - self.seq_len, size=int(global_batch_size))
 
     def global_batch(self, step: int, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch of ``step``, ``(x, y)`` int64 [global_batch_size, seq_len], from rng ``[seed, step]``."""
+        """The global batch of ``step``, ``(x, y)`` int64 [global_batch_size, seq_len], from rng
+        ``[seed, step]``."""
         return self._windows(self.train_tokens, self._train_starts(step, global_batch_size))
 
     def micro_batch(
@@ -127,8 +133,9 @@ class TokenDataset:
         dp_rank: int = 0,
         dp_size: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows ``[(micro_step * dp_size + dp_rank) * mb, ... + mb)`` of ``global_batch(step, ...)``, with ``mb =
-        global_batch_size // (grad_accum * dp_size)``; only these rows are gathered."""
+        """The rows ``[(micro_step * dp_size + dp_rank) * mb, ... + mb)`` of
+        ``global_batch(step, ...)``, with ``mb = global_batch_size // (grad_accum * dp_size)``; only
+        these rows are gathered."""
         _check_positive(global_batch_size=global_batch_size, grad_accum=grad_accum, dp_size=dp_size)
         per_step = grad_accum * dp_size
         if global_batch_size % per_step:
@@ -146,7 +153,8 @@ class TokenDataset:
         return self._windows(self.train_tokens, starts)
 
     def val_starts(self, n_batches: int, batch_size: int) -> np.ndarray:
-        """Start offsets into ``val_tokens`` of the ``n_batches * batch_size`` validation windows, evenly spaced."""
+        """Start offsets into ``val_tokens`` of the ``n_batches * batch_size`` validation windows,
+        evenly spaced."""
         _check_positive(n_batches=n_batches, batch_size=batch_size)
         if len(self.val_tokens) < self.seq_len + 1:
             raise ValueError(
@@ -159,8 +167,8 @@ class TokenDataset:
     def val_batches(
         self, n_batches: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's batches ``dp_rank::dp_size`` of a fixed validation set; ``n_batches % dp_size == 0`` makes the
-        mean of the per-rank means the global mean."""
+        """This rank's batches ``dp_rank::dp_size`` of a fixed validation set;
+        ``n_batches % dp_size == 0`` makes the mean of the per-rank means the global mean."""
         _check_positive(dp_size=dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")

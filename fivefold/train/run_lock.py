@@ -1,11 +1,12 @@
 """One run per run directory: `RunLock`, an OS file lock held for the run's life.
 
-Two runs on one ``--run.name`` (or two ``--resume`` of one run) would write the same checkpoints and append to the
-same ``metrics.jsonl``. The first takes ``<dir>/.lock`` with ``flock`` (exclusive, non-blocking) and writes its pid,
-host and start time into it; a second finds the lock taken and is refused, naming the holder. The kernel releases the
-lock when the holder exits in any way — a crash or SIGKILL included — so a lock never outlives its run and needs no
-cleanup; the file left behind is only a record. (Over NFS, ``flock`` is per host on old kernels and clients: there a
-lock guards against a second run on the same host.)
+Two runs on one ``--run.name`` (or two ``--resume`` of one run) would write the same checkpoints and
+append to the same ``metrics.jsonl``. The first takes ``<dir>/.lock`` with ``flock`` (exclusive,
+non-blocking) and writes its pid, host and start time into it; a second finds the lock taken and is
+refused, naming the holder. The kernel releases the lock when the holder exits in any way — a crash
+or SIGKILL included — so a lock never outlives its run and needs no cleanup; the file left behind is
+only a record. (Over NFS, ``flock`` is per host on old kernels and clients: there a lock guards
+against a second run on the same host.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class RunDirLocked(ValueError):
 
 
 class RunLock:
-    """Exclusive locks on ``directories`` (created if missing) for a ``with`` block or until `release`."""
+    """Exclusive locks on ``directories`` (created if missing) for a ``with`` block or until
+    `release`."""
 
     def __init__(self, *directories: Path) -> None:
         self.directories = list(dict.fromkeys(Path(d) for d in directories))
