@@ -1,6 +1,7 @@
 """`validate(config, world_size)`: every check needing no process, run before any starts, so a bad input gets one
 error naming what to change instead of a traceback from every worker after loading data. Workers use the `RunPlan`,
-so nothing is resolved twice; only the data's largest token id is left to them (it may grow the vocabulary)."""
+so nothing is resolved twice; only the data's largest token id is left to them (it may grow the vocabulary). The
+rules across keys and dimensions are the table in `fivefold.rules` (docs/architecture.md#the-rule-table)."""
 
 from __future__ import annotations
 
