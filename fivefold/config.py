@@ -1,20 +1,34 @@
 """Run configuration: a dataclass schema (its defaults are the `make run` job), TOML files and ``--section.field``
-overrides converted to the field's type; unknown keys are rejected with the list of valid ones."""
+overrides converted to the field's type; unknown keys are rejected with the list of valid ones, and a choice (a
+``Literal`` field) outside its values when it is read, listing them (`check_choice`). Cross-key rules are
+`fivefold.rules`' (docs/design.md#principles)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+# The choices (a field typed by one, or ``Annotated[<one>, "how an error lists them"]``, takes only its values)
+AttentionCore = Literal["sdpa", "eager"]  # model.attention
+MoEScore = Literal["softmax", "sigmoid"]  # moe.score
+CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
+Recompute = Literal["none", "full", "selective"]  # train.recompute
+ZeroStage = Literal[0, 1, 2, 3]  # zero.stage
+P2P = Literal["auto", "buffered", "rendezvous"]  # pipeline.p2p
+Overlap = Literal["off", "on"]  # pipeline.overlap
+OnError = Literal["stop", "warn"]  # checkpoint.on_error
 
 
 @dataclass
@@ -31,7 +45,7 @@ class ModelSection:
     tie_embeddings: bool | None = None
     # the attention core: sdpa (fused where torch has a kernel: no L×L matrix kept) | eager (softmax(qkᵀ)v written
     # out; keeps the B·H·L² probabilities for backward). Context parallelism replaces either with ring attention.
-    attention: str = "sdpa"
+    attention: AttentionCore = "sdpa"
 
 
 @dataclass
@@ -42,7 +56,7 @@ class MoESection:
 
     experts: int | None = None
     top_k: int | None = None
-    score: str | None = None  # softmax | sigmoid
+    score: MoEScore | None = None
     norm_topk: bool | None = None
     shared_experts: int | None = None
     hidden: int | None = None  # an expert's hidden size (default: model ffn_hidden)
@@ -71,7 +85,7 @@ class ParallelSection:
     sp: bool = (
         False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
     )
-    cp_layout: str = (
+    cp_layout: CpLayout = (
         "zigzag"  # how cp splits a sequence: zigzag (balanced causal work) or contiguous
     )
 
@@ -99,7 +113,7 @@ class TrainSection:
     # activation recompute (docs/design.md#activation-memory): none | full (each block keeps only its input and runs
     # again in backward) | selective (the attention core runs again: its L×L or fused-kernel tensors and K/V repeats are
     # not kept)
-    recompute: str = "none"
+    recompute: Annotated[Recompute, "none, full, selective"] = "none"
     # torch.compile each transformer block's computation (inductor: C++ on the CPU, triton on GPUs); the ZeRO-3 hooks,
     # pipeline sends and TP / SP collectives stay outside the compiled graphs (docs/layouts.md#per-block-torchcompile)
     compile: bool = False
@@ -118,7 +132,8 @@ class DataSection:
 
 @dataclass
 class ZeroSection:
-    stage: int = 0  # 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
+    # 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
+    stage: Annotated[ZeroStage, "a ZeRO stage 0 (DDP), 1, 2 or 3 (FSDP)"] = 0
     bucket_mb: float = (
         25.0  # gradient bucket size (ZeRO-3: per unit); ZeRO-2 peaks ~2 buckets above its formula
     )
@@ -136,7 +151,8 @@ class ZeroSection:
     # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz): qwz: ZeRO-3 parameter all-gathers in block-wise int8 (the stored weights
     # keep their dtype); qgz: ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32;
     # hpz: ZeRO-3 keeps a secondary copy of each unit split over this many consecutive dp ranks (e.g. a node) and
-    # gathers backward weights inside them (0 or 1: off; it must divide dp × cp and be smaller)
+    # gathers backward weights inside them (an int, not a choice: 0 or 1 mean off; it must divide dp × cp and be
+    # smaller)
     qwz: bool = False
     qgz: bool = False
     hpz: int = 0
@@ -158,10 +174,10 @@ class PipelineSection:
         ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
     )
     # how p2p messages complete: auto (from the backend: gloo buffered, NCCL rendezvous) | buffered | rendezvous
-    p2p: str = "auto"
+    p2p: P2P = "auto"
     # DualPipeV's (F, B) units side by side, the forward in a second thread (hides expert all-to-alls; CPU/gloo, no
     # tp / cp / ZeRO-3): off | on
-    overlap: str = "off"
+    overlap: Overlap = "off"
 
     def layers(self) -> list[int] | None:
         """``layers_per_stage`` as block counts (None: as even as possible)."""
@@ -234,7 +250,7 @@ class CheckpointSection:
     keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
     async_save: bool = False  # copy the state to host memory and write it in the background
     dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
-    on_error: str = "stop"  # a failed save (disk full, ...): stop the run, or warn and train on
+    on_error: OnError = "stop"  # a failed save (disk full, ...): stop the run, or warn and train on
     # load a checkpoint whose metadata only DCP's pickle holds (another DCP program's, or an older fivefold's):
     # reading a pickle can run code the file carries, so only a checkpoint from a source you trust (--trust-checkpoint)
     trust: bool = False
@@ -307,8 +323,9 @@ def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 
+@functools.cache
 def _field_types(section_cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(section_cls)
+    hints = typing.get_type_hints(section_cls, include_extras=True)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
@@ -324,11 +341,46 @@ _BOOLS = {
 }
 
 
-def _convert(key: str, value: Any, tp: Any) -> Any:
-    """Convert a TOML or command-line value to the field type `tp` (which may be Optional)."""
+def _peel(tp: Any) -> tuple[Any, bool, str | None]:
+    """(the base type, whether None is allowed, how an error lists the choices) of a field annotation:
+    ``Annotated[T, "wording"]`` and ``T | None`` taken off."""
+    wording = None
+    if typing.get_origin(tp) is Annotated:
+        tp, *extras = typing.get_args(tp)
+        wording = next((e for e in extras if isinstance(e, str)), None)
     args = typing.get_args(tp)
-    optional = (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
     base = next((a for a in args if a is not type(None)), tp) if optional else tp
+    return base, optional, wording
+
+
+def choices(tp: Any) -> tuple[Any, ...] | None:
+    """The values a choice annotation (a ``Literal``, maybe Optional or Annotated) allows; None: not a choice."""
+    base = _peel(tp)[0]
+    return typing.get_args(base) if typing.get_origin(base) is Literal else None
+
+
+def check_choice(key: str, value: Any, tp: Any) -> Any:
+    """`value` if `tp` is no choice, or one of its values (None where it is Optional); else a `ConfigError` that
+    lists them: ``pipeline.overlap='x': choose off or on``."""
+    values = choices(tp)
+    if values is None or value in values or (value is None and _peel(tp)[1]):
+        return value
+    wording = _peel(tp)[2] or ", ".join(map(str, values[:-1])) + f" or {values[-1]}"
+    raise ConfigError(f"{key}={value!r}: choose {wording}")
+
+
+def check_choices(cfg: Config) -> None:
+    """Every choice field of `cfg` holds one of its values (`check_choice`): a config built in code, not parsed."""
+    for section, cls in _sections().items():
+        for key, tp in _field_types(cls).items():
+            if choices(tp) is not None and hasattr(part := getattr(cfg, section), key):
+                check_choice(f"{section}.{key}", getattr(part, key), tp)
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    """Convert a TOML or command-line value to the field type `tp` (which may be Optional, Annotated or a choice)."""
+    base, optional, _ = _peel(tp)
     if isinstance(value, str) and optional and base is str and value == "":
         raise ConfigError(f"{key} is empty: give a value, or leave {key} out for its default")
     if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
@@ -337,6 +389,8 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{key} cannot be empty")
+    if (values := choices(tp)) is not None:  # a choice: read as its values' type, then one of them
+        return check_choice(key, _convert(key, value, type(values[0])), tp)
     try:
         if base is bool:
             return value if isinstance(value, bool) else _BOOLS[str(value).lower()]
@@ -350,6 +404,7 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     except (TypeError, ValueError, KeyError):
         raise ConfigError(
             f"{key}={value!r} is not a valid {getattr(base, '__name__', base)}"
+            + (": choose true or false" if base is bool else "")
         ) from None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import ConfigError
+from fivefold.config import AttentionCore, ConfigError, Recompute, check_choice
 from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
@@ -277,10 +278,13 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
 
 
-# model.attention: which core computes attention (context parallelism replaces either with ring attention)
+# model.attention (`config.AttentionCore`): which core computes attention (context parallelism replaces either
+# with ring attention)
 ATTENTION_CORES = {"sdpa": causal_attention, "eager": eager_attention}
-# train.recompute: none | full (each block keeps only its input) | selective (the attention core is recomputed)
-RECOMPUTE_MODES = ("none", "full", "selective")
+assert tuple(ATTENTION_CORES) == typing.get_args(AttentionCore)
+# train.recompute (`config.Recompute`): none | full (each block keeps only its input) | selective (the attention
+# core is recomputed)
+RECOMPUTE_MODES = typing.get_args(Recompute)
 
 
 class Attention(nn.Module):
@@ -409,8 +413,7 @@ class TransformerBlock(nn.Module):
 
     def set_recompute(self, mode: str) -> None:
         """`RECOMPUTE_MODES`: none, full (the whole block) or selective (the attention core)."""
-        if mode not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute={mode!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+        check_choice("recompute", mode, Recompute)  # (train.recompute: refused when read)
         self.recompute_all = mode == "full"
         self.attention.recompute_core = mode == "selective"
 
@@ -500,8 +503,7 @@ class Llama(nn.Module):
 
     def set_attention(self, core: str) -> Llama:
         """The attention core of every block (`ATTENTION_CORES`); returns self."""
-        if core not in ATTENTION_CORES:
-            raise ValueError(f"attention={core!r}: choose one of {', '.join(ATTENTION_CORES)}")
+        check_choice("attention", core, AttentionCore)  # (model.attention: refused when read)
         for block in self.layers.values() if self.layers is not None else ():
             block.attention.core = ATTENTION_CORES[core]
         return self

@@ -5,9 +5,7 @@ each (its groups declaring their `Placement` for the global norm), the loss and,
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,11 +24,16 @@ from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.moe import MoEFeedForward
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
-from fivefold.pipeline.actions import Schedule, W
 from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
 from fivefold.pipeline.simulator import Timeline
 from fivefold.pipeline.split import copy_kept
+from fivefold.rules import (  # the rules a model's assembly checks again (`validate_layout` first)
+    check_compile_supported,
+    check_pipeline_supported,
+    compile_blockers,
+    pipeline_overlap,
+)
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
 
@@ -444,120 +447,6 @@ class WholeModel(_Parts):
         for x, y in batches:
             total += self.loss_fn(self.module(self.local(x)), self.local(y))
         return self.global_loss(total / len(batches)).item()
-
-
-OVERLAP_CHOICES = ("off", "on")
-
-
-def pipeline_overlap(
-    cfg: Config, moe: bool, size: Callable[[str], int], device_type: str
-) -> tuple[bool, str]:
-    """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime` ``overlap``), and why
-    (not). A unit's forward runs in a second thread beside the backward; that is safe only when the two passes never
-    call one process group at once: expert all-to-alls (the backward's get their own group) and the dp × cp
-    load-balancing sum (forward only; the engines' backward hooks issue nothing during a pipeline step, which runs under
-    `no_sync`) are; TP's collectives, ring attention's messages and ZeRO-3's gathers are not. Off by default: the second
-    thread needs a core of its own to gain anything (docs/benchmarks.md#expert-parallelism: measured slower on 2 cores
-    shared by 4 ranks); ``moe`` says whether there are expert all-to-alls to hide."""
-    choice = cfg.pipeline.overlap
-    if choice not in OVERLAP_CHOICES:
-        raise ValueError(f"pipeline.overlap={choice!r}: choose {' or '.join(OVERLAP_CHOICES)}")
-    if choice == "off":
-        return False, "pipeline.overlap off"
-    schedule = build_schedule(
-        cfg.pipeline.schedule, size("pp"), cfg.train.grad_accum, cfg.pipeline.virtual
-    )
-    blockers = [
-        why
-        for bad, why in (
-            (
-                not any(schedule.side_by_side),
-                f"schedule {schedule.name} has no overlapped units (dualpipev has)",
-            ),
-            (size("tp") > 1, f"parallel.tp={size('tp')}: both passes would call the tp group"),
-            (
-                size("cp") > 1,
-                f"parallel.cp={size('cp')}: both passes would exchange ring-attention messages",
-            ),
-            (cfg.zero.stage == 3, "zero.stage=3: both passes would gather and free the same units"),
-            (
-                moe and cfg.train.recompute == "full",
-                "train.recompute=full: the backward would run the MoE layers' "
-                "forward collectives again beside the other pass's",
-            ),
-            (
-                device_type != "cpu",
-                f"the device is {device_type}: the passes would share one stream, and NCCL "
-                "communicators used from two threads at once may deadlock (CPU/gloo only)",
-            ),
-        )
-        if bad
-    ]
-    if blockers:
-        raise ValueError(
-            "pipeline.overlap=on cannot run the overlapped units side by side: "
-            + "; ".join(blockers)
-            + "; use pipeline.overlap off"
-        )
-    hides = (
-        "expert all-to-alls"
-        if moe and size("ep") > 1
-        else "nothing but compute (no expert all-to-all)"
-    )
-    return True, f"each unit's forward beside its backward, hiding {hides}"
-
-
-def check_pipeline_supported(cfg: Config) -> None:
-    """What a pipeline refuses (also checked by `train.validate` before any process starts)."""
-    if cfg.precision.param == "fp16":
-        raise ValueError(
-            "precision.param=fp16 with pipeline parallelism is not supported (loss scaling is "
-            "per engine); use bf16 or fp32"
-        )
-
-
-def compile_blockers(cfg: Config, device_type: str, schedule: Schedule | None = None) -> list[str]:
-    """Why ``train.compile`` cannot compile this layout's blocks (empty: it can); ``schedule``: the pipeline's (pp >
-    1). Under compile TP / SP, ring attention and expert exchanges are graph breaks (`comm.eager_region`), ZeRO-3's
-    hooks and pipeline sends sit outside the blocks, and full recompute wraps the compiled block; what is left:"""
-    blockers = []
-    if cfg.train.recompute == "selective":
-        blockers.append(
-            "train.recompute=selective recomputes the attention core inside the block, and torch.compile "
-            "cannot trace fivefold's checkpoint there: use train.recompute full (the compiled block is "
-            "recomputed whole) or none"
-        )
-    if schedule is not None and any(a.kind == W for acts in schedule.actions for a in acts):
-        blockers.append(
-            f"pipeline.schedule={schedule.name} defers weight gradients (W) past the input gradients, "
-            "but a compiled block's backward computes both at once: use pipeline.schedule 1f1b, gpipe or "
-            "interleaved"
-        )
-    if device_type == "cpu":
-        cxx = os.environ.get("CXX", "g++")
-        if shutil.which(cxx) is None:
-            blockers.append(
-                f"on the CPU torch's inductor compiles C++ with {cxx}, which is not on PATH: install it "
-                "or set CXX to a C++ compiler"
-            )
-    elif device_type == "cuda":
-        cc = os.environ.get("CC")
-        if not (shutil.which(cc) if cc else any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
-            blockers.append(
-                f"on GPUs triton builds its kernel launchers with a C compiler ({cc or 'cc, gcc or clang'}"
-                "), which is not on PATH: install one or set CC"
-            )
-    return blockers
-
-
-def check_compile_supported(
-    cfg: Config, device_type: str, schedule: Schedule | None = None
-) -> None:
-    """`compile_blockers` as one error (also checked by `train.validate` before any process starts)."""
-    if cfg.train.compile and (blockers := compile_blockers(cfg, device_type, schedule)):
-        raise ValueError(
-            "train.compile=true: " + "; ".join(blockers) + "; or set train.compile false"
-        )
 
 
 class PipelinedModel(_Parts):

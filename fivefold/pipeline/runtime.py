@@ -142,8 +142,7 @@ class PipelineRuntime:
         self._side: _SideThread | None = None
         # How messages complete decides how the lists may be ordered (`Comm.p2p_semantics`; settable for tests).
         self.p2p = p2p or comm.p2p_semantics()
-        if self.p2p not in P2P_SEMANTICS:
-            raise ValueError(f"p2p={self.p2p!r}: choose one of {', '.join(P2P_SEMANTICS)}")
+        assert self.p2p in P2P_SEMANTICS, f"p2p={self.p2p!r} (pipeline.p2p is refused when read)"
         if self.p2p == "buffered" and comm.p2p_semantics() == "rendezvous":
             raise ValueError(
                 f"p2p='buffered' relies on gloo's per-message completion; this '{comm.dim}' group on "

@@ -1,5 +1,5 @@
 """`search`: every layout of a GPU count the trainer accepts, planned and ranked by estimated step time among those
-that fit."""
+that fit; the candidates the rule table (`fivefold.rules.RULES`) refuses are dropped before they are planned."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import copy
 import dataclasses
 from collections.abc import Callable, Collection
 
-from fivefold.config import Config, ConfigError, apply_overrides
+from fivefold import rules
+from fivefold.config import Config, ConfigError, apply_overrides, resolve_batch
+from fivefold.mesh import ParallelDims
+from fivefold.models.llama import LlamaConfig
+from fivefold.pipeline.builders import build_schedule
 from fivefold.plan.hardware import HARDWARE, Hardware
-from fivefold.plan.layout import LayoutPlan, plan_layout
+from fivefold.plan.layout import TARGET_DEVICE, LayoutPlan, plan_layout
 from fivefold.train.validate import validate_layout
 
 __all__ = ["SEARCHED", "candidate_layouts", "search"]
@@ -30,25 +34,47 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _model_shape(cfg: Config) -> tuple[int, int | None]:
-    """(blocks, experts or None) of `cfg`'s model, whatever its layout."""
+def _model(cfg: Config) -> LlamaConfig:
+    """`cfg`'s model, whatever its layout."""
     alone = copy.deepcopy(cfg)
     alone.parallel = dataclasses.replace(
         cfg.parallel, tp=1, pp=1, cp=1, dp=1, ep=1, dp_replicate=1, sp=False
     )
     alone.train = dataclasses.replace(cfg.train, global_batch=None, grad_accum=None, micro_batch=1)
-    model = validate_layout(alone, 1, device_type="cuda").model
-    return model.n_layers, model.moe.experts if model.moe is not None else None
+    return validate_layout(alone, 1, device_type=TARGET_DEVICE).model
+
+
+def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> bool:
+    """Whether the layout `overrides` make of `cfg` keeps every rule of the table (as `validate_layout` would find
+    it; False also where its grid, batch or schedule cannot be resolved: the trainer refuses those too)."""
+    trial = apply_overrides(copy.deepcopy(cfg), overrides)
+    p, t = trial.parallel, trial.train
+    try:
+        dims = ParallelDims(
+            pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate
+        ).resolve(world)
+        schedule = None
+        if dims.pp > 1:
+            accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)[2]
+            schedule = build_schedule(
+                trial.pipeline.schedule, dims.pp, accum, trial.pipeline.virtual
+            )
+    except ValueError:
+        return False
+    layout = rules.Layout(trial, dims.size, model.moe, TARGET_DEVICE, schedule)
+    return rules.first_error(layout) is None
 
 
 def candidate_layouts(
     cfg: Config, world: int, hardware: Hardware, fixed: Collection[str] = ()
 ) -> list[list[str]]:
-    """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs, as overrides: tp a divisor of a node's GPU
-    count (with SP), pp up to the number of blocks (1F1B), cp up to 16, dp the rest, ep over dp × cp as far as the
-    experts divide (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none / selective / full. A key in
-    `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's checks then drop what does not divide."""
-    blocks, experts = _model_shape(cfg)
+    """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs that the rule table allows, as overrides: tp a
+    divisor of a node's GPU count (with SP), pp up to the number of blocks (1F1B), cp up to 16, dp the rest, ep a
+    divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none / selective / full. A key
+    in `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's other checks (what the model divides) then
+    drop the rest."""
+    model = _model(cfg)
+    blocks = model.n_layers
     p, z, t = cfg.parallel, cfg.zero, cfg.train
 
     def choices(key: str, values: list) -> list:
@@ -84,39 +110,35 @@ def candidate_layouts(
                 dp = world // (tp * pp * cp)
                 if "parallel.dp" in fixed and dp != p.dp:
                     continue
-                eps = (
-                    [k for k in _divisors(dp * cp) if experts and experts % k == 0]
-                    if experts
-                    else [1]
-                )
-                for ep in choices("ep", eps):
+                # (a dense model has no experts to split: ep 1; the table drops what the experts do not divide)
+                for ep in choices("ep", _divisors(dp * cp) if model.moe is not None else [1]):
                     for stage in choices("stage", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                         for recompute in choices("recompute", ["none", "selective", "full"]):
-                            out.append(
-                                [
-                                    "--parallel.tp",
-                                    str(tp),
-                                    "--parallel.sp",
-                                    str(tp > 1).lower(),
-                                    "--parallel.pp",
-                                    str(pp),
-                                    "--parallel.cp",
-                                    str(cp),
-                                    "--parallel.dp",
-                                    str(dp),
-                                    "--parallel.ep",
-                                    str(ep),
-                                    "--zero.stage",
-                                    str(stage),
-                                    "--train.recompute",
-                                    recompute,
-                                    *(
-                                        ["--pipeline.schedule", "1f1b", "--pipeline.virtual", "1"]
-                                        if pp > 1 and "pipeline.schedule" not in fixed
-                                        else []
-                                    ),
-                                ]
-                            )
+                            overrides = [
+                                "--parallel.tp",
+                                str(tp),
+                                "--parallel.sp",
+                                str(tp > 1).lower(),
+                                "--parallel.pp",
+                                str(pp),
+                                "--parallel.cp",
+                                str(cp),
+                                "--parallel.dp",
+                                str(dp),
+                                "--parallel.ep",
+                                str(ep),
+                                "--zero.stage",
+                                str(stage),
+                                "--train.recompute",
+                                recompute,
+                                *(
+                                    ["--pipeline.schedule", "1f1b", "--pipeline.virtual", "1"]
+                                    if pp > 1 and "pipeline.schedule" not in fixed
+                                    else []
+                                ),
+                            ]
+                            if _kept(cfg, overrides, world, model):
+                                out.append(overrides)
     return out
 
 
