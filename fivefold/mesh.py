@@ -1,146 +1,22 @@
-"""The process grid ``world = pp × dp × cp × tp`` (docs/design.md#the-mesh; tp innermost, so TP peers share a node) as a
-torch `DeviceMesh`, derived groups and per-dimension `Comm`s. Gradients reduce over ``dp_cp`` (a cp rank holds a slice
-of the same sequences); ``ep`` blocks of consecutive dp_cp ranks hold different experts, reduced over ``ep_dp``. HSDP
-(docs/design.md#hsdp) splits dp_cp the same way: ``dp_shard`` blocks of consecutive dp_cp ranks (dp/dp_replicate dp rows
-with all their cp ranks, torchtitan's dp_shard_cp) shard the model, ``dp_replicate`` (the same place in every block)
-holds identical shards."""
+"""The process grid of this rank (docs/design.md#the-mesh): the process groups
+`fivefold.topology.ParallelDims.groups` lists — pp, dp, cp, tp as a torch `DeviceMesh` (checked
+against the list), the derived dp_cp, ep, ep_dp, dp_shard, dp_replicate and ZeRO++ hpZ's dp_hpz made
+by `new_group` in the list's order on every rank — and a `Comm` per dimension. Gradients reduce over
+``dp_cp`` (a cp rank holds a slice of the same sequences); ``ep`` blocks of consecutive dp_cp ranks
+hold different experts, reduced over ``ep_dp``; HSDP (docs/design.md#hsdp) shards over ``dp_shard``
+blocks and replicates over ``dp_replicate``. `ParallelMesh` is a `fivefold.topology.MeshLike`."""
 
 from __future__ import annotations
 
 import datetime
-import math
-from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 
 from fivefold.comm import Comm, CommLog
+from fivefold.topology import DERIVED_DIMS, MESH_DIMS, ParallelDims
 
-MESH_DIMS = ("pp", "dp", "cp", "tp")
-DERIVED_DIMS = ("dp_cp", "ep", "ep_dp", "dp_shard", "dp_replicate")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of each parallel dimension. ``dp=-1`` means "whatever is left of the world"."""
-
-    pp: int = 1
-    dp: int = -1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1  # carved from dp × cp (not a factor of the world)
-    dp_replicate: int = (
-        1  # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
-    )
-
-    def resolve(self, world_size: int) -> ParallelDims:
-        """Fill in dp and check that the product of the degrees is the world size."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v == 0 or v < -1 or (v == -1 and f.name != "dp"):
-                raise ValueError(
-                    f"parallel.{f.name}={v} is invalid: use a positive degree"
-                    + (" (or -1 to take the rest of the world)" if f.name == "dp" else "")
-                )
-        others = self.pp * self.cp * self.tp
-        if self.dp == -1:
-            if world_size % others:
-                raise ValueError(
-                    f"world size {world_size} is not divisible by pp({self.pp}) × cp({self.cp}) × "
-                    f"tp({self.tp}) = {others}; change the degrees or the number of processes"
-                )
-            return replace(self, dp=world_size // others).resolve(world_size)
-        if others * self.dp != world_size:
-            raise ValueError(
-                f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
-                f"but the world size is {world_size}; make the product equal the number of processes "
-                f"(or set dp=-1 to derive it)"
-            )
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(
-                f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
-                "expert-parallel ranks are carved from the data (and context) parallel ones"
-            )
-        if self.dp % self.dp_replicate:
-            raise ValueError(
-                f"parallel.dp_replicate={self.dp_replicate} must divide dp({self.dp}): HSDP splits dp "
-                "into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a divisor of dp"
-            )
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(getattr(self, d) for d in MESH_DIMS)
-
-    def size(self, dim: str) -> int:
-        """Degree of a mesh or derived dimension."""
-        if dim == "dp_cp":
-            return self.dp * self.cp
-        if dim == "ep_dp":
-            return self.dp * self.cp // self.ep
-        if dim == "dp_shard":
-            return self.dp * self.cp // self.dp_replicate
-        return getattr(self, dim)
-
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, d) for d in MESH_DIMS)
-
-    # Where the groups `ParallelMesh` makes lie, without processes (`fivefold.plan`); tests/test_mesh_groups.py holds
-    # both against the real groups. A dp × cp row lists its ranks in (dp, cp) order; ep / dp_shard cut it into blocks
-    # of consecutive ranks (ep_dp / dp_replicate: the columns across the blocks).
-    def derived_rank(self, dim: str, coords: dict[str, int]) -> int:
-        """This rank's place in `dim`'s group, from its mesh coordinates (pp, dp, cp, tp; missing ones 0)."""
-        if dim in MESH_DIMS:
-            return coords.get(dim, 0)
-        i = coords.get("dp", 0) * self.cp + coords.get("cp", 0)  # place in the dp × cp row
-        shard = self.size("dp_shard")
-        return {
-            "dp_cp": i,
-            "ep": i % self.ep,
-            "ep_dp": i // self.ep,
-            "dp_shard": i % shard,
-            "dp_replicate": i // shard,
-        }[dim]
-
-    def group_span(self, dim: str, block: int = 1) -> int:
-        """From the first to the last global rank of one group of `dim`, how many ranks (world = pp × dp × cp × tp,
-        tp innermost): the group lies within one node of G GPUs when this is at most G. ``block``: the size of
-        "dp_hpz"'s blocks of a row."""
-        tp, shard = self.tp, self.size("dp_shard")
-        size_and_stride = {
-            "tp": (tp, 1),
-            "cp": (self.cp, tp),
-            "dp": (self.dp, tp * self.cp),
-            "pp": (self.pp, tp * self.cp * self.dp),
-            "dp_cp": (self.dp * self.cp, tp),
-            "ep": (self.ep, tp),
-            "ep_dp": (self.size("ep_dp"), tp * self.ep),
-            "dp_shard": (shard, tp),
-            "dp_replicate": (self.dp_replicate, tp * shard),
-            "dp_hpz": (block, tp),
-        }
-        size, stride = size_and_stride[dim]
-        return (size - 1) * stride + 1
-
-
-def _blocks_and_columns(
-    rows: list[list[int]], size: int
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Each row cut into blocks of `size` consecutive ranks, and the columns across a row's blocks (the same place in
-    every block): this rank's block group and column group. Every rank creates every group, in the same order."""
-    me = dist.get_rank()
-    block_group = column_group = None
-    for row in rows:
-        blocks = [row[i : i + size] for i in range(0, len(row), size)]
-        for block in blocks:
-            g = dist.new_group(block)
-            if me in block:
-                block_group = g
-        for column in zip(*blocks):
-            g = dist.new_group(list(column))
-            if me in column:
-                column_group = g
-    return block_group, column_group
+__all__ = ["DERIVED_DIMS", "MESH_DIMS", "ParallelDims", "ParallelMesh"]
 
 
 class ParallelMesh:
@@ -165,6 +41,7 @@ class ParallelMesh:
         self.device_mesh = dist.device_mesh.init_device_mesh(
             self.device.type, self.dims.shape(), mesh_dim_names=MESH_DIMS
         )
+        self._check_mesh_dims()
         self._derived = self._derived_groups()
         self._comms: dict[str, Comm] = {}
         self.debug_collectives = (
@@ -178,40 +55,54 @@ class ParallelMesh:
         for group in self._derived.values():
             self.own(group)
 
-    def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
-        """dp_cp, ep, ep_dp, dp_shard, dp_replicate; every rank creates every group in the same order (a collective),
-        reusing equal ones."""
-        d = self.dims
+    def _check_mesh_dims(self) -> None:
+        """The DeviceMesh made the pp, dp, cp, tp groups (torch's order, the same on every rank):
+        they must be `ParallelDims.groups`'s (this rank's group of each, in its rank order)."""
         me = dist.get_rank()
-        rows = self._dp_cp_rows()
+        for dim in MESH_DIMS:
+            made = dist.get_process_group_ranks(self.device_mesh.get_group(dim))
+            if made != self.dims.group_of(dim, me):
+                raise RuntimeError(
+                    f"the DeviceMesh's {dim} group of rank {me} is {made}, but the topology says "
+                    f"{self.dims.group_of(dim, me)} (fivefold.topology.ParallelDims.groups)"
+                )
+
+    def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
+        """dp_cp, ep, ep_dp, dp_shard, dp_replicate as `ParallelDims.groups` lists them; every rank
+        creates every group in the same order (a collective), reusing equal ones."""
+        d = self.dims
         groups: dict[str, dist.ProcessGroup] = {}
         if d.cp == 1:
             groups["dp_cp"] = self.group("dp")
         else:
-            for row in rows:
-                g = dist.new_group(row)
-                if me in row:
-                    groups["dp_cp"] = g
-        if (
-            d.ep == 1
-        ):  # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
+            groups.update(self._new_groups("dp_cp"))
+        # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
+        if d.ep == 1:
             groups["ep_dp"] = groups["dp_cp"]
         else:  # blocks of ep consecutive ranks hold different experts; a column (same place) the same ones
-            groups["ep"], groups["ep_dp"] = _blocks_and_columns(rows, d.ep)
-        if (
-            d.dp_replicate == 1
-        ):  # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
+            groups.update(self._new_groups("ep", "ep_dp"))
+        # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
+        if d.dp_replicate == 1:
             groups["dp_shard"] = groups["dp_cp"]
         else:  # blocks of consecutive ranks shard the model; a column (same place) holds the same shard
-            groups["dp_shard"], groups["dp_replicate"] = _blocks_and_columns(
-                rows, d.size("dp_shard")
-            )
+            groups.update(self._new_groups("dp_shard", "dp_replicate"))
         return groups
 
-    def _dp_cp_rows(self) -> list[list[int]]:
-        """One dp×cp group per (pp, tp) coordinate, its global ranks in (dp, cp) order."""
-        d = self.dims
-        return self.device_mesh.mesh.permute(0, 3, 1, 2).reshape(d.pp * d.tp, d.dp * d.cp).tolist()
+    def _new_groups(self, *dims: str, block: int = 1) -> dict[str, dist.ProcessGroup]:
+        """A process group for every group `ParallelDims.groups` lists of `dims` (derived dims, cut
+        from the dp × cp rows): this rank's, by dim. Made row by row, each dim's groups of the row
+        in turn: the same order on every rank (a collective)."""
+        me, n_rows = dist.get_rank(), self.dims.pp * self.dims.tp
+        listed = {dim: self.dims.groups(dim, block) for dim in dims}
+        mine: dict[str, dist.ProcessGroup] = {}
+        for row in range(n_rows):
+            for dim, groups in listed.items():
+                per_row = len(groups) // n_rows
+                for ranks in groups[row * per_row : (row + 1) * per_row]:
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        mine[dim] = group
+        return mine
 
     def hpz_comm(self, size: int) -> Comm:
         """ZeRO++ hpZ's secondary group: `size` consecutive ranks of this rank's dp × cp group (with tp innermost,
@@ -219,17 +110,7 @@ class ParallelMesh:
         the same order, so call it on all ranks."""
         key = f"dp_hpz/{size}"
         if key not in self._comms:
-            if size < 1 or (self.dims.dp * self.dims.cp) % size:
-                raise ValueError(
-                    f"hpZ group of {size} ranks: it must divide dp × cp = {self.dims.dp * self.dims.cp}"
-                )
-            mine = None
-            for row in self._dp_cp_rows():
-                for i in range(0, len(row), size):
-                    group = dist.new_group(row[i : i + size])
-                    if dist.get_rank() in row[i : i + size]:
-                        mine = group
-            mine = self.own(mine)
+            mine = self.own(self._new_groups("dp_hpz", block=size)["dp_hpz"])
             self._comms[key] = Comm(
                 mine,
                 "dp_hpz",
@@ -250,7 +131,8 @@ class ParallelMesh:
     def group(self, dim: str) -> dist.ProcessGroup:
         if dim in ("ep", "dp_replicate") and dim not in self._derived:
             # ep = 1 / dp_replicate = 1: a group of this rank alone, no collective needed
-            self._derived[dim] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+            ranks = self.dims.group_of(dim, dist.get_rank())  # [this rank]
+            self._derived[dim] = dist.new_group(ranks, use_local_synchronization=True)
         if dim in DERIVED_DIMS:
             return self._derived[dim]
         return self.device_mesh.get_group(dim)

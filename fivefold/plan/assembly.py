@@ -13,8 +13,8 @@ from torch import nn
 from fivefold.comm import CommLog
 from fivefold.config import Config
 from fivefold.data_parallel.mixed_precision import MixedPrecision
-from fivefold.mesh import ParallelDims
 from fivefold.models.parallelize import PipelinedModel, WholeModel, parallelize
+from fivefold.topology import ParallelDims
 from fivefold.train.validate import RunPlan
 
 __all__ = [
@@ -32,8 +32,9 @@ Parts = WholeModel | PipelinedModel
 
 
 class _StandIn:
-    """A process group that is not there: its size and this rank's place in it, on the meta device. The assembly
-    only reads these while building; nothing is ever issued through it."""
+    """A process group that is not there (a `fivefold.topology.CommLike`): its size and this rank's
+    place in it, on the meta device. The assembly only reads these while building; nothing is ever
+    issued through it."""
 
     def __init__(self, dim: str, size: int, rank: int = 0) -> None:
         self.dim, self.size, self.rank = dim, size, rank
@@ -43,13 +44,15 @@ class _StandIn:
     def p2p_semantics(self) -> str:
         return "rendezvous"
 
-    def scalar(self, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(value, dtype=dtype, device="meta")
+    def scalar(self, value: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.tensor(value, dtype=dtype or torch.float32, device="meta")
 
 
 class PlanningMesh:
-    """`fivefold.mesh.ParallelMesh`'s sizes and ranks without processes; ``coords`` places this rank on the mesh
-    (pp, dp, cp, tp; 0 where missing), its place in the derived groups following (`ParallelDims.derived_rank`)."""
+    """`fivefold.mesh.ParallelMesh`'s sizes and ranks without processes (a
+    `fivefold.topology.MeshLike`): ``coords`` places this rank on the mesh (pp, dp, cp, tp; 0 where
+    missing), its place in every group read from the groups the real mesh makes
+    (`ParallelDims.groups`, via `derived_rank`)."""
 
     def __init__(self, dims: ParallelDims, coords: dict[str, int] | None = None) -> None:
         self.dims, self.coords = dims, dict(coords or {})
@@ -67,7 +70,7 @@ class PlanningMesh:
         return self.comm(dim)
 
     def hpz_comm(self, size: int) -> _StandIn:
-        return _StandIn("dp_hpz", size, self.rank("dp_cp") % size)
+        return _StandIn("dp_hpz", size, self.dims.derived_rank("dp_hpz", self.coords, size))
 
     @property
     def world(self) -> _StandIn:

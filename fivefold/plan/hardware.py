@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.mesh import ParallelDims
+from fivefold.topology import ParallelDims
 
 __all__ = ["GB", "HARDWARE", "Hardware", "link"]
 
@@ -56,8 +56,9 @@ HARDWARE = {
 
 
 def link(dim: str, dims: ParallelDims, hw: Hardware, hpz: int = 1) -> tuple[str, float]:
-    """("intra-node" | "inter-node", GB/s) of `dim`'s groups: intra-node when a group's ranks lie within one node's
-    GPUs (`ParallelDims.group_span`)."""
+    """("intra-node" | "inter-node", GB/s) of `dim`'s groups: intra-node when a group's ranks lie
+    within one node's GPUs (`ParallelDims.group_span`, over `ParallelDims.groups`); ``hpz``: the
+    size of "dp_hpz"'s groups."""
     if dims.group_span(dim, hpz) <= hw.gpus_per_node:
         return "intra-node", hw.intra_node_gbps
     return "inter-node", hw.inter_node_gbps
