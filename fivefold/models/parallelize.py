@@ -1,6 +1,7 @@
-"""The one assembly of a parallel model (trainer, tests, benchmarks): `parallelize` returns this rank's `WholeModel`
-(pp = 1) or `PipelinedModel`: the model or its stages TP-sharded by `plans.LLAMA_TP_PLAN`, one `ZeroDataParallel`
-each (its groups declaring their `Placement` for the global norm), the loss and, under pp, a `PipelineRuntime`."""
+"""The one assembly of a parallel model (trainer, tests, benchmarks): `parallelize` returns this
+rank's `ParallelModel` (`models.parallel_model`), a `WholeModel` (pp = 1) or `PipelinedModel`: the
+model or its stages TP-sharded by `plans.LLAMA_TP_PLAN`, one `ZeroDataParallel` each (its groups
+declaring their `Placement` for the global norm), the loss and, under pp, a `PipelineRuntime`."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
+from fivefold.formulas import bubble_formula
 from fivefold.materialize import materialize
 from fivefold.memory import model_state_bytes
 from fivefold.mesh import ParallelMesh
 from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.moe import MoEFeedForward
+from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
 from fivefold.pipeline.builders import build_schedule, forward_only
@@ -52,8 +55,6 @@ __all__ = [
     "set_aux_grad_scale",
     "tp_loss",
 ]
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_tensor_parallel(
@@ -287,12 +288,15 @@ def _layout(cfg: Config, mesh: ParallelMesh) -> SequenceLayout:
 
 
 class _Parts:
-    """What both layouts share: engines, the step over every placement, metrics."""
+    """What both layouts share (the `ParallelModel` protocol but the forward, backward and
+    evaluation): engines, the step over every placement, metrics, the layout's one-line description.
+    """
 
     engines: dict[
         Any, ZeroDataParallel
     ]  # WholeModel: 0 (and 1: experts); PipelinedModel: (stage, 0 / 1)
     timeline: Timeline | None = None
+    schedule: Schedule | None = None  # the pipeline's (PipelinedModel)
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
@@ -315,7 +319,7 @@ class _Parts:
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for e in self.engines.values() for g in e.param_groups]
 
-    def step(self, max_norm: float | None, check_finite: bool = False) -> float | None:
+    def step(self, max_norm: float | None, check_finite: bool = False) -> torch.Tensor | None:
         """Clip and step every engine together; ``check_finite``: stop (`NonFiniteGradient`, on every rank) instead
         of applying a non-finite gradient."""
         comms = {
@@ -333,6 +337,56 @@ class _Parts:
 
     def gather_timeline(self) -> None:
         """Only a pipeline has a timeline to gather."""
+
+    def measured_pipeline(self) -> MeasuredPipeline | None:
+        """`gather_timeline` (collective over pp), with the schedule's textbook bubble
+        (docs/design.md#pipeline-schedules) and its title; None without pp."""
+        self.gather_timeline()
+        if self.timeline is None or self.schedule is None:
+            return None
+        s = self.schedule
+        try:
+            formula = bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual)
+        except ValueError:  # a schedule without a textbook formula: the measured bubble alone
+            formula = None
+        title = f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}"
+        return MeasuredPipeline(self.timeline, formula, title)
+
+    @property
+    def step_traffic_dims(self) -> tuple[str, ...]:
+        """The dimensions of a step's data-parallel traffic (docs/design.md#data-parallel-traffic):
+        gradients over dp or dp_cp, HSDP's dp_shard and dp_replicate, hpZ's backward gathers over
+        dp_hpz; MoE: experts over ep_dp, all-to-alls over ep."""
+        return (self.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate", "dp_hpz")
+
+    def describe_layout(self) -> str:
+        """One line naming the layout, e.g. ``pp=1 dp=2 ZeRO-1 tp=1 (fp32 params, fp32 reduce)``."""
+        cfg, mesh = self.cfg, self.mesh
+        pp, cp, hsdp, z = mesh.size("pp"), mesh.size("cp"), mesh.size("dp_replicate"), cfg.zero
+        zeropp = "".join(
+            f"+{name}"
+            for name, on in (("qwZ", z.qwz), ("qgZ", z.qgz), (f"hpZ({z.hpz})", z.hpz > 1))
+            if on
+        )
+        return (
+            f"pp={pp} dp={mesh.size('dp')} ZeRO-{z.stage}{zeropp} tp={mesh.size('tp')}"
+            + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
+            + (" +SP" if cfg.parallel.sp else "")
+            + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
+            + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
+            + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
+            + self._overlap_note()
+            + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
+            + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)"
+        )
+
+    def _overlap_note(self) -> str:
+        """Under a schedule with overlapped units: whether they run side by side, and why (not)."""
+        if self.schedule is None or not any(self.schedule.side_by_side):
+            return ""
+        if self.overlap:
+            return f" ({self.overlap_reason})"
+        return f" (F&B one after the other: {self.overlap_reason})"
 
     def action_marks(self) -> list[tuple]:
         """The last step's pipeline actions as clock marks (`ActionClock.marks`), for a tracer; none without pp."""
@@ -549,7 +603,8 @@ def parallelize(
     model_cfg: LlamaConfig,
     mesh: ParallelMesh,
     device: torch.device | str,
-) -> WholeModel | PipelinedModel:
-    """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`."""
+) -> ParallelModel:
+    """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`: a
+    `WholeModel` (pp = 1) or a `PipelinedModel`."""
     device = torch.device(device)
     return (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)

@@ -11,7 +11,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,25 @@ from fivefold.checkpoint.manager import (
 from fivefold.checkpoint.metadata import read_safe_metadata
 from fivefold.config import Config
 from fivefold.mesh import MESH_DIMS, ParallelMesh
+from fivefold.train.metrics import (
+    RunRecord,
+    StepResult,
+    TrainingClock,
+    TrainObserver,
+    TrainResult,
+)
 
-__all__ = ["TrainCheckpoints", "check_run_dir", "checkpoint_root", "restart_count", "run_dir"]
+if TYPE_CHECKING:
+    from fivefold.models.parallel_model import ParallelModel
+
+__all__ = [
+    "CheckpointSaver",
+    "TrainCheckpoints",
+    "check_run_dir",
+    "checkpoint_root",
+    "restart_count",
+    "run_dir",
+]
 
 RUN_FILES = ("metrics.jsonl", "loss.png", "moe_load.png", "timeline.png", "trace.json")
 
@@ -119,6 +136,7 @@ def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SIGTERM: dict[str, Any] = {"seen": None, "previous": {}, "installed": False}
+STOP_REASONS = ("SIGTERM", "SIGINT", "exit_after")  # a checkpoint after which the run stops
 
 
 def watch_sigterm() -> None:
@@ -152,7 +170,7 @@ class TrainCheckpoints:
         self,
         cfg: Config,
         mesh: ParallelMesh,
-        parts: Any,
+        parts: ParallelModel,
         model_config: Any,
         device: torch.device | None = None,
     ) -> None:
@@ -237,7 +255,7 @@ class TrainCheckpoints:
             self._failed(e, reason or "interval")
 
     def _failed(self, error: CheckpointSaveError, reason: str) -> None:
-        if self.cfg.checkpoint.on_error == "stop" or reason in ("SIGTERM", "SIGINT", "exit_after"):
+        if self.cfg.checkpoint.on_error == "stop" or reason in STOP_REASONS:
             raise error
         self.warnings.append(
             f"fivefold: warning: {error}; training goes on (checkpoint.on_error=warn)"
@@ -277,6 +295,67 @@ class TrainCheckpoints:
             self._finish_pending()
         finally:
             unwatch_sigterm()
+
+
+class CheckpointSaver(TrainObserver):
+    """The trainer's checkpoint observer: after every step asks `TrainCheckpoints.due` (collective),
+    saves, writes the "checkpoint" record (or, under ``checkpoint.on_error=warn``, an "error" record
+    and the warning), leaves the save's wait out of the step time, and after a stop's checkpoint
+    (`STOP_REASONS`) sets `stopped` for the trainer to end the run. At the end (or when the run
+    fails) it finishes a background save."""
+
+    def __init__(
+        self,
+        checkpoints: TrainCheckpoints,
+        record: RunRecord,
+        clock: TrainingClock,
+        start_step: int,
+    ) -> None:
+        self.checkpoints, self.record, self.clock = checkpoints, record, clock
+        self.start_step = start_step
+        self.stopped: str | None = None  # why the run stops after this step (with a checkpoint)
+
+    def on_step_end(self, result: StepResult) -> None:
+        step, cfg = result.step, self.checkpoints.cfg
+        reason = self.checkpoints.due(step + 1, step + 1 - self.start_step)
+        if reason is None:
+            return
+        waited = self.checkpoints.save(step + 1, reason)
+        for (
+            warning
+        ) in self.checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
+            self.record.write(
+                {"kind": "error", "step": step, "error": "checkpoint not saved", "message": warning}
+            )
+            self.record.say(warning)
+        self.checkpoints.warnings.clear()
+        if waited is None:
+            return
+        self.record.write(
+            {
+                "kind": "checkpoint",
+                "step": step,
+                "steps_done": step + 1,
+                "reason": reason,
+                "seconds": waited,
+                "async": cfg.checkpoint.async_save,
+            }
+        )
+        self.clock.exclude(waited)  # saving is not training time
+        if reason in STOP_REASONS:
+            self.stopped = reason
+            self.record.say(
+                f"fivefold: {reason}: stopped after {step + 1} of {cfg.train.steps} steps with a "
+                f"checkpoint in {checkpoint_root(cfg)}; continue with --resume"
+            )
+
+    def on_run_end(self, result: TrainResult) -> None:
+        self.checkpoints.close()  # a background save finishes
+        for warning in self.checkpoints.warnings:
+            self.record.say(warning)
+
+    def on_run_abort(self, step: int, error: BaseException) -> None:
+        self.checkpoints.close()  # a background save of a good step still completes
 
 
 def _saved_keys(path: Path, trust: bool) -> set[str]:

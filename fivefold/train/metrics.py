@@ -1,14 +1,27 @@
-"""What a run shows and leaves behind: the progress bar, and `RunRecord`, sole owner of the run directory (written on
-rank 0): ``metrics.jsonl``, then the loss curve, for pipelines the measured timeline and, with ``run.trace``, the
-step trace and its hidden-communication figure (via `fivefold.report`)."""
+"""What a run shows and leaves behind: the progress bar, and `RunRecord`, sole owner of the run
+directory (written on rank 0): ``metrics.jsonl``, then the loss curve, for pipelines the measured
+timeline and, with ``run.trace``, the step trace and its hidden-communication figure (via
+`fivefold.report`).
+
+The trainer tells what happens through `TrainObserver`, the interface of everything that watches a
+run: its hooks, called at fixed points of `train.trainer.Trainer`, receive typed results (`RunInfo`,
+`StepResult`, `EvalResult`, `TrainResult`). Here are the observers that write the run record
+(`RunRecordLog`), sum the run up (`RunSummary`), write the step trace (`StepTraceLog`) and the
+measured pipeline timeline (`PipelineTimelineLog`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from fivefold.comm import Comm, CommTotals
 from fivefold.pipeline.simulator import Timeline
 from fivefold.report import (
     plot_loss,
@@ -18,9 +31,29 @@ from fivefold.report import (
     to_chrome_trace,
     write_step_trace,
 )
-from fivefold.trace import hidden_summary
+from fivefold.trace import StepTracer, hidden_summary
 
-__all__ = ["Progress", "RunRecord", "read_metrics"]
+if TYPE_CHECKING:
+    from fivefold.config import Config
+    from fivefold.models.llama import LlamaConfig
+    from fivefold.models.parallel_model import ParallelModel
+
+__all__ = [
+    "EvalResult",
+    "PipelineTimelineLog",
+    "Progress",
+    "RunInfo",
+    "RunRecord",
+    "RunRecordLog",
+    "RunSummary",
+    "StepResult",
+    "StepTraceLog",
+    "Throughput",
+    "TrainObserver",
+    "TrainResult",
+    "TrainingClock",
+    "read_metrics",
+]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -217,4 +250,349 @@ class RunRecord:
                 f"fivefold: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
                 + (f" (val {val:.3f})" if val is not None else "")
                 + f", {summary['tokens_per_s']:,.0f} tokens/s; wrote {self.path} and {png}"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# What the trainer tells its observers
+
+
+@dataclass
+class TrainResult:
+    """The run's summary (`train.trainer.train` returns it; the run record's last line)."""
+
+    steps: int
+    first_loss: float
+    final_loss: float
+    final_val_loss: float | None
+    params: int
+    tokens_per_s: float
+    run_dir: str | None
+    model_state_mb: float
+    comm_hidden_fraction: float | None = (
+        None  # run.trace: mean over ranks of the communication hidden behind compute
+    )
+    mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak
+    stopped: str | None = (
+        None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
+    )
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run is, told once before its first step: the config (its batch resolved), the model,
+    where it starts."""
+
+    cfg: Config
+    model_config: LlamaConfig
+    params: int
+    world: int
+    dp: int
+    start_step: int  # steps done before this run (a resume's), 0 for a new run
+    resumed_from: Path | None
+    notes: tuple[str, ...]  # what validation changed of the config, to say at start-up
+    layout: str  # `ParallelModel.describe_layout`
+    data: str  # the data set, described
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One training step, as every observer sees it. Loss and norm stay on the device (no host sync)
+    except on log steps (``logged``: every ``run.log_every`` and the last), where the trainer has
+    fetched them."""
+
+    step: int  # 0-based
+    lr: float
+    tokens: int  # in the global batch
+    loss: torch.Tensor  # the mean over the data-parallel ranks, 0-d on the device
+    grad_norm: torch.Tensor | None  # the global norm before clipping (None: none computed)
+    traffic: CommTotals  # the step's data-parallel traffic (`ParallelModel.step_traffic_dims`)
+    model_state_mb: (
+        float  # model states held by this rank, measured once the optimizer state exists
+    )
+    logged: bool
+    loss_value: float | None = None  # on log steps: `loss` on the host
+    step_time_s: float | None = (
+        None  # on log steps: seconds per step since the previous log (`TrainingClock`)
+    )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """An evaluation on the held-out batches after ``step`` (0-based)."""
+
+    step: int
+    val_loss: float
+
+
+class TrainObserver:
+    """Something that watches a run, at the trainer's fixed points; every hook is a no-op here, so
+    an observer defines only those it needs. On every rank, in the trainer's order; a hook may call
+    collectives, then every rank's observer must. Run-end and abort hooks run in reverse order
+    (teardown: the last built, the first closed).
+
+    - ``on_run_start(info)``: once, before the first step;
+    - ``on_step_start(step)``: before the step's first forward (the `CommLog` just reset);
+    - ``on_step_end(result)``: after the optimizer step and the loss's all-reduce;
+    - ``on_eval(result)``: after an evaluation (inside the evaluator's ``on_step_end``);
+    - ``on_run_end(result)``: once after the last step (``result`` may be completed, e.g. by the
+      step trace);
+    - ``on_run_abort(step, error)``: the run fails in ``step`` (a non-finite gradient) and ``error``
+      is raised."""
+
+    def on_run_start(self, info: RunInfo) -> None:
+        pass
+
+    def on_step_start(self, step: int) -> None:
+        pass
+
+    def on_step_end(self, result: StepResult) -> None:
+        pass
+
+    def on_eval(self, result: EvalResult) -> None:
+        pass
+
+    def on_run_end(self, result: TrainResult) -> None:
+        pass
+
+    def on_run_abort(self, step: int, error: BaseException) -> None:
+        pass
+
+
+class TrainingClock:
+    """Wall time spent training, for the step time of log steps: evaluations (`restart`) and
+    checkpoint saves (`exclude`) are left out."""
+
+    def __init__(self, steps_done: int = 0) -> None:
+        self.restart(steps_done)
+
+    def restart(self, steps_done: int) -> None:
+        """Count from now, ``steps_done`` steps finished."""
+        self.since, self.since_step = time.perf_counter(), steps_done
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` just spent were not training."""
+        self.since += seconds
+
+    def lap(self, step: int) -> float:
+        """Seconds per step since the last lap or restart, ``step`` (0-based) just finished."""
+        now = time.perf_counter()
+        dt = (now - self.since) / (step + 1 - self.since_step)
+        self.since, self.since_step = now, step + 1
+        return dt
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Tokens and model FLOPs per second, and MFU (docs/design.md#flops-and-mfu): model FLOPs per
+    token (PaLM's 6·N + 12·n_layers·L·D) × tokens per step / step time, against every rank's device
+    peak."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float  # the devices' peak summed over the world
+    world: int
+
+    def tokens_per_s(self, step_s: float) -> float:
+        return self.tokens_per_step / step_s
+
+    def tflops_per_device(self, step_s: float) -> float:
+        return self.tokens_per_step * self.flops_per_token / step_s / self.world / 1e12
+
+    def mfu(self, step_s: float) -> float:
+        return self.tokens_per_step * self.flops_per_token / step_s / self.peak_flops
+
+
+class RunRecordLog(TrainObserver):
+    """The run record's side of the run (rank 0 writes, `RunRecord`): the config record and the
+    start-up lines, a train record (and an MoE record) with the progress bar per log step, a val
+    record per evaluation, an error record when the run fails, the summary and the loss curve at the
+    end."""
+
+    def __init__(
+        self,
+        record: RunRecord,
+        model: ParallelModel,
+        throughput: Throughput,
+        plot_title: str | None,
+    ) -> None:
+        self.record, self.model, self.throughput, self.plot_title = (
+            record,
+            model,
+            throughput,
+            plot_title,
+        )
+
+    def on_run_start(self, info: RunInfo) -> None:
+        cfg, t = info.cfg, info.cfg.train
+        self.record.write(
+            {
+                "kind": "config",
+                **cfg.to_dict(),
+                "model_config": dataclasses.asdict(info.model_config),
+                "params": info.params,
+                "world": info.world,
+                "dp": info.dp,
+                "resumed_from": str(info.resumed_from) if info.resumed_from else None,
+                "start_step": info.start_step,
+            }
+        )
+        for note in info.notes:
+            self.record.say(f"fivefold: note: {note}")
+        if info.resumed_from is not None:
+            self.record.say(
+                f"fivefold: resumed from {info.resumed_from} after {info.start_step} steps"
+            )
+        self.record.say(
+            f"fivefold: {cfg.model.preset} model, {info.params / 1e6:.2f}M params, {info.layout}, "
+            f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum "
+            f"{t.grad_accum}), {info.data}"
+        )
+
+    def on_step_end(self, result: StepResult) -> None:
+        if not result.logged:
+            return
+        r, tp, dt = result, self.throughput, result.step_time_s
+        self.record.write(
+            {
+                "kind": "train",
+                "step": r.step,
+                "loss": r.loss_value,
+                "lr": r.lr,
+                "grad_norm": None if r.grad_norm is None else r.grad_norm.item(),
+                "step_time_s": dt,
+                "tokens_per_s": tp.tokens_per_s(dt),
+                "model_state_mb": r.model_state_mb,
+                "flops_per_token": tp.flops_per_token,
+                "achieved_tflops_per_device": tp.tflops_per_device(dt),
+                "mfu": tp.mfu(dt),
+                "comm_calls": r.traffic.calls,
+                "comm_payload_bytes": r.traffic.payload_bytes,
+                "comm_wire_bytes": r.traffic.wire_bytes,
+            }
+        )
+        moe = self.model.moe_load()  # expert load of the step's last micro-batch (MoE models)
+        if moe is not None:
+            self.record.write({"kind": "moe", "step": r.step, "layers": moe})
+        progress = self.record.progress
+        progress.update(
+            r.step + 1 - progress.done,
+            loss=f"{r.loss_value:.3f}",
+            tok_s=f"{tp.tokens_per_s(dt):,.0f}",
+            step_ms=f"{dt * 1e3:.0f}",
+            mfu=f"{tp.mfu(dt):.1%}",
+            state_MB=f"{r.model_state_mb:.1f}",
+        )
+
+    def on_eval(self, result: EvalResult) -> None:
+        self.record.write({"kind": "val", "step": result.step, "val_loss": result.val_loss})
+        self.record.say(f"step {result.step + 1}: val loss {result.val_loss:.3f}")
+
+    def on_run_end(self, result: TrainResult) -> None:
+        self.record.close(dataclasses.asdict(result), self.plot_title)
+
+    def on_run_abort(self, step: int, error: BaseException) -> None:
+        self.record.write(
+            {"kind": "error", "step": step, "error": "non-finite gradient", "message": str(error)}
+        )
+        self.record.abort()
+
+
+class RunSummary(TrainObserver):
+    """Collects what the run's `TrainResult` reports: the logged losses and step times, the last
+    evaluation, the model-state memory."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.val_loss: float | None = None
+        self.model_state_mb = 0.0
+
+    def on_step_end(self, result: StepResult) -> None:
+        self.model_state_mb = result.model_state_mb
+        if result.logged:
+            self.losses.append(result.loss_value)
+            self.step_times.append(result.step_time_s)
+
+    def on_eval(self, result: EvalResult) -> None:
+        self.val_loss = result.val_loss
+
+    def result(
+        self,
+        steps: int,
+        params: int,
+        throughput: Throughput,
+        run_dir: Path | None,
+        stopped: str | None,
+    ) -> TrainResult:
+        """Throughput at the median step time, the first logged interval (start-up) left out."""
+        steady = sorted(self.step_times[1:] or self.step_times) or [
+            float("nan")
+        ]  # (a run stopped before its first log step)
+        losses = self.losses or [float("nan")]
+        median = steady[len(steady) // 2]
+        return TrainResult(
+            steps,
+            losses[0],
+            losses[-1],
+            self.val_loss,
+            params,
+            throughput.tokens_per_s(median),
+            str(run_dir) if run_dir else None,
+            self.model_state_mb,
+            mfu=throughput.mfu(median),
+            stopped=stopped,
+        )
+
+
+class StepTraceLog(TrainObserver):
+    """``run.trace``: the `StepTracer` traces the steps of ``window`` (`trace.trace_window`; before
+    evaluation and checkpoints: the trace holds training steps); at the end every rank's steps are
+    gathered on rank 0 over ``world``, whose record writes ``trace.json``, ``step_trace.png`` and
+    the hidden-communication figure into the summary."""
+
+    def __init__(
+        self,
+        tracer: StepTracer,
+        window: range,
+        model: ParallelModel,
+        world: Comm,
+        record: RunRecord,
+        title: str,
+    ) -> None:
+        self.tracer, self.window, self.model = tracer, window, model
+        self.world, self.record, self.title = world, record, title
+
+    def on_step_start(self, step: int) -> None:
+        if step in self.window:
+            self.tracer.begin_step(step)
+
+    def on_step_end(self, result: StepResult) -> None:
+        if result.step in self.window:
+            self.tracer.end_step(self.model.action_marks())
+
+    def on_run_end(self, result: TrainResult) -> None:
+        self.tracer.close()
+        traces = self.world.gather_object(self.tracer.result())
+        figures = self.record.trace(traces, self.title)
+        if figures is not None:
+            result.comm_hidden_fraction = figures["comm_hidden_fraction"]
+
+
+class PipelineTimelineLog(TrainObserver):
+    """Under pp, at the end: the last step's measured timeline from every pp rank, its bubble next
+    to the schedule's formula, ``timeline.png`` and (without a step trace, which holds the same
+    actions) ``trace.json``."""
+
+    def __init__(self, model: ParallelModel, record: RunRecord, chrome_trace: bool) -> None:
+        self.model, self.record, self.chrome_trace = model, record, chrome_trace
+
+    def on_run_end(self, result: TrainResult) -> None:
+        measured = self.model.measured_pipeline()  # collective over pp, gathered once
+        if measured is not None:
+            self.record.pipeline(
+                measured.timeline,
+                measured.formula_bubble,
+                measured.title,
+                chrome_trace=self.chrome_trace,
             )

@@ -1,13 +1,13 @@
-"""The training loop of one rank (`train`) and the launcher of all ranks (`run`, which validates first). A step
-(docs/design.md#one-training-step): forward + backward per micro-batch (reduced during backward) -> global norm and
-clipping -> AdamW with warmup + cosine LR."""
+"""The training of one rank (`Trainer`, `train`) and the launcher of all ranks (`run`, which
+validates first). A step (docs/design.md#one-training-step): forward + backward per micro-batch
+(reduced during backward) -> global norm and clipping -> AdamW with warmup + cosine LR; then the
+observers (`metrics.TrainObserver`) see its `StepResult`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 from fivefold.checkpoint.hf import load_hf_weights
 from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta
-from fivefold.comm import CommLog, debug_collectives_requested, set_debug_step
+from fivefold.comm import CommLog, CommTotals, debug_collectives_requested, set_debug_step
 from fivefold.config import Config
 from fivefold.data_parallel.mixed_precision import MixedPrecision
-from fivefold.formulas import bubble_formula, model_flops_per_token
+from fivefold.formulas import model_flops_per_token
 from fivefold.launch import (
     Terminated,
     distributed,
@@ -31,6 +31,7 @@ from fivefold.launch import (
 )
 from fivefold.mesh import ParallelMesh
 from fivefold.models.llama import param_counts
+from fivefold.models.parallel_model import Batch, ParallelModel
 from fivefold.models.parallelize import parallelize
 from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
@@ -38,6 +39,7 @@ from fivefold.peak import device_peak_flops
 from fivefold.pipeline.runtime import SIDE_THREAD
 from fivefold.trace import StepTracer, trace_window
 from fivefold.train.checkpointing import (
+    CheckpointSaver,
     TrainCheckpoints,
     checkpoint_root,
     clear_run_dir,
@@ -46,31 +48,25 @@ from fivefold.train.checkpointing import (
     watch_sigterm,
 )
 from fivefold.train.data import TokenDataset
-from fivefold.train.metrics import RunRecord
+from fivefold.train.metrics import (
+    EvalResult,
+    PipelineTimelineLog,
+    RunInfo,
+    RunRecord,
+    RunRecordLog,
+    RunSummary,
+    StepResult,
+    StepTraceLog,
+    Throughput,
+    TrainingClock,
+    TrainObserver,
+    TrainResult,
+)
 from fivefold.train.run_lock import RunDirLocked, RunLock
 from fivefold.train.validate import RunPlan, validate
 from fivefold.watchdog import Stalled, report_step, watch_comm_log
 
-__all__ = ["TrainResult", "lr_at", "run", "train"]
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    first_loss: float
-    final_loss: float
-    final_val_loss: float | None
-    params: int
-    tokens_per_s: float
-    run_dir: str | None
-    model_state_mb: float
-    comm_hidden_fraction: float | None = (
-        None  # run.trace: mean over ranks of the communication hidden behind compute
-    )
-    mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak
-    stopped: str | None = (
-        None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
-    )
+__all__ = ["Evaluator", "Heartbeat", "TrainResult", "Trainer", "lr_at", "run", "train"]
 
 
 def run(cfg: Config) -> TrainResult:
@@ -170,267 +166,294 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
     """Train on this rank (torch.distributed initialised, `plan` from `validate`); returns a summary."""
-    watch_sigterm()  # from the start: a SIGTERM while the model is built still stops at the first step's end
-    device = resolve_device(cfg.run.device)
-    if device.type != "cpu" and cfg.precision.tf32:
-        torch.set_float32_matmul_precision("high")
-    log = CommLog(enabled=True)
-    watch_comm_log(log)  # the heartbeat names the last collective
-    mesh = ParallelMesh(
-        plan.dims,
-        device,
-        log,
-        debug_collectives=debug_collectives_requested(cfg.debug.collectives),
-        collective_timeout_s=cfg.run.collective_timeout_s,
-    )
-    t = cfg.train = dataclasses.replace(
-        cfg.train,
-        global_batch=plan.global_batch,
-        micro_batch=plan.micro_batch,
-        grad_accum=plan.grad_accum,
-    )
-    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
-    data = TokenDataset.from_path(
-        cfg.data.path,
-        t.seq_len,
-        val_fraction=cfg.data.val_fraction,
-        seed=t.seed,
-        max_bytes=cfg.data.max_bytes,
-    )
-    model_cfg = plan.model_for(
-        int(max(data.train_tokens.max(), data.val_tokens.max() if len(data.val_tokens) else 0))
-    )
-    n_params, active = param_counts(model_cfg)
-    # MFU (docs/design.md#flops-and-mfu): model FLOPs per token, PaLM's 6·N + 12·n_layers·L·D, against every rank's
-    # device peak
-    flops_per_token = model_flops_per_token(active, model_cfg.n_layers, t.seq_len, model_cfg.dim)
-    peak = (
-        device_peak_flops(
-            device, MixedPrecision.from_names(cfg.precision.param).param_dtype, cfg.run.peak_tflops
+    return Trainer(cfg, plan).run()
+
+
+class Trainer:
+    """One rank's training run. It owns the mesh and its `CommLog`, the data, this rank's
+    `ParallelModel`, the checkpoints, the `TrainingClock` and the observers, which see the run at
+    fixed points (`metrics.TrainObserver`), in this order: the run record (`RunRecordLog`), the
+    summary (`RunSummary`), the step trace (`StepTraceLog`, with ``run.trace``), the pipeline
+    timeline (`PipelineTimelineLog`), the `Evaluator`, the watchdog's `Heartbeat` and the
+    `CheckpointSaver`. Building it builds the model and restores a checkpoint (collective); `run`
+    trains, one `train_step` per step."""
+
+    def __init__(self, cfg: Config, plan: RunPlan) -> None:
+        # from the start: a SIGTERM while the model is built still stops at the first step's end
+        watch_sigterm()
+        self.cfg, self.plan = cfg, plan
+        self.device = device = resolve_device(cfg.run.device)
+        if device.type != "cpu" and cfg.precision.tf32:
+            torch.set_float32_matmul_precision("high")
+        self.log = CommLog(enabled=True)
+        watch_comm_log(self.log)  # the heartbeat names the last collective
+        self.mesh = mesh = ParallelMesh(
+            plan.dims,
+            device,
+            self.log,
+            debug_collectives=debug_collectives_requested(cfg.debug.collectives),
+            collective_timeout_s=cfg.run.collective_timeout_s,
         )
-        * dist.get_world_size()
-    )
-    parts = parallelize(cfg, model_cfg, mesh, device)
-    is_main = dist.get_rank() == 0
-    checkpoints = TrainCheckpoints(cfg, mesh, parts, model_cfg, device)
-    start = 0
-    if plan.resume_from is not None:
-        start = checkpoints.restore(plan.resume_from)
-    else:
-        if cfg.model.init_from:  # Hugging Face weights, each rank reading its own rectangles
-            load_hf_weights(cfg.model.init_from, parts.engines.values(), mesh.comm("tp"))
-        if (
-            cfg.run.overwrite and is_main and restart_count() == 0
-        ):  # under torchrun (the launcher did it above)
+        t = cfg.train = dataclasses.replace(
+            cfg.train,
+            global_batch=plan.global_batch,
+            micro_batch=plan.micro_batch,
+            grad_accum=plan.grad_accum,
+        )
+        self.dp, self.dp_rank = mesh.size("dp"), mesh.rank("dp")
+        self.data = TokenDataset.from_path(
+            cfg.data.path,
+            t.seq_len,
+            val_fraction=cfg.data.val_fraction,
+            seed=t.seed,
+            max_bytes=cfg.data.max_bytes,
+        )
+        self.model_cfg = plan.model_for(
+            int(
+                max(
+                    self.data.train_tokens.max(),
+                    self.data.val_tokens.max() if len(self.data.val_tokens) else 0,
+                )
+            )
+        )
+        self.n_params, active = param_counts(self.model_cfg)
+        self.throughput = self._throughput(active)
+        self.model: ParallelModel = parallelize(cfg, self.model_cfg, mesh, device)
+        self.checkpoints = TrainCheckpoints(cfg, mesh, self.model, self.model_cfg, device)
+        self.start = self._restore_or_start()
+        dist.barrier()
+        self.record = RunRecord(
+            Path(cfg.run.out_dir) / cfg.run.name if dist.get_rank() == 0 else None,
+            t.steps,
+            cfg.run.progress,
+            cfg.run.name,
+            resume_at=self.start if plan.resume_from is not None else None,
+        )
+        self.model_state_mb = 0.0
+        self.clock = TrainingClock(self.start)
+        self.summary = RunSummary()
+        self.checkpoint_saver = CheckpointSaver(
+            self.checkpoints, self.record, self.clock, self.start
+        )
+        self.observers: list[TrainObserver] = self._observers()
+
+    def _throughput(self, active_params: int) -> Throughput:
+        """MFU's terms (docs/design.md#flops-and-mfu): model FLOPs per token, PaLM's 6·N +
+        12·n_layers·L·D, against every rank's device peak."""
+        cfg, m, world = self.cfg, self.model_cfg, dist.get_world_size()
+        param_dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
+        return Throughput(
+            cfg.train.global_batch * cfg.train.seq_len,
+            model_flops_per_token(active_params, m.n_layers, cfg.train.seq_len, m.dim),
+            device_peak_flops(self.device, param_dtype, cfg.run.peak_tflops) * world,
+            world,
+        )
+
+    def _restore_or_start(self) -> int:
+        """The steps done: a resume's checkpoint loaded, or a new run's weights (Hugging Face's with
+        ``model.init_from``, each rank reading its own rectangles) and, with ``run.overwrite`` under
+        torchrun, the old run's files removed (a local launcher did it before spawning)."""
+        cfg, plan = self.cfg, self.plan
+        if plan.resume_from is not None:
+            return self.checkpoints.restore(plan.resume_from)
+        if cfg.model.init_from:
+            load_hf_weights(cfg.model.init_from, self.model.engines.values(), self.mesh.comm("tp"))
+        if cfg.run.overwrite and dist.get_rank() == 0 and restart_count() == 0:
             clear_run_dir(cfg)
-    dist.barrier()
-    record = RunRecord(
-        Path(cfg.run.out_dir) / cfg.run.name if is_main else None,
-        t.steps,
-        cfg.run.progress,
-        cfg.run.name,
-        resume_at=start if plan.resume_from is not None else None,
-    )
-    record.write(
-        {
-            "kind": "config",
-            **cfg.to_dict(),
-            "model_config": dataclasses.asdict(model_cfg),
-            "params": n_params,
-            "world": dist.get_world_size(),
-            "dp": dp,
-            "resumed_from": str(plan.resume_from) if plan.resume_from else None,
-            "start_step": start,
-        }
-    )
-    for note in plan.notes:
-        record.say(f"fivefold: note: {note}")
-    if plan.resume_from is not None:
-        record.say(f"fivefold: resumed from {plan.resume_from} after {start} steps")
-    record.say(
-        f"fivefold: {cfg.model.preset} model, {n_params / 1e6:.2f}M params, {_layout(cfg, mesh, parts)}, "
-        f"global batch {t.global_batch} × {t.seq_len} tokens (micro {t.micro_batch} × accum {t.grad_accum}), "
-        f"{data}"
-    )
-    eval_batches = data.val_batches(
-        max(dp, t.eval_batches - t.eval_batches % dp), t.micro_batch, dp_rank=dp_rank, dp_size=dp
-    )
-    tokens_per_step = t.global_batch * t.seq_len
-    # No host sync on a step that is not logged: loss and norm stay on the device until a log step fetches them
-    # (the one wait per log interval), so the host queues the next step while the device runs this one.
-    losses, intervals, val_loss, state_mb = [], [], None, 0.0
-    since, since_step = time.perf_counter(), start
-    stopped = None
-    tracer = make_tracer(cfg, parts, log, mesh, device)
-    traced = (
-        trace_window(start, t.steps, cfg.run.trace_steps, cfg.run.exit_after)
-        if tracer
-        else range(0)
-    )
-    for step in range(start, t.steps):
-        log.reset()
-        if step in traced:
-            tracer.begin_step(step)
-        set_debug_step(step)
-        for group in parts.param_groups():
-            group["lr"] = lr_at(step, cfg)
-        batches = [
-            data.micro_batch(step, t.global_batch, micro, t.grad_accum, dp_rank, dp)
-            for micro in range(t.grad_accum)
+        return 0
+
+    def _observers(self) -> list[TrainObserver]:
+        cfg, t, model, record = self.cfg, self.cfg.train, self.model, self.record
+        dp = self.dp
+        plot_title = (
+            f"{cfg.model.preset} ({self.n_params / 1e6:.1f}M params), dp={dp}"
+            if cfg.run.plot
+            else None
+        )
+        observers: list[TrainObserver] = [
+            RunRecordLog(record, model, self.throughput, plot_title),
+            self.summary,
         ]
-        loss_sum = parts.forward_backward(
-            [(to_device(x, device), to_device(y, device)) for x, y in batches]
+        eval_batches = self.data.val_batches(
+            max(dp, t.eval_batches - t.eval_batches % dp),
+            t.micro_batch,
+            dp_rank=self.dp_rank,
+            dp_size=dp,
         )
-        if step == min(start + 1, t.steps - 1) or (
-            step == start and start > 0
-        ):  # optimizer state allocated
-            state_mb = parts.model_state_bytes() / 2**20
-        try:
-            grad_norm = parts.step(t.grad_clip if t.grad_clip > 0 else None, t.check_finite)
-        except NonFiniteGradient as e:
-            checkpoints.close()  # a background save of a good step still completes
-            record.write(
-                {"kind": "error", "step": step, "error": "non-finite gradient", "message": str(e)}
+        tracer = make_tracer(cfg, model, self.log, self.mesh, self.device)
+        if tracer is not None:
+            window = trace_window(self.start, t.steps, cfg.run.trace_steps, cfg.run.exit_after)
+            title = f"{cfg.model.preset}, {model.describe_layout()}"
+            observers.append(StepTraceLog(tracer, window, model, self.mesh.world, record, title))
+        # with run.trace, trace.json is the step trace (the pipeline's actions in it)
+        observers.append(PipelineTimelineLog(model, record, chrome_trace=tracer is None))
+        if t.eval_every > 0:
+            observers.append(
+                Evaluator(
+                    model, eval_batches, t.eval_every, t.steps, self.clock, self._announce_eval
+                )
             )
-            record.abort()
-            raise NonFiniteGradient(f"step {step + 1}: {e}") from None
-        # the step's data-parallel traffic (gradients over dp or dp_cp, HSDP: dp_shard and dp_replicate, hpZ's backward
-        # gathers: dp_hpz; MoE: experts over ep_dp, all-to-alls over ep), read before the metrics' own collectives
-        traffic = log.totals(
-            dims=(parts.loss_comm.dim, "ep", "ep_dp", "dp_shard", "dp_replicate", "dp_hpz")
+        observers += [Heartbeat(), self.checkpoint_saver]
+        return observers
+
+    def run(self) -> TrainResult:
+        """Train from `start` to ``train.steps`` (or a stop's checkpoint); returns the summary."""
+        info = RunInfo(
+            self.cfg,
+            self.model_cfg,
+            self.n_params,
+            dist.get_world_size(),
+            self.dp,
+            self.start,
+            self.plan.resume_from,
+            tuple(self.plan.notes),
+            self.model.describe_layout(),
+            str(self.data),
         )
-        loss = parts.global_loss(loss_sum)
-        if step % cfg.run.log_every == 0 or step == t.steps - 1:
-            losses.append(loss.item())  # waits for this step
-            now = time.perf_counter()
-            intervals.append(
-                dt := (now - since) / (step + 1 - since_step)
-            )  # seconds per step since the last log
-            since, since_step = now, step + 1
-            record.write(
-                {
-                    "kind": "train",
-                    "step": step,
-                    "loss": losses[-1],
-                    "lr": lr_at(step, cfg),
-                    "grad_norm": None if grad_norm is None else grad_norm.item(),
-                    "step_time_s": dt,
-                    "tokens_per_s": tokens_per_step / dt,
-                    "model_state_mb": state_mb,
-                    "flops_per_token": flops_per_token,
-                    "achieved_tflops_per_device": tokens_per_step
-                    * flops_per_token
-                    / dt
-                    / dist.get_world_size()
-                    / 1e12,
-                    "mfu": tokens_per_step * flops_per_token / dt / peak,
-                    "comm_calls": traffic.calls,
-                    "comm_payload_bytes": traffic.payload_bytes,
-                    "comm_wire_bytes": traffic.wire_bytes,
-                }
-            )
-            moe = parts.moe_load()  # expert load of the step's last micro-batch (MoE models)
-            if moe is not None:
-                record.write({"kind": "moe", "step": step, "layers": moe})
-            record.progress.update(
-                step + 1 - record.progress.done,
-                loss=f"{losses[-1]:.3f}",
-                tok_s=f"{tokens_per_step / dt:,.0f}",
-                step_ms=f"{dt * 1e3:.0f}",
-                mfu=f"{tokens_per_step * flops_per_token / dt / peak:.1%}",
-                state_MB=f"{state_mb:.1f}",
-            )
-        if step in traced:  # (before evaluation and checkpoints: the trace holds training steps)
-            tracer.end_step(parts.action_marks())
-        if t.eval_every > 0 and (step % t.eval_every == t.eval_every - 1 or step == t.steps - 1):
-            val_loss = parts.evaluate(eval_batches)
-            record.write({"kind": "val", "step": step, "val_loss": val_loss})
-            record.say(f"step {step + 1}: val loss {val_loss:.3f}")
-            since, since_step = time.perf_counter(), step + 1  # evaluation is not training time
-        report_step(step + 1)
-        reason = checkpoints.due(step + 1, step + 1 - start)
-        if reason is not None:
-            waited = checkpoints.save(step + 1, reason)
-            for (
-                warning
-            ) in checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
-                record.write(
-                    {
-                        "kind": "error",
-                        "step": step,
-                        "error": "checkpoint not saved",
-                        "message": warning,
-                    }
-                )
-                record.say(warning)
-            checkpoints.warnings.clear()
-            if waited is None:
-                continue
-            record.write(
-                {
-                    "kind": "checkpoint",
-                    "step": step,
-                    "steps_done": step + 1,
-                    "reason": reason,
-                    "seconds": waited,
-                    "async": cfg.checkpoint.async_save,
-                }
-            )
-            since += waited  # saving is not training time
-            if reason in ("SIGTERM", "SIGINT", "exit_after"):
-                stopped = reason
-                record.say(
-                    f"fivefold: {reason}: stopped after {step + 1} of {t.steps} steps with a checkpoint in "
-                    f"{checkpoint_root(cfg)}; continue with --resume"
-                )
+        for observer in self.observers:
+            observer.on_run_start(info)
+        self.clock.restart(self.start)
+        steps = self.cfg.train.steps
+        for step in range(self.start, steps):
+            try:
+                self.train_step(step)
+            except NonFiniteGradient as e:
+                for observer in reversed(self.observers):
+                    observer.on_run_abort(step, e)
+                raise NonFiniteGradient(f"step {step + 1}: {e}") from None
+            if self.checkpoint_saver.stopped is not None:
                 break
-    checkpoints.close()  # a background save finishes
-    for warning in checkpoints.warnings:
-        record.say(warning)
-    steady = sorted(intervals[1:] or intervals) or [
-        float("nan")
-    ]  # (a run stopped before its first log step)
-    losses = losses or [float("nan")]
-    result = TrainResult(
-        step + 1 if stopped else t.steps,
-        losses[0],
-        losses[-1],
-        val_loss,
-        n_params,
-        tokens_per_step / steady[len(steady) // 2],
-        str(record.run_dir) if record.run_dir else None,
-        state_mb,
-        mfu=tokens_per_step * flops_per_token / steady[len(steady) // 2] / peak,
-        stopped=stopped,
-    )
-    parts.gather_timeline()  # the pipeline's measured timings, gathered once
-    if parts.timeline is not None:
-        s = parts.schedule
-        try:
-            formula = bubble_formula(s.name, s.n_ranks, s.n_microbatches, s.n_virtual)
-        except ValueError:  # a schedule without a textbook formula: the measured bubble alone
-            formula = None
-        record.pipeline(
-            parts.timeline,
-            formula,
-            f"{s.name} P={s.n_ranks} M={s.n_microbatches} V={s.n_virtual}",
-            chrome_trace=tracer is None,
-        )  # with run.trace, trace.json is the step trace (actions in it)
-    if tracer is not None:  # every rank's traced steps, gathered once on rank 0
-        tracer.close()
-        traces = mesh.world.gather_object(tracer.result())
-        figures = record.trace(traces, f"{cfg.model.preset}, {_layout(cfg, mesh, parts)}")
-        if figures is not None:
-            result.comm_hidden_fraction = figures["comm_hidden_fraction"]
-    record.close(
-        dataclasses.asdict(result),
-        f"{cfg.model.preset} ({n_params / 1e6:.1f}M params), dp={dp}" if cfg.run.plot else None,
-    )
-    return result
+        stopped = self.checkpoint_saver.stopped
+        result = self.summary.result(
+            step + 1 if stopped else steps,
+            self.n_params,
+            self.throughput,
+            self.record.run_dir,
+            stopped,
+        )
+        for observer in reversed(self.observers):
+            observer.on_run_end(result)
+        return result
+
+    def train_step(self, step: int) -> StepResult:
+        """One step: this rank's micro-batches forward and backward (gradients reduced), the
+        optimizer step over every engine, the loss averaged; then every observer's ``on_step_end``.
+        No host sync but on log steps."""
+        self.log.reset()
+        for observer in self.observers:
+            observer.on_step_start(step)
+        set_debug_step(step)
+        lr = self._set_lr(step)
+        loss_sum = self.model.forward_backward(self._micro_batches(step))
+        self._meter_model_state(step)
+        grad_norm = self.model.step(self._max_norm, self.cfg.train.check_finite)
+        traffic = self.log.totals(
+            dims=self.model.step_traffic_dims
+        )  # before the metrics' collectives
+        result = self._result(step, lr, self.model.global_loss(loss_sum), grad_norm, traffic)
+        for observer in self.observers:
+            observer.on_step_end(result)
+        return result
+
+    @property
+    def _max_norm(self) -> float | None:
+        return self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else None
+
+    def _set_lr(self, step: int) -> float:
+        lr = lr_at(step, self.cfg)
+        for group in self.model.param_groups():
+            group["lr"] = lr
+        return lr
+
+    def _micro_batches(self, step: int) -> list[Batch]:
+        """This rank's rows of the step's global batch, one pair per accumulation micro-step, on the
+        device."""
+        t = self.cfg.train
+        return [
+            (to_device(x, self.device), to_device(y, self.device))
+            for x, y in (
+                self.data.micro_batch(
+                    step, t.global_batch, micro, t.grad_accum, self.dp_rank, self.dp
+                )
+                for micro in range(t.grad_accum)
+            )
+        ]
+
+    def _meter_model_state(self, step: int) -> None:
+        """The model-state memory, read once the optimizer state is allocated (the second step, or a
+        resume's first)."""
+        start, steps = self.start, self.cfg.train.steps
+        if step == min(start + 1, steps - 1) or (step == start and start > 0):
+            self.model_state_mb = self.model.model_state_bytes() / 2**20
+
+    def _result(
+        self,
+        step: int,
+        lr: float,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        traffic: CommTotals,
+    ) -> StepResult:
+        """The step's `StepResult`; on a log step the loss is fetched (the one wait per log
+        interval: otherwise the host queues the next step while the device runs this one) and the
+        step time read."""
+        logged = step % self.cfg.run.log_every == 0 or step == self.cfg.train.steps - 1
+        loss_value = loss.item() if logged else None  # waits for this step
+        step_time = self.clock.lap(step) if logged else None
+        return StepResult(
+            step,
+            lr,
+            self.throughput.tokens_per_step,
+            loss,
+            grad_norm,
+            traffic,
+            self.model_state_mb,
+            logged,
+            loss_value,
+            step_time,
+        )
+
+    def _announce_eval(self, result: EvalResult) -> None:
+        for observer in self.observers:
+            observer.on_eval(result)
+
+
+class Evaluator(TrainObserver):
+    """Every ``train.eval_every`` steps and after the last: the loss on the held-out batches (this
+    rank's share), announced to every observer's ``on_eval``; evaluation is not training time (the
+    clock restarts after it)."""
+
+    def __init__(
+        self,
+        model: ParallelModel,
+        batches: list[Batch],
+        every: int,
+        steps: int,
+        clock: TrainingClock,
+        announce: Callable[[EvalResult], None],
+    ) -> None:
+        self.model, self.batches, self.clock, self.announce = model, batches, clock, announce
+        self.every, self.steps = every, steps
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == self.every - 1 or step == self.steps - 1)
+
+    def on_step_end(self, result: StepResult) -> None:
+        if self.due(result.step):
+            self.announce(EvalResult(result.step, self.model.evaluate(self.batches)))
+            self.clock.restart(result.step + 1)
+
+
+class Heartbeat(TrainObserver):
+    """Tells the watchdog's heartbeat each finished step (`watchdog.report_step`: the stall
+    detector's progress)."""
+
+    def on_step_end(self, result: StepResult) -> None:
+        report_step(result.step + 1)
 
 
 def make_tracer(
-    cfg: Config, parts: object, log: CommLog, mesh: ParallelMesh, device: torch.device
+    cfg: Config, parts: ParallelModel, log: CommLog, mesh: ParallelMesh, device: torch.device
 ) -> StepTracer | None:
     """With ``run.trace``, a `StepTracer` on this rank's embedding, blocks, norm and head (hooks installed now, idle
     outside the traced steps); otherwise None: no hook, and the log never times a collective."""
@@ -444,36 +467,4 @@ def make_tracer(
         rank=dist.get_rank(),
         coords=coords,
         side_threads=(SIDE_THREAD,),
-    )
-
-
-def _layout(cfg: Config, mesh: ParallelMesh, parts: object = None) -> str:
-    pp = mesh.size("pp")
-    cp = mesh.size("cp")
-    units = getattr(parts, "schedule", None) is not None and any(parts.schedule.side_by_side)
-    hsdp = mesh.size("dp_replicate")
-    z = cfg.zero
-    zeropp = "".join(
-        f"+{name}"
-        for name, on in (("qwZ", z.qwz), ("qgZ", z.qgz), (f"hpZ({z.hpz})", z.hpz > 1))
-        if on
-    )
-    return (
-        f"pp={pp} dp={mesh.size('dp')} ZeRO-{cfg.zero.stage}{zeropp} tp={mesh.size('tp')}"
-        + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
-        + (" +SP" if cfg.parallel.sp else "")
-        + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
-        + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
-        + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
-        + (
-            (
-                f" ({parts.overlap_reason})"
-                if parts.overlap
-                else f" (F&B one after the other: {parts.overlap_reason})"
-            )
-            if units
-            else ""
-        )
-        + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
-        + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)"
     )
