@@ -1,8 +1,9 @@
 """Data parallelism: flat buckets (shared by all), DDP, and the ZeRO 0-3 engine.
 
-`ZeroDataParallel(module, comm, ZeroOptions(stage=...))` is what the trainer wraps every model (or pipeline
-stage) in (`fivefold.models.parallelize`): the engine composes a stage strategy (`strategies`), a gradient
-transport (`transports`) and buffer policies (`policies`). `DDP` and `ShardedOptimizer` stand alone for any module.
+`ZeroDataParallel(module, comm, ZeroOptions(stage=...))` is what the trainer wraps every model (or
+pipeline stage) in (`fivefold.models.parallelize`): the engine composes a stage strategy
+(`strategies`), a gradient transport (`transports`) and buffer policies (`policies`). `DDP` and
+`ShardedOptimizer` stand alone for any module.
 """
 
 from fivefold.data_parallel.buckets import (

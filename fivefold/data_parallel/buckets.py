@@ -3,7 +3,8 @@
 DP (docs/design.md#one-training-step): gradients are bucketed in reverse registration order (the order backward produces
 them); a post-accumulate-grad hook marks a parameter ready and the bucket's collective launches asynchronously with its
 last gradient, overlapping the rest of backward. Buckets launch in index order so every rank issues the same collectives
-in the same order; what a bucket does (all-reduce for DDP, reduce-scatter for ZeRO) is a `BucketStrategy` passed in.
+in the same order; what a bucket does (all-reduce for DDP, reduce-scatter for ZeRO) is the
+`BucketStrategy` passed in.
 ``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the bound
 during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
 
@@ -241,17 +242,20 @@ def make_grad_buckets(
 
 
 class BucketStrategy:
-    """What a bucket's gradients go through, the one interface `BucketedGradReducer` calls (the ZeRO stages of
-    `strategies`, DDP's all-reduce): each ``on_*`` method is an event of the reducer, a no-op unless the strategy
-    needs it. ``max_inflight`` bounds the buckets launched and not yet finished (None: no bound)."""
+    """What a bucket's gradients go through, the one interface `BucketedGradReducer` calls (the ZeRO
+    stages of `strategies`, DDP's all-reduce): each ``on_*`` method is an event of the reducer, a
+    no-op unless the strategy needs it. ``max_inflight`` bounds the buckets launched and not yet
+    finished (None: no bound)."""
 
     max_inflight: int | None = None
 
     def on_first_grad(self, bucket: GradBucket) -> None:
-        """Before the bucket takes its first gradient of a backward (ZeRO-1 moves its reduced shard out)."""
+        """Before the bucket takes its first gradient of a backward (ZeRO-1 moves its reduced shard
+        out)."""
 
     def on_all_grads(self, bucket: GradBucket) -> None:
-        """Every gradient of the bucket exists, in any launch order (ZeRO-3 frees the unit's parameters)."""
+        """Every gradient of the bucket exists, in any launch order (ZeRO-3 frees the unit's
+        parameters)."""
 
     def on_launch_bucket(self, bucket: GradBucket) -> object:
         """Start the bucket's collective; returns its async work handle (or None)."""
@@ -265,8 +269,8 @@ class BucketStrategy:
 
 
 class BucketedGradReducer:
-    """Hooks gradients into buckets and launches each bucket's collective as soon as it is full; what a bucket does
-    is the `strategy`'s."""
+    """Hooks gradients into buckets and launches each bucket's collective as soon as it is full;
+    what a bucket does is the `strategy`'s."""
 
     def __init__(
         self,

@@ -1,8 +1,8 @@
 """DDP: replicated parameters, gradients averaged by bucketed all-reduce overlapped with backward.
 
 DDP (docs/design.md#data-parallel-traffic): 16Ψ bytes per rank, one all-reduce of Ψ per step
-(ring wire 2(N-1)/N · Ψ · bytes). Buckets and hooks live in `buckets.py`; here only what a full bucket does
-(`AllReduceEachBucket`).
+(ring wire 2(N-1)/N · Ψ · bytes). Buckets and hooks live in `buckets.py`; here only what a full
+bucket does (`AllReduceEachBucket`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def broadcast_module_state(
 
 
 class AllReduceEachBucket(BucketStrategy):
-    """DDP's strategy: a full bucket is pre-divided by N and all-reduced (its ``.grad`` views see the mean)."""
+    """DDP's strategy: a full bucket is pre-divided by N and all-reduced (its ``.grad`` views see
+    the mean)."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm

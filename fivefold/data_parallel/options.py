@@ -1,11 +1,12 @@
-"""`ZeroOptions`: everything a `ZeroDataParallel` engine is built from, in one typed object, and the checks of
-combinations no strategy can serve (`check_options`).
+"""`ZeroOptions`: everything a `ZeroDataParallel` engine is built from, in one typed object, and the
+checks of combinations no strategy can serve (`check_options`).
 
 The engine turns the options into strategy objects (`strategies.compose`): the stage
 (docs/design.md#model-state-memory), the gradient transport (plain, HSDP's replicas, qgZ's int8;
 docs/design.md#hsdp, docs/design.md#zero-qwz-qgz-hpz), ZeRO-3's gather and the buffer policy
-(docs/design.md#offload-and-constant-buffers). ``ZeroDataParallel(module, comm, zero_stage=2, lr=...)`` remains a
-shorthand: `ZeroOptions.from_keywords` reads the same keywords (those it does not know go to the optimizer).
+(docs/design.md#offload-and-constant-buffers). ``ZeroDataParallel(module, comm, zero_stage=2,
+lr=...)`` remains a shorthand: `ZeroOptions.from_keywords` reads the same keywords (those it does
+not know go to the optimizer).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ __all__ = ["ZeroOptions", "check_options", "default_no_decay"]
 
 
 def default_no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """Norm weights, biases (1-D), embedding tables and ``param.no_weight_decay`` parameters get no weight decay."""
+    """Norm weights, biases (1-D), embedding tables and ``param.no_weight_decay`` parameters get no
+    weight decay."""
     if param.ndim < 2 or getattr(param, "no_weight_decay", False):
         return True
     return any(isinstance(m, nn.Embedding) and m.weight is param for m in module.modules())
@@ -33,10 +35,11 @@ def default_no_decay(name: str, param: nn.Parameter, module: nn.Module) -> bool:
 
 @dataclass
 class ZeroOptions:
-    """How one engine shards, reduces and steps. Groups: what is sharded (``stage``), the buckets and the ZeRO-3
-    units, the optimizer, the parameters it owns and how they start, HSDP, ZeRO++, and the buffer / offload
-    policies. ``inflight_buckets`` (ZeRO-2/3) bounds the outstanding reduce-scatters: the backward peak is the
-    stage's formula plus about ``inflight_buckets + 1`` full gradient buffers."""
+    """How one engine shards, reduces and steps. Groups: what is sharded (``stage``), the buckets
+    and the ZeRO-3 units, the optimizer, the parameters it owns and how they start, HSDP, ZeRO++,
+    and the buffer / offload policies. ``inflight_buckets`` (ZeRO-2/3) bounds the outstanding
+    reduce-scatters: the backward peak is the stage's formula plus about ``inflight_buckets + 1``
+    full gradient buffers."""
 
     # what is sharded: 0 nothing (DDP), 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)
     stage: int = 0
@@ -64,7 +67,7 @@ class ZeroOptions:
     grad_divisor: int | None = None
     # HSDP (stages 1-3): the group across which the shard groups hold the same shards
     replicate: Comm | None = None
-    # ZeRO++: int8 gathers of ZeRO-3 (qwZ), int8 gradient reduce of ZeRO-2/3 (qgZ), hpZ's secondary group
+    # ZeRO++: ZeRO-3's int8 gathers (qwZ), ZeRO-2/3's int8 gradient reduce (qgZ), hpZ's group
     qwz: bool = False
     qgz: bool = False
     quant_block: int = 2048
@@ -75,8 +78,8 @@ class ZeroOptions:
 
     @classmethod
     def from_keywords(cls, zero_stage: int = 0, **keywords: Any) -> ZeroOptions:
-        """The engine's keyword shorthand: ``zero_stage`` is ``stage``; keywords that are no option (``lr``,
-        ``betas``, ...) go to the optimizer."""
+        """The engine's keyword shorthand: ``zero_stage`` is ``stage``; keywords that are no option
+        (``lr``, ``betas``, ...) go to the optimizer."""
         names = {f.name for f in fields(cls)} - {"stage", "optimizer_kwargs"}
         known = {k: v for k, v in keywords.items() if k in names}
         extra = {k: v for k, v in keywords.items() if k not in names}

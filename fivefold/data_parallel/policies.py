@@ -1,13 +1,14 @@
-"""Buffer policies of the ZeRO engine: where a bucket's reduced shard lands and whether the communication buffers
-are allocated per use (`FreshBuffers`) or once for the run (`ConstantBuffers`, ZeRO-R's C_B,
-docs/design.md#offload-and-constant-buffers).
+"""Buffer policies of the ZeRO engine: where a bucket's reduced shard lands and whether the
+communication buffers are allocated per use (`FreshBuffers`) or once for the run (`ConstantBuffers`,
+ZeRO-R's C_B, docs/design.md#offload-and-constant-buffers).
 
-A stage asks its policy for the places it does not own: `shard_output` (where a reduce-scatter of ZeRO-2/3 lands),
-`keep_local` (a one-rank reduction's result, which must outlive its bucket's buffer), `moved_shard` (ZeRO-1's
-reduced shard moved out of the kept buffer). With constant buffers the temporary full gradient buffers of ZeRO-2/3
-and the reduce-scatter outputs that add to a shard already there come from two `BufferPool`s (`start_pools`, called
-by the stages that free full gradients), the first output of a step lands in the flat's gradient-shard buffer kept
-for the run, and ZeRO-3 units gather into shared slots (`fsdp.GatherSlots`, switched on by ``constant``).
+A stage asks its policy for the places it does not own: `shard_output` (where a reduce-scatter of
+ZeRO-2/3 lands), `keep_local` (a one-rank reduction's result, which must outlive its bucket's
+buffer), `moved_shard` (ZeRO-1's reduced shard moved out of the kept buffer). With constant buffers
+the temporary full gradient buffers of ZeRO-2/3 and the reduce-scatter outputs that add to a shard
+already there come from two `BufferPool`s (`start_pools`, called by the stages that free full
+gradients), the first output of a step lands in the flat's gradient-shard buffer kept for the run,
+and ZeRO-3 units gather into shared slots (`fsdp.GatherSlots`, switched on by ``constant``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class FreshBuffers:
         return torch.empty(flat.shard_numel, dtype=dtype, device=flat.full.device)
 
     def keep_local(self, flat: FlatParam, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A one-rank reduction's result `out` (a view of the bucket's buffer), kept past the buffer's life."""
+        """A one-rank reduction's result `out` (a view of the bucket's buffer), kept past the
+        buffer's life."""
         return out
 
     def give_back(self, flat: FlatParam, out: torch.Tensor) -> None:
@@ -53,7 +55,8 @@ class FreshBuffers:
         return shard.clone()
 
     def tensors(self) -> list[torch.Tensor]:
-        """The buffers this policy holds for the run (`ZeroDataParallel.model_state_tensors`' ``buffers``)."""
+        """The buffers this policy holds for the run (`ZeroDataParallel.model_state_tensors`'
+        ``buffers``)."""
         return []
 
 
@@ -65,8 +68,9 @@ class ConstantBuffers(FreshBuffers):
     def start_pools(
         self, flats: Sequence[FlatParam], dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Full gradient buffers (the largest bucket's size) and gradient shards for the reduce-scatters of a
-        micro-step that adds to a shard already there (the largest shard's size)."""
+        """Full gradient buffers (the largest bucket's size) and gradient shards for the
+        reduce-scatters of a micro-step that adds to a shard already there (the largest shard's
+        size)."""
         device = flats[0].full.device if flats else device
         full = max((f.layout.padded_numel for f in flats), default=0)
         shard = max((f.shard_numel for f in flats), default=0)
@@ -74,8 +78,9 @@ class ConstantBuffers(FreshBuffers):
         self.shard_pool = BufferPool(shard, dtype, device)
 
     def shard_output(self, flat: FlatParam, dtype: torch.dtype) -> torch.Tensor:
-        """The flat's gradient shard itself when none is there yet (its buffer kept for the run), else a pooled
-        temporary added to it when the reduce-scatter is done (`give_back`)."""
+        """The flat's gradient shard itself when none is there yet (its buffer kept for the run),
+        else a pooled temporary added to it when the reduce-scatter is done (`give_back`).
+        """
         if self.shard_pool is None:
             return super().shard_output(flat, dtype)
         if flat.grad_shard is None:
@@ -94,8 +99,9 @@ class ConstantBuffers(FreshBuffers):
             self.shard_pool.release(out)
 
     def forget_unfinished(self, buckets: Sequence[GradBucket], flats: Sequence[FlatParam]) -> None:
-        """Outputs (pooled, or a flat's own gradient-shard buffer) of reduce-scatters still in flight may still be
-        written, so they are never used again (their input buffers: `GradBucket.release`)."""
+        """Outputs (pooled, or a flat's own gradient-shard buffer) of reduce-scatters still in
+        flight may still be written, so they are never used again (their input buffers:
+        `GradBucket.release`)."""
         if self.shard_pool is None:
             return
         for bucket in buckets:

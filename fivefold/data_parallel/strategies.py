@@ -1,19 +1,21 @@
-"""The ZeRO stages as strategy objects (docs/design.md#model-state-memory, docs/design.md#data-parallel-traffic):
-what a stage shards, what it does with a bucket when the reducer says so (`buckets.BucketStrategy`), and what it
-costs — model-state bytes per rank (`flat_state_bytes`), buffers alive at the backward's peak (`transient_bytes`),
-collective bytes per step (`collectives`): `fivefold.plan.memory` and `fivefold.plan.traffic` read them here.
+"""The ZeRO stages as strategy objects (docs/design.md#model-state-memory,
+docs/design.md#data-parallel-traffic): what a stage shards, what it does with a bucket when the
+reducer says so (`buckets.BucketStrategy`), and what it costs — model-state bytes per rank
+(`flat_state_bytes`), buffers alive at the backward's peak (`transient_bytes`), collective bytes per
+step (`collectives`): `fivefold.plan.memory` and `fivefold.plan.traffic` read them here.
 
-| strategy                         | stage | sharded                     | per step                           |
-|----------------------------------|-------|-----------------------------|------------------------------------|
-| `AllReduce`                      | 0     | nothing (DDP)               | all-reduce Ψ                       |
-| `ReduceScatter(keep_full=True)`  | 1     | optimizer state             | reduce-scatter Ψ + all-gather Ψ    |
-| `ReduceScatter(keep_full=False)` | 2     | + gradients                 | reduce-scatter Ψ + all-gather Ψ    |
-| `ShardedParams(gather=...)`      | 3     | + parameters (FSDP)         | all-gather 2Ψ + reduce-scatter Ψ   |
+| strategy                         | stage | also sharded    | per step                        |
+|----------------------------------|-------|-----------------|---------------------------------|
+| `AllReduce`                      | 0     | nothing (DDP)   | all-reduce Ψ                    |
+| `ReduceScatter(keep_full=True)`  | 1     | optimizer state | reduce-scatter Ψ + all-gather Ψ |
+| `ReduceScatter(keep_full=False)` | 2     | + gradients     | reduce-scatter Ψ + all-gather Ψ |
+| `ShardedParams(gather=...)`      | 3     | + parameters    | all-gather 2Ψ + reduce-scatter Ψ |
 
-A sharded stage's gradients travel by a `transports` object (plain, HSDP's replicas, qgZ's int8); ZeRO-3's
-gathers by a `Gather` (`PlainGather`, qwZ's `Int8Gather`, hpZ's `SecondaryGather`); buffers follow a `policies`
-object (fresh or constant). ZeRO-2 frees non-owned gradients in `ReduceScatter.on_bucket_done`: only the shard is
-kept, and the reducer then releases the bucket's full buffer — during backward, ``inflight_buckets`` at a time.
+A sharded stage's gradients travel by a `transports` object (plain, HSDP's replicas, qgZ's int8);
+ZeRO-3's gathers by a `Gather` (`PlainGather`, qwZ's `Int8Gather`, hpZ's `SecondaryGather`); buffers
+follow a `policies` object (fresh or constant). ZeRO-2 frees non-owned gradients in
+`ReduceScatter._keep` (the reducer's `on_bucket_done`): only the shard is kept, and the reducer then
+releases the bucket's full buffer — during backward, ``inflight_buckets`` at a time.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FlatSpec:
-    """What every flat buffer of an engine is built with (`FlatParam`'s keywords besides its parameters)."""
+    """What every flat buffer of an engine is built with (`FlatParam`'s keywords besides its
+    parameters)."""
 
     comm: Comm
     group_of: GroupOf
@@ -58,7 +61,7 @@ class FlatSpec:
     offload: bool  # ZeRO-Offload: the fp32 master shard on the host
 
 
-# -- ZeRO-3's gathers (docs/design.md#zero-qwz-qgz-hpz); `FlatParam._start_gather` runs them ------------------------
+# -- ZeRO-3's gathers (docs/design.md#zero-qwz-qgz-hpz), run by `FlatParam._start_gather` -----
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,9 @@ class Int8Gather(PlainGather):
 
 @dataclass(frozen=True)
 class SecondaryGather:
-    """hpZ: ``forward`` gathers as it would alone and keeps this rank's 1/|comm| slice of each unit; a backward
-    gathers from those slices inside ``comm`` (a few consecutive ranks, e.g. a node), unquantised."""
+    """hpZ: ``forward`` gathers as it would alone and keeps this rank's 1/|comm| slice of each unit;
+    a backward gathers from those slices inside ``comm`` (a few consecutive ranks, e.g. a node),
+    unquantised."""
 
     comm: Comm
     forward: PlainGather = PlainGather()
@@ -122,12 +126,13 @@ class SecondaryGather:
 Gather = PlainGather | Int8Gather | SecondaryGather
 
 
-# -- the stages ---------------------------------------------------------------------------------------------------
+# -- the stages ------------------------------------------------------------------------------------
 
 
 class Stage(BucketStrategy):
-    """What every stage shares: flats built from buckets of parameters, buckets over the flats, a bucket reduced
-    over ``divisor`` ranks (the shard group, × the replicas under HSDP; 1: nothing travels), the result kept."""
+    """What every stage shares: flats built from buckets of parameters, buckets over the flats, a
+    bucket reduced over ``divisor`` ranks (the shard group, × the replicas under HSDP; 1: nothing
+    travels), the result kept."""
 
     number: int  # the ZeRO stage (`formulas.flat_model_state_bytes`' ``stage``)
     keep_full_grads = (
@@ -197,7 +202,8 @@ class Stage(BucketStrategy):
     # -- the reducer's events
 
     def _local(self, bucket: GradBucket, flat: FlatParam) -> None:
-        """One rank in all: the mean is the bucket itself (this rank's slice, the whole buffer unsharded)."""
+        """One rank in all: the mean is the bucket itself (this rank's slice, the whole buffer
+        unsharded)."""
         bucket.out = self.buffers.keep_local(
             flat, bucket.grad[flat.start : flat.end], self.grad_dtype
         )
@@ -210,7 +216,8 @@ class Stage(BucketStrategy):
         raise NotImplementedError
 
     def drop_unfinished(self) -> None:
-        """Before the reducer forgets a backward: outputs of collectives still in flight are never reused."""
+        """Before the reducer forgets a backward: outputs of collectives still in flight are never
+        reused."""
         self.buffers.forget_unfinished(self.buckets, self.flats)
 
     def between_steps(self) -> None:
@@ -221,7 +228,8 @@ class Stage(BucketStrategy):
     def flat_state_bytes(
         self, flat: FlatParam, *, param_bytes: int, grad_bytes: int
     ) -> dict[str, int]:
-        """One rank's model-state bytes for `flat` (docs/design.md#model-state-memory, one flat buffer exactly)."""
+        """One rank's model-state bytes for `flat` (docs/design.md#model-state-memory, one flat
+        buffer exactly)."""
         return formulas.flat_model_state_bytes(
             flat.layout.padded_numel,
             flat.shard_numel,
@@ -246,7 +254,8 @@ class Stage(BucketStrategy):
         reductions: int,
         deferred_w: bool = False,
     ) -> dict[str, int]:
-        """Buffers that come and go during a step, at the backward's peak (`fivefold.plan.memory._transient`)."""
+        """Buffers that come and go during a step, at the backward's peak
+        (`fivefold.plan.memory._transient`)."""
         return {}
 
     def collectives(
@@ -258,8 +267,9 @@ class Stage(BucketStrategy):
         reduce_phase: str,
         micro_batches: int,
     ) -> list[Collective]:
-        """What this rank sends per step: `reductions` gradient reductions (in `reduce_phase`), the parameter
-        gathers of `micro_batches` forwards and backwards (docs/design.md#data-parallel-traffic)."""
+        """What this rank sends per step: `reductions` gradient reductions (in `reduce_phase`), the
+        parameter gathers of `micro_batches` forwards and backwards
+        (docs/design.md#data-parallel-traffic)."""
         return []
 
     def _largest_param_grad(self, param_bytes: int) -> dict[str, int]:
@@ -269,8 +279,9 @@ class Stage(BucketStrategy):
 
 
 class AllReduce(Stage):
-    """Stage 0 (DDP): nothing sharded; each bucket pre-divided and all-reduced whole, ``param.grad`` views of it.
-    No transport applies (HSDP and qgZ need a sharded stage: `options.check_options`)."""
+    """Stage 0 (DDP): nothing sharded; each bucket pre-divided and all-reduced whole, ``param.grad``
+    views of it. No transport applies (HSDP and qgZ need a sharded stage: `options.check_options`).
+    """
 
     number = 0
     grad_views = True
@@ -304,10 +315,11 @@ class AllReduce(Stage):
 
 
 class ReduceScatter(Stage):
-    """Stages 1 and 2: the optimizer state sharded; each bucket reduced to this rank's shard by ``transport``, the
-    updated shards all-gathered after the step (`FlatParam.gather_params`). ``keep_full=True`` (ZeRO-1): the full
-    gradient buffer is kept and reduced in place. ``keep_full=False`` (ZeRO-2): the shard lands apart and the full
-    buffer is freed once the reduction is done, during backward (at most ``inflight_buckets`` in flight)."""
+    """Stages 1 and 2: the optimizer state sharded; each bucket reduced to this rank's shard by
+    ``transport``, the updated shards all-gathered after the step (`FlatParam.gather_params`).
+    ``keep_full=True`` (ZeRO-1): the full gradient buffer is kept and reduced in place.
+    ``keep_full=False`` (ZeRO-2): the shard lands apart and the full buffer is freed once the
+    reduction is done, during backward (at most ``inflight_buckets`` in flight)."""
 
     def __init__(
         self,
@@ -345,15 +357,17 @@ class ReduceScatter(Stage):
         return self.transport.launch(bucket, flat, lambda: self._shard_out(bucket, flat))
 
     def _shard_out(self, bucket: GradBucket, flat: FlatParam) -> torch.Tensor:
-        """Where the reduced shard lands: in place (this rank's slice of the kept buffer, or of a one-rank shard
-        group's under HSDP), else where the buffer policy says (a gradient shard apart from the full buffer)."""
+        """Where the reduced shard lands: in place (this rank's slice of the kept buffer, or of a
+        one-rank shard group's under HSDP), else where the buffer policy says (a gradient shard
+        apart from the full buffer)."""
         if self.keep_full or self.comm.size == 1:
             return bucket.grad[flat.start : flat.end]
         return self.buffers.shard_output(flat, self.grad_dtype)
 
     def _keep(self, bucket: GradBucket, flat: FlatParam) -> None:
-        """Add the reduced shard to the flat's gradient shard. ZeRO-2: nothing else of the bucket is kept — the
-        reducer releases its full buffer next (`GradBucket.release`): the non-owned gradients are freed here."""
+        """Add the reduced shard to the flat's gradient shard. ZeRO-2: nothing else of the bucket is
+        kept — the reducer releases its full buffer next (`GradBucket.release`): the non-owned
+        gradients are freed here."""
         self.transport.finish(bucket, flat)
         flat.accumulate_grad(bucket.out)
         if self.keep_full:  # the kept buffer's contents are now counted in the shard
@@ -362,9 +376,10 @@ class ReduceScatter(Stage):
             self.buffers.give_back(flat, bucket.out)
 
     def on_first_grad(self, bucket: GradBucket) -> None:
-        """ZeRO-1, first new gradient of a micro-step into a bucket whose last contents are already counted in the
-        gradient shard: move the shard out if it still lives in the buffer, and clear the buffer (every micro-step,
-        not only the second: else the third adds onto the second's gradients and counts them twice)."""
+        """ZeRO-1, first new gradient of a micro-step into a bucket whose last contents are already
+        counted in the gradient shard: move the shard out if it still lives in the buffer, and clear
+        the buffer (every micro-step, not only the second: else the third adds onto the second's
+        gradients and counts them twice)."""
         if not self.keep_full:
             return
         flat = self.flats[bucket.index]
@@ -386,9 +401,10 @@ class ReduceScatter(Stage):
     def transient_bytes(
         self, *, param_bytes: int, grad_bytes: int, accumulating: bool, reductions: int, **_: Any
     ) -> dict[str, int]:
-        """ZeRO-2/3's full gradient buffers (at most ``inflight_buckets`` launched and one filling; all of them while
-        gradients accumulate unreduced) and the temporaries later reduce-scatters land in; ZeRO-1/2: the gradient
-        autograd makes before a hook copies it into its bucket."""
+        """ZeRO-2/3's full gradient buffers (at most ``inflight_buckets`` launched and one filling;
+        all of them while gradients accumulate unreduced) and the temporaries later reduce-scatters
+        land in; ZeRO-1/2: the gradient autograd makes before a hook copies it into its bucket.
+        """
         out: dict[str, int] = {}
         if not self.keep_full and self.comm.size > 1:
             sizes = sorted((f.layout.padded_numel for f in self.flats), reverse=True)
@@ -407,7 +423,8 @@ class ReduceScatter(Stage):
     def collectives(
         self, *, param_bytes: int, grad_bytes: int, reductions: int, reduce_phase: str, **_: Any
     ) -> list[Collective]:
-        """The gradient reductions (the transport's), then the all-gather of the updated shards once per step."""
+        """The gradient reductions (the transport's), then the all-gather of the updated shards once
+        per step."""
         padded = [f.layout.padded_numel for f in self.flats]
         out = self.transport.collectives(padded, grad_bytes, reductions, reduce_phase)
         n = self.comm.size
@@ -419,9 +436,10 @@ class ReduceScatter(Stage):
 
 
 class ShardedParams(ReduceScatter):
-    """Stage 3 (FSDP): parameters sharded too. One flat per unit (`fsdp.find_unit_modules`), gathered just before
-    use and freed after (`fsdp.FSDPHooks`) by ``gather``; gradients copied in just before the launch, after the
-    unit's parameters were freed (`on_all_grads`); the reduction as ZeRO-2's."""
+    """Stage 3 (FSDP): parameters sharded too. One flat per unit (`fsdp.find_unit_modules`),
+    gathered just before use and freed after (`fsdp.FSDPHooks`) by ``gather``; gradients copied in
+    just before the launch, after the unit's parameters were freed (`on_all_grads`); the reduction
+    as ZeRO-2's."""
 
     defer_copy = True
 
@@ -459,8 +477,9 @@ class ShardedParams(ReduceScatter):
         owns: Callable[[str, nn.Parameter], bool] = lambda n, p: True,
         after_unit_backward: Callable[[int], None] | None = None,
     ) -> list[FlatParam]:
-        """One flat per unit; a parameter used by two units belongs to the root. With ``after_unit_backward``
-        (find_unused) a finished unit completes its bucket instead of holding later buckets back."""
+        """One flat per unit; a parameter used by two units belongs to the root. With
+        ``after_unit_backward`` (find_unused) a finished unit completes its bucket instead of
+        holding later buckets back."""
         self.flats, unit_modules = _build_units(module, named, self.units, spec, self.gather, owns)
         self.root = module
         self.fsdp = FSDPHooks(
@@ -474,7 +493,8 @@ class ShardedParams(ReduceScatter):
         return self.flats
 
     def on_all_grads(self, bucket: GradBucket) -> None:
-        """Every gradient of this unit exists, so free its gathered parameters (copied in at launch)."""
+        """Every gradient of this unit exists, so free its gathered parameters (copied in at
+        launch)."""
         self.flats[bucket.index].reshard()
 
     def on_backward_end(self) -> None:
@@ -490,9 +510,10 @@ class ShardedParams(ReduceScatter):
     def transient_bytes(
         self, *, param_bytes: int, grad_bytes: int, deferred_w: bool = False, **rest: Any
     ) -> dict[str, int]:
-        """ZeRO-2's buffers, ZeRO-3's gathered units (the root, the unit in use and ``prefetch`` ahead; all without
-        ``reshard_after_forward``) and a unit's gradients before they are copied into its bucket. ``deferred_w``
-        (a zero-bubble schedule): a unit stays gathered from its I to its W — every unit of the stage."""
+        """ZeRO-2's buffers, ZeRO-3's gathered units (the root, the unit in use and ``prefetch``
+        ahead; all without ``reshard_after_forward``) and a unit's gradients before they are copied
+        into its bucket. ``deferred_w`` (a zero-bubble schedule): a unit stays gathered from its I
+        to its W — every unit of the stage."""
         out = super().transient_bytes(param_bytes=param_bytes, grad_bytes=grad_bytes, **rest)
         if self.comm.size > 1:
             units = [(m is self.root, f.layout.padded_numel) for m, f in self.fsdp.units]
@@ -515,8 +536,8 @@ class ShardedParams(ReduceScatter):
         reduce_phase: str,
         micro_batches: int,
     ) -> list[Collective]:
-        """The gradient reductions (the transport's), then every unit gathered in each forward and, when freed
-        after it, again in each backward (hpZ: inside its secondary group)."""
+        """The gradient reductions (the transport's), then every unit gathered in each forward and,
+        when freed after it, again in each backward (hpZ: inside its secondary group)."""
         padded = [f.layout.padded_numel for f in self.flats]
         out = self.transport.collectives(padded, grad_bytes, reductions, reduce_phase)
         n = self.comm.size

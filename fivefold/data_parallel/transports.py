@@ -1,9 +1,10 @@
-"""How a sharded stage's gradient bucket travels to this rank's mean shard: the plain reduce-scatter, HSDP's
-all-reduce across replicas after it (docs/design.md#hsdp), or qgZ's int8 all-to-all in its place
-(docs/design.md#zero-qwz-qgz-hpz). A transport launches one bucket (`launch`: its result in ``bucket.out``),
-completes it once the handle is waited (`finish`), and states what it sends per step (`collectives`, read by
-`fivefold.plan.traffic`): per gradient reduction a reduce-scatter of every bucket (`formulas.zero_grad_reduce_bytes`),
-qgZ the same shapes as quantised chunks, HSDP plus an all-reduce of each shard, Ψ/N_s, over ``dp_replicate``.
+"""How a sharded stage's gradient bucket travels to this rank's mean shard: the plain
+reduce-scatter, HSDP's all-reduce across replicas after it (docs/design.md#hsdp), or qgZ's int8
+all-to-all in its place (docs/design.md#zero-qwz-qgz-hpz). A transport launches one bucket
+(`launch`: its result in ``bucket.out``), completes it once the handle is waited (`finish`), and
+states what it sends per step (`collectives`, read by `fivefold.plan.traffic`): per gradient
+reduction a reduce-scatter of every bucket (`formulas.zero_grad_reduce_bytes`), qgZ the same shapes
+as quantised chunks, HSDP plus an all-reduce of each shard, Ψ/N_s, over ``dp_replicate``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ShardOut = Callable[[], torch.Tensor]  # where the stage wants the bucket's redu
 
 
 class Collective(NamedTuple):
-    """One collective's payload per step, as `CommLog` counts it (`fivefold.plan.traffic.Transfer`'s fields)."""
+    """One collective's payload per step, as `CommLog` counts it (`fivefold.plan.traffic.Transfer`'s
+    fields)."""
 
     dim: str
     op: str
@@ -58,8 +60,9 @@ class GradTransport(Protocol):
 
 
 class PlainReduceScatter:
-    """The bucket pre-divided by ``divisor`` (every rank its mean runs over: the sum of g_i / N is the mean) and
-    reduce-scattered over ``comm`` into the shard the stage chose (nothing to send over a one-rank group)."""
+    """The bucket pre-divided by ``divisor`` (every rank its mean runs over: the sum of g_i / N is
+    the mean) and reduce-scattered over ``comm`` into the shard the stage chose (nothing to send
+    over a one-rank group)."""
 
     def __init__(self, comm: Comm, divisor: int) -> None:
         self.comm, self.divisor = comm, divisor
@@ -89,8 +92,8 @@ class PlainReduceScatter:
 
 
 class ReplicaAllReduce:
-    """HSDP: the `inner` reduce-scatter inside the shard group, then the shard's all-reduce across ``replicate``
-    (started in bucket order on every rank: `hsdp.ReplicaReduce`)."""
+    """HSDP: the `inner` reduce-scatter inside the shard group, then the shard's all-reduce across
+    ``replicate`` (started in bucket order on every rank: `hsdp.ReplicaReduce`)."""
 
     def __init__(self, inner: PlainReduceScatter, replicate: Comm) -> None:
         self.inner, self.comm, self.replicate = inner, inner.comm, replicate
@@ -116,10 +119,11 @@ class ReplicaAllReduce:
 
 
 class Int8AllToAll:
-    """qgZ: destination j's chunk of the bucket quantised per block of ``block``, one int8 all-to-all (values +
-    scales); the full-precision buffer is freed at once. `finish` dequantises what every rank sent and sums it in
-    fp32: no quantised sum on the wire, so the error stays within Σ scale/2 per block (one hop: ZeRO++'s two-hop,
-    node-first version only saves inter-node traffic). ``dequantize``: the sum of the received chunks."""
+    """qgZ: destination j's chunk of the bucket quantised per block of ``block``, one int8
+    all-to-all (values + scales); the full-precision buffer is freed at once. `finish` dequantises
+    what every rank sent and sums it in fp32: no quantised sum on the wire, so the error stays
+    within Σ scale/2 per block (one hop: ZeRO++'s two-hop, node-first version only saves inter-node
+    traffic). ``dequantize``: the sum of the received chunks."""
 
     def __init__(
         self,

@@ -1,20 +1,24 @@
-"""`ZeroDataParallel`: the data-parallel engine for ZeRO stages 0, 1, 2 and 3 (FSDP), composed of strategies.
+"""`ZeroDataParallel`: the data-parallel engine for ZeRO stages 0, 1, 2 and 3 (FSDP), composed of
+strategies.
 
 An engine is built from one `options.ZeroOptions` (or the same keywords) and composes (`compose`):
 
 - the stage (`strategies`: `AllReduce` 0, `ReduceScatter(keep_full=True)` 1 / `(keep_full=False)` 2,
-  `ShardedParams(gather=...)` 3; docs/design.md#model-state-memory, docs/design.md#data-parallel-traffic) — what is
-  sharded and what a bucket does when the reducer (`buckets.BucketedGradReducer`) says so;
+  `ShardedParams(gather=...)` 3; docs/design.md#model-state-memory,
+  docs/design.md#data-parallel-traffic) — what is sharded and what a bucket does when the reducer
+  (`buckets.BucketedGradReducer`) says so;
 - the gradient transport of a sharded stage (`transports`: `PlainReduceScatter`, wrapped by HSDP's
-  `ReplicaAllReduce` (docs/design.md#hsdp) or replaced by qgZ's `Int8AllToAll` (docs/design.md#zero-qwz-qgz-hpz));
+  `ReplicaAllReduce` (docs/design.md#hsdp) or replaced by qgZ's `Int8AllToAll`
+  (docs/design.md#zero-qwz-qgz-hpz));
 - ZeRO-3's gather (`strategies.PlainGather`, qwZ's `Int8Gather`, hpZ's `SecondaryGather`);
-- the buffer policy (`policies.FreshBuffers` or ZeRO-R's `ConstantBuffers`) and the offload of the optimizer
-  (`offload`, `FlatParam`'s host master; docs/design.md#offload-and-constant-buffers).
+- the buffer policy (`policies.FreshBuffers` or ZeRO-R's `ConstantBuffers`) and the offload of the
+  optimizer (`offload`, `FlatParam`'s host master; docs/design.md#offload-and-constant-buffers).
 
-This module owns what every stage shares: the parameters it owns, their materialisation from the meta device and
-broadcast, the optimizer groups, the buckets and reducer, the sharded optimizer, state dicts and the tensors it
-holds. Each backward outside `no_sync()` reduces into the sharded gradient; inside it full gradients accumulate
-unreduced until the first one outside (costing stage 2/3 memory).
+This module owns what every stage shares: the parameters it owns, their materialisation from the
+meta device and broadcast, the optimizer groups, the buckets and reducer, the sharded optimizer,
+state dicts and the tensors it holds. Each backward outside `no_sync()` reduces into the sharded
+gradient; inside it full gradients accumulate unreduced until the first one outside (costing stage
+2/3 memory).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ __all__ = ["ZeroDataParallel", "ZeroOptions", "compose", "default_no_decay"]
 
 
 def compose(options: ZeroOptions, comm: Comm, grad_dtype: torch.dtype) -> Stage:
-    """The strategy objects `options` ask for, over the shard group `comm` (checked: `check_options`)."""
+    """The strategy objects `options` ask for, over the shard group `comm` (checked:
+    `check_options`)."""
     replicate = (
         options.replicate if options.replicate is not None and options.replicate.size > 1 else None
     )
@@ -73,7 +78,7 @@ def compose(options: ZeroOptions, comm: Comm, grad_dtype: torch.dtype) -> Stage:
         return AllReduce(comm, **common)
     transport: GradTransport
     if options.qgz and comm.size > 1:
-        # (`dequantize_sum` looked up here, when the engine is built: a test wraps it to see what arrives)
+        # (`dequantize_sum` looked up as the engine is built: a test wraps it to see what arrives)
         transport = Int8AllToAll(comm, options.quant_block, dequantize_sum)
     else:
         transport = PlainReduceScatter(comm, divisor)
@@ -103,15 +108,16 @@ def compose(options: ZeroOptions, comm: Comm, grad_dtype: torch.dtype) -> Stage:
 
 
 class ZeroDataParallel(nn.Module):
-    """Data parallelism with ZeRO stage 0-3 on flat padded buffers, owning its sharded optimizer. Per step:
-    ``model.backward(loss)`` per micro-batch, then ``norm = model.step(max_norm)``. Built from `ZeroOptions`
-    (``ZeroDataParallel(module, comm, ZeroOptions(stage=3, ...))``) or the same keywords
-    (``ZeroDataParallel(module, comm, zero_stage=3, lr=1e-3)``; `ZeroOptions.from_keywords`). A module built on
-    the meta device is materialised on ``device`` from ``init_value(name)`` (the unsharded value, drawn one
-    parameter at a time): each rank allocates only what it holds, so start-up costs its share, not the model.
-    ``replicate`` (HSDP, stages 1-3): the group across which ``comm``'s shard groups hold the same shards; ZeRO++'s
-    ``hpz_comm`` (stage 3, a `Comm` over a few ranks of ``comm``, e.g. `ParallelMesh.hpz_comm`). What each stage
-    does is its strategy's (``self.strategy``, `compose`)."""
+    """Data parallelism with ZeRO stage 0-3 on flat padded buffers, owning its sharded optimizer.
+    Per step: ``model.backward(loss)`` per micro-batch, then ``norm = model.step(max_norm)``. Built
+    from `ZeroOptions` (``ZeroDataParallel(module, comm, ZeroOptions(stage=3, ...))``) or the same
+    keywords (``ZeroDataParallel(module, comm, zero_stage=3, lr=1e-3)``;
+    `ZeroOptions.from_keywords`). A module built on the meta device is materialised on ``device``
+    from ``init_value(name)`` (the unsharded value, drawn one parameter at a time): each rank
+    allocates only what it holds, so start-up costs its share, not the model. ``replicate`` (HSDP,
+    stages 1-3): the group across which ``comm``'s shard groups hold the same shards; ZeRO++'s
+    ``hpz_comm`` (stage 3, a `Comm` over a few ranks of ``comm``, e.g. `ParallelMesh.hpz_comm`).
+    What each stage does is its strategy's (``self.strategy``, `compose`)."""
 
     def __init__(
         self,
@@ -125,8 +131,8 @@ class ZeroDataParallel(nn.Module):
             options = ZeroOptions.from_keywords(**keywords)
         elif keywords:
             raise TypeError(
-                f"ZeroDataParallel got options and keywords ({', '.join(sorted(keywords))}): put them "
-                "in the ZeroOptions"
+                "ZeroDataParallel got options and keywords "
+                f"({', '.join(sorted(keywords))}): put them in the ZeroOptions"
             )
         check_options(options, comm)
         o = self.options = options
@@ -219,10 +225,11 @@ class ZeroDataParallel(nn.Module):
     def _optimizer_groups(
         self, module: nn.Module, named: list[tuple[str, nn.Parameter]]
     ) -> tuple[list[tuple[bool, Placement]], Any]:
-        """Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is partitioned
-        over, from `placement_of`); placement matters only for the global gradient norm, the engine knows no other
-        dim. Returns the group keys (decay first, then partitioned before replicated: a fixed order of the groups
-        in every flat buffer) and each parameter's group index."""
+        """Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is
+        partitioned over, from `placement_of`); placement matters only for the global gradient norm,
+        the engine knows no other dim. Returns the group keys (decay first, then partitioned before
+        replicated: a fixed order of the groups in every flat buffer) and each parameter's group
+        index."""
         o = self.options
         no_decay, placement_of = o.no_decay, o.placement_of
         embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
@@ -280,13 +287,15 @@ class ZeroDataParallel(nn.Module):
         return self.reducer.no_sync()
 
     def sync_gradients(self) -> None:
-        """Reduce what `no_sync()` accumulated now, outside any backward (a pipeline reduces once after its last)."""
+        """Reduce what `no_sync()` accumulated now, outside any backward (a pipeline reduces once
+        after its last)."""
         self.reducer.sync_now()
         self.strategy.on_backward_end()
 
     def step(self, max_norm: float | None = None) -> float | None:
-        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears gradients. With
-        TP / PP partitioned parameters use `fivefold.optim.step_together(engines, max_norm, comms)`."""
+        """Optimizer step on the shards (clipping by the global norm if `max_norm`); clears
+        gradients. With TP / PP partitioned parameters use `fivefold.optim.step_together(engines,
+        max_norm, comms)`."""
         return step_together([self], max_norm)
 
     def check_step_allowed(self) -> None:
@@ -313,8 +322,8 @@ class ZeroDataParallel(nn.Module):
         return self.optimizer.param_groups
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter (fp32 master) gathered under the module's own names, plus frozen ones and buffers.
-        Collective: call on every rank."""
+        """Every parameter (fp32 master) gathered under the module's own names, plus frozen ones and
+        buffers. Collective: call on every rank."""
         master_by_param: dict[int, torch.Tensor] = {}
         for flat in self.flats:
             gathered = flat.full_master()
@@ -334,8 +343,9 @@ class ZeroDataParallel(nn.Module):
         }
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds, for `fivefold.memory.model_state_bytes`: params, grads, optimizer; ``buffers``: the
-        constant buffers (pools and gather slots, whoever borrows them now); ``host``: the offloaded ones."""
+        """What this rank holds, for `fivefold.memory.model_state_bytes`: params, grads, optimizer;
+        ``buffers``: the constant buffers (pools and gather slots, whoever borrows them now);
+        ``host``: the offloaded ones."""
         buffers = self.strategy.buffers.tensors()
         buffers += (
             self.fsdp.slots.slots if self.fsdp is not None and self.fsdp.slots is not None else []

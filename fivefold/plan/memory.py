@@ -87,12 +87,13 @@ def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
 def _transient(
     engine: Any, cfg: Config, accumulating: bool, reductions: int, deferred_w: bool = False
 ) -> dict[str, int]:
-    """Buffers that come and go during a step, at the backward's peak, as the engine's stage strategy states them
-    (`data_parallel.strategies.Stage.transient_bytes`): ZeRO-2/3's full gradient buffers (all of them while
-    gradients accumulate unreduced: ``no_sync`` under pp or ``defer_reduce``) and the temporaries later
-    reduce-scatters land in; the gradient autograd makes before a hook copies it into its bucket; ZeRO-3's gathered
-    units and a unit's gradients. ``deferred_w`` (a zero-bubble schedule): a ZeRO-3 unit stays gathered from its I
-    to its W, when its last gradient arrives — every unit of the stage."""
+    """Buffers that come and go during a step, at the backward's peak, as the engine's stage
+    strategy states them (`data_parallel.strategies.Stage.transient_bytes`): ZeRO-2/3's full
+    gradient buffers (all of them while gradients accumulate unreduced: ``no_sync`` under pp or
+    ``defer_reduce``) and the temporaries later reduce-scatters land in; the gradient autograd makes
+    before a hook copies it into its bucket; ZeRO-3's gathered units and a unit's gradients.
+    ``deferred_w`` (a zero-bubble schedule): a ZeRO-3 unit stays gathered from its I to its W, when
+    its last gradient arrives — every unit of the stage."""
     pb, gb = precision_bytes(cfg)
     return engine.strategy.transient_bytes(
         param_bytes=pb,

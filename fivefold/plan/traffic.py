@@ -61,12 +61,13 @@ def by_dim(transfers: list[Transfer]) -> dict[str, dict[str, int]]:
 
 def _engine(engine: Any, cfg: Config, run: RunPlan) -> list[Transfer]:
     """ZeRO's collectives per step, as the engine's stage strategy states them
-    (`data_parallel.strategies.Stage.collectives`, its transport's and gather's): per gradient reduction an
-    all-reduce (stage 0) or reduce-scatter (1-3; qgZ: an int8 all-to-all) of every bucket, HSDP's all-reduce of the
-    shard across replicas; ZeRO-1/2's all-gather of the updated parameters once per step; ZeRO-3's all-gathers of
-    every unit in each forward and again in each backward (qwZ: int8; hpZ: the backward's inside ``dp_hpz``). A
-    step reduces once under pp (``no_sync`` over the micro-batches, after them) or ``defer_reduce`` (in the last
-    backward), else in each of the ``grad_accum``."""
+    (`data_parallel.strategies.Stage.collectives`, its transport's and gather's): per gradient
+    reduction an all-reduce (stage 0) or reduce-scatter (1-3; qgZ: an int8 all-to-all) of every
+    bucket, HSDP's all-reduce of the shard across replicas; ZeRO-1/2's all-gather of the updated
+    parameters once per step; ZeRO-3's all-gathers of every unit in each forward and again in each
+    backward (qwZ: int8; hpZ: the backward's inside ``dp_hpz``). A step reduces once under pp
+    (``no_sync`` over the micro-batches, after them) or ``defer_reduce`` (in the last backward),
+    else in each of the ``grad_accum``."""
     pb, gb = precision_bytes(cfg)
     return [
         Transfer(*c)
