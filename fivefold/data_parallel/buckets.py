@@ -3,7 +3,8 @@
 DP (docs/design.md#one-training-step): gradients are bucketed in reverse registration order (the order backward produces
 them); a post-accumulate-grad hook marks a parameter ready and the bucket's collective launches asynchronously with its
 last gradient, overlapping the rest of backward. Buckets launch in index order so every rank issues the same collectives
-in the same order; the collective itself (all-reduce for DDP, reduce-scatter for ZeRO) is a strategy passed in.
+in the same order; what a bucket does (all-reduce for DDP, reduce-scatter for ZeRO) is the
+`BucketStrategy` passed in.
 ``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the bound
 during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
 
@@ -240,32 +241,50 @@ def make_grad_buckets(
     ]
 
 
-# launch(bucket) -> async work handle (or None); finish(bucket) runs after the handle completed.
-LaunchFn = Callable[[GradBucket], object]
-FinishFn = Callable[[GradBucket], None]
+class BucketStrategy:
+    """What a bucket's gradients go through, the one interface `BucketedGradReducer` calls (the ZeRO
+    stages of `strategies`, DDP's all-reduce): each ``on_*`` method is an event of the reducer, a
+    no-op unless the strategy needs it. ``max_inflight`` bounds the buckets launched and not yet
+    finished (None: no bound)."""
+
+    max_inflight: int | None = None
+
+    def on_first_grad(self, bucket: GradBucket) -> None:
+        """Before the bucket takes its first gradient of a backward (ZeRO-1 moves its reduced shard
+        out)."""
+
+    def on_all_grads(self, bucket: GradBucket) -> None:
+        """Every gradient of the bucket exists, in any launch order (ZeRO-3 frees the unit's
+        parameters)."""
+
+    def on_launch_bucket(self, bucket: GradBucket) -> object:
+        """Start the bucket's collective; returns its async work handle (or None)."""
+        raise NotImplementedError
+
+    def on_bucket_done(self, bucket: GradBucket) -> None:
+        """The handle completed: keep the result (before the reducer releases the bucket's buffer)."""
+
+    def on_backward_end(self) -> None:
+        """A backward ended (after its buckets completed, or under no_sync)."""
 
 
 class BucketedGradReducer:
-    """Hooks gradients into buckets and launches each bucket's collective as soon as it is full."""
+    """Hooks gradients into buckets and launches each bucket's collective as soon as it is full;
+    what a bucket does is the `strategy`'s."""
 
     def __init__(
         self,
         buckets: list[GradBucket],
-        launch: LaunchFn,
-        finish: FinishFn | None = None,
+        strategy: BucketStrategy,
         find_unused: bool = False,
-        on_backward_end: Callable[[], None] | None = None,
-        before_first_grad: Callable[[GradBucket], None] | None = None,
-        on_all_grads: Callable[[GradBucket], None] | None = None,
-        max_inflight: int | None = None,
     ) -> None:
+        max_inflight = strategy.max_inflight
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(
                 f"max_inflight={max_inflight}: at least one bucket must be allowed in flight "
                 "(or None for no bound)"
             )
-        self.launch_fn = launch
-        self.finish_fn = finish
+        self.strategy = strategy
         self.max_inflight = max_inflight
         self.find_unused = find_unused
         self.require_sync = True
@@ -273,12 +292,6 @@ class BucketedGradReducer:
             None  # (seq, event, name): grad_ready, completed
         )
         self.trace_clock: Callable[[], int] | None = None
-        self.on_backward_end = on_backward_end
-        self.before_first_grad = (
-            before_first_grad  # runs before a bucket takes its first gradient of a backward
-        )
-        # runs when every gradient of a bucket exists (any launch order; ZeRO-3 frees the unit's parameters)
-        self.on_all_grads = on_all_grads
         self.unsynced = False  # gradients arrived under no_sync and have not been reduced yet
         self.buckets = buckets
         self._next_to_launch = 0
@@ -310,8 +323,7 @@ class BucketedGradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if not bucket.touched:
             bucket.touched = True
-            if self.before_first_grad is not None:
-                self.before_first_grad(bucket)
+            self.strategy.on_first_grad(bucket)
         if not (bucket.defer_copy and self.require_sync):
             bucket.bind_grad(i)  # else it waits in p.grad for the bucket's copy_in at launch
         if self.trace is not None:
@@ -331,20 +343,17 @@ class BucketedGradReducer:
         self._ready[id(p)] = True
         bucket.pending -= 1
         if bucket.pending == 0:
-            if self.on_all_grads is not None:
-                self.on_all_grads(bucket)
+            self.strategy.on_all_grads(bucket)
             self._launch_ready_buckets()
 
     def _arrived_unsynced(self, bucket: GradBucket, p: torch.Tensor) -> None:
         """Under no_sync nothing launches, but the owner still learns when every gradient of a bucket arrived in this
         backward (ZeRO-3 frees the unit's gathered parameters then, instead of holding every unit until it ends)."""
-        if self.on_all_grads is None:
-            return
         arrived = self._arrived.setdefault(bucket.index, set())
         if id(p) not in arrived:
             arrived.add(id(p))
             if len(arrived) == len(bucket.params):
-                self.on_all_grads(bucket)
+                self.strategy.on_all_grads(bucket)
 
     def _launch_ready_buckets(self) -> None:
         # Index order on every rank: collectives must be issued in the same order everywhere.
@@ -356,7 +365,7 @@ class BucketedGradReducer:
             bucket.launched = True
             if bucket.defer_copy:
                 bucket.copy_in()
-            bucket.work = self.launch_fn(bucket)
+            bucket.work = self.strategy.on_launch_bucket(bucket)
             self._next_to_launch += 1
             if self.max_inflight is not None:
                 self._complete_through(self._next_to_launch - self.max_inflight)
@@ -368,8 +377,7 @@ class BucketedGradReducer:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if self.finish_fn is not None:
-                self.finish_fn(bucket)
+            self.strategy.on_bucket_done(bucket)
             bucket.release()  # ZeRO-2/3: the full-size gradient buffer goes here, during backward
             if self.trace is not None:
                 self.trace.append((self.trace_clock(), "completed", f"bucket{bucket.index}"))
@@ -382,8 +390,7 @@ class BucketedGradReducer:
             bucket.touched = False
         if self.require_sync:
             self.flush()
-        if self.on_backward_end is not None:
-            self.on_backward_end()
+        self.strategy.on_backward_end()
 
     @property
     def interrupted(self) -> bool:
@@ -401,8 +408,7 @@ class BucketedGradReducer:
                 if not bucket.defer_copy:
                     bucket.bind_grad(i)  # a zero gradient (deferred buckets take zeros at copy_in)
         bucket.pending = 0
-        if self.on_all_grads is not None:
-            self.on_all_grads(bucket)
+        self.strategy.on_all_grads(bucket)
         self._launch_ready_buckets()
 
     def unready_names(self) -> list[str]:
@@ -428,8 +434,8 @@ class BucketedGradReducer:
     def sync_now(self) -> None:
         """Reduce what every parameter holds now, ready or not (after a pipeline's backwards ran under no_sync)."""
         for bucket in self.buckets[self._next_to_launch :]:
-            if bucket.pending and self.on_all_grads is not None:
-                self.on_all_grads(bucket)  # nothing more will arrive
+            if bucket.pending:
+                self.strategy.on_all_grads(bucket)  # nothing more will arrive
             if (
                 not bucket.defer_copy
             ):  # (deferred buckets take everything, zeros included, at copy_in)

@@ -1,7 +1,8 @@
 """DDP: replicated parameters, gradients averaged by bucketed all-reduce overlapped with backward.
 
 DDP (docs/design.md#data-parallel-traffic): 16Ψ bytes per rank, one all-reduce of Ψ per step
-(ring wire 2(N-1)/N · Ψ · bytes). Buckets and hooks live in `buckets.py`; here only what a full bucket does.
+(ring wire 2(N-1)/N · Ψ · bytes). Buckets and hooks live in `buckets.py`; here only what a full
+bucket does (`AllReduceEachBucket`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import torch
 from torch import nn
 
 from fivefold.comm import Comm
-from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket, make_grad_buckets
+from fivefold.data_parallel.buckets import (
+    BucketedGradReducer,
+    BucketStrategy,
+    GradBucket,
+    make_grad_buckets,
+)
 
 
 def broadcast_module_state(
@@ -65,6 +71,21 @@ def broadcast_module_state(
                 offset += t.numel()
 
 
+class AllReduceEachBucket(BucketStrategy):
+    """DDP's strategy: a full bucket is pre-divided by N and all-reduced (its ``.grad`` views see
+    the mean)."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def on_launch_bucket(self, bucket: GradBucket) -> Any:
+        if self.comm.size == 1:
+            return None
+        # Pre-divide: the sum of g_i / N is the mean, and fp16 sums cannot overflow by N.
+        bucket.grad.div_(self.comm.size)
+        return self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
+
+
 class DDP(nn.Module):
     """Data-parallel wrapper for any module, like `torch.nn.parallel.DistributedDataParallel`: parameters broadcast
     from group rank 0, ``.grad`` views into flat buckets all-reduced as they fill, tied parameters counted once,
@@ -86,15 +107,8 @@ class DDP(nn.Module):
             broadcast_module_state(module, comm)
         buckets = make_grad_buckets(list(module.named_parameters()), bucket_mb * 2**20)
         self.reducer = BucketedGradReducer(
-            buckets, launch=self._all_reduce_bucket, find_unused=find_unused
+            buckets, AllReduceEachBucket(comm), find_unused=find_unused
         )
-
-    def _all_reduce_bucket(self, bucket: GradBucket) -> Any:
-        if self.comm.size == 1:
-            return None
-        # Pre-divide: the sum of g_i / N is the mean, and fp16 sums cannot overflow by N.
-        bucket.grad.div_(self.comm.size)
-        return self.comm.all_reduce(bucket.grad, async_op=True, tag=f"bucket{bucket.index}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

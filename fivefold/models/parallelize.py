@@ -15,7 +15,7 @@ from torch import nn
 from fivefold.comm import Comm, Placement, compile_eager_regions
 from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
-from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
+from fivefold.data_parallel import MixedPrecision, ZeroDataParallel, ZeroOptions
 from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
 from fivefold.formulas import bubble_formula
 from fivefold.materialize import materialize
@@ -222,36 +222,33 @@ def _engines(
         replicate: Comm | None = None,
         hpz_comm: Comm | None = None,
     ) -> ZeroDataParallel:
-        return ZeroDataParallel(
-            module,
-            comm,
-            zero_stage=z.stage,
-            init_value=init_value,
-            device=device,
-            params=owns,
-            grad_divisor=divisor,
-            replicate=replicate,
+        options = ZeroOptions(
+            stage=z.stage,
             mixed_precision=MixedPrecision.from_names(cfg.precision.param, cfg.precision.reduce),
             bucket_mb=z.bucket_mb,
             find_unused=z.find_unused,
             reshard_after_forward=z.reshard_after_forward,
             prefetch=z.prefetch,
             inflight_buckets=z.inflight_buckets,
-            constant_buffers=z.constant_buffers,
-            offload_optimizer=z.offload_optimizer,
+            optimizer_class=torch.optim.AdamW,
+            weight_decay=t.weight_decay,
+            optimizer_kwargs=dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps),
+            params=owns,
+            placement_of=lambda name, p: (
+                tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra
+            ),
+            init_value=init_value,
+            device=device,
+            grad_divisor=divisor,
+            replicate=replicate,
             qwz=z.qwz,
             qgz=z.qgz,
             quant_block=z.quant_block,
             hpz_comm=hpz_comm,
-            placement_of=lambda name, p: (
-                tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra
-            ),
-            optimizer_class=torch.optim.AdamW,
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            eps=t.eps,
-            weight_decay=t.weight_decay,
+            constant_buffers=z.constant_buffers,
+            offload_optimizer=z.offload_optimizer,
         )
+        return ZeroDataParallel(module, comm, options)
 
     engines = [
         engine(

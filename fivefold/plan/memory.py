@@ -73,23 +73,12 @@ class RankMemory:
 
 
 def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
+    """The engine's model states, flat buffer by flat buffer, as its stage strategy states them
+    (`data_parallel.strategies.Stage.flat_state_bytes`)."""
     pb, gb = precision_bytes(cfg)
-    hpz = engine.hpz_comm.size if engine.hpz_comm is not None else 0
     out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
     for f in engine.flats:
-        owned = sum(b - a for _, a, b in f.segments)
-        part = formulas.flat_model_state_bytes(
-            f.layout.padded_numel,
-            f.shard_numel,
-            owned,
-            len(f.segments),
-            stage=engine.zero_stage,
-            param_bytes=pb,
-            grad_bytes=gb,
-            separate_master=pb != 4,
-            hpz=hpz,
-            offload=f.offload,
-        )
+        part = engine.strategy.flat_state_bytes(f, param_bytes=pb, grad_bytes=gb)
         for k in out:
             out[k] += part[k]
     return out
@@ -98,38 +87,21 @@ def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
 def _transient(
     engine: Any, cfg: Config, accumulating: bool, reductions: int, deferred_w: bool = False
 ) -> dict[str, int]:
-    """Buffers that come and go during a step, at the backward's peak: ZeRO-2/3's full gradient buffers (at most
-    ``inflight_buckets`` launched and one filling; all of them while gradients accumulate unreduced: ``no_sync``
-    under pp or ``defer_reduce``) and the temporaries later reduce-scatters land in; the gradient autograd makes
-    before a hook copies it into its bucket (ZeRO-1/2; stage 0 when the bucket's dtype is not the parameter's);
-    ZeRO-3's gathered units (the root, the unit in use and ``prefetch`` ahead; all without ``reshard_after_forward``)
-    and a unit's gradients before they are copied into its bucket. ``deferred_w`` (a zero-bubble schedule): a
-    ZeRO-3 unit stays gathered from its I to its W, when its last gradient arrives — every unit of the stage."""
-    z, stage = cfg.zero, engine.zero_stage
+    """Buffers that come and go during a step, at the backward's peak, as the engine's stage
+    strategy states them (`data_parallel.strategies.Stage.transient_bytes`): ZeRO-2/3's full
+    gradient buffers (all of them while gradients accumulate unreduced: ``no_sync`` under pp or
+    ``defer_reduce``) and the temporaries later reduce-scatters land in; the gradient autograd makes
+    before a hook copies it into its bucket; ZeRO-3's gathered units and a unit's gradients.
+    ``deferred_w`` (a zero-bubble schedule): a ZeRO-3 unit stays gathered from its I to its W, when
+    its last gradient arrives — every unit of the stage."""
     pb, gb = precision_bytes(cfg)
-    sizes = sorted((f.layout.padded_numel for f in engine.flats), reverse=True)
-    out: dict[str, int] = {}
-    if stage >= 2 and engine.comm.size > 1:
-        n = len(sizes) if accumulating else z.inflight_buckets + 1
-        out["gradient buckets"] = sum(sizes[:n]) * gb
-        if (
-            reductions > 1
-        ):  # a later reduction's reduce-scatter lands in a temporary added to the shard
-            shards = sorted((f.shard_numel for f in engine.flats), reverse=True)
-            out["reduce-scatter outputs"] = sum(shards[: z.inflight_buckets]) * gb
-    if stage in (1, 2) or (stage == 0 and pb != gb):
-        out["parameter gradient"] = max(p.numel() for f in engine.flats for p in f.params) * pb
-    if stage == 3 and engine.comm.size > 1:
-        units = [
-            (module is engine.module, f.layout.padded_numel) for module, f in engine.fsdp.units
-        ]
-        root = sum(n for is_root, n in units if is_root)  # gathered around all its children
-        others = sorted((n for is_root, n in units if not is_root), reverse=True)
-        every = not z.reshard_after_forward or deferred_w
-        gathered = sum(n for _, n in units) if every else root + sum(others[: 1 + z.prefetch])
-        out["gathered units"] = gathered * pb
-        out["unit gradients"] = sizes[0] * pb
-    return out
+    return engine.strategy.transient_bytes(
+        param_bytes=pb,
+        grad_bytes=gb,
+        accumulating=accumulating,
+        reductions=reductions,
+        deferred_w=deferred_w,
+    )
 
 
 def _is_moe(block: Any) -> bool:

@@ -60,87 +60,25 @@ def by_dim(transfers: list[Transfer]) -> dict[str, dict[str, int]]:
 
 
 def _engine(engine: Any, cfg: Config, run: RunPlan) -> list[Transfer]:
-    """ZeRO's collectives per step: per gradient reduction an all-reduce (stage 0) or reduce-scatter (1-3; qgZ: an
-    int8 all-to-all) of every bucket, HSDP's all-reduce of the shard across replicas; ZeRO-1/2's all-gather of the
-    updated parameters once per step; ZeRO-3's all-gathers of every unit in each forward and again in each backward
-    (qwZ: int8; hpZ: the backward's inside ``dp_hpz``). A step reduces once under pp (``no_sync`` over the
-    micro-batches, after them) or ``defer_reduce`` (in the last backward), else in each of the ``grad_accum``."""
-    z, dim, n = cfg.zero, engine.comm.dim, engine.comm.size
+    """ZeRO's collectives per step, as the engine's stage strategy states them
+    (`data_parallel.strategies.Stage.collectives`, its transport's and gather's): per gradient
+    reduction an all-reduce (stage 0) or reduce-scatter (1-3; qgZ: an int8 all-to-all) of every
+    bucket, HSDP's all-reduce of the shard across replicas; ZeRO-1/2's all-gather of the updated
+    parameters once per step; ZeRO-3's all-gathers of every unit in each forward and again in each
+    backward (qwZ: int8; hpZ: the backward's inside ``dp_hpz``). A step reduces once under pp
+    (``no_sync`` over the micro-batches, after them) or ``defer_reduce`` (in the last backward),
+    else in each of the ``grad_accum``."""
     pb, gb = precision_bytes(cfg)
-    padded = [f.layout.padded_numel for f in engine.flats]
-    out: list[Transfer] = []
-    reductions = 1 if run.dims.pp > 1 or z.defer_reduce else run.grad_accum
-    when = "after" if run.dims.pp > 1 else "backward"
-    stage = engine.zero_stage
-    if n > 1:
-        if stage == 0:
-            out.append(Transfer(dim, "all_reduce", when, reductions * sum(padded) * gb, n))
-        elif engine.qgz:
-            out.append(
-                Transfer(
-                    dim,
-                    "all_to_all",
-                    when,
-                    reductions * formulas.zero_grad_reduce_bytes(padded, n, gb, z.quant_block),
-                    n,
-                )
-            )
-        else:
-            out.append(
-                Transfer(
-                    dim,
-                    "reduce_scatter",
-                    when,
-                    reductions * formulas.zero_grad_reduce_bytes(padded, n, gb),
-                    n,
-                )
-            )
-    if engine.replicate is not None:
-        out.append(
-            Transfer(
-                engine.replicate.dim,
-                "all_reduce",
-                when,
-                reductions * sum(padded) // n * gb,
-                engine.replicate.size,
-            )
+    return [
+        Transfer(*c)
+        for c in engine.strategy.collectives(
+            param_bytes=pb,
+            grad_bytes=gb,
+            reductions=1 if run.dims.pp > 1 or cfg.zero.defer_reduce else run.grad_accum,
+            reduce_phase="after" if run.dims.pp > 1 else "backward",
+            micro_batches=run.grad_accum,
         )
-    if n > 1 and stage in (1, 2):
-        out.append(Transfer(dim, "all_gather", "after", sum(padded) * pb, n))
-    if n > 1 and stage == 3:
-        block = z.quant_block if z.qwz else None
-        out.append(
-            Transfer(
-                dim,
-                "all_gather",
-                "forward",
-                run.grad_accum * formulas.zero3_gather_bytes(padded, n, pb, block),
-                n,
-            )
-        )
-        if z.reshard_after_forward:
-            if engine.hpz_comm is not None:
-                out.append(
-                    Transfer(
-                        "dp_hpz",
-                        "all_gather",
-                        "backward",
-                        run.grad_accum
-                        * formulas.zero3_gather_bytes(padded, engine.hpz_comm.size, pb),
-                        engine.hpz_comm.size,
-                    )
-                )
-            else:
-                out.append(
-                    Transfer(
-                        dim,
-                        "all_gather",
-                        "backward",
-                        run.grad_accum * formulas.zero3_gather_bytes(padded, n, pb, block),
-                        n,
-                    )
-                )
-    return out
+    ]
 
 
 def _norm(parts: Parts, cfg: Config, run: RunPlan) -> list[Transfer]:
@@ -149,7 +87,7 @@ def _norm(parts: Parts, cfg: Config, run: RunPlan) -> list[Transfer]:
     if not (cfg.train.grad_clip > 0 or cfg.train.check_finite or cfg.precision.param == "fp16"):
         return []
     dims = {d for d in ("tp", "pp", "ep") if run.dims.size(d) > 1}
-    dims |= {e.comm.dim for _, e in engines_of(parts) if e.zero_stage >= 1 and e.comm.size > 1}
+    dims |= {e.comm.dim for _, e in engines_of(parts) if e.strategy.sharded and e.comm.size > 1}
     ordered = sorted(
         dims, key=lambda d: (DIM_ORDER.index(d) if d in DIM_ORDER else len(DIM_ORDER), d)
     )
