@@ -20,13 +20,13 @@ from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
 from fivefold.formulas import bubble_formula
 from fivefold.materialize import materialize
 from fivefold.memory import model_state_bytes
-from fivefold.mesh import ParallelMesh
 from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.moe import MoEFeedForward
 from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.optim.clip import step_together
+from fivefold.pipeline.actions import Schedule
 from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
 from fivefold.pipeline.simulator import Timeline
@@ -39,6 +39,7 @@ from fivefold.rules import (  # the rules a model's assembly checks again (`vali
 )
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
+from fivefold.topology import MeshLike
 
 __all__ = [
     "PipelinedModel",
@@ -134,7 +135,7 @@ def _set_activations(model: Llama, cfg: Config) -> None:
         model.compile_blocks()
 
 
-def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
+def _shard(module: nn.Module, cfg: Config, mesh: MeshLike):
     """TP-shard `module` if tp > 1; returns its loss function."""
     tp = mesh.comm("tp")
     if tp.size == 1:
@@ -143,13 +144,13 @@ def _shard(module: nn.Module, cfg: Config, mesh: ParallelMesh):
     return tp_loss(module)
 
 
-def _grad_comm(mesh: ParallelMesh):
+def _grad_comm(mesh: MeshLike):
     """Gradients and the loss are averaged over dp × cp: a cp rank holds the same parameters for another part of
     the same sequences (its loss is the mean over its tokens, the same count on every cp rank)."""
     return mesh.comm("dp_cp") if mesh.size("cp") > 1 else mesh.comm("dp")
 
 
-def _shard_comms(mesh: ParallelMesh) -> tuple[Comm, Comm | None]:
+def _shard_comms(mesh: MeshLike) -> tuple[Comm, Comm | None]:
     """The dense engine's groups: (shard, replicate). HSDP (parallel.dp_replicate > 1): ZeRO shards over dp_shard (its
     dp rows with all their cp ranks) and all-reduces each shard across dp_replicate; else shards span dp × cp."""
     if mesh.size("dp_replicate") == 1:
@@ -166,7 +167,7 @@ def _moe_layers(module: nn.Module) -> list[MoEFeedForward]:
     return [m for m in module.modules() if isinstance(m, MoEFeedForward)]
 
 
-def _expert_parallel(module: Llama, mesh: ParallelMesh, overlap: bool = False) -> None:
+def _expert_parallel(module: Llama, mesh: MeshLike, overlap: bool = False) -> None:
     """Keep this ep rank's experts of every MoE layer (on meta: nothing allocated), exchange tokens by all-to-all
     over ep, and balance the load over the global micro-batch (dp × cp). ``overlap``: backwards run beside
     forwards (`pipeline_overlap`), so the backward's all-to-alls get a group of their own."""
@@ -185,7 +186,7 @@ def _expert_parallel(module: Llama, mesh: ParallelMesh, overlap: bool = False) -
 
 
 def _engines(
-    module: Llama, cfg: Config, mesh: ParallelMesh, device: torch.device, overlap: bool = False
+    module: Llama, cfg: Config, mesh: MeshLike, device: torch.device, overlap: bool = False
 ) -> list[ZeroDataParallel]:
     """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share of it: the TP
     slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
@@ -280,7 +281,7 @@ def set_aux_grad_scale(modules: Any, scale: float) -> None:
             layer.aux_grad_scale = scale
 
 
-def _layout(cfg: Config, mesh: ParallelMesh) -> SequenceLayout:
+def _layout(cfg: Config, mesh: MeshLike) -> SequenceLayout:
     return SequenceLayout(cfg.parallel.cp_layout, mesh.size("cp"))
 
 
@@ -295,7 +296,7 @@ class _Parts:
     timeline: Timeline | None = None
     schedule: Schedule | None = None  # the pipeline's (PipelinedModel)
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
+    def __init__(self, cfg: Config, mesh: MeshLike, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.loss_comm = _grad_comm(mesh)
         self.layout = _layout(cfg, mesh)
@@ -459,7 +460,7 @@ class WholeModel(_Parts):
     """pp = 1: the whole model (TP-sharded if tp > 1) in one engine (two with MoE experts)."""
 
     def __init__(
-        self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device
+        self, cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
     ) -> None:
         super().__init__(cfg, mesh, device)
         check_compile_supported(cfg, device.type)
@@ -504,7 +505,7 @@ class PipelinedModel(_Parts):
     """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation micro-batches."""
 
     def __init__(
-        self, cfg: Config, model_cfg: LlamaConfig, mesh: ParallelMesh, device: torch.device
+        self, cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
     ) -> None:
         super().__init__(cfg, mesh, device)
         check_pipeline_supported(cfg)
@@ -598,7 +599,7 @@ class PipelinedModel(_Parts):
 def parallelize(
     cfg: Config,
     model_cfg: LlamaConfig,
-    mesh: ParallelMesh,
+    mesh: MeshLike,
     device: torch.device | str,
 ) -> ParallelModel:
     """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`: a
