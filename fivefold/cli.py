@@ -342,12 +342,10 @@ def _plan_defaults(cfg, given: set[str]) -> list[str]:  # noqa: ANN001 - a Confi
 # docs/reliability.md#exit-codes.
 EXIT_DONE = 0  # every step of train.steps done
 EXIT_FAILED = 1  # the run failed: a worker's error, a lost or stalled worker, an I/O error
-EXIT_CONFIG = (
-    2  # refused before anything started: the config, data, a checkpoint, a locked run directory
-)
-EXIT_STOPPED = (
-    75  # stopped early WITH a checkpoint (SIGTERM, SIGINT, run.exit_after): continue with --resume
-)
+# refused before anything started: the config, data, a checkpoint, a locked run directory
+EXIT_CONFIG = 2
+# stopped early WITH a checkpoint (SIGTERM, SIGINT, run.exit_after): continue with --resume
+EXIT_STOPPED = 75
 EXIT_TERMINATED = (
     128 + 15
 )  # stopped by a signal before the workers could save (the shell's SIGTERM code)

@@ -1,11 +1,13 @@
 """Every collective fivefold issues goes through this module.
 
-`Comm` binds one process group to its mesh dimension ("dp", "tp", ...) and a `CommLog` recording each call's payload
-and ring-wire bytes per rank (`formulas.ring_wire_bytes`; docs/design.md#collectives-on-a-ring), which tests and
-`fivefold plan` check against the formulas. Every tensor must be on the device the backend serves: gloo
-quietly takes a CPU scalar where NCCL raises, so CPU CI would never see it; `Comm` checks each tensor, and
-`Comm.scalar` makes the small ones (norms, flags, metrics). While the log has a clock (`run.trace`), each record also
-gets a `CommTiming`: launch and completion on the rank's `DeviceClock`, and when its caller was blocked waiting.
+`Comm` binds one process group to its mesh dimension ("dp", "tp", ...) and a `CommLog` recording
+each call's payload and ring-wire bytes per rank (`formulas.ring_wire_bytes`;
+docs/design.md#collectives-on-a-ring), which tests and `fivefold plan` check against the formulas.
+Every tensor must be on the device the backend serves: gloo quietly takes a CPU scalar where NCCL
+raises, so CPU CI would never see it; `Comm` checks each tensor, and `Comm.scalar` makes the small
+ones (norms, flags, metrics). While the log has a clock (`run.trace`), each record also gets a
+`CommTiming`: launch and completion on the rank's `DeviceClock`, and when its caller was blocked
+waiting.
 """
 
 from __future__ import annotations
@@ -32,18 +34,20 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# The mesh dimensions a tensor's elements are partitioned over, each element on exactly one rank of them (a TP
-# slice: {"tp"}; a ZeRO shard adds "dp", a pipeline stage "pp"); replicated over the others. Norms sum over these.
+# The mesh dimensions a tensor's elements are partitioned over, each element on exactly one rank of
+# them (a TP slice: {"tp"}; a ZeRO shard adds "dp", a pipeline stage "pp"); replicated over the
+# others. Norms sum over these.
 Placement = frozenset[str]
 
 
 @dataclass
 class CommTiming:
-    """When one traced collective ran, as `DeviceClock` marks. ``end`` (completion) is the end of the call for a
-    synchronous op; for an async one, the earliest of gloo's completion callback (CPU collectives), a poll that found
-    the work complete (CPU p2p, which has no callback) and the end of its first ``wait()`` — on an accelerator an event
-    recorded on the waiting stream right after the wait, i.e. when the result became usable there. The caller was
-    blocked from ``wait_start`` to ``wait_end`` (a synchronous op: the whole call), in thread ``waiter``."""
+    """When one traced collective ran, as `DeviceClock` marks. ``end`` (completion) is the end of
+    the call for a synchronous op; for an async one, the earliest of gloo's completion callback (CPU
+    collectives), a poll that found the work complete (CPU p2p, which has no callback) and the end
+    of its first ``wait()`` — on an accelerator an event recorded on the waiting stream right after
+    the wait, i.e. when the result became usable there. The caller was blocked from ``wait_start``
+    to ``wait_end`` (a synchronous op: the whole call), in thread ``waiter``."""
 
     start: Mark
     end: Mark | None = None
@@ -68,8 +72,9 @@ class CommTiming:
 
 
 class TimedWork:
-    """An async collective's work handle while tracing: ``wait()`` stamps the wait (and completion) on the records it
-    covers (a coalesced p2p batch covers several); everything else is the work's own."""
+    """An async collective's work handle while tracing: ``wait()`` stamps the wait (and completion)
+    on the records it covers (a coalesced p2p batch covers several); everything else is the work's
+    own."""
 
     def __init__(self, work, timings: list[CommTiming], clock: DeviceClock) -> None:
         self.work, self.timings, self.clock, self._waited = work, timings, clock, False
@@ -86,7 +91,8 @@ class TimedWork:
         return out
 
     def stamp_if_completed(self) -> bool:
-        """CPU: stamp completion now if the work is done (for works without a completion callback)."""
+        """CPU: stamp completion now if the work is done (for works without a completion
+        callback)."""
         if self.timings[0].end is None and self.work.is_completed():
             now = self.clock.mark()
             for t in self.timings:
@@ -128,12 +134,14 @@ DEBUG_ENV = "FIVEFOLD_DEBUG_COLLECTIVES"
 
 
 class CollectiveMismatch(RuntimeError):
-    """Ranks of one group were about to issue different collectives (debug mode): instead of a hang or a silent
-    pairing of the wrong tensors, every rank raises this, naming what each side was doing and where."""
+    """Ranks of one group were about to issue different collectives (debug mode): instead of a hang
+    or a silent pairing of the wrong tensors, every rank raises this, naming what each side was
+    doing and where."""
 
 
 def set_debug_step(step: int | None) -> None:
-    """The training step, part of every fingerprint: an extra backward on one rank shows as a step mismatch."""
+    """The training step, part of every fingerprint: an extra backward on one rank shows as a step
+    mismatch."""
     _DEBUG["step"] = step
 
 
@@ -156,13 +164,14 @@ def _mismatch_message(dim: str, prints: list) -> str:
     def show(rank: int, p: tuple) -> str:
         op, _, shapes, dtypes, seq, step, tag, site = p
         return (
-            f"rank {rank}: {op}{' ' + tag if tag else ''} call {seq} at step {step}, shapes {list(shapes)} "
-            f"{'/'.join(dtypes)}, from {site}"
+            f"rank {rank}: {op}{' ' + tag if tag else ''} call {seq} at step {step}, shapes "
+            f"{list(shapes)} {'/'.join(dtypes)}, from {site}"
         )
 
     return (
-        f"collectives over '{dim}' disagree (debug.collectives): {show(0, first)}; {show(other, prints[other])}. "
-        "Every rank must issue the same collectives in the same order"
+        f"collectives over '{dim}' disagree (debug.collectives): {show(0, first)}; "
+        f"{show(other, prints[other])}. Every rank must issue the same collectives in the same "
+        "order"
     )
 
 
@@ -172,7 +181,8 @@ class CommLog:
 
     enabled: bool = True
     records: list[CommRecord] = field(default_factory=list)
-    # Tracing (`trace.StepTracer`) sets a clock: each record then gets a CommTiming. None: no timing call at all.
+    # Tracing (`trace.StepTracer`) sets a clock: each record then gets a CommTiming. None: no timing
+    # call at all.
     clock: DeviceClock | None = None
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)
     _unfinished: list[TimedWork] = field(
@@ -192,7 +202,8 @@ class CommLog:
         tag: str = "",
         numel: int | None = None,
     ) -> CommTiming | None:
-        """Log one call (about to be issued); its timing (launch marked now) if the log has a clock."""
+        """Log one call (about to be issued); its timing (launch marked now) if the log has a
+        clock."""
         n = tensor.numel() if numel is None else numel
         payload = n * tensor.element_size()
         timing = CommTiming(self.clock.mark()) if self.clock is not None else None
@@ -213,8 +224,9 @@ class CommLog:
         return timing
 
     def timed(self, work, timings: list[CommTiming]):
-        """``work`` (an async call's handle) stamping ``timings`` when it completes. On the CPU, completion comes from
-        the work's future where the backend has one (gloo collectives), else from `poll` or the wait."""
+        """``work`` (an async call's handle) stamping ``timings`` when it completes. On the CPU,
+        completion comes from the work's future where the backend has one (gloo collectives), else
+        from `poll` or the wait."""
         clock = self.clock
         if work is None or clock is None or not timings:
             return work
@@ -232,7 +244,8 @@ class CommLog:
         return timed
 
     def poll(self) -> None:
-        """Stamp the completion of callback-less works that are done by now (the tracer calls it at its marks)."""
+        """Stamp the completion of callback-less works that are done by now (the tracer calls it at
+        its marks)."""
         if self._unfinished:
             self._unfinished[:] = [w for w in self._unfinished if not w.stamp_if_completed()]
 
@@ -243,7 +256,8 @@ class CommLog:
     def totals(
         self, op: str | None = None, dim: str | None = None, dims: Sequence[str] | None = None
     ) -> CommTotals:
-        """Totals of the records of `op` (any if None) over `dim`, or any of `dims` (all if both are None)."""
+        """Totals of the records of `op` (any if None) over `dim`, or any of `dims` (all if both are
+        None)."""
         t = CommTotals()
         for r in self.records:
             if (
@@ -270,8 +284,9 @@ class CommLog:
 
 
 def backend_devices(group: dist.ProcessGroup) -> dict[str, str]:
-    """Device type -> backend of the group, for the devices fivefold uses it for ("cpu:gloo,cuda:nccl" gives both).
-    gloo's CUDA support is left out, as fivefold runs gloo for the CPU only; empty for an unknown backend."""
+    """Device type -> backend of the group, for the devices fivefold uses it for
+    ("cpu:gloo,cuda:nccl" gives both). gloo's CUDA support is left out, as fivefold runs gloo for
+    the CPU only; empty for an unknown backend."""
     config = getattr(dist, "get_backend_config", None)
     backend = str(config(group) if config is not None else dist.get_backend(group)).lower()
     if ":" in backend:
@@ -289,14 +304,16 @@ P2P_SEMANTICS = ("buffered", "rendezvous")
 
 
 class P2PBatch:
-    """The work handles of one `batch_isend_irecv`. gloo returns one per op; a coalescing backend (NCCL) returns ONE
-    for the whole batch, complete only when every op in it is: `work_of(i)` is the handle that covers op i."""
+    """The work handles of one `batch_isend_irecv`. gloo returns one per op; a coalescing backend
+    (NCCL) returns ONE for the whole batch, complete only when every op in it is: `work_of(i)` is
+    the handle that covers op i."""
 
     def __init__(self, works: Sequence, n_ops: int) -> None:
         works = [w for w in works if w is not None]
         if n_ops and len(works) not in (1, n_ops):
             raise RuntimeError(
-                f"batch_isend_irecv returned {len(works)} works for {n_ops} ops (expected 1 or {n_ops})"
+                f"batch_isend_irecv returned {len(works)} works for {n_ops} ops (expected 1 or "
+                f"{n_ops})"
             )
         self.works, self.n_ops = works, n_ops
 
@@ -318,11 +335,12 @@ _EAGER_REGIONS: list[
 
 
 def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, a function that issues collectives from inside a model's forward (TP's f / g and SP, ring attention,
-    expert all-to-alls): a compiled block (``train.compile``) must call it, not trace it — the collectives go through
-    the process groups and the `CommLog` at run time, in the same order on every rank, and their autograd functions
-    run eagerly with their own backward. `compile_eager_regions` (called when blocks are compiled) makes every such
-    function a graph break for torch.compile; until then the wrapper just calls `fn` (importing torch's compiler
+    """`fn`, a function that issues collectives from inside a model's forward (TP's f / g and SP,
+    ring attention, expert all-to-alls): a compiled block (``train.compile``) must call it, not
+    trace it — the collectives go through the process groups and the `CommLog` at run time, in the
+    same order on every rank, and their autograd functions run eagerly with their own backward.
+    `compile_eager_regions` (called when blocks are compiled) makes every such function a graph
+    break for torch.compile; until then the wrapper just calls `fn` (importing torch's compiler
     costs start-up time no run without compile should pay)."""
     impl = [_disabled(fn) if _EAGER_REGIONS_ON else fn]
     _EAGER_REGIONS.append((impl, fn))
@@ -337,14 +355,15 @@ _EAGER_REGIONS_ON = False
 
 
 def _disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # (torch.compiler.disable's ``reason`` keyword is newer than the torch 2.6 fivefold supports: not passed)
+    # (torch.compiler.disable's ``reason`` keyword is newer than the torch 2.6 fivefold supports:
+    # not passed)
     return torch.compiler.disable(fn)
 
 
 def compile_eager_regions() -> None:
     """Every `eager_region`, those defined later included, runs outside compiled graphs from now on
-    (torch.compiler.disable: dynamo stops before the call and skips everything it calls). Once per process; harmless
-    to code that is not compiled."""
+    (torch.compiler.disable: dynamo stops before the call and skips everything it calls). Once per
+    process; harmless to code that is not compiled."""
     global _EAGER_REGIONS_ON
     _EAGER_REGIONS_ON = True
     for impl, fn in _EAGER_REGIONS:
@@ -358,9 +377,10 @@ def eager_regions_on() -> bool:
 
 
 class Comm:
-    """Collectives over one process group, logged under the name of its mesh dimension; async calls return the
-    work handle. ``device`` is where this group's tensors live (a tensor elsewhere is refused before anything is
-    sent); by default it follows the backend (a "cpu:gloo,cuda:nccl" group makes scalars on CUDA)."""
+    """Collectives over one process group, logged under the name of its mesh dimension; async calls
+    return the work handle. ``device`` is where this group's tensors live (a tensor elsewhere is
+    refused before anything is sent); by default it follows the backend (a "cpu:gloo,cuda:nccl"
+    group makes scalars on CUDA)."""
 
     def __init__(
         self,
@@ -371,8 +391,9 @@ class Comm:
         fingerprints: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
-        # debug mode (`debug_collectives`): a gloo group over the same ranks where every collective's fingerprint is
-        # compared before it is issued; None: off, and nothing is computed
+        # debug mode (`debug_collectives`): a gloo group over the same ranks where every
+        # collective's fingerprint is compared before it is issued; None: off, and nothing is
+        # computed
         self._side = fingerprints
         self._seq = 0
         self.dim = dim
@@ -391,8 +412,8 @@ class Comm:
             self.device = torch.device(accelerators[0] if accelerators else "cpu")
 
     def scalar(self, value: float | torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new 0-d tensor holding `value` on this group's device for a collective (norm, flag, metric); dtype:
-        `value`'s if it is a tensor, else fp32."""
+        """A new 0-d tensor holding `value` on this group's device for a collective (norm, flag,
+        metric); dtype: `value`'s if it is a tensor, else fp32."""
         if isinstance(value, torch.Tensor):
             return (
                 value.detach()
@@ -406,15 +427,17 @@ class Comm:
             wrong_index = self._index is not None and t.device.index != self._index
             if (self._device_types and t.device.type not in self._device_types) or wrong_index:
                 raise RuntimeError(
-                    f"{op} over '{self.dim}': a tensor of shape {tuple(t.shape)} is on {t.device}, but this group's "
-                    f"collectives run on {self.device} ({dist.get_backend(self.group)}); create it there "
-                    f"(Comm.scalar for a scalar, device=comm.device) or move it with .to(comm.device)"
+                    f"{op} over '{self.dim}': a tensor of shape {tuple(t.shape)} is on {t.device}, "
+                    f"but this group's collectives run on {self.device} "
+                    f"({dist.get_backend(self.group)}); create it there (Comm.scalar for a scalar, "
+                    "device=comm.device) or move it with .to(comm.device)"
                 )
 
     def _agree(self, op: str, tensors: tuple[torch.Tensor, ...], tag: str) -> None:
-        """Debug mode: every rank of the group compares this call's fingerprint — op, mesh dim, shapes (not for an
-        all-to-all, whose splits differ), dtypes, this group's call number, the training step, tag and call site —
-        before it is issued; on a mismatch every rank raises `CollectiveMismatch` naming both sides."""
+        """Debug mode: every rank of the group compares this call's fingerprint — op, mesh dim,
+        shapes (not for an all-to-all, whose splits differ), dtypes, this group's call number, the
+        training step, tag and call site — before it is issued; on a mismatch every rank raises
+        `CollectiveMismatch` naming both sides."""
         self._seq += 1
         site = _call_site()
         shapes = () if op == "all_to_all" else tuple(tuple(t.shape) for t in tensors)
@@ -449,7 +472,8 @@ class Comm:
         return None
 
     def _issued(self, timing: CommTiming | None, work, async_op: bool):
-        """The call's result; while tracing, a synchronous call is complete now and an async one's work is timed."""
+        """The call's result; while tracing, a synchronous call is complete now and an async one's
+        work is timed."""
         if timing is None:
             return work
         if not async_op:
@@ -484,7 +508,8 @@ class Comm:
         async_op: bool = False,
         tag: str = "",
     ):
-        """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`, gets its shard."""
+        """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`,
+        gets its shard."""
         self._check("reduce_scatter", output, input)
         if self._side is not None:
             self._agree(
@@ -505,7 +530,8 @@ class Comm:
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
     ):
-        """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may be its slice)."""
+        """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may
+        be its slice)."""
         self._check("all_gather", output, input)
         if self._side is not None:
             self._agree(
@@ -570,9 +596,10 @@ class Comm:
         )
 
     def p2p_semantics(self) -> str:
-        """How this group's point-to-point messages complete (`P2P_SEMANTICS`): "buffered" for gloo on CPU (every
-        op progresses on its own, a batch returns one work per op), "rendezvous" otherwise (NCCL: a send completes
-        only against the peer's matching receive, a pair's messages match by order, a batch is one work)."""
+        """How this group's point-to-point messages complete (`P2P_SEMANTICS`): "buffered" for gloo
+        on CPU (every op progresses on its own, a batch returns one work per op), "rendezvous"
+        otherwise (NCCL: a send completes only against the peer's matching receive, a pair's
+        messages match by order, a batch is one work)."""
         return "buffered" if self.device.type == "cpu" else "rendezvous"
 
     def batch_p2p(
@@ -581,8 +608,9 @@ class Comm:
         tag: str = "",
         expect: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> P2PBatch:
-        """Issue ("send"|"recv", tensor, peer_group_rank) ops as one `batch_isend_irecv`. ``expect``: the shape and
-        dtype each op must have (the peer allocated the same), checked before anything is sent."""
+        """Issue ("send"|"recv", tensor, peer_group_rank) ops as one `batch_isend_irecv`.
+        ``expect``: the shape and dtype each op must have (the peer allocated the same), checked
+        before anything is sent."""
         p2p, timings = [], []
         for i, (kind, tensor, peer) in enumerate(ops):
             self._check(kind, tensor)
@@ -605,13 +633,15 @@ class Comm:
         return batch
 
     def all_gather_object(self, obj: object) -> list:
-        """Small picklable objects (e.g. timing records) from every rank of the group; not logged."""
+        """Small picklable objects (e.g. timing records) from every rank of the group; not
+        logged."""
         out: list = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def gather_object(self, obj: object, dst_group_rank: int = 0) -> list | None:
-        """Small picklable objects from every rank, to ``dst_group_rank`` alone (None elsewhere); not logged."""
+        """Small picklable objects from every rank, to ``dst_group_rank`` alone (None elsewhere);
+        not logged."""
         out: list | None = [None] * self.size if self.rank == dst_group_rank else None
         dist.gather_object(obj, out, dst=self.global_rank(dst_group_rank), group=self.group)
         return out

@@ -1,7 +1,7 @@
-"""Run configuration: a dataclass schema (its defaults are the `make run` job), TOML files and ``--section.field``
-overrides converted to the field's type; unknown keys are rejected with the list of valid ones, and a choice (a
-``Literal`` field) outside its values when it is read, listing them (`check_choice`). Cross-key rules are
-`fivefold.rules`' (docs/design.md#principles)."""
+"""Run configuration: a dataclass schema (its defaults are the `make run` job), TOML files and
+``--section.field`` overrides converted to the field's type; unknown keys are rejected with the list
+of valid ones, and a choice (a ``Literal`` field) outside its values when it is read, listing them
+(`check_choice`). Cross-key rules are `fivefold.rules`' (docs/design.md#principles)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-# The choices (a field typed by one, or ``Annotated[<one>, "how an error lists them"]``, takes only its values)
+# The choices (a field typed by one, or ``Annotated[<one>, "how an error lists them"]``, takes only
+# its values)
 AttentionCore = Literal["sdpa", "eager"]  # model.attention
 MoEScore = Literal["softmax", "sigmoid"]  # moe.score
 CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
@@ -34,7 +35,8 @@ OnError = Literal["stop", "warn"]  # checkpoint.on_error
 @dataclass
 class ModelSection:
     preset: str = "small"
-    # A Hugging Face Llama directory (config.json + safetensors): the model's shape and initial weights come from it
+    # A Hugging Face Llama directory (config.json + safetensors): the model's shape and initial
+    # weights come from it
     init_from: str = ""
     # Any LlamaConfig field overrides the preset; None keeps the preset's value.
     dim: int | None = None
@@ -43,16 +45,18 @@ class ModelSection:
     n_kv_heads: int | None = None
     ffn_hidden: int | None = None
     tie_embeddings: bool | None = None
-    # the attention core: sdpa (fused where torch has a kernel: no L×L matrix kept) | eager (softmax(qkᵀ)v written
-    # out; keeps the B·H·L² probabilities for backward). Context parallelism replaces either with ring attention.
+    # the attention core: sdpa (fused where torch has a kernel: no L×L matrix kept) | eager
+    # (softmax(qkᵀ)v written out; keeps the B·H·L² probabilities for backward). Context parallelism
+    # replaces either with ring attention.
     attention: AttentionCore = "sdpa"
 
 
 @dataclass
 class MoESection:
-    """Mixture of experts (`fivefold.models.moe.MoEConfig`), also written ``[model.moe]`` / ``--model.moe.*``. Unset
-    keys (None) keep the preset's value (an MoE preset) or MoEConfig's default; ``experts`` > 0 makes a dense preset
-    MoE, 0 makes an MoE preset dense. ``capacity_factor`` 0 means dropless, ``group_limit`` 0 no limit."""
+    """Mixture of experts (`fivefold.models.moe.MoEConfig`), also written ``[model.moe]`` /
+    ``--model.moe.*``. Unset keys (None) keep the preset's value (an MoE preset) or MoEConfig's
+    default; ``experts`` > 0 makes a dense preset MoE, 0 makes an MoE preset dense.
+    ``capacity_factor`` 0 means dropless, ``group_limit`` 0 no limit."""
 
     experts: int | None = None
     top_k: int | None = None
@@ -64,12 +68,10 @@ class MoESection:
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
     capacity_factor: float | None = None  # 0: dropless
-    groups: int | None = (
-        None  # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
-    )
-    group_limit: int | None = (
-        None  # ... and how many of them one token's experts may come from (0: no limit)
-    )
+    # device-limited routing: expert groups (= ep, or a multiple: a group on one rank) ...
+    groups: int | None = None
+    # ... and how many of them one token's experts may come from (0: no limit)
+    group_limit: int | None = None
 
 
 @dataclass
@@ -79,21 +81,21 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallel, carved from dp × cp
-    # HSDP: dp = dp_replicate × dp_shard; ZeRO shards over dp_shard × cp (consecutive ranks), gradients are then
-    # all-reduced across the dp_replicate copies (1: plain ZeRO over all of dp × cp)
+    # HSDP: dp = dp_replicate × dp_shard; ZeRO shards over dp_shard × cp (consecutive ranks),
+    # gradients are then all-reduced across the dp_replicate copies (1: plain ZeRO over all of dp ×
+    # cp)
     dp_replicate: int = 1
-    sp: bool = (
-        False  # sequence parallel inside the TP group (norms/residuals split along the sequence)
-    )
-    cp_layout: CpLayout = (
-        "zigzag"  # how cp splits a sequence: zigzag (balanced causal work) or contiguous
-    )
+    # sequence parallel inside the TP group (norms/residuals split along the sequence)
+    sp: bool = False
+    # how cp splits a sequence: zigzag (balanced causal work) or contiguous
+    cp_layout: CpLayout = "zigzag"
 
 
 @dataclass
 class TrainSection:
     steps: int = 150
-    # Any two of these three derive the third (global = micro × accum × dp); else grad_accum 1 (micro_batch 8).
+    # Any two of these three derive the third (global = micro × accum × dp); else grad_accum 1
+    # (micro_batch 8).
     global_batch: int | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None
@@ -106,16 +108,18 @@ class TrainSection:
     beta2: float = 0.95
     eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # max global gradient norm; 0 disables
-    # stop (every rank, before the step is applied) on a non-finite gradient norm, naming the first parameter with a
-    # non-finite gradient; one host sync per step. fp16 skips such a step instead (loss scaling).
+    # stop (every rank, before the step is applied) on a non-finite gradient norm, naming the first
+    # parameter with a non-finite gradient; one host sync per step. fp16 skips such a step instead
+    # (loss scaling).
     check_finite: bool = True
     seed: int = 0
-    # activation recompute (docs/design.md#activation-memory): none | full (each block keeps only its input and runs
-    # again in backward) | selective (the attention core runs again: its L×L or fused-kernel tensors and K/V repeats are
-    # not kept)
+    # activation recompute (docs/design.md#activation-memory): none | full (each block keeps only
+    # its input and runs again in backward) | selective (the attention core runs again: its L×L or
+    # fused-kernel tensors and K/V repeats are not kept)
     recompute: Annotated[Recompute, "none, full, selective"] = "none"
-    # torch.compile each transformer block's computation (inductor: C++ on the CPU, triton on GPUs); the ZeRO-3 hooks,
-    # pipeline sends and TP / SP collectives stay outside the compiled graphs (docs/layouts.md#per-block-torchcompile)
+    # torch.compile each transformer block's computation (inductor: C++ on the CPU, triton on GPUs);
+    # the ZeRO-3 hooks, pipeline sends and TP / SP collectives stay outside the compiled graphs
+    # (docs/layouts.md#per-block-torchcompile)
     compile: bool = False
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8
@@ -123,9 +127,8 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    path: str | None = (
-        None  # text file, folder, comma list, or nanoGPT .bin / folder; None = stdlib sources
-    )
+    # text file, folder, comma list, or nanoGPT .bin / folder; None = stdlib sources
+    path: str | None = None
     val_fraction: float = 0.05
     max_bytes: int | None = None
 
@@ -134,49 +137,48 @@ class DataSection:
 class ZeroSection:
     # 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, FSDP)
     stage: Annotated[ZeroStage, "a ZeRO stage 0 (DDP), 1, 2 or 3 (FSDP)"] = 0
-    bucket_mb: float = (
-        25.0  # gradient bucket size (ZeRO-3: per unit); ZeRO-2 peaks ~2 buckets above its formula
-    )
+    # gradient bucket size (ZeRO-3: per unit); ZeRO-2 peaks ~2 buckets above its formula
+    bucket_mb: float = 25.0
     find_unused: bool = False
-    # true: accumulate unreduced gradients and reduce once per step (less traffic; ZeRO-2/3 then hold full
-    # gradients until the last micro-step); false: reduce every micro-step, memory as the stage's formula
+    # true: accumulate unreduced gradients and reduce once per step (less traffic; ZeRO-2/3 then
+    # hold full gradients until the last micro-step); false: reduce every micro-step, memory as the
+    # stage's formula
     defer_reduce: bool = False
-    reshard_after_forward: bool = (
-        True  # ZeRO-3: free each unit after its forward (false: keep until backward)
-    )
+    # ZeRO-3: free each unit after its forward (false: keep until backward)
+    reshard_after_forward: bool = True
     prefetch: int = 1  # ZeRO-3: units all-gathered ahead of use
-    inflight_buckets: int = (
-        1  # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
-    )
-    # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz): qwz: ZeRO-3 parameter all-gathers in block-wise int8 (the stored weights
-    # keep their dtype); qgz: ZeRO-2/3 gradient reduce-scatter as an int8 all-to-all, dequantised and summed in fp32;
-    # hpz: ZeRO-3 keeps a secondary copy of each unit split over this many consecutive dp ranks (e.g. a node) and
-    # gathers backward weights inside them (an int, not a choice: 0 or 1 mean off; it must divide dp × cp and be
-    # smaller)
+    # ZeRO-2/3: reduce-scatters in flight (more: more overlap, a higher backward peak)
+    inflight_buckets: int = 1
+    # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz): qwz: ZeRO-3 parameter all-gathers in block-wise int8
+    # (the stored weights keep their dtype); qgz: ZeRO-2/3 gradient reduce-scatter as an int8
+    # all-to-all, dequantised and summed in fp32; hpz: ZeRO-3 keeps a secondary copy of each unit
+    # split over this many consecutive dp ranks (e.g. a node) and gathers backward weights inside
+    # them (an int, not a choice: 0 or 1 mean off; it must divide dp × cp and be smaller)
     qwz: bool = False
     qgz: bool = False
     hpz: int = 0
     quant_block: int = 2048  # elements per int8 block (one fp32 scale each) for qwz / qgz
-    # ZeRO-R constant buffers: gradient buckets, reduce-scatter outputs and ZeRO-3 gathers in buffers allocated once
-    # (no allocation per step after two warm-up steps; the buffers are held for the run, a higher resting memory)
+    # ZeRO-R constant buffers: gradient buckets, reduce-scatter outputs and ZeRO-3 gathers in
+    # buffers allocated once (no allocation per step after two warm-up steps; the buffers are held
+    # for the run, a higher resting memory)
     constant_buffers: bool = False
-    # ZeRO-Offload: fp32 master shards and optimizer state in host memory, the optimizer step on the host
+    # ZeRO-Offload: fp32 master shards and optimizer state in host memory, the optimizer step on the
+    # host
     offload_optimizer: bool = False
 
 
 @dataclass
 class PipelineSection:
-    schedule: str = (
-        "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | dualpipev (micro-batches = train.grad_accum)
-    )
+    # gpipe | 1f1b | interleaved | zb-h1 | dualpipev (micro-batches = train.grad_accum)
+    schedule: str = "1f1b"
     virtual: int = 1  # virtual stages per rank (interleaved)
-    layers_per_stage: str = (
-        ""  # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
-    )
-    # how p2p messages complete: auto (from the backend: gloo buffered, NCCL rendezvous) | buffered | rendezvous
+    # e.g. "3,3,2": blocks per (virtual) stage; empty = as even as possible
+    layers_per_stage: str = ""
+    # how p2p messages complete: auto (from the backend: gloo buffered, NCCL rendezvous) |
+    # buffered | rendezvous
     p2p: P2P = "auto"
-    # DualPipeV's (F, B) units side by side, the forward in a second thread (hides expert all-to-alls; CPU/gloo, no
-    # tp / cp / ZeRO-3): off | on
+    # DualPipeV's (F, B) units side by side, the forward in a second thread (hides expert
+    # all-to-alls; CPU/gloo, no tp / cp / ZeRO-3): off | on
     overlap: Overlap = "off"
 
     def layers(self) -> list[int] | None:
@@ -196,9 +198,11 @@ class PipelineSection:
 
 @dataclass
 class PrecisionSection:
-    param: str = "fp32"  # parameter / compute dtype: fp32 | bf16 | fp16 (fp32 master weights in the optimizer)
+    # parameter / compute dtype: fp32 | bf16 | fp16 (fp32 master weights in the optimizer)
+    param: str = "fp32"
     reduce: str = "fp32"  # gradient buckets and collectives: fp32 | bf16 | fp16
-    tf32: bool = True  # on an accelerator, fp32 matmuls may use TF32 (set_float32_matmul_precision "high"); CPU: none
+    # on an accelerator, fp32 matmuls may use TF32 (set_float32_matmul_precision "high"); CPU: none
+    tf32: bool = True
 
 
 @dataclass
@@ -210,56 +214,56 @@ class RunSection:
     progress: bool = True
     plot: bool = True
     log_every: int = 1
-    resume: str = (
-        ""  # "latest" (--resume) or a checkpoint directory: continue that run; "" starts a new one
-    )
-    overwrite: bool = (
-        False  # start a new run in a run directory that already holds one (it is deleted first)
-    )
-    exit_after: int = (
-        0  # stop cleanly, with a checkpoint, after this many steps of this invocation (0: never)
-    )
-    max_restarts: int = (
-        0  # local launcher: restart all workers from the latest checkpoint when one dies
-    )
-    # local launcher: a worker silent this long is stalled (frozen); no rank finishing a step for stall_timeout_s
-    # (0: 3 minutes, and at least 20 of the slowest steps) is a hang. Either stops the job naming the ranks.
+    # "latest" (--resume) or a checkpoint directory: continue that run; "" starts a new one
+    resume: str = ""
+    # start a new run in a run directory that already holds one (it is deleted first)
+    overwrite: bool = False
+    # stop cleanly, with a checkpoint, after this many steps of this invocation (0: never)
+    exit_after: int = 0
+    # local launcher: restart all workers from the latest checkpoint when one dies
+    max_restarts: int = 0
+    # local launcher: a worker silent this long is stalled (frozen); no rank finishing a step for
+    # stall_timeout_s (0: 3 minutes, and at least 20 of the slowest steps) is a hang. Either stops
+    # the job naming the ranks.
     heartbeat_timeout_s: float = 60.0
     stall_timeout_s: float = 0.0
-    collective_timeout_s: float = (
-        1800.0  # for every process group of the run (then a collective fails)
-    )
-    # the dense peak TFLOP/s of one device in the compute dtype, for MFU (0: a table of known accelerators; on the
-    # CPU a short matmul measured with the threads each rank uses, cached in ~/.cache/fivefold)
+    # for every process group of the run (then a collective fails)
+    collective_timeout_s: float = 1800.0
+    # the dense peak TFLOP/s of one device in the compute dtype, for MFU (0: a table of known
+    # accelerators; on the CPU a short matmul measured with the threads each rank uses, cached in
+    # ~/.cache/fivefold)
     peak_tflops: float = 0.0
-    # per-rank trace of the last trace_steps steps -> <run dir>/trace.json (Chrome / Perfetto) and step_trace.png:
-    # forward/backward/recompute spans per block, every collective (launch -> completion), the share of communication
-    # hidden behind compute (printed and in metrics). Off: no hooks, no timing.
+    # per-rank trace of the last trace_steps steps -> <run dir>/trace.json (Chrome / Perfetto) and
+    # step_trace.png: forward/backward/recompute spans per block, every collective (launch ->
+    # completion), the share of communication hidden behind compute (printed and in metrics). Off:
+    # no hooks, no timing.
     trace: bool = False
     trace_steps: int = 2
-    # before spawning, the planner's memory model predicts every local rank's peak: a run that would not fit in this
-    # machine's free memory (host RAM on the CPU, device memory on accelerators) is refused; false: start it anyway
+    # before spawning, the planner's memory model predicts every local rank's peak: a run that would
+    # not fit in this machine's free memory (host RAM on the CPU, device memory on accelerators) is
+    # refused; false: start it anyway
     check_memory: bool = True
 
 
 @dataclass
 class CheckpointSection:
-    interval: int = (
-        0  # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
-    )
+    # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
+    interval: int = 0
     keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
     async_save: bool = False  # copy the state to host memory and write it in the background
     dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
     on_error: OnError = "stop"  # a failed save (disk full, ...): stop the run, or warn and train on
-    # load a checkpoint whose metadata only DCP's pickle holds (another DCP program's, or an older fivefold's):
-    # reading a pickle can run code the file carries, so only a checkpoint from a source you trust (--trust-checkpoint)
+    # load a checkpoint whose metadata only DCP's pickle holds (another DCP program's, or an older
+    # fivefold's): reading a pickle can run code the file carries, so only a checkpoint from a
+    # source you trust (--trust-checkpoint)
     trust: bool = False
 
 
 @dataclass
 class DebugSection:
-    # every collective's fingerprint (op, dim, shapes, dtypes, call number, step, call site) compared across the
-    # group before it is issued: a mismatch is an error on every rank, not a hang (also FIVEFOLD_DEBUG_COLLECTIVES=1)
+    # every collective's fingerprint (op, dim, shapes, dtypes, call number, step, call site)
+    # compared across the group before it is issued: a mismatch is an error on every rank, not a
+    # hang (also FIVEFOLD_DEBUG_COLLECTIVES=1)
     collectives: bool = False
 
 
@@ -342,8 +346,8 @@ _BOOLS = {
 
 
 def _peel(tp: Any) -> tuple[Any, bool, str | None]:
-    """(the base type, whether None is allowed, how an error lists the choices) of a field annotation:
-    ``Annotated[T, "wording"]`` and ``T | None`` taken off."""
+    """(the base type, whether None is allowed, how an error lists the choices) of a field
+    annotation: ``Annotated[T, "wording"]`` and ``T | None`` taken off."""
     wording = None
     if typing.get_origin(tp) is Annotated:
         tp, *extras = typing.get_args(tp)
@@ -355,14 +359,15 @@ def _peel(tp: Any) -> tuple[Any, bool, str | None]:
 
 
 def choices(tp: Any) -> tuple[Any, ...] | None:
-    """The values a choice annotation (a ``Literal``, maybe Optional or Annotated) allows; None: not a choice."""
+    """The values a choice annotation (a ``Literal``, maybe Optional or Annotated) allows; None: not
+    a choice."""
     base = _peel(tp)[0]
     return typing.get_args(base) if typing.get_origin(base) is Literal else None
 
 
 def check_choice(key: str, value: Any, tp: Any) -> Any:
-    """`value` if `tp` is no choice, or one of its values (None where it is Optional); else a `ConfigError` that
-    lists them: ``pipeline.overlap='x': choose off or on``."""
+    """`value` if `tp` is no choice, or one of its values (None where it is Optional); else a
+    `ConfigError` that lists them: ``pipeline.overlap='x': choose off or on``."""
     values = choices(tp)
     if values is None or value in values or (value is None and _peel(tp)[1]):
         return value
@@ -371,7 +376,8 @@ def check_choice(key: str, value: Any, tp: Any) -> Any:
 
 
 def check_choices(cfg: Config) -> None:
-    """Every choice field of `cfg` holds one of its values (`check_choice`): a config built in code, not parsed."""
+    """Every choice field of `cfg` holds one of its values (`check_choice`): a config built in code,
+    not parsed."""
     for section, cls in _sections().items():
         for key, tp in _field_types(cls).items():
             if choices(tp) is not None and hasattr(part := getattr(cfg, section), key):
@@ -379,7 +385,8 @@ def check_choices(cfg: Config) -> None:
 
 
 def _convert(key: str, value: Any, tp: Any) -> Any:
-    """Convert a TOML or command-line value to the field type `tp` (which may be Optional, Annotated or a choice)."""
+    """Convert a TOML or command-line value to the field type `tp` (which may be Optional, Annotated
+    or a choice)."""
     base, optional, _ = _peel(tp)
     if isinstance(value, str) and optional and base is str and value == "":
         raise ConfigError(f"{key} is empty: give a value, or leave {key} out for its default")
@@ -498,7 +505,8 @@ DEFAULT_MICRO_BATCH = 8
 def resolve_batch(
     global_batch: int | None, micro_batch: int | None, grad_accum: int | None, dp: int
 ) -> tuple[int, int, int]:
-    """(global_batch, micro_batch, grad_accum) with global = micro × accum × dp: any two derive the third."""
+    """(global_batch, micro_batch, grad_accum) with global = micro × accum × dp: any two derive the
+    third."""
     given = {
         k: v
         for k, v in (
@@ -526,8 +534,8 @@ def resolve_batch(
         )
         if global_batch % (known * dp):
             raise ConfigError(
-                f"train.global_batch={global_batch} is not divisible by {name}({known}) × dp({dp}) = "
-                f"{known * dp}; change global_batch to a multiple of {known * dp}"
+                f"train.global_batch={global_batch} is not divisible by {name}({known}) × dp({dp}) "
+                f"= {known * dp}; change global_batch to a multiple of {known * dp}"
             )
         derived = global_batch // (known * dp)
         return (
@@ -538,7 +546,7 @@ def resolve_batch(
     if micro_batch * grad_accum * dp != global_batch:
         raise ConfigError(
             f"train.global_batch={global_batch} but micro_batch({micro_batch}) × "
-            f"grad_accum({grad_accum}) × dp({dp}) = {micro_batch * grad_accum * dp}; set one of the "
-            "three to none (e.g. --train.grad_accum none) to derive it, or make them agree"
+            f"grad_accum({grad_accum}) × dp({dp}) = {micro_batch * grad_accum * dp}; set one of "
+            "the three to none (e.g. --train.grad_accum none) to derive it, or make them agree"
         )
     return global_batch, micro_batch, grad_accum

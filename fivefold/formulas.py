@@ -1,8 +1,9 @@
-"""The formulas fivefold is checked against (docs/design.md, every section with a formula), pure Python.
+"""The formulas fivefold is checked against (docs/design.md, every section with a formula), pure
+Python.
 
-Tests, `bench/` and `fivefold plan` compute here what should happen; `fivefold.memory` and `comm.CommLog` measure
-what does. Ψ = parameter count, N = data-parallel degree, P = pipeline ranks, M = micro-batches, V = model chunks
-per pipeline rank, B·L·D = batch × sequence × model width.
+Tests, `bench/` and `fivefold plan` compute here what should happen; `fivefold.memory` and
+`comm.CommLog` measure what does. Ψ = parameter count, N = data-parallel degree, P = pipeline ranks,
+M = micro-batches, V = model chunks per pipeline rank, B·L·D = batch × sequence × model width.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ __all__ = [
     "zero_model_states",
 ]
 
-# -- collectives on a ring (docs/design.md#collectives-on-a-ring) ------------------------------------------
-# bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather; pipelined broadcast)
+# -- collectives on a ring (docs/design.md#collectives-on-a-ring) ----------------------------------
+# bytes one rank sends per payload byte on a ring of n (all-reduce = reduce-scatter + all-gather;
+# pipelined broadcast)
 _WIRE_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -57,7 +59,8 @@ def ring_wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
     return _WIRE_FACTOR[op](group_size) * payload_bytes
 
 
-# -- data parallel and ZeRO (docs/design.md#model-state-memory; fp32 AdamW: parameters 4Ψ, gradients 4Ψ, m and v 8Ψ) ---
+# -- data parallel and ZeRO (docs/design.md#model-state-memory; fp32 AdamW: parameters 4Ψ, gradients
+# 4Ψ, m and v 8Ψ) ---
 
 MODEL_STATES = ("params", "grads", "optimizer")
 
@@ -99,8 +102,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         comm={"all_gather": 2, "reduce_scatter": 1},
         comm_formula="AG 2Ψ + RS Ψ",
     ),
-    # ZeRO-3 keeping each unit gathered from its forward to its backward (zero.reshard_after_forward false, DeepSpeed's
-    # default when parameters are reused soon): one all-gather per step; the gathered units are held meanwhile
+    # ZeRO-3 keeping each unit gathered from its forward to its backward (zero.reshard_after_forward
+    # false, DeepSpeed's default when parameters are reused soon): one all-gather per step; the
+    # gathered units are held meanwhile
     "zero3-keep": dict(
         label="ZeRO-3, kept for backward",
         memory_formula="16Ψ/N",
@@ -129,10 +133,11 @@ def zero_model_states(
     grad_bytes: int = 2,
     optimizer_bytes: int = 12,
 ) -> dict[str, float]:
-    """Model-state bytes per rank of ZeRO-``stage`` over ``dp`` ranks (docs/design.md#model-state-memory:
-    Ψ = ``params``; mixed-precision Adam by default, 2Ψ + 2Ψ + KΨ with K = 12 for the fp32 master, m and v; fp32
-    training: 4, 4, 8), by part and in total. The ZeRO paper's numbers (docs/design.md#reference-figures): 7.5B at
-    N = 64 → 120 / 31.4 / 16.6 / 1.88 GB for stages 0-3; 1T at N = 1024 with ZeRO-3 → 15.6 GB."""
+    """Model-state bytes per rank of ZeRO-``stage`` over ``dp`` ranks
+    (docs/design.md#model-state-memory: Ψ = ``params``; mixed-precision Adam by default, 2Ψ + 2Ψ +
+    KΨ with K = 12 for the fp32 master, m and v; fp32 training: 4, 4, 8), by part and in total. The
+    ZeRO paper's numbers (docs/design.md#reference-figures): 7.5B at N = 64 → 120 / 31.4 / 16.6 /
+    1.88 GB for stages 0-3; 1T at N = 1024 with ZeRO-3 → 15.6 GB."""
     if stage not in STAGE_SHARDS:
         raise ValueError(f"zero stage {stage}: choose 0, 1, 2 or 3")
     parts = {
@@ -145,8 +150,9 @@ def zero_model_states(
 
 
 def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:
-    """Model-state bytes per rank and payload bytes per step and rank of ``recipe`` (a `RECIPES` key), for
-    ``padded_params`` Ψ as padded (a multiple of N for flat shards) and ``world`` N; wire bytes on a ring."""
+    """Model-state bytes per rank and payload bytes per step and rank of ``recipe`` (a `RECIPES`
+    key), for ``padded_params`` Ψ as padded (a multiple of N for flat shards) and ``world`` N; wire
+    bytes on a ring."""
     r = RECIPES[recipe]
     memory = {
         name: nbytes * padded_params / (world if sharded else 1)
@@ -163,14 +169,14 @@ def expected_for(recipe: str, padded_params: int, world: int) -> dict[str, Any]:
 
 
 def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) -> dict[str, Any]:
-    """HSDP (docs/design.md#hsdp): ZeRO-``stage`` (1-3) inside shard groups of ``shard`` ranks N_s, ``replicate`` R
-    copies.
+    """HSDP (docs/design.md#hsdp): ZeRO-``stage`` (1-3) inside shard groups of ``shard`` ranks N_s,
+    ``replicate`` R copies.
 
-    Model states per rank: the stage's formula with N = N_s (ZeRO-3: 16Ψ/N_s, e.g. 2Ψ at N_s = 8), whatever R.
-    Payload bytes per step and rank by sub-dimension (fp32, as `expected_for`): over ``dp_shard`` the stage's own
-    (reduce-scatter Ψ + all-gather Ψ; ZeRO-3 all-gather 2Ψ), over ``dp_replicate`` an all-reduce of the reduced shard,
-    Ψ/N_s; ``wire_bytes`` per sub-dimension on a ring of its size. ``padded_params``: Ψ with every flat buffer padded
-    to a multiple of N_s."""
+    Model states per rank: the stage's formula with N = N_s (ZeRO-3: 16Ψ/N_s, e.g. 2Ψ at N_s = 8),
+    whatever R. Payload bytes per step and rank by sub-dimension (fp32, as `expected_for`): over
+    ``dp_shard`` the stage's own (reduce-scatter Ψ + all-gather Ψ; ZeRO-3 all-gather 2Ψ), over
+    ``dp_replicate`` an all-reduce of the reduced shard, Ψ/N_s; ``wire_bytes`` per sub-dimension on
+    a ring of its size. ``padded_params``: Ψ with every flat buffer padded to a multiple of N_s."""
     if stage not in (1, 2, 3):
         raise ValueError(
             f"HSDP shards with ZeRO-1, 2 or 3, not stage {stage} (stage 0 over both groups is DDP)"
@@ -194,22 +200,24 @@ def hsdp_expected(stage: int, padded_params: int, shard: int, replicate: int) ->
     )
 
 
-# -- ZeRO++ (Wang et al. 2023; docs/design.md#zero-qwz-qgz-hpz): quantised collectives and the hierarchical partition --
-# Bytes are payloads as `CommLog` records them (an all-gather's output, a reduce-scatter's / all-to-all's input) for
-# flat buffers already padded to a multiple of N (ZeRO's shards).
+# -- ZeRO++ (Wang et al. 2023; docs/design.md#zero-qwz-qgz-hpz): quantised collectives and the
+# hierarchical partition -- Bytes are payloads as `CommLog` records them (an all-gather's output, a
+# reduce-scatter's / all-to-all's input) for flat buffers already padded to a multiple of N (ZeRO's
+# shards).
 
 
 def quantized_chunk_bytes(n: int, block: int) -> int:
-    """Bytes of `n` elements quantised to int8 in blocks of `block`, one fp32 scale per block, the chunk padded to 4
-    bytes (`data_parallel.quantize.packed_bytes`): ≈ n·(1 + 4/block) against n·2 (bf16) or n·4 (fp32)."""
+    """Bytes of `n` elements quantised to int8 in blocks of `block`, one fp32 scale per block, the
+    chunk padded to 4 bytes (`data_parallel.quantize.packed_bytes`): ≈ n·(1 + 4/block) against n·2
+    (bf16) or n·4 (fp32)."""
     return 4 * -(-n // block) + -(-n // 4) * 4
 
 
 def zero3_gather_bytes(
     padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None
 ) -> int:
-    """One all-gather of each ZeRO-3 unit (padded sizes) over `world` ranks: the compute dtype, or with qwZ
-    (`block`) every rank's shard as a quantised chunk."""
+    """One all-gather of each ZeRO-3 unit (padded sizes) over `world` ranks: the compute dtype, or
+    with qwZ (`block`) every rank's shard as a quantised chunk."""
     if block is None:
         return sum(n * dtype_bytes for n in padded_numels)
     return sum(world * quantized_chunk_bytes(n // world, block) for n in padded_numels)
@@ -218,20 +226,20 @@ def zero3_gather_bytes(
 def zero_grad_reduce_bytes(
     padded_numels: list[int], world: int, dtype_bytes: int, block: int | None = None
 ) -> int:
-    """One gradient reduction of each bucket: a reduce-scatter in the reduce dtype, or qgZ's (`block`) all-to-all
-    of one quantised chunk per destination rank."""
+    """One gradient reduction of each bucket: a reduce-scatter in the reduce dtype, or qgZ's
+    (`block`) all-to-all of one quantised chunk per destination rank."""
     return zero3_gather_bytes(
         padded_numels, world, dtype_bytes, block
     )  # the same shapes: N chunks of n/N
 
 
 def hpz_secondary_bytes(padded_numels: list[int], hpz: int, dtype_bytes: int) -> int:
-    """hpZ's extra parameter memory per rank: 1/hpz of every ZeRO-3 unit in the compute dtype (the primary shard is
-    1/N; ZeRO++ trades this for backward gathers inside the hpz group)."""
+    """hpZ's extra parameter memory per rank: 1/hpz of every ZeRO-3 unit in the compute dtype (the
+    primary shard is 1/N; ZeRO++ trades this for backward gathers inside the hpz group)."""
     return sum(n // hpz * dtype_bytes for n in padded_numels)
 
 
-# -- tensor and sequence parallel (docs/design.md#tensor-and-sequence-parallelism) -------------------------------------
+# -- tensor and sequence parallel (docs/design.md#tensor-and-sequence-parallelism) -----------------
 
 
 class ModelShape(Protocol):
@@ -251,14 +259,15 @@ def tp_comm_formula(
 ) -> dict[str, int]:
     """Payload bytes per step and rank of fivefold's TP plan, by op (same section).
 
-    Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS. Plus the
-    embedding's exit (forward AR; SP: RS forward, AG backward), the head's entry (backward AR; SP: AG forward, RS
-    backward),
-    3 all-reduces of B·L fp32 (whatever ``dtype_bytes``) in the vocab-parallel cross-entropy, and under SP an
-    all-reduce of D per norm weight
-    gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in backward, up to
-    its last kept tensor (torch stops a recomputation there): per block once more the attention's exit (AR; SP: RS)
-    and under SP both entries (AG), not the MLP's exit. Selective recomputes only the attention core: no collective."""
+    Per block 4 collectives of B·L·D (2 forward, 2 backward): all-reduces, or under SP 4 AG + 4 RS.
+    Plus the embedding's exit (forward AR; SP: RS forward, AG backward), the head's entry (backward
+    AR; SP: AG forward, RS backward),
+    3 all-reduces of B·L fp32 (whatever ``dtype_bytes``) in the vocab-parallel cross-entropy, and
+    under SP an all-reduce of D per norm weight
+    gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in
+    backward, up to its last kept tensor (torch stops a recomputation there): per block once more
+    the attention's exit (AR; SP: RS) and under SP both entries (AG), not the MLP's exit. Selective
+    recomputes only the attention core: no collective."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim
     again = n if recompute == "full" else 0  # blocks recomputed
     loss = 3 * bl * 4  # the cross-entropy's row statistics are fp32 whatever the compute dtype
@@ -278,12 +287,12 @@ def tp_comm_formula_text(sequence_parallel: bool) -> str:
     return "AG (4n+2)·BLD + RS (4n+2)·BLD + AR 3·BL + (2n+1)·D"
 
 
-# -- pipeline bubble (docs/design.md#pipeline-schedules) ---------------------------------------------------------------
+# -- pipeline bubble (docs/design.md#pipeline-schedules) -------------------------------------------
 
 
 def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
-    """Textbook bubble fraction (idle share of P ranks over one step) of schedule ``name``; exact in the
-    simulator under the conditions in `fivefold.pipeline.simulator`."""
+    """Textbook bubble fraction (idle share of P ranks over one step) of schedule ``name``; exact in
+    the simulator under the conditions in `fivefold.pipeline.simulator`."""
     if name in ("gpipe", "1f1b"):
         return (P - 1) / (M + P - 1)
     if name == "interleaved":
@@ -298,12 +307,14 @@ def bubble_formula(name: str, P: int, M: int, V: int = 1) -> float:
 def pipeline_idle(
     name: str, P: int, F: float, B: float, W: float, FB: float | None = None
 ) -> float:
-    """Idle time of one rank over one step in DeepSeek-V3's accounting (its Table 2), F, B (= I + W) and W being one
-    stage's (DualPipeV: one half-size chunk's) pass costs: 1F1B (P-1)(F+B); ZB-H1 (P-1)(F+B-2W); DualPipeV
-    (P-1)(F&B+B-3W) — DualPipe's (PP/2-1)(F&B+B-3W) at PP = 2P, DualPipeV being DualPipe cut in half — with F&B an
-    overlapped unit's cost (``FB``; F+B when its passes run one after the other). With chunks half a stage, DualPipeV
-    idles less than ZB-H1 by (P-1)(F-W)/2 + (P-1)(F+B-F&B)/2 in stage units: nothing when F = W and the unit is not
-    overlapped. The simulator gives these exactly (DualPipeV with F&B < F+B: on its most idle rank)."""
+    """Idle time of one rank over one step in DeepSeek-V3's accounting (its Table 2), F, B (= I + W)
+    and W being one stage's (DualPipeV: one half-size chunk's) pass costs: 1F1B (P-1)(F+B); ZB-H1
+    (P-1)(F+B-2W); DualPipeV (P-1)(F&B+B-3W) — DualPipe's (PP/2-1)(F&B+B-3W) at PP = 2P, DualPipeV
+    being DualPipe cut in half — with F&B an overlapped unit's cost (``FB``; F+B when its passes run
+    one after the other). With chunks half a stage, DualPipeV idles less than ZB-H1 by
+    (P-1)(F-W)/2 + (P-1)(F+B-F&B)/2 in stage units: nothing when F = W and the unit is not
+    overlapped. The simulator gives these exactly (DualPipeV with F&B < F+B: on its most idle
+    rank)."""
     if name in ("gpipe", "1f1b"):
         return (P - 1) * (F + B)
     if name == "zb-h1":
@@ -313,13 +324,14 @@ def pipeline_idle(
     raise ValueError(f"no idle formula for schedule {name!r}; known: gpipe, 1f1b, zb-h1, dualpipev")
 
 
-# -- context parallel (docs/design.md#context-parallelism) -------------------------------------------------------------
+# -- context parallel (docs/design.md#context-parallelism) -----------------------------------------
 def ring_attention_p2p_elements(
     batch: int, seq_len: int, n_kv_heads: int, head_dim: int, cp: int
 ) -> dict[str, int]:
-    """Elements one rank sends per attention layer with ring attention over `cp` ranks: its K and V shard
-    (2·B·(L/C)·H_kv·d, the textbook 2·L·D/C scaled by H_kv/H for GQA) C-1 times in forward; in backward the shards
-    go around again (C-1) and each shard's dK/dV accumulator travels with them and then home (C)."""
+    """Elements one rank sends per attention layer with ring attention over `cp` ranks: its K and V
+    shard (2·B·(L/C)·H_kv·d, the textbook 2·L·D/C scaled by H_kv/H for GQA) C-1 times in forward; in
+    backward the shards go around again (C-1) and each shard's dK/dV accumulator travels with them
+    and then home (C)."""
     shard = 2 * batch * (seq_len // cp) * n_kv_heads * head_dim
     return {
         "forward_kv": shard * (cp - 1),
@@ -328,13 +340,13 @@ def ring_attention_p2p_elements(
     }
 
 
-# -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) -----------------------------
+# -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) ---------
 
 
 def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) -> int:
-    """Korthikanti et al.'s formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm, MHA, GeLU MLP of 4D,
-    dropout masks) in fp16, every activation saved. `activation_bytes_per_block` applies the same accounting to
-    fivefold's Llama block."""
+    """Korthikanti et al.'s formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm,
+    MHA, GeLU MLP of 4D, dropout masks) in fp16, every activation saved.
+    `activation_bytes_per_block` applies the same accounting to fivefold's Llama block."""
     return 34 * batch * seq_len * dim + 5 * batch * seq_len**2 * n_heads
 
 
@@ -353,25 +365,27 @@ def activation_bytes_per_block(
     sp: bool = False,
     ffn_bytes: int | None = None,
 ) -> int:
-    """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved tensors apart from
-    its input, plus its output, the next block's input), counted tensor by tensor as Korthikanti et al. do for the GPT
-    block (`korthikanti_block_bytes`; docs/design.md#activation-memory); `fivefold.memory.block_activation_bytes`
-    measures it.
+    """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved
+    tensors apart from its input, plus its output, the next block's input), counted tensor by tensor
+    as Korthikanti et al. do for the GPT block (`korthikanti_block_bytes`;
+    docs/design.md#activation-memory); `fivefold.memory.block_activation_bytes` measures it.
 
     With s = ``dtype_bytes`` and F = ``ffn_hidden``, no recompute:
-      attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the norm's output = the
-                 input of wq/wk/wv (s); q, and k and v repeated to H heads (3·s); the core's output = wo's input (s);
-                 the core's own: sdpa (fused) the log-sum-exp B·H·L fp32, eager the softmax B·H·L² (s) and its
-                 L×L causal mask (1 byte)
-      MLP        residual h (fp32 in the norm), 1/rms, normalised, the norm's output = input of w1/w3 (s);
-                 w1·x, w3·x, silu(w1·x) and their product = w2's input (4·B·L·F·s)
-    i.e. 10·BLD + 4·BLF (+ the core's term) elements in fp32 — where GPT's is 34·BLD + 5·BL²H bytes in fp16.
-    ``recompute``: "full" keeps only the block's input (B·L·D·s); "selective" recomputes the attention core, keeping
-    its inputs q, k, v (k and v with their own H_kv heads) and dropping the repeats and the core's own term.
-    ``tp``: heads and F split T ways; ``sp``: the norms' tensors and the residuals are [L/T] too, but the column
-    linears keep their all-gathered [L] inputs (Megatron re-gathers them in backward instead: not done here, so
-    SP divides this formula by less than T). An MoE block: ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of
-    the dense feed-forward's 4·B·L·F·s."""
+      attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the
+                 norm's output = the input of wq/wk/wv (s); q, and k and v repeated to H heads
+                 (3·s); the core's output = wo's input (s); the core's own: sdpa (fused) the
+                 log-sum-exp B·H·L fp32, eager the softmax B·H·L² (s) and its L×L causal mask
+                 (1 byte)
+      MLP        residual h (fp32 in the norm), 1/rms, normalised, the norm's output = input of
+                 w1/w3 (s); w1·x, w3·x, silu(w1·x) and their product = w2's input (4·B·L·F·s)
+    i.e. 10·BLD + 4·BLF (+ the core's term) elements in fp32 — where GPT's is 34·BLD + 5·BL²H bytes
+    in fp16. ``recompute``: "full" keeps only the block's input (B·L·D·s); "selective" recomputes
+    the attention core, keeping its inputs q, k, v (k and v with their own H_kv heads) and dropping
+    the repeats and the core's own term. ``tp``: heads and F split T ways; ``sp``: the norms'
+    tensors and the residuals are [L/T] too, but the column linears keep their all-gathered [L]
+    inputs (Megatron re-gathers them in backward instead: not done here, so SP divides this formula
+    by less than T). An MoE block: ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of the dense
+    feed-forward's 4·B·L·F·s."""
     if recompute not in ("none", "full", "selective"):
         raise ValueError(f"recompute={recompute!r}: choose none, full or selective")
     if attention not in ("sdpa", "eager"):
@@ -407,7 +421,7 @@ def activation_bytes_per_block(
     return norms + linear_inputs + qkv + core_out + core + mlp
 
 
-# -- one flat buffer's model states, exactly as a rank holds them (what `fivefold.plan` sums) ----------------------
+# -- one flat buffer's model states, exactly as a rank holds them (what `fivefold.plan` sums) ------
 
 
 def flat_model_state_bytes(
@@ -423,14 +437,16 @@ def flat_model_state_bytes(
     hpz: int = 0,
     offload: bool = False,
 ) -> dict[str, int]:
-    """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under ZeRO-3) whose shard is
-    ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not padding), in ``segments`` optimizer
-    tensors: the 2Ψ + 2Ψ + KΨ of docs/design.md#model-state-memory per buffer, with the padding and the per-tensor
-    `step` counters the formula leaves out. Parameters: the full buffer (stages 0-2) or the shard (3), plus hpZ's
-    1/``hpz`` secondary copy; gradients: the full buffer (0-1; ZeRO-1 reduces into it) or the shard (2-3), in the reduce
-    dtype; optimizer: the fp32 master shard when the parameters are not fp32 (else the shard itself is the master),
-    Adam's m and v over the owned elements, 4 bytes of `step` per tensor. ``offload``: the master is a host buffer of
-    its own and the fp32 gradient shard has a host copy; ``host`` says how many of the bytes live there."""
+    """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under
+    ZeRO-3) whose shard is ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not
+    padding), in ``segments`` optimizer tensors: the 2Ψ + 2Ψ + KΨ of
+    docs/design.md#model-state-memory per buffer, with the padding and the per-tensor `step`
+    counters the formula leaves out. Parameters: the full buffer (stages 0-2) or the shard (3), plus
+    hpZ's 1/``hpz`` secondary copy; gradients: the full buffer (0-1; ZeRO-1 reduces into it) or the
+    shard (2-3), in the reduce dtype; optimizer: the fp32 master shard when the parameters are not
+    fp32 (else the shard itself is the master), Adam's m and v over the owned elements, 4 bytes of
+    `step` per tensor. ``offload``: the master is a host buffer of its own and the fp32 gradient
+    shard has a host copy; ``host`` says how many of the bytes live there."""
     params = (shard if stage == 3 else padded) * param_bytes + (
         padded // hpz * param_bytes if hpz > 1 else 0
     )
@@ -446,13 +462,15 @@ def flat_model_state_bytes(
     }
 
 
-# -- FLOPs (PaLM appendix B / torchtitan: 6 per parameter and token, plus attention's scores and values) ------------
+# -- FLOPs (PaLM appendix B / torchtitan: 6 per parameter and token, plus attention's scores and
+# values) --
 
 
 def model_flops_per_token(active_params: int, n_layers: int, seq_len: int, dim: int) -> int:
-    """Training FLOPs per token: 6·N (forward 2N, backward 4N; N the parameters one token goes through, embeddings
-    excluded as they are a lookup) + 12·n_layers·L·D (QKᵀ and the weighted sum of V, forward and backward, the whole
-    L × L square counted as PaLM and torchtitan do although a causal kernel skips half)."""
+    """Training FLOPs per token: 6·N (forward 2N, backward 4N; N the parameters one token goes
+    through, embeddings excluded as they are a lookup) + 12·n_layers·L·D (QKᵀ and the weighted sum
+    of V, forward and backward, the whole L × L square counted as PaLM and torchtitan do although a
+    causal kernel skips half)."""
     return 6 * active_params + 12 * n_layers * seq_len * dim
 
 
@@ -466,10 +484,11 @@ def head_activation_bytes(
     tp: int = 1,
     sp: bool = False,
 ) -> int:
-    """What the model's end keeps for backward on the last pipeline rank: the final RMSNorm (its fp32 input, 1/rms,
-    the normalised tensor, its output = the head's input, all-gathered to the whole sequence under SP) and this tp
-    rank's logits B·L·V/T (``dtype_bytes``); the chunked cross-entropy keeps only per-row fp32 statistics
-    (`tensor_parallel.loss`): the log-sum-exp and the target logit, 2·B·L·4."""
+    """What the model's end keeps for backward on the last pipeline rank: the final RMSNorm (its
+    fp32 input, 1/rms, the normalised tensor, its output = the head's input, all-gathered to the
+    whole sequence under SP) and this tp rank's logits B·L·V/T (``dtype_bytes``); the chunked
+    cross-entropy keeps only per-row fp32 statistics (`tensor_parallel.loss`): the log-sum-exp and
+    the target logit, 2·B·L·4."""
     seq_norm = seq_len // tp if sp else seq_len
     norm = batch * seq_norm * dim * 4 + batch * seq_norm * 4 + batch * seq_norm * dim * dtype_bytes
     return (
@@ -490,12 +509,13 @@ def moe_ffn_activation_bytes(
     *,
     dtype_bytes: int = 4,
 ) -> int:
-    """What an MoE feed-forward (`models.moe.MoEFeedForward`, dropless) keeps for backward for ``tokens`` T tokens
-    with R = T·k (token, expert) rows, balanced routing (under expert parallelism a rank's experts receive R rows
-    on average): the router's fp32 logits and scores (2·T·E·4), the chosen experts and weights (T·k·(8 + 4 + 4)),
-    the per-expert counts (E·8), the rows' token ids, sort order and weights (R·(8 + 8 + 4)), the experts' input
-    rows, their outputs and the weighted outputs (3·R·D·s), their SwiGLU tensors as the dense block's (4·R·F·s),
-    and the shared experts' (4·T·F_shared·s). Measured (`memory.block_activation_bytes`): within 0.1 %."""
+    """What an MoE feed-forward (`models.moe.MoEFeedForward`, dropless) keeps for backward for
+    ``tokens`` T tokens with R = T·k (token, expert) rows, balanced routing (under expert
+    parallelism a rank's experts receive R rows on average): the router's fp32 logits and scores
+    (2·T·E·4), the chosen experts and weights (T·k·(8 + 4 + 4)), the per-expert counts (E·8), the
+    rows' token ids, sort order and weights (R·(8 + 8 + 4)), the experts' input rows, their outputs
+    and the weighted outputs (3·R·D·s), their SwiGLU tensors as the dense block's (4·R·F·s), and the
+    shared experts' (4·T·F_shared·s). Measured (`memory.block_activation_bytes`): within 0.1 %."""
     s, rows = dtype_bytes, tokens * top_k
     router = 2 * tokens * experts * 4 + tokens * top_k * 16 + experts * 8
     return (
@@ -518,12 +538,13 @@ def weight_grad_pending_bytes(
     dtype_bytes: int = 4,
     tp: int = 1,
 ) -> dict[str, int]:
-    """What a dense block still holds between its input-gradient pass (I) and its weight-gradient pass (W) in a
-    zero-bubble schedule (`ops.linear`'s deferral): each linear's input and its output's gradient. Inputs: the
-    attention norm's output (wq, wk, wv share it), the core's output (wo), the MLP norm's output (w1, w3 share it),
-    SwiGLU's product (w2); gradients: of q, k, v, of wo's and w2's outputs (B·L·D each: partial sums under tp), of
-    w1's and w3's. The rest of `activation_bytes_per_block` dies at I. Returned apart: ``inputs`` (allocated by
-    the forward) and ``grads`` (by the I pass)."""
+    """What a dense block still holds between its input-gradient pass (I) and its weight-gradient
+    pass (W) in a zero-bubble schedule (`ops.linear`'s deferral): each linear's input and its
+    output's gradient. Inputs: the attention norm's output (wq, wk, wv share it), the core's output
+    (wo), the MLP norm's output (w1, w3 share it), SwiGLU's product (w2); gradients: of q, k, v, of
+    wo's and w2's outputs (B·L·D each: partial sums under tp), of w1's and w3's. The rest of
+    `activation_bytes_per_block` dies at I. Returned apart: ``inputs`` (allocated by the forward)
+    and ``grads`` (by the I pass)."""
     s, bl = dtype_bytes, batch * seq_len
     heads, kv_heads, hidden, head_dim = (
         n_heads // tp,
@@ -546,10 +567,11 @@ def backward_working_bytes(
     tp: int = 1,
     sp: bool = False,
 ) -> int:
-    """What a block's backward allocates while it runs, beyond the activations it frees: the gradients flowing
-    through it — of its output and its residual (B·L·D each, [L/T] under SP), the RMSNorm's fp32 upcasts of its
-    input and gradient (2·B·L·D·4) — and the SwiGLU's three B·L·F/T gradients (of w2's input and of w1's and w3's
-    outputs); an upper estimate, measured within it in `tests/test_plan.py`."""
+    """What a block's backward allocates while it runs, beyond the activations it frees: the
+    gradients flowing through it — of its output and its residual (B·L·D each, [L/T] under SP), the
+    RMSNorm's fp32 upcasts of its input and gradient (2·B·L·D·4) — and the SwiGLU's three B·L·F/T
+    gradients (of w2's input and of w1's and w3's outputs); an upper estimate, measured within it in
+    `tests/test_plan.py`."""
     seq = seq_len // tp if sp else seq_len
     return (
         batch * seq * dim * (2 * dtype_bytes + 2 * 4)
@@ -560,6 +582,6 @@ def backward_working_bytes(
 def loss_chunk_bytes(
     batch: int, seq_len: int, vocab: int, tp: int = 1, chunk_elements: int = 2**24
 ) -> int:
-    """The chunked cross-entropy's fp32 working chunk (`tensor_parallel.loss`): at most ``chunk_elements`` of this
-    rank's B·L × V/T logits, upcast, in forward and again in backward."""
+    """The chunked cross-entropy's fp32 working chunk (`tensor_parallel.loss`): at most
+    ``chunk_elements`` of this rank's B·L × V/T logits, upcast, in forward and again in backward."""
     return min(batch * seq_len * (vocab // tp), max(vocab // tp, chunk_elements)) * 4

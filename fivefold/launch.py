@@ -298,9 +298,10 @@ def _forwarding_stop_signals(processes: list, received: list[bool]) -> Iterator[
             signal.signal(sig, handler)
 
 
-TEMP_PREFIX = (
-    "fivefold-"  # a launch's directory in the temporary directory: fivefold-<launcher pid>-<random>
-)
+# a launch's directory in the temporary directory: fivefold-<launcher pid>-<random>
+
+
+TEMP_PREFIX = "fivefold-"
 _TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-")
 _LOCK = ".launcher.lock"
 

@@ -112,7 +112,8 @@ class _NewStorages(TorchDispatchMode):
         handle = self._handles.get(ptr)
         return ptr != 0 and (handle is None or torch.UntypedStorage._expired(handle))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    # torch's protocol: its arguments stay untyped
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.current is not None:
             inputs = {
@@ -341,7 +342,8 @@ class PeakSampler(TorchDispatchMode):
         activations)."""
         self.marks.append((label, self.sample()))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    # torch's protocol: its arguments stay untyped
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self._made is not None:
             for t in tree_leaves(out):

@@ -20,7 +20,8 @@ __all__ = ["DERIVED_DIMS", "MESH_DIMS", "ParallelDims", "ParallelMesh"]
 
 
 class ParallelMesh:
-    """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one CommLog."""
+    """The resolved grid of this process: degrees, DeviceMesh, derived groups, per-dim Comms, one
+    CommLog."""
 
     def __init__(
         self,
@@ -32,8 +33,8 @@ class ParallelMesh:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
-                "torch.distributed is not initialised: call fivefold.launch.init_distributed() first "
-                "or run under `fivefold train` / torchrun"
+                "torch.distributed is not initialised: call fivefold.launch.init_distributed() "
+                "first or run under `fivefold train` / torchrun"
             )
         self.device = torch.device(device)
         self.dims = dims.resolve(dist.get_world_size())
@@ -44,10 +45,10 @@ class ParallelMesh:
         self._check_mesh_dims()
         self._derived = self._derived_groups()
         self._comms: dict[str, Comm] = {}
-        self.debug_collectives = (
-            debug_collectives  # every Comm compares fingerprints first (`Comm._agree`)
-        )
-        # One timeout for every group of the run (torch gives new groups its own default, not the world's)
+        # every Comm compares fingerprints first (`Comm._agree`)
+        self.debug_collectives = debug_collectives
+        # One timeout for every group of the run (torch gives new groups its own default, not the
+        # world's)
         self.collective_timeout_s = collective_timeout_s
         self._timed: set[int] = set()
         for dim in MESH_DIMS:
@@ -79,12 +80,16 @@ class ParallelMesh:
         # no expert parallelism: every rank holds all experts ("ep" of one rank, made on demand)
         if d.ep == 1:
             groups["ep_dp"] = groups["dp_cp"]
-        else:  # blocks of ep consecutive ranks hold different experts; a column (same place) the same ones
+        else:
+            # blocks of ep consecutive ranks hold different experts; a column (same place) the same
+            # ones
             groups.update(self._new_groups("ep", "ep_dp"))
         # no HSDP: shards span dp × cp ("dp_replicate" of one rank, made on demand)
         if d.dp_replicate == 1:
             groups["dp_shard"] = groups["dp_cp"]
-        else:  # blocks of consecutive ranks shard the model; a column (same place) holds the same shard
+        else:
+            # blocks of consecutive ranks shard the model; a column (same place) holds the same
+            # shard
             groups.update(self._new_groups("dp_shard", "dp_replicate"))
         return groups
 
@@ -105,9 +110,9 @@ class ParallelMesh:
         return mine
 
     def hpz_comm(self, size: int) -> Comm:
-        """ZeRO++ hpZ's secondary group: `size` consecutive ranks of this rank's dp × cp group (with tp innermost,
-        consecutive dp ranks share a node first), logged as "dp_hpz". Collective: every rank makes every group in
-        the same order, so call it on all ranks."""
+        """ZeRO++ hpZ's secondary group: `size` consecutive ranks of this rank's dp × cp group (with
+        tp innermost, consecutive dp ranks share a node first), logged as "dp_hpz". Collective:
+        every rank makes every group in the same order, so call it on all ranks."""
         key = f"dp_hpz/{size}"
         if key not in self._comms:
             mine = self.own(self._new_groups("dp_hpz", block=size)["dp_hpz"])
@@ -138,7 +143,8 @@ class ParallelMesh:
         return self.device_mesh.get_group(dim)
 
     def own(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
-        """Give ``group`` (made here or by a caller, e.g. the checkpointer's) the run's collective timeout."""
+        """Give ``group`` (made here or by a caller, e.g. the checkpointer's) the run's collective
+        timeout."""
         if self.collective_timeout_s and id(group) not in self._timed:
             self._timed.add(id(group))
             set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
@@ -147,7 +153,8 @@ class ParallelMesh:
         return group
 
     def _fingerprints(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-        """Debug mode: a gloo group over ``group``'s ranks for fingerprints (made by its members alone)."""
+        """Debug mode: a gloo group over ``group``'s ranks for fingerprints (made by its members
+        alone)."""
         if not self.debug_collectives:
             return None
         return self.own(
@@ -182,16 +189,18 @@ class ParallelMesh:
         return self._comms["world"]
 
     def backward_comm(self, dim: str) -> Comm:
-        """A second `Comm` over the ranks of `dim`, on its own process group and logged as `dim`: for the collectives
-        of a backward that runs beside a forward (DualPipeV's overlapped units), so the two never share a group's
-        order of calls. Made on first use by the members of the group alone (they all reach it together)."""
+        """A second `Comm` over the ranks of `dim`, on its own process group and logged as `dim`:
+        for the collectives of a backward that runs beside a forward (DualPipeV's overlapped units),
+        so the two never share a group's order of calls. Made on first use by the members of the
+        group alone (they all reach it together)."""
         key = f"{dim}@backward"
         if key not in self._comms:
             ranks = dist.get_process_group_ranks(self.group(dim))
-            # torch names a locally synchronised group from its ranks and the count of groups this process has
-            # registered: equal on every member as long as they all made the same groups before (the only groups made
-            # on some ranks alone, the singletons of ep and dp_replicate, exist only at degree 1: parallelize asks for
-            # them only where every rank does)
+            # torch names a locally synchronised group from its ranks and the count of groups this
+            # process has registered: equal on every member as long as they all made the same groups
+            # before (the only groups made on some ranks alone, the singletons of ep and
+            # dp_replicate, exist only at degree 1: parallelize asks for them only where every rank
+            # does)
             twin = self.own(dist.new_group(ranks, use_local_synchronization=True))
             self._comms[key] = Comm(
                 twin, dim, self.comm_log, device=self.device, fingerprints=self._fingerprints(twin)

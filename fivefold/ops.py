@@ -81,9 +81,8 @@ class WeightGradStore:
     """Deferred weight-gradient matmuls, queued per key (the runtime's (stage, micro-batch))."""
 
     def __init__(self) -> None:
-        self.current: Hashable = (
-            None  # the key the queued work belongs to (set by the runtime for an I)
-        )
+        # the key the queued work belongs to (set by the runtime for an I)
+        self.current: Hashable = None
         self._pending: dict[Hashable, list[tuple]] = defaultdict(list)
 
     def queue(

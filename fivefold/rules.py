@@ -1,12 +1,15 @@
-"""The rule table: every rule across config keys and mesh dimensions that a layout must keep, as data
-(docs/design.md#principles). A `Rule` says when a `Layout` breaks it, what is then wrong and which keys to
-change; `check` raises the first broken rule's message. `train.validate.validate_layout` evaluates the table
-before any process starts (for `train` and `fivefold plan`), `plan.search` drops the candidate layouts it
-refuses; the engines keep only one-line internal checks (`pipeline_overlap` still decides whether a pipeline
-overlaps, `check_compile_supported`). A new rule is one more `Rule` in `RULES` (docs/architecture.md#the-rule-table).
+"""The rule table: every rule across config keys and mesh dimensions that a layout must keep, as
+data (docs/design.md#principles). A `Rule` says when a `Layout` breaks it, what is then wrong and
+which keys to change; `check` raises the first broken rule's message.
+`train.validate.validate_layout` evaluates the table before any process starts (for `train` and
+`fivefold plan`), `plan.search` drops the candidate layouts it refuses; the engines keep only
+one-line internal checks (`pipeline_overlap` still decides whether a pipeline overlaps,
+`check_compile_supported`). A new rule is one more `Rule` in `RULES`
+(docs/architecture.md#the-rule-table).
 
-A choice key holding a value outside its choices is refused when the config is read (`config.check_choice`),
-a single key out of range and what needs the model built (divisibility, stage cuts) stay in `validate_layout`."""
+A choice key holding a value outside its choices is refused when the config is read
+(`config.check_choice`), a single key out of range and what needs the model built (divisibility,
+stage cuts) stay in `validate_layout`."""
 
 from __future__ import annotations
 
@@ -57,9 +60,9 @@ def _no_grid(dim: str) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """What a rule looks at: the config, each mesh dimension's degree (`ParallelDims.size`, `ParallelMesh.size`),
-    the model's experts (None: dense), the device (``run.device`` or a device type; resolved only when a rule asks)
-    and, under pp, the pipeline's schedule."""
+    """What a rule looks at: the config, each mesh dimension's degree (`ParallelDims.size`,
+    `ParallelMesh.size`), the model's experts (None: dense), the device (``run.device`` or a device
+    type; resolved only when a rule asks) and, under pp, the pipeline's schedule."""
 
     cfg: Config
     size: Callable[[str], int] = _no_grid
@@ -74,9 +77,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class Rule:
-    """``applies(layout)``: the layout breaks the rule; ``message``: what is wrong and how to change it (a text, or
-    one made from the layout); ``fix``: the keys the message says to change; ``group``: a `GROUPS` key, whose broken
-    rules are said together in one error."""
+    """``applies(layout)``: the layout breaks the rule; ``message``: what is wrong and how to change
+    it (a text, or one made from the layout); ``fix``: the keys the message says to change;
+    ``group``: a `GROUPS` key, whose broken rules are said together in one error."""
 
     applies: Callable[[Layout], bool]
     message: str | Callable[[Layout], str]
@@ -89,8 +92,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class Group:
-    """Rules that only hold ``when`` the layout asks for something (pipeline.overlap on, train.compile), their
-    broken ones joined as ``head`` + "; ".join(messages) + ``tail``."""
+    """Rules that only hold ``when`` the layout asks for something (pipeline.overlap on,
+    train.compile), their broken ones joined as ``head`` + "; ".join(messages) + ``tail``."""
 
     when: Callable[[Layout], bool]
     head: str
@@ -110,7 +113,8 @@ GROUPS = {
 
 
 def _sp_multiple(layout: str, cp: int, tp: int) -> int:
-    """The sequence lengths SP (over tp) and the cp layout can both split: cp·tp, and zig-zag's 2·cp chunks."""
+    """The sequence lengths SP (over tp) and the cp layout can both split: cp·tp, and zig-zag's 2·cp
+    chunks."""
     return cp * (math.lcm(2, tp) if layout == "zigzag" and cp > 1 else tp)
 
 
@@ -149,30 +153,31 @@ def _no_cc(l: Layout) -> bool:
 
 PIPELINE_FP16 = Rule(
     lambda l: l.size("pp") > 1 and l.cfg.precision.param == "fp16",
-    "precision.param=fp16 with pipeline parallelism is not supported (loss scaling is per engine); use "
-    "bf16 or fp32",
+    "precision.param=fp16 with pipeline parallelism is not supported (loss scaling is per engine); "
+    "use bf16 or fp32",
     ("precision.param", "parallel.pp"),
 )
 
-# In the order `validate_layout` reports them; a group's rules are said where its first broken one stands.
+# In the order `validate_layout` reports them; a group's rules are said where its first broken one
+# stands.
 RULES: tuple[Rule, ...] = (
     # HSDP (docs/design.md#hsdp): dp = dp_replicate × dp_shard
     Rule(
         lambda l: l.size("dp_replicate") > 1 and l.cfg.zero.stage == 0,
         lambda l: (
-            f"parallel.dp_replicate={l.size('dp_replicate')} with zero.stage=0: nothing is sharded, so "
-            "every rank is a replica and that is plain DDP; set zero.stage 1, 2 or 3 to shard inside "
-            f"groups of dp/dp_replicate × cp = {l.size('dp_shard')} ranks (HSDP), or "
-            "parallel.dp_replicate 1"
+            f"parallel.dp_replicate={l.size('dp_replicate')} with zero.stage=0: nothing is "
+            "sharded, so every rank is a replica and that is plain DDP; set zero.stage 1, 2 or 3 "
+            f"to shard inside groups of dp/dp_replicate × cp = {l.size('dp_shard')} ranks (HSDP), "
+            "or parallel.dp_replicate 1"
         ),
         ("zero.stage", "parallel.dp_replicate"),
     ),
     Rule(
         lambda l: l.size("dp_replicate") > 1 and l.size("dp_shard") == 1,
         lambda l: (
-            f"parallel.dp_replicate={l.size('dp_replicate')} = dp × cp leaves one rank per shard group: "
-            "nothing would be sharded (that is DDP); choose a dp_replicate that leaves dp/dp_replicate "
-            "× cp ≥ 2, or use zero.stage 0 with parallel.dp_replicate 1"
+            f"parallel.dp_replicate={l.size('dp_replicate')} = dp × cp leaves one rank per shard "
+            "group: nothing would be sharded (that is DDP); choose a dp_replicate that leaves "
+            "dp/dp_replicate × cp ≥ 2, or use zero.stage 0 with parallel.dp_replicate 1"
         ),
         ("parallel.dp_replicate", "zero.stage"),
     ),
@@ -180,16 +185,16 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda l: l.moe is None and l.size("ep") > 1,
         lambda l: (
-            f"parallel.ep={l.size('ep')} splits the experts of an MoE model, but the model is dense: set "
-            "--model.moe.experts N (or an MoE preset such as tiny-moe), or parallel.ep=1"
+            f"parallel.ep={l.size('ep')} splits the experts of an MoE model, but the model is "
+            "dense: set --model.moe.experts N (or an MoE preset such as tiny-moe), or parallel.ep=1"
         ),
         ("parallel.ep", "model.moe.experts"),
     ),
     Rule(
         lambda l: l.moe is not None and l.moe.experts % l.size("ep") != 0,
         lambda l: (
-            f"moe.experts={l.moe.experts} is not divisible by parallel.ep={l.size('ep')}: every ep rank "
-            "holds the same number of experts"
+            f"moe.experts={l.moe.experts} is not divisible by parallel.ep={l.size('ep')}: every ep "
+            "rank holds the same number of experts"
         ),
         ("model.moe.experts", "parallel.ep"),
     ),
@@ -198,8 +203,9 @@ RULES: tuple[Rule, ...] = (
             l.moe is not None and l.moe.group_limit is not None and l.moe.groups % l.size("ep") != 0
         ),
         lambda l: (
-            f"moe.groups={l.moe.groups} is not a multiple of parallel.ep={l.size('ep')}: device-limited "
-            "routing bounds the ranks a token reaches only when every expert group lives on one rank"
+            f"moe.groups={l.moe.groups} is not a multiple of parallel.ep={l.size('ep')}: "
+            "device-limited routing bounds the ranks a token reaches only when every expert group "
+            "lives on one rank"
         ),
         ("model.moe.groups", "parallel.ep"),
     ),
@@ -221,9 +227,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda l: l.cfg.zero.qgz and l.size("dp_replicate") > 1,
         lambda l: (
-            f"zero.qgz with parallel.dp_replicate={l.size('dp_replicate')}: HSDP's all-reduce across the "
-            "replicas would follow qgZ's dequantised sum, which is not built; drop zero.qgz (qwZ and hpZ "
-            "work with HSDP) or use parallel.dp_replicate 1"
+            f"zero.qgz with parallel.dp_replicate={l.size('dp_replicate')}: HSDP's all-reduce "
+            "across the replicas would follow qgZ's dequantised sum, which is not built; drop "
+            "zero.qgz (qwZ and hpZ work with HSDP) or use parallel.dp_replicate 1"
         ),
         ("zero.qgz", "parallel.dp_replicate"),
     ),
@@ -238,8 +244,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda l: l.cfg.zero.qgz and l.cfg.zero.stage not in (2, 3),
         lambda l: (
-            "zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3 by a quantised all-to-all: set "
-            f"zero.stage 2 or 3 (not {l.cfg.zero.stage}) or drop zero.qgz"
+            "zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3 by a quantised all-to-all: "
+            f"set zero.stage 2 or 3 (not {l.cfg.zero.stage}) or drop zero.qgz"
         ),
         ("zero.stage", "zero.qgz"),
     ),
@@ -252,8 +258,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda l: (l.cfg.zero.qwz or l.cfg.zero.qgz) and l.cfg.zero.quant_block < 16,
         lambda l: (
-            f"zero.quant_block={l.cfg.zero.quant_block}: use at least 16 elements per block (each block "
-            "carries a 4-byte scale; ZeRO++ uses 256-4096)"
+            f"zero.quant_block={l.cfg.zero.quant_block}: use at least 16 elements per block (each "
+            "block carries a 4-byte scale; ZeRO++ uses 256-4096)"
         ),
         ("zero.quant_block",),
     ),
@@ -284,7 +290,8 @@ RULES: tuple[Rule, ...] = (
         _hpz_message,
         ("zero.hpz",),
     ),
-    # sequence parallelism inside the tp group, after cp's split (docs/design.md#tensor-and-sequence-parallelism)
+    # sequence parallelism inside the tp group, after cp's split
+    # (docs/design.md#tensor-and-sequence-parallelism)
     Rule(
         lambda l: l.cfg.parallel.sp and (l.cfg.train.seq_len // l.size("cp")) % l.size("tp") != 0,
         _sp_message,
@@ -293,8 +300,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda l: l.cfg.model.attention != "sdpa" and l.size("cp") > 1,
         lambda l: (
-            f"model.attention={l.cfg.model.attention}: under parallel.cp={l.size('cp')} attention is "
-            "ring attention whatever the core; drop model.attention or use cp 1"
+            f"model.attention={l.cfg.model.attention}: under parallel.cp={l.size('cp')} attention "
+            "is ring attention whatever the core; drop model.attention or use cp 1"
         ),
         ("model.attention", "parallel.cp"),
     ),
@@ -319,8 +326,8 @@ RULES: tuple[Rule, ...] = (
         ),
         ("pipeline.p2p",),
     ),
-    # A unit's forward runs in a second thread beside the backward: safe only when the two passes never call
-    # one process group at once (`pipeline_overlap`).
+    # A unit's forward runs in a second thread beside the backward: safe only when the two passes
+    # never call one process group at once (`pipeline_overlap`).
     Rule(
         lambda l: not any(l.schedule.side_by_side),
         lambda l: f"schedule {l.schedule.name} has no overlapped units (dualpipev has)",
@@ -347,37 +354,37 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda l: l.moe is not None and l.cfg.train.recompute == "full",
-        "train.recompute=full: the backward would run the MoE layers' forward collectives again beside "
-        "the other pass's",
+        "train.recompute=full: the backward would run the MoE layers' forward collectives again "
+        "beside the other pass's",
         ("train.recompute",),
         "overlap",
     ),
     Rule(
         lambda l: l.device_type != "cpu",
         lambda l: (
-            f"the device is {l.device_type}: the passes would share one stream, and NCCL communicators "
-            "used from two threads at once may deadlock (CPU/gloo only)"
+            f"the device is {l.device_type}: the passes would share one stream, and NCCL "
+            "communicators used from two threads at once may deadlock (CPU/gloo only)"
         ),
         ("pipeline.overlap",),
         "overlap",
     ),
-    # train.compile (docs/layouts.md#per-block-torchcompile): TP / SP, ring attention and expert exchanges are
-    # graph breaks (`comm.eager_region`), ZeRO-3's hooks and pipeline sends sit outside the blocks, full
-    # recompute wraps the compiled block; what is left:
+    # train.compile (docs/layouts.md#per-block-torchcompile): TP / SP, ring attention and expert
+    # exchanges are graph breaks (`comm.eager_region`), ZeRO-3's hooks and pipeline sends sit
+    # outside the blocks, full recompute wraps the compiled block; what is left:
     Rule(
         lambda l: l.cfg.train.recompute == "selective",
-        "train.recompute=selective recomputes the attention core inside the block, and torch.compile "
-        "cannot trace fivefold's checkpoint there: use train.recompute full (the compiled block is "
-        "recomputed whole) or none",
+        "train.recompute=selective recomputes the attention core inside the block, and "
+        "torch.compile cannot trace fivefold's checkpoint there: use train.recompute full (the "
+        "compiled block is recomputed whole) or none",
         ("train.recompute",),
         "compile",
     ),
     Rule(
         lambda l: _has_w(l.schedule),
         lambda l: (
-            f"pipeline.schedule={l.schedule.name} defers weight gradients (W) past the input gradients, "
-            "but a compiled block's backward computes both at once: use pipeline.schedule 1f1b, gpipe "
-            "or interleaved"
+            f"pipeline.schedule={l.schedule.name} defers weight gradients (W) past the input "
+            "gradients, but a compiled block's backward computes both at once: use "
+            "pipeline.schedule 1f1b, gpipe or interleaved"
         ),
         ("pipeline.schedule",),
         "compile",
@@ -385,8 +392,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         _no_cxx,
         lambda l: (
-            f"on the CPU torch's inductor compiles C++ with {os.environ.get('CXX', 'g++')}, which is not "
-            "on PATH: install it or set CXX to a C++ compiler"
+            f"on the CPU torch's inductor compiles C++ with {os.environ.get('CXX', 'g++')}, which "
+            "is not on PATH: install it or set CXX to a C++ compiler"
         ),
         ("train.compile",),
         "compile",
@@ -395,7 +402,8 @@ RULES: tuple[Rule, ...] = (
         _no_cc,
         lambda l: (
             "on GPUs triton builds its kernel launchers with a C compiler "
-            f"({os.environ.get('CC') or 'cc, gcc or clang'}), which is not on PATH: install one or set CC"
+            f"({os.environ.get('CC') or 'cc, gcc or clang'}), which is not on PATH: install one or "
+            "set CC"
         ),
         ("train.compile",),
         "compile",
@@ -439,14 +447,16 @@ def check(layout: Layout, rules: Sequence[Rule] = RULES) -> None:
 def pipeline_overlap(
     cfg: Config, moe: bool, size: Callable[[str], int], device_type: str
 ) -> tuple[bool, str]:
-    """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime` ``overlap``), and
-    why (not). A unit's forward runs in a second thread beside the backward; that is safe only when the two passes
-    never call one process group at once (the "overlap" rules): expert all-to-alls (the backward's get their own
-    group) and the dp × cp load-balancing sum (forward only; the engines' backward hooks issue nothing during a
-    pipeline step, which runs under `no_sync`) are; TP's collectives, ring attention's messages and ZeRO-3's gathers
-    are not. Off by default: the second thread needs a core of its own to gain anything
-    (docs/benchmarks.md#expert-parallelism: measured slower on 2 cores shared by 4 ranks); ``moe`` says whether
-    there are expert all-to-alls to hide. `validate_layout` refuses a broken rule first; here it is raised again."""
+    """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime`
+    ``overlap``), and why (not). A unit's forward runs in a second thread beside the backward; that
+    is safe only when the two passes never call one process group at once (the "overlap" rules):
+    expert all-to-alls (the backward's get their own group) and the dp × cp load-balancing sum
+    (forward only; the engines' backward hooks issue nothing during a pipeline step, which runs
+    under `no_sync`) are; TP's collectives, ring attention's messages and ZeRO-3's gathers are not.
+    Off by default: the second thread needs a core of its own to gain anything
+    (docs/benchmarks.md#expert-parallelism: measured slower on 2 cores shared by 4 ranks); ``moe``
+    says whether there are expert all-to-alls to hide. `validate_layout` refuses a broken rule
+    first; here it is raised again."""
     if cfg.pipeline.overlap == "off":
         return False, "pipeline.overlap off"
     schedule = build_schedule(
@@ -470,8 +480,8 @@ def check_pipeline_supported(cfg: Config) -> None:
 
 
 def compile_blockers(cfg: Config, device_type: str, schedule: Schedule | None = None) -> list[str]:
-    """Why ``train.compile`` cannot compile this layout's blocks (empty: it can): the "compile" rules' messages;
-    ``schedule``: the pipeline's (pp > 1)."""
+    """Why ``train.compile`` cannot compile this layout's blocks (empty: it can): the "compile"
+    rules' messages; ``schedule``: the pipeline's (pp > 1)."""
     layout = Layout(cfg, device=device_type, schedule=schedule)
     return [r.text(layout) for r in RULES if r.group == "compile" and r.applies(layout)]
 

@@ -49,9 +49,8 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1  # carved from dp × cp (not a factor of the world)
-    dp_replicate: int = (
-        1  # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
-    )
+    # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
+    dp_replicate: int = 1
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp and check that the product of the degrees is the world size."""
@@ -72,19 +71,21 @@ class ParallelDims:
             return replace(self, dp=world_size // others).resolve(world_size)
         if others * self.dp != world_size:
             raise ValueError(
-                f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = {others * self.dp} "
-                f"but the world size is {world_size}; make the product equal the number of processes "
-                f"(or set dp=-1 to derive it)"
+                f"pp({self.pp}) × dp({self.dp}) × cp({self.cp}) × tp({self.tp}) = "
+                f"{others * self.dp} but the world size is {world_size}; make the product equal "
+                f"the number of processes (or set dp=-1 to derive it)"
             )
         if (self.dp * self.cp) % self.ep:
             raise ValueError(
-                f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = {self.dp * self.cp}: "
-                "expert-parallel ranks are carved from the data (and context) parallel ones"
+                f"parallel.ep={self.ep} must divide dp({self.dp}) × cp({self.cp}) = "
+                f"{self.dp * self.cp}: expert-parallel ranks are carved from the data (and "
+                "context) parallel ones"
             )
         if self.dp % self.dp_replicate:
             raise ValueError(
-                f"parallel.dp_replicate={self.dp_replicate} must divide dp({self.dp}): HSDP splits dp "
-                "into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a divisor of dp"
+                f"parallel.dp_replicate={self.dp_replicate} must divide dp({self.dp}): HSDP splits "
+                "dp into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a "
+                "divisor of dp"
             )
         return self
 
@@ -127,8 +128,8 @@ class ParallelDims:
     # What `fivefold.plan` asks of the groups, read from `groups` (tests/test_mesh_groups.py holds
     # both against the groups `ParallelMesh` makes).
     def derived_rank(self, dim: str, coords: dict[str, int], block: int = 1) -> int:
-        """This rank's place in `dim`'s group, from its mesh coordinates (pp, dp, cp, tp; missing ones
-        0); ``block``: the size of "dp_hpz"'s groups."""
+        """This rank's place in `dim`'s group, from its mesh coordinates (pp, dp, cp, tp; missing
+        ones 0); ``block``: the size of "dp_hpz"'s groups."""
         _, place = _places(self, dim, block)[self.global_rank(coords)]
         return place
 

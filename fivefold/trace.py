@@ -1,27 +1,32 @@
-"""Per-rank step traces (`run.trace`): what each rank computed and communicated, when, and how much of the
-communication was hidden behind compute.
+"""Per-rank step traces (`run.trace`): what each rank computed and communicated, when, and how much
+of the communication was hidden behind compute.
 
-`StepTracer` installs hooks on the modules it is given (the transformer blocks, the embedding, final norm and head)
-and, for the steps it is told to trace (`begin_step` / `end_step`), records on one `DeviceClock`:
+`StepTracer` installs hooks on the modules it is given (the transformer blocks, the embedding, final
+norm and head) and, for the steps it is told to trace (`begin_step` / `end_step`), records on one
+`DeviceClock`:
 
-- a **forward** span per module call (after ZeRO-3's gather of the unit: its forward pre-hooks run first, and the
-  tracer's post-hook runs before ZeRO-3 frees it); a **backward** span from the moment the gradient of the module's
-  output arrives (after ZeRO-3's re-gather) to the moment its input's gradient is computed — two identity markers
-  (`ops.call_in_backward`), so no full backward hook and nothing in the way of other hooks; a module whose input
-  needs no gradient (the embedding, fed token ids) has no backward span;
-- a **recompute** span when activation recomputation runs a module's forward again inside the backward
-  (`ops.recompute` tells the tracer; a module called again in backward counts too), instead of a second forward;
-- every `CommLog` record of the step with its launch and completion (`comm.CommTiming`) and the time its caller
-  spent blocked waiting for it;
-- the pipeline runtime's F / B / I / W actions (`pipeline.runtime.ActionClock.marks`) when there are any.
+- a **forward** span per module call (after ZeRO-3's gather of the unit: its forward pre-hooks run
+  first, and the tracer's post-hook runs before ZeRO-3 frees it); a **backward** span from the
+  moment the gradient of the module's output arrives (after ZeRO-3's re-gather) to the moment its
+  input's gradient is computed — two identity markers (`ops.call_in_backward`), so no full backward
+  hook and nothing in the way of other hooks; a module whose input needs no gradient (the embedding,
+  fed token ids) has no backward span;
+- a **recompute** span when activation recomputation runs a module's forward again inside the
+  backward (`ops.recompute` tells the tracer; a module called again in backward counts too), instead
+  of a second forward;
+- every `CommLog` record of the step with its launch and completion (`comm.CommTiming`) and the time
+  its caller spent blocked waiting for it;
+- the pipeline runtime's F / B / I / W actions (`pipeline.runtime.ActionClock.marks`) when there are
+  any.
 
-Times are ns on the rank's wall clock (the step's origin taken as `time.time_ns()` beside the first mark), so ranks
-on one host line up; across hosts they are as close as the hosts' clocks. On an accelerator the marks are device
-events and `end_step` waits for the device once per traced step.
+Times are ns on the rank's wall clock (the step's origin taken as `time.time_ns()` beside the first
+mark), so ranks on one host line up; across hosts they are as close as the hosts' clocks. On an
+accelerator the marks are device events and `end_step` waits for the device once per traced step.
 
-Hidden communication (`overlap`): the union C of the step's collective intervals [launch, completion], the compute
-K on each thread (the union of its spans and pipeline actions) minus the intervals B where that thread was blocked
-waiting for a collective (a synchronous call, a ``wait()``); hidden = |C ∩ ∪_threads (K \\ B)| / |C|.
+Hidden communication (`overlap`): the union C of the step's collective intervals [launch,
+completion], the compute K on each thread (the union of its spans and pipeline actions) minus the
+intervals B where that thread was blocked waiting for a collective (a synchronous call, a
+``wait()``); hidden = |C ∩ ∪_threads (K \\ B)| / |C|.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ PIPELINE_LANE = "pipeline"
 STEP_LANE = "step"
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Interval arithmetic on half-open [start, end) intervals of ints (ns)
 
 
@@ -113,7 +118,8 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 def overlap(
     comm: Iterable[Interval], compute: dict[str, list[Interval]], blocked: dict[str, list[Interval]]
 ) -> tuple[int, int]:
-    """(communication time, the part of it hidden): |C| and |C ∩ ∪_lane (compute[lane] \\ blocked[lane])|."""
+    """(communication time, the part of it hidden): |C| and |C ∩ ∪_lane (compute[lane] \\
+    blocked[lane])|."""
     busy = union(
         iv for lane, spans in compute.items() for iv in subtract(spans, blocked.get(lane, []))
     )
@@ -122,21 +128,22 @@ def overlap(
 
 
 def trace_window(start: int, steps: int, trace_steps: int, exit_after: int = 0) -> range:
-    """The steps a run traces: its last ``trace_steps`` (steady state: the first step also records ZeRO-3's orders
-    and allocates the optimizer state), the end being where this invocation stops (``run.exit_after``)."""
+    """The steps a run traces: its last ``trace_steps`` (steady state: the first step also records
+    ZeRO-3's orders and allocates the optimizer state), the end being where this invocation stops
+    (``run.exit_after``)."""
     end = min(steps, start + exit_after) if exit_after > 0 else steps
     return range(max(start, end - trace_steps), end)
 
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The tracer
 
 
 class StepTracer:
-    """Records this rank's traced steps (see the module docstring). ``modules``: (name, module) pairs, none inside
-    another; ``side_threads``: names of threads whose compute goes to a second lane (a pipeline's overlapped
-    forward). Hooks are installed here and removed by `close`; outside `begin_step`/`end_step` they only check a
-    flag, and without a tracer there are none."""
+    """Records this rank's traced steps (see the module docstring). ``modules``: (name, module)
+    pairs, none inside another; ``side_threads``: names of threads whose compute goes to a second
+    lane (a pipeline's overlapped forward). Hooks are installed here and removed by `close`; outside
+    `begin_step`/`end_step` they only check a flag, and without a tracer there are none."""
 
     def __init__(
         self,
@@ -161,7 +168,7 @@ class StepTracer:
                 module.register_forward_hook(self._post_forward(name), prepend=True)
             )
 
-    # -- recording --------------------------------------------------------------------------------------------------
+    # -- recording ---------------------------------------------------------------------------------
     def _lane(self) -> str:
         return SIDE_LANE if threading.current_thread().name in self.side_threads else COMPUTE_LANE
 
@@ -237,7 +244,7 @@ class StepTracer:
             if start is not None:
                 self._span(name, "recompute", start, self._mark())
 
-    # -- steps ------------------------------------------------------------------------------------------------------
+    # -- steps -------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         """Trace from here: hooks record, and the log times every collective."""
         self._step = step
@@ -254,12 +261,14 @@ class StepTracer:
     def end_step(
         self, pipeline_marks: Sequence[tuple[str, int, int, Mark, Mark, str]] = ()
     ) -> dict[str, Any]:
-        """Stop tracing; turn the step's marks into events (waits for the device once on an accelerator) and its
-        hidden-communication figures. ``pipeline_marks``: the runtime's actions (`ActionClock.marks`)."""
+        """Stop tracing; turn the step's marks into events (waits for the device once on an
+        accelerator) and its hidden-communication figures. ``pipeline_marks``: the runtime's actions
+        (`ActionClock.marks`)."""
         self.log.poll()
         end = self.clock.mark()
         self.active = False
-        self.log.clock = None  # (a forward that raised left its recompute watcher set: it is idle while inactive)
+        # (a forward that raised left its recompute watcher set: it is idle while inactive)
+        self.log.clock = None
         timed = [r for r in self.log.records if r.timing is not None and r.seq > self._first_seq]
         marks: list[Mark] = [end]
         for _, _, _, s, e in self._spans:
@@ -379,9 +388,10 @@ class StepTracer:
 
 
 def hidden_summary(ranks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The run's figures from every rank's `StepTracer.result`: per rank the share of its communication time hidden
-    behind compute over its traced steps; their mean, min and max; communication and exposed (not hidden)
-    communication per step, averaged over ranks. None if no rank communicated in a traced step."""
+    """The run's figures from every rank's `StepTracer.result`: per rank the share of its
+    communication time hidden behind compute over its traced steps; their mean, min and max;
+    communication and exposed (not hidden) communication per step, averaged over ranks. None if no
+    rank communicated in a traced step."""
     per_rank: list[float | None] = []
     comm_ms, exposed_ms = [], []
     for r in ranks:

@@ -1,15 +1,19 @@
 """Heartbeats and stall detection for locally launched workers.
 
-Each worker runs a daemon thread (`Heartbeat`) that rewrites ``<dir>/rank<r>.json`` every second with the time,
-its step (`report_step`, from the training loop) and the last collective it issued (from its `CommLog`). The thread
-keeps beating while its rank waits inside a collective (the wait releases the GIL), so:
+Each worker runs a daemon thread (`Heartbeat`) that rewrites ``<dir>/rank<r>.json`` every second
+with the time, its step (`report_step`, from the training loop) and the last collective it issued
+(from its `CommLog`). The thread keeps beating while its rank waits inside a collective (the wait
+releases the GIL), so:
 
-- a rank whose heartbeat stops is frozen (stopped, swapped out, stuck holding the GIL): after ``heartbeat_s``;
-- ranks that all beat but none of which finishes a step are hung on each other (a mismatched or missing
-  collective): after ``stall_s`` (default: a few minutes, and at least 20 of the slowest steps seen).
+- a rank whose heartbeat stops is frozen (stopped, swapped out, stuck holding the GIL): after
+  ``heartbeat_s``;
+- ranks that all beat but none of which finishes a step are hung on each other (a mismatched or
+  missing collective): after ``stall_s`` (default: a few minutes, and at least 20 of the slowest
+  steps seen).
 
-The launcher's `Watchdog` reads the files between joins, and on a stall kills the workers and raises `Stalled`
-naming the rank(s), their step and their last collective, instead of waiting for the collective timeout.
+The launcher's `Watchdog` reads the files between joins, and on a stall kills the workers and raises
+`Stalled` naming the rank(s), their step and their last collective, instead of waiting for the
+collective timeout.
 """
 
 from __future__ import annotations
@@ -117,8 +121,8 @@ class Watchdog:
         return beats
 
     def stall_limit(self, beats: dict[int, dict[str, Any]]) -> float:
-        """Seconds without a finished step that count as a hang: ``stall_s`` if given, else the larger of 3
-        minutes and 20 of the slowest steps any rank has seen."""
+        """Seconds without a finished step that count as a hang: ``stall_s`` if given, else the
+        larger of 3 minutes and 20 of the slowest steps any rank has seen."""
         if self.stall_s > 0:
             return self.stall_s
         slowest = max((b.get("max_step_s") or 0.0 for b in beats.values()), default=0.0)
@@ -131,9 +135,9 @@ class Watchdog:
         frozen = [r for r, b in beats.items() if now - b["time"] > self.heartbeat_s]
         if frozen:
             return "; ".join(
-                f"rank {r} (pid {beats[r]['pid']}) has not answered for {now - beats[r]['time']:.0f} s "
-                f"(stopped or frozen) {_in_step(beats[r])}, last collective "
-                f"{_describe(beats[r]['collective'])}"
+                f"rank {r} (pid {beats[r]['pid']}) has not answered for "
+                f"{now - beats[r]['time']:.0f} s (stopped or frozen) {_in_step(beats[r])}, last "
+                f"collective {_describe(beats[r]['collective'])}"
                 for r in frozen
             )
         if len(beats) < self.nproc:
@@ -159,7 +163,8 @@ class Watchdog:
 
 
 def _in_step(beat: dict[str, Any]) -> str:
-    """Where a rank is, 1-based as the progress bar counts: the heartbeat carries the steps it has finished."""
+    """Where a rank is, 1-based as the progress bar counts: the heartbeat carries the steps it has
+    finished."""
     done = beat.get("step")
     return "before its first step" if done is None else f"in step {done + 1} ({done} finished)"
 

@@ -422,9 +422,10 @@ def _checkpoint_bytes(state_dict: dict[str, Any]) -> int:
     return sum(union.values()) + _ITEM_OVERHEAD * len(union)  # (+ both metadata files)
 
 
-_ITEM_OVERHEAD = (
-    2048  # torch.save's zip framing of one item, and its metadata entries (measured: ~1.6 KB)
-)
+# torch.save's zip framing of one item, and its metadata entries (measured: ~1.6 KB)
+
+
+_ITEM_OVERHEAD = 2048
 
 
 def _mib(n: int) -> str:

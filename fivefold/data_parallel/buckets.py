@@ -1,16 +1,19 @@
-"""Flat padded buffers and the bucketed gradient reducer: the one implementation behind DDP and ZeRO.
+"""Flat padded buffers and the bucketed gradient reducer: the one implementation behind DDP and
+ZeRO.
 
-DP (docs/design.md#one-training-step): gradients are bucketed in reverse registration order (the order backward produces
-them); a post-accumulate-grad hook marks a parameter ready and the bucket's collective launches asynchronously with its
-last gradient, overlapping the rest of backward. Buckets launch in index order so every rank issues the same collectives
-in the same order; what a bucket does (all-reduce for DDP, reduce-scatter for ZeRO) is the
-`BucketStrategy` passed in.
-``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets beyond the bound
-during backward, so the peak holds a few full buffers, not all until backward ends (as FSDP does).
+DP (docs/design.md#one-training-step): gradients are bucketed in reverse registration order (the
+order backward produces them); a post-accumulate-grad hook marks a parameter ready and the bucket's
+collective launches asynchronously with its last gradient, overlapping the rest of backward. Buckets
+launch in index order so every rank issues the same collectives in the same order; what a bucket
+does (all-reduce for DDP, reduce-scatter for ZeRO) is the `BucketStrategy` passed in.
+``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets
+beyond the bound during backward, so the peak holds a few full buffers, not all until backward ends
+(as FSDP does).
 
-ZeRO-R's constant-size buffers C_B (docs/design.md#offload-and-constant-buffers): with a `BufferPool` the temporary full
-gradient buffers of ZeRO-2/3 (and the reduce-scatter outputs that need one) are fixed-size buffers allocated once and
-handed from bucket to bucket, so after warm-up a step allocates none and the allocator does not fragment around them.
+ZeRO-R's constant-size buffers C_B (docs/design.md#offload-and-constant-buffers): with a
+`BufferPool` the temporary full gradient buffers of ZeRO-2/3 (and the reduce-scatter outputs that
+need one) are fixed-size buffers allocated once and handed from bucket to bucket, so after warm-up a
+step allocates none and the allocator does not fragment around them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.ops import graph_task_id, in_backward  # noqa: F401 - in_backward: re-exported for the engines
+# in_backward: re-exported for the engines
+from fivefold.ops import graph_task_id, in_backward  # noqa: F401
 
 NamedParams = Sequence[tuple[str, nn.Parameter]]
 
@@ -70,11 +74,12 @@ class FlatLayout:
 
 
 class BufferPool:
-    """Constant-size flat buffers of one dtype and device (ZeRO-R C_B): `acquire(numel)` hands out a view of the
-    first ``numel`` elements of a free buffer of ``capacity`` elements, `release` takes it back. A buffer is allocated
-    only when none is free — while warming up: with ``max_inflight`` buckets in flight the pool settles at
-    ``max_inflight + 1`` buffers; under ``no_sync`` every bucket holds one until the reduction, so it grows to the
-    number of buckets, once — and is kept for the run (its bytes are reported apart: `memory.ModelStateBytes.buffers`).
+    """Constant-size flat buffers of one dtype and device (ZeRO-R C_B): `acquire(numel)` hands out a
+    view of the first ``numel`` elements of a free buffer of ``capacity`` elements, `release` takes
+    it back. A buffer is allocated only when none is free — while warming up: with ``max_inflight``
+    buckets in flight the pool settles at ``max_inflight + 1`` buffers; under ``no_sync`` every
+    bucket holds one until the reduction, so it grows to the number of buckets, once — and is kept
+    for the run (its bytes are reported apart: `memory.ModelStateBytes.buffers`).
     """
 
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -88,7 +93,8 @@ class BufferPool:
     def acquire(self, numel: int) -> torch.Tensor:
         if numel > self.capacity:
             raise ValueError(
-                f"a buffer of {numel} elements was asked of a pool of {self.capacity}-element buffers"
+                f"a buffer of {numel} elements was asked of a pool of {self.capacity}-element "
+                "buffers"
             )
         if self._free:
             buffer = self._free.pop()
@@ -107,8 +113,8 @@ class BufferPool:
         self._free.append(buffer)
 
     def forget(self, view: torch.Tensor) -> None:
-        """Drop a buffer in use from the pool for good (a collective that never finished may still write it); the
-        pool allocates another when it needs one."""
+        """Drop a buffer in use from the pool for good (a collective that never finished may still
+        write it); the pool allocates another when it needs one."""
         buffer = self._by_storage.pop(view.untyped_storage().data_ptr(), None)
         if buffer is not None:
             self.buffers = [b for b in self.buffers if b is not buffer]
@@ -117,8 +123,8 @@ class BufferPool:
 def assign_buckets(
     named_params: NamedParams, bucket_bytes: float
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration order; a change of
-    dtype or device starts a new bucket (one flat buffer has one dtype)."""
+    """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration
+    order; a change of dtype or device starts a new bucket (one flat buffer has one dtype)."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
     size = 0
@@ -141,12 +147,14 @@ def assign_buckets(
 class GradBucket:
     """One bucket: its parameters, the flat gradient buffer laid out by `layout`, and readiness.
 
-    Views (DDP, matching dtypes): ``param.grad`` is a view of the buffer, which lives for the run. Copy (ZeRO, or a
-    reduce dtype unlike the parameter's): the hook adds ``param.grad`` into the buffer and drops it; ZeRO-1 keeps the
-    buffer, ZeRO-2/3 hold it only until the collective finished (`release`). ZeRO-3 (``defer_copy``) copies all
-    gradients in (`copy_in`) just before the launch, after the unit's gathered parameters were freed (as FSDP2), so
-    the buffer never coexists with the unit's parameters; under ``no_sync`` it copies as usual (reduce dtype).
-    With a ``pool`` a temporary buffer is borrowed from it and given back (constant buffers) instead of allocated."""
+    Views (DDP, matching dtypes): ``param.grad`` is a view of the buffer, which lives for the run.
+    Copy (ZeRO, or a reduce dtype unlike the parameter's): the hook adds ``param.grad`` into the
+    buffer and drops it; ZeRO-1 keeps the buffer, ZeRO-2/3 hold it only until the collective
+    finished (`release`). ZeRO-3 (``defer_copy``) copies all gradients in (`copy_in`) just before
+    the launch, after the unit's gathered parameters were freed (as FSDP2), so the buffer never
+    coexists with the unit's parameters; under ``no_sync`` it copies as usual (reduce dtype). With a
+    ``pool`` a temporary buffer is borrowed from it and given back (constant buffers) instead of
+    allocated."""
 
     def __init__(
         self,
@@ -262,7 +270,8 @@ class BucketStrategy:
         raise NotImplementedError
 
     def on_bucket_done(self, bucket: GradBucket) -> None:
-        """The handle completed: keep the result (before the reducer releases the bucket's buffer)."""
+        """The handle completed: keep the result (before the reducer releases the bucket's
+        buffer)."""
 
     def on_backward_end(self) -> None:
         """A backward ended (after its buckets completed, or under no_sync)."""
@@ -288,9 +297,8 @@ class BucketedGradReducer:
         self.max_inflight = max_inflight
         self.find_unused = find_unused
         self.require_sync = True
-        self.trace: list[tuple[int, str, str]] | None = (
-            None  # (seq, event, name): grad_ready, completed
-        )
+        # (seq, event, name): grad_ready, completed
+        self.trace: list[tuple[int, str, str]] | None = None
         self.trace_clock: Callable[[], int] | None = None
         self.unsynced = False  # gradients arrived under no_sync and have not been reduced yet
         self.buckets = buckets
@@ -347,8 +355,9 @@ class BucketedGradReducer:
             self._launch_ready_buckets()
 
     def _arrived_unsynced(self, bucket: GradBucket, p: torch.Tensor) -> None:
-        """Under no_sync nothing launches, but the owner still learns when every gradient of a bucket arrived in this
-        backward (ZeRO-3 frees the unit's gathered parameters then, instead of holding every unit until it ends)."""
+        """Under no_sync nothing launches, but the owner still learns when every gradient of a
+        bucket arrived in this backward (ZeRO-3 frees the unit's gathered parameters then, instead
+        of holding every unit until it ends)."""
         arrived = self._arrived.setdefault(bucket.index, set())
         if id(p) not in arrived:
             arrived.add(id(p))
@@ -394,12 +403,14 @@ class BucketedGradReducer:
 
     @property
     def interrupted(self) -> bool:
-        """A synchronising backward started and never finished (it raised): its gradients are partly reduced."""
+        """A synchronising backward started and never finished (it raised): its gradients are partly
+        reduced."""
         return bool(self._ready) or self._callback_queued
 
     def no_more_grads(self, bucket: GradBucket) -> None:
-        """The owner knows the bucket's gradients of this backward are all in (ZeRO-3: unit done); with ``find_unused``
-        missing ones count as zero and the bucket launches now instead of holding later buckets back."""
+        """The owner knows the bucket's gradients of this backward are all in (ZeRO-3: unit done);
+        with ``find_unused`` missing ones count as zero and the bucket launches now instead of
+        holding later buckets back."""
         if not (self.require_sync and self.find_unused) or bucket.pending == 0:
             return
         for i, p in enumerate(bucket.params):
@@ -420,7 +431,8 @@ class BucketedGradReducer:
         ]
 
     def flush(self) -> None:
-        """End of a synchronising backward: a missing gradient is an error (zero with find_unused); complete buckets."""
+        """End of a synchronising backward: a missing gradient is an error (zero with find_unused);
+        complete buckets."""
         missing = self.unready_names()
         if missing and not self.find_unused:
             raise RuntimeError(
@@ -432,7 +444,8 @@ class BucketedGradReducer:
         self.sync_now()
 
     def sync_now(self) -> None:
-        """Reduce what every parameter holds now, ready or not (after a pipeline's backwards ran under no_sync)."""
+        """Reduce what every parameter holds now, ready or not (after a pipeline's backwards ran
+        under no_sync)."""
         for bucket in self.buckets[self._next_to_launch :]:
             if bucket.pending:
                 self.strategy.on_all_grads(bucket)  # nothing more will arrive
@@ -454,7 +467,8 @@ class BucketedGradReducer:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Hooks still fill the buckets; nothing is reduced until the next synchronising backward (or `sync_now`)."""
+        """Hooks still fill the buckets; nothing is reduced until the next synchronising backward
+        (or `sync_now`)."""
         previous = self.require_sync
         self.require_sync = False
         try:
@@ -463,7 +477,8 @@ class BucketedGradReducer:
             self.require_sync = previous
 
     def zero_grad(self) -> None:
-        """Zero every bucket (in place where kept; views survive) and forget a half-done backward that raised."""
+        """Zero every bucket (in place where kept; views survive) and forget a half-done backward
+        that raised."""
         for bucket in self.buckets:
             if bucket.keep_buffer and bucket.grad is not None:
                 bucket.grad.zero_()

@@ -30,10 +30,11 @@ def broadcast_module_state(
     skip: Collection[str] = (),
     message_bytes: int = 32 * 2**20,
 ) -> None:
-    """Make every rank's parameters and buffers equal to the source rank's, in place. Small tensors of one dtype and
-    device travel together in messages of at most `message_bytes`, a larger one alone: never a second copy of the
-    model. Meta tensors, the parameters named in `skip` (materialised later, the same on every rank) and the buffers a
-    module lists in ``rank_local_buffers`` (context parallel's RoPE rows, each rank its own positions) are left."""
+    """Make every rank's parameters and buffers equal to the source rank's, in place. Small tensors
+    of one dtype and device travel together in messages of at most `message_bytes`, a larger one
+    alone: never a second copy of the model. Meta tensors, the parameters named in `skip`
+    (materialised later, the same on every rank) and the buffers a module lists in
+    ``rank_local_buffers`` (context parallel's RoPE rows, each rank its own positions) are left."""
     rank_local = {
         f"{prefix}.{b}" if prefix else b
         for prefix, m in module.named_modules()
@@ -87,9 +88,10 @@ class AllReduceEachBucket(BucketStrategy):
 
 
 class DDP(nn.Module):
-    """Data-parallel wrapper for any module, like `torch.nn.parallel.DistributedDataParallel`: parameters broadcast
-    from group rank 0, ``.grad`` views into flat buckets all-reduced as they fill, tied parameters counted once,
-    frozen ones ignored; a parameter without a gradient is an error unless ``find_unused=True``."""
+    """Data-parallel wrapper for any module, like `torch.nn.parallel.DistributedDataParallel`:
+    parameters broadcast from group rank 0, ``.grad`` views into flat buckets all-reduced as they
+    fill, tied parameters counted once, frozen ones ignored; a parameter without a gradient is an
+    error unless ``find_unused=True``."""
 
     def __init__(
         self,

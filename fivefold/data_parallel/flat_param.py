@@ -1,19 +1,21 @@
 """`FlatParam`: a bucket's (ZeRO-0/1/2) or unit's (ZeRO-3) parameters as views of one flat buffer.
 
-ZeRO (docs/design.md#model-state-memory): every rank owns a contiguous 1/N shard of each buffer (padded to a multiple of
-N), keeps fp32 master weights and optimizer state only for it and receives only its shard of the averaged gradient.
-Parameters are ordered by optimizer group (one segment per group in a shard). ``full``: the whole buffer in compute
-dtype, parameters are views into it; ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and
-gathers into it again, so tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a
-view of a gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time. ``local``
-is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host buffer of its own (pinned on an
-accelerator; never ``local``, even for fp32), updated on the host and copied back by `write_back`.
+ZeRO (docs/design.md#model-state-memory): every rank owns a contiguous 1/N shard of each buffer
+(padded to a multiple of N), keeps fp32 master weights and optimizer state only for it and receives
+only its shard of the averaged gradient. Parameters are ordered by optimizer group (one segment per
+group in a shard). ``full``: the whole buffer in compute dtype, parameters are views into it; ZeRO-3
+frees its storage between uses (``untyped_storage().resize_(0)``) and gathers into it again, so
+tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view of a
+gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time.
+``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host
+buffer of its own (pinned on an accelerator; never ``local``, even for fp32), updated on the host
+and copied back by `write_back`.
 
-ZeRO++ (docs/design.md#zero-qwz-qgz-hpz) changes only how a ZeRO-3 gather travels (`_start_gather`): qwZ
-(``quant_block``) all-gathers every shard as block-wise int8 (`quantize`) and dequantises into ``full``, the stored
-shards keeping their dtype; hpZ (``secondary``, a `Comm` over a few consecutive ranks, e.g. a node) keeps this rank's
-slice of each forward gather as ``secondary`` and gathers a backward's weights from those slices inside that group
-alone.
+ZeRO++ (docs/design.md#zero-qwz-qgz-hpz) changes only how a ZeRO-3 gather travels (`_start_gather`):
+qwZ (``quant_block``) all-gathers every shard as block-wise int8 (`quantize`) and dequantises into
+``full``, the stored shards keeping their dtype; hpZ (``secondary``, a `Comm` over a few consecutive
+ranks, e.g. a node) keeps this rank's slice of each forward gather as ``secondary`` and gathers a
+backward's weights from those slices inside that group alone.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from fivefold.data_parallel.buckets import FlatLayout
 from fivefold.data_parallel.quantize import dequantize_packed, packed_bytes, quantize_rows_into
 
 GroupOf = Callable[[str, nn.Parameter], int]
-# A parameter's value to start from (default: its own data); ZeRO's meta-device path draws it from the model's init.
+# A parameter's value to start from (default: its own data); ZeRO's meta-device path draws it from
+# the model's init.
 ValueOf = Callable[[str, nn.Parameter], torch.Tensor]
 
-# Optimizer pieces of at most 1 MiB of fp32: an elementwise optimizer makes ~10 passes over (param, grad, m, v),
-# which stay in cache for 1 MiB but stream from memory for a 25 MiB bucket (measured: AdamW 3-4x slower on CPU).
+# Optimizer pieces of at most 1 MiB of fp32: an elementwise optimizer makes ~10 passes over (param,
+# grad, m, v), which stay in cache for 1 MiB but stream from memory for a 25 MiB bucket (measured:
+# AdamW 3-4x slower on CPU).
 OPTIMIZER_CHUNK = 2**18
 
 
@@ -77,19 +81,18 @@ class FlatParam:
         self._empty = torch.empty(0, dtype=param_dtype, device=device)
         self._gather_work = None
         self._after_gather: Callable[[], None] | None = None
-        # ZeRO++ (ZeRO-3 gathers only): qwZ's block size (None: gathers in the compute dtype), hpZ's group and copy
+        # ZeRO++ (ZeRO-3 gathers only): qwZ's block size (None: gathers in the compute dtype), hpZ's
+        # group and copy
         self.quant_block = quant_block if self.reshard_enabled else None
         self.secondary_comm = (
             secondary
             if self.reshard_enabled and secondary is not None and secondary.size > 1
             else None
         )
-        self.secondary: torch.Tensor | None = (
-            None  # hpZ: this rank's 1/|secondary| of the last forward gather
-        )
-        self._secondary_fresh = (
-            False  # False after the shard changed (write_back): the next gather is a full one
-        )
+        # hpZ: this rank's 1/|secondary| of the last forward gather
+        self.secondary: torch.Tensor | None = None
+        # False after the shard changed (write_back): the next gather is a full one
+        self._secondary_fresh = False
         self.owns_storage = True  # False once `full` views a shared gather slot (constant buffers)
         if self.reshard_enabled:  # ZeRO-3 holds only its shard: the full buffer grows when gathered
             self.full.untyped_storage().resize_(0)
@@ -97,8 +100,9 @@ class FlatParam:
         else:
             self.local = self.full[self.start : self.end]
         self.is_unsharded = not self.reshard_enabled
-        # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the 16-bit copy:
-        # wrapping must not round the weights. Offloaded, it is a host buffer of its own whatever the dtype.
+        # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the
+        # 16-bit copy: wrapping must not round the weights. Offloaded, it is a host buffer of its
+        # own whatever the dtype.
         self.offload = offload
         if offload:
             self.master = host.host_zeros(self.shard_numel, torch.float32, device)
@@ -109,9 +113,8 @@ class FlatParam:
                 else torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
             )
         self.host_grad: torch.Tensor | None = None  # offload: the fp32 gradient shard on the host
-        self.host_staging: torch.Tensor | None = (
-            None  # offload on an accelerator: the cast shard before its copy
-        )
+        # offload on an accelerator: the cast shard before its copy
+        self.host_staging: torch.Tensor | None = None
         value_of = value_of or (lambda name, p: p.detach())
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(self.names, self.params)):
@@ -134,12 +137,12 @@ class FlatParam:
         self.segments = self._group_segments()
         self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
         self.grad_shard: torch.Tensor | None = None
-        self.grad_shard_buffer: torch.Tensor | None = (
-            None  # constant buffers: where reduce-scatters land
-        )
+        # constant buffers: where reduce-scatters land
+        self.grad_shard_buffer: torch.Tensor | None = None
 
     def _fill_shard(self, shard: torch.Tensor, i: int, value: torch.Tensor) -> None:
-        """Copy the part of parameter `i`'s `value` that falls in this rank's [start, end) into `shard`."""
+        """Copy the part of parameter `i`'s `value` that falls in this rank's [start, end) into
+        `shard`."""
         slot = self.layout.slots[i]
         a, b = max(slot.offset, self.start), min(slot.offset + slot.numel, self.end)
         if a < b:
@@ -148,7 +151,8 @@ class FlatParam:
             )
 
     def shard_of(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter, None = zeros)."""
+        """This rank's [start, end) of the flat layout filled from `tensors` (one per parameter,
+        None = zeros)."""
         shard = torch.zeros(self.shard_numel, dtype=dtype, device=self.full.device)
         with torch.no_grad():
             for i, t in enumerate(tensors):
@@ -157,7 +161,8 @@ class FlatParam:
         return shard
 
     def _group_segments(self) -> list[tuple[int, int, int]]:
-        """(group, a, b): each group's part [a, b) of this rank's shard (local coordinates), in `OPTIMIZER_CHUNK`s."""
+        """(group, a, b): each group's part [a, b) of this rank's shard (local coordinates), in
+        `OPTIMIZER_CHUNK`s."""
         segments = []
         for g in sorted(set(self.group_ids)):
             members = [i for i, gid in enumerate(self.group_ids) if gid == g]
@@ -174,8 +179,9 @@ class FlatParam:
         return self.end - self.start
 
     def unshard(self, async_op: bool = False, backward: bool = False) -> None:
-        """Re-grow ``full`` and all-gather every rank's ``local`` into it (no-op if already there). ``backward``: the
-        gather before the unit's backward (hpZ takes it from the secondary copies)."""
+        """Re-grow ``full`` and all-gather every rank's ``local`` into it (no-op if already there).
+        ``backward``: the gather before the unit's backward (hpZ takes it from the secondary
+        copies)."""
         if self.is_unsharded:
             return
         if self._gather_work is None:
@@ -197,10 +203,11 @@ class FlatParam:
             self.is_unsharded = True
 
     def _start_gather(self, backward: bool) -> tuple[object, Callable[[], None] | None]:
-        """Launch the gather of ``full``; returns its work and what to do once it is waited. Plain: the compute-dtype
-        shards over ``comm``. hpZ, backward, secondary copy fresh: the secondary slices over the secondary group,
-        unquantised (as ZeRO++: the values are the forward's, dequantised if qwZ, so both passes see the same
-        weights). qwZ otherwise: packed int8 shards + scales over ``comm``, dequantised into ``full``."""
+        """Launch the gather of ``full``; returns its work and what to do once it is waited. Plain:
+        the compute-dtype shards over ``comm``. hpZ, backward, secondary copy fresh: the secondary
+        slices over the secondary group, unquantised (as ZeRO++: the values are the forward's,
+        dequantised if qwZ, so both passes see the same weights). qwZ otherwise: packed int8
+        shards + scales over ``comm``, dequantised into ``full``."""
         tag = f"unit{self.index}"
         if backward and self.secondary_comm is not None and self._secondary_fresh:
             return self.secondary_comm.all_gather(
@@ -248,16 +255,17 @@ class FlatParam:
             self.wait_unshard()
             if self.owns_storage:
                 self.full.untyped_storage().resize_(0)
-            # Parameters point at an empty tensor while sharded, so stray use fails loudly instead of
-            # reading freed memory; views saved by autograd keep the storage and see it regrown.
+            # Parameters point at an empty tensor while sharded, so stray use fails loudly instead
+            # of reading freed memory; views saved by autograd keep the storage and see it regrown.
             for p in self.params:
                 p.data = self._empty
             self.is_unsharded = False
 
     def use_storage(self, slot: torch.Tensor) -> None:
-        """ZeRO-3 constant buffers: gather into `slot` (at least ``padded_numel`` elements, shared with units never
-        gathered together with this one) from now on instead of re-growing a storage of its own. Only while sharded
-        and no autograd graph holds views of the old storage (the engine calls it between steps)."""
+        """ZeRO-3 constant buffers: gather into `slot` (at least ``padded_numel`` elements, shared
+        with units never gathered together with this one) from now on instead of re-growing a
+        storage of its own. Only while sharded and no autograd graph holds views of the old storage
+        (the engine calls it between steps)."""
         if not self.reshard_enabled or self.is_unsharded or self.gathering:
             raise RuntimeError(
                 f"unit {self.index}: a gather slot can only be assigned to a sharded ZeRO-3 unit"
@@ -266,7 +274,8 @@ class FlatParam:
         self.owns_storage = False
 
     def persistent_grad_shard(self, dtype: torch.dtype) -> torch.Tensor:
-        """Constant buffers: the gradient shard's buffer, allocated once (reduce-scatters land in it directly)."""
+        """Constant buffers: the gradient shard's buffer, allocated once (reduce-scatters land in it
+        directly)."""
         if self.grad_shard_buffer is None or self.grad_shard_buffer.dtype != dtype:
             self.grad_shard_buffer = torch.empty(
                 self.shard_numel, dtype=dtype, device=self.full.device
@@ -288,17 +297,17 @@ class FlatParam:
             self.grad_shard += shard_grad
 
     def host_grad_shard(self) -> torch.Tensor:
-        """Offload: the host buffer the fp32 gradient shard is copied into for the optimizer (allocated once)."""
+        """Offload: the host buffer the fp32 gradient shard is copied into for the optimizer
+        (allocated once)."""
         if self.host_grad is None:
             self.host_grad = host.host_zeros(self.shard_numel, torch.float32, self.local.device)
         return self.host_grad
 
     def write_back(self) -> None:
-        """Copy the updated fp32 master shard into the compute-dtype shard (if they differ; offloaded: host to
-        device, cast on the host first on an accelerator)."""
-        self._secondary_fresh = (
-            False  # hpZ: the shard changed (a step, a load); the next forward gathers afresh
-        )
+        """Copy the updated fp32 master shard into the compute-dtype shard (if they differ;
+        offloaded: host to device, cast on the host first on an accelerator)."""
+        # hpZ: the shard changed (a step, a load); the next forward gathers afresh
+        self._secondary_fresh = False
         if self.master is self.local:
             return
         with torch.no_grad():

@@ -1,18 +1,22 @@
 """ZeRO-3 / FSDP: parameters live as shards; a unit is gathered just before use and freed after.
 
-ZeRO-3: 2Ψ all-gather + Ψ reduce-scatter per step, memory 16Ψ/N (docs/design.md#data-parallel-traffic). This module owns
-*when* units are gathered and freed: the forward pre-hook gathers and prefetches the next ``prefetch`` units in
-recorded forward order; the post-hook frees (``reshard_after_forward``) and wraps the outputs (`ops.call_in_backward`)
-so that their backward gathers again and prefetches in backward order. With ``after_unit_backward`` the inputs are
-wrapped too, so the engine learns a unit's backward is over even if a parameter got no gradient (as FSDP2 does).
+ZeRO-3: 2Ψ all-gather + Ψ reduce-scatter per step, memory 16Ψ/N
+(docs/design.md#data-parallel-traffic). This module owns *when* units are gathered and freed: the
+forward pre-hook gathers and prefetches the next ``prefetch`` units in recorded forward order; the
+post-hook frees (``reshard_after_forward``) and wraps the outputs (`ops.call_in_backward`) so that
+their backward gathers again and prefetches in backward order. With ``after_unit_backward`` the
+inputs are wrapped too, so the engine learns a unit's backward is over even if a parameter got no
+gradient (as FSDP2 does).
 
-Constant buffers (ZeRO-R C_B, docs/design.md#offload-and-constant-buffers; `GatherSlots`): instead of re-growing each
-unit's own storage for every gather, units gather into a few slots allocated once. Autograd keeps views of a unit's
-gathered parameters from its forward until its backward, so a unit must always gather into the same slot, and two units
-may share one only if they are never gathered at the same time: the first two steps are watched (storage of their own,
-as without the pool; the second one prefetches along the recorded orders), then units that were never gathered together
-share a slot. A later gather into a slot another gathered unit holds raises instead of overwriting it. A forward that
-runs inside a backward (activation recompute of a whole unit) only makes sure the unit is gathered.
+Constant buffers (ZeRO-R C_B, docs/design.md#offload-and-constant-buffers; `GatherSlots`): instead
+of re-growing each unit's own storage for every gather, units gather into a few slots allocated
+once. Autograd keeps views of a unit's gathered parameters from its forward until its backward, so a
+unit must always gather into the same slot, and two units may share one only if they are never
+gathered at the same time: the first two steps are watched (storage of their own, as without the
+pool; the second one prefetches along the recorded orders), then units that were never gathered
+together share a slot. A later gather into a slot another gathered unit holds raises instead of
+overwriting it. A forward that runs inside a backward (activation recompute of a whole unit) only
+makes sure the unit is gathered.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ def default_unit_classes(module: nn.Module) -> tuple[type, ...]:
 
 
 def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[str, nn.Module]]:
-    """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only, then the root.
-    By default each transformer block plus the modules the root names in ``fsdp_units`` (torchtitan's layout), so
-    their gradients are freed on arrival instead of living in the root's buffer: only the model can say a module's
-    weights are used through its own forward alone. A named module with shared (tied) parameters stays in the root."""
+    """Wrapping units in module order: matches of `spec` (classes or a predicate), outermost only,
+    then the root. By default each transformer block plus the modules the root names in
+    ``fsdp_units`` (torchtitan's layout), so their gradients are freed on arrival instead of living
+    in the root's buffer: only the model can say a module's weights are used through its own forward
+    alone. A named module with shared (tied) parameters stays in the root."""
     if spec is None:
         classes = default_unit_classes(module)
         match = lambda name, m: isinstance(m, classes) if classes else False  # noqa: E731
@@ -72,10 +77,11 @@ def find_unit_modules(module: nn.Module, spec: UnitSpec = None) -> list[tuple[st
 
 
 class GatherSlots:
-    """Which units share a gather slot (ZeRO-R constant buffers for ZeRO-3). While `watching`, every gather notes the
-    units gathered at that moment (conflicts); `assign` then colours the conflict graph greedily in first-gather
-    order — at most ``max_slots`` slots, each as large as its largest unit; a unit left without one keeps storage of
-    its own (listed in ``dedicated``) — and from then on `before_gather` refuses a gather into a held slot."""
+    """Which units share a gather slot (ZeRO-R constant buffers for ZeRO-3). While `watching`, every
+    gather notes the units gathered at that moment (conflicts); `assign` then colours the conflict
+    graph greedily in first-gather order — at most ``max_slots`` slots, each as large as its largest
+    unit; a unit left without one keeps storage of its own (listed in ``dedicated``) — and from then
+    on `before_gather` refuses a gather into a held slot."""
 
     def __init__(self, flats: Sequence[FlatParam], max_slots: int) -> None:
         self.flats = list(flats)
@@ -104,14 +110,16 @@ class GatherSlots:
         )
         if holder is not None:
             raise RuntimeError(
-                f"ZeRO-3 constant buffers: unit {i} must be gathered into gather slot {slot}, which unit {holder} "
-                "holds now; the two were never gathered together in the first two steps (the order of gathers "
-                "changed: a unit skipped or run twice, another prefetch). Set zero.constant_buffers=false "
+                f"ZeRO-3 constant buffers: unit {i} must be gathered into gather slot {slot}, "
+                f"which unit {holder} holds now; the two were never gathered together in the first "
+                "two steps (the order of gathers changed: a unit skipped or run twice, another "
+                "prefetch). Set zero.constant_buffers=false "
                 "(ZeroDataParallel(constant_buffers=False)) to give every unit storage of its own"
             )
 
     def assign(self) -> None:
-        """Give units slots (between steps: no autograd graph holds views of the units' old storage)."""
+        """Give units slots (between steps: no autograd graph holds views of the units' old
+        storage)."""
         members: list[list[int]] = []
         order = self.first_gathered + [
             i for i in range(len(self.flats)) if i not in self.first_gathered
@@ -161,8 +169,9 @@ class FSDPHooks:
         max_slots: int | None = None,
     ) -> None:
         self.units = units
-        # At most: the root, the unit being computed, `prefetch` ahead, the one whose backward is finishing — or,
-        # units staying gathered from forward to backward, all of them (that is the peak anyway).
+        # At most: the root, the unit being computed, `prefetch` ahead, the one whose backward is
+        # finishing — or, units staying gathered from forward to backward, all of them (that is the
+        # peak anyway).
         max_slots = max_slots or (prefetch + 3 if reshard_after_forward else len(units))
         self.slots = GatherSlots([f for _, f in units], max_slots) if constant_buffers else None
         self._steps_watched = 0
@@ -255,10 +264,10 @@ class FSDPHooks:
         self._backwards += 1
 
     def between_steps(self) -> None:
-        """The engine's gradients were cleared (after a step): nothing stays gathered (a backward that raised may
-        have left units so; a later gather re-fills them) and no autograd graph of the units is alive. Constant
-        buffers: after two watched steps with a backward (the second one prefetching along the known orders),
-        units are given their gather slots."""
+        """The engine's gradients were cleared (after a step): nothing stays gathered (a backward
+        that raised may have left units so; a later gather re-fills them) and no autograd graph of
+        the units is alive. Constant buffers: after two watched steps with a backward (the second
+        one prefetching along the known orders), units are given their gather slots."""
         for _, flat in self.units:
             flat.reshard()
         if self.slots is None or not self.slots.watching or not self._backwards:

@@ -1,17 +1,20 @@
-"""HSDP's second reduction (docs/design.md#hsdp): ZeRO shards inside a shard group, and each bucket's reduced gradient
-shard is then all-reduced across the replicate groups, which hold the same shard.
+"""HSDP's second reduction (docs/design.md#hsdp): ZeRO shards inside a shard group, and each
+bucket's reduced gradient shard is then all-reduced across the replicate groups, which hold the same
+shard.
 
-Per step and rank, Ψ padded parameters, N_s = shard degree, R = replicas: over ``dp_shard`` the stage's traffic (ZeRO-3:
-all-gather 2Ψ + reduce-scatter Ψ; ZeRO-1/2: reduce-scatter Ψ + all-gather Ψ), over ``dp_replicate`` an all-reduce of
-Ψ/N_s; model states follow the stage's formula with N = N_s (ZeRO-3: 16Ψ/N_s). `formulas.hsdp_expected` has the
-numbers.
+Per step and rank, Ψ padded parameters, N_s = shard degree, R = replicas: over ``dp_shard`` the
+stage's traffic (ZeRO-3: all-gather 2Ψ + reduce-scatter Ψ; ZeRO-1/2: reduce-scatter Ψ + all-gather
+Ψ), over ``dp_replicate`` an all-reduce of Ψ/N_s; model states follow the stage's formula with N =
+N_s (ZeRO-3: 16Ψ/N_s). `formulas.hsdp_expected` has the numbers.
 
-The all-reduce of bucket k can start only when its reduce-scatter has finished. `ReplicaReduce` starts it at points
-of the program that are the same on every rank, never on a timing-dependent test: when bucket k + 1 is launched
-(waiting for bucket k's reduce-scatter, issued one launch earlier, so usually done), or when bucket k itself is
-waited for (the reducer's bounded in-flight logic, the end of backward). Every rank thus issues the shard and replica
-collectives in one interleaving — which debug mode's fingerprint exchange (a blocking gloo call before each
-collective) and NCCL's communicators (posted in different orders on different ranks, they may deadlock) both need.
+The all-reduce of bucket k can start only when its reduce-scatter has finished. `ReplicaReduce`
+starts it at points of the program that are the same on every rank, never on a timing-dependent
+test: when bucket k + 1 is launched (waiting for bucket k's reduce-scatter, issued one launch
+earlier, so usually done), or when bucket k itself is waited for (the reducer's bounded in-flight
+logic, the end of backward). Every rank thus issues the shard and replica collectives in one
+interleaving — which debug mode's fingerprint exchange (a blocking gloo call before each collective)
+and NCCL's communicators (posted in different orders on different ranks, they may deadlock) both
+need.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ __all__ = ["ReplicaReduce", "ThenAllReduce"]
 
 
 class ThenAllReduce:
-    """The work handle of one bucket under HSDP: its reduce-scatter (None when there was none), then the all-reduce of
-    its shard ``out`` over the replicate group. ``wait()`` returns when both are done."""
+    """The work handle of one bucket under HSDP: its reduce-scatter (None when there was none), then
+    the all-reduce of its shard ``out`` over the replicate group. ``wait()`` returns when both are
+    done."""
 
     def __init__(self, queue: ReplicaReduce, first: Any, out: torch.Tensor, tag: str) -> None:
         self.queue, self.first, self.out, self.tag = queue, first, out, tag
@@ -57,8 +61,8 @@ class ReplicaReduce:
         self._waiting: deque[ThenAllReduce] = deque()
 
     def after(self, first: Any, out: torch.Tensor, tag: str) -> ThenAllReduce:
-        """The handle for a bucket whose reduce-scatter `first` was just launched into `out`; every older bucket
-        starts its all-reduce now (in bucket order, whatever the timing)."""
+        """The handle for a bucket whose reduce-scatter `first` was just launched into `out`; every
+        older bucket starts its all-reduce now (in bucket order, whatever the timing)."""
         while self._waiting:
             self._waiting.popleft().start()
         work = ThenAllReduce(self, first, out, tag)
@@ -66,7 +70,8 @@ class ReplicaReduce:
         return work
 
     def start_through(self, work: ThenAllReduce) -> None:
-        """Start every all-reduce up to and including `work`'s, waiting for their reduce-scatters."""
+        """Start every all-reduce up to and including `work`'s, waiting for their
+        reduce-scatters."""
         while not work.started:
             self._waiting.popleft().start()
 

@@ -1,9 +1,9 @@
 """Mixed-precision policy and dynamic loss scaling.
 
-Mixed-precision Adam (the ZeRO paper's accounting, docs/design.md#model-state-memory): 16-bit parameters and gradients
-(2Ψ + 2Ψ), fp32 master weights plus Adam's m and v in the (sharded) optimizer (KΨ, K = 12). fp16 needs loss scaling: a
-step whose gradients overflowed on any rank is skipped and the scale halved; it doubles after `growth_interval` clean
-steps.
+Mixed-precision Adam (the ZeRO paper's accounting, docs/design.md#model-state-memory): 16-bit
+parameters and gradients (2Ψ + 2Ψ), fp32 master weights plus Adam's m and v in the (sharded)
+optimizer (KΨ, K = 12). fp16 needs loss scaling: a step whose gradients overflowed on any rank is
+skipped and the scale halved; it doubles after `growth_interval` clean steps.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """param_dtype: the parameters' storage and compute; reduce_dtype: gradient buckets, collectives (None = fp32)."""
+    """param_dtype: the parameters' storage and compute; reduce_dtype: gradient buckets, collectives
+    (None = fp32)."""
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None

@@ -1,11 +1,12 @@
-"""ZeRO-Offload (docs/design.md#offload-and-constant-buffers): the fp32 master shard and the optimizer state live in
-host memory and the optimizer step runs there; each step the gradient shard travels to the host and the updated shard
-back to the device.
+"""ZeRO-Offload (docs/design.md#offload-and-constant-buffers): the fp32 master shard and the
+optimizer state live in host memory and the optimizer step runs there; each step the gradient shard
+travels to the host and the updated shard back to the device.
 
-This module owns the host side's buffers and copies, device-agnostic: on an accelerator the host buffers are pinned
-and the copies asynchronous (one wait on the device before the host reads what arrived); on the CPU the same code
-runs against host buffers of their own (never aliasing the compute shard), so CI exercises the whole path. The
-norm, clipping and every collective stay on the device (`ShardedOptimizer`); only the elementwise update moves.
+This module owns the host side's buffers and copies, device-agnostic: on an accelerator the host
+buffers are pinned and the copies asynchronous (one wait on the device before the host reads what
+arrived); on the CPU the same code runs against host buffers of their own (never aliasing the
+compute shard), so CI exercises the whole path. The norm, clipping and every collective stay on the
+device (`ShardedOptimizer`); only the elementwise update moves.
 """
 
 from __future__ import annotations
@@ -16,25 +17,29 @@ HOST = torch.device("cpu")
 
 
 def is_accelerator(device: torch.device) -> bool:
-    """True where the host buffer should be pinned and copies asynchronous (a real accelerator, not the CPU or meta)."""
+    """True where the host buffer should be pinned and copies asynchronous (a real accelerator, not
+    the CPU or meta)."""
     return device.type not in ("cpu", "meta")
 
 
 def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer for a shard whose compute copy lives on `device` (pinned when that is an accelerator; on the
-    meta device, where `fivefold.plan` lays a rank out, a meta tensor: nothing is allocated)."""
+    """A host buffer for a shard whose compute copy lives on `device` (pinned when that is an
+    accelerator; on the meta device, where `fivefold.plan` lays a rank out, a meta tensor: nothing
+    is allocated)."""
     if torch.device(device).type == "meta":
         return torch.zeros(numel, dtype=dtype, device="meta")
     return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=is_accelerator(device))
 
 
 def copy_to_host(host: torch.Tensor, src: torch.Tensor) -> None:
-    """Start copying `src` (device) into `host`; the host may read it after `wait_for_device(src.device)`."""
+    """Start copying `src` (device) into `host`; the host may read it after
+    `wait_for_device(src.device)`."""
     host.copy_(src, non_blocking=is_accelerator(src.device))
 
 
 def wait_for_device(device: torch.device) -> None:
-    """Block the host until the copies queued on `device`'s current stream arrived (nothing to wait for on the CPU)."""
+    """Block the host until the copies queued on `device`'s current stream arrived (nothing to wait
+    for on the CPU)."""
     if is_accelerator(device):
         torch.accelerator.current_stream(device).synchronize()
 
@@ -42,10 +47,10 @@ def wait_for_device(device: torch.device) -> None:
 def copy_to_device(
     dst: torch.Tensor, host: torch.Tensor, staging: torch.Tensor | None = None
 ) -> None:
-    """Copy the host tensor `host` into `dst` on the device, cast to ``dst``'s dtype. On an accelerator the cast
-    happens on the host into `staging` (pinned, ``dst``'s dtype) so that only compute-dtype bytes cross the bus and
-    the copy is asynchronous; `staging` must not be rewritten before the device used it (the next step's
-    `wait_for_device` guarantees it)."""
+    """Copy the host tensor `host` into `dst` on the device, cast to ``dst``'s dtype. On an
+    accelerator the cast happens on the host into `staging` (pinned, ``dst``'s dtype) so that only
+    compute-dtype bytes cross the bus and the copy is asynchronous; `staging` must not be rewritten
+    before the device used it (the next step's `wait_for_device` guarantees it)."""
     if staging is not None and is_accelerator(dst.device) and host.dtype != dst.dtype:
         staging.copy_(host)
         host = staging

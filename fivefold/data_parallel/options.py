@@ -96,24 +96,25 @@ def check_options(o: ZeroOptions, comm: Comm) -> None:
         raise ValueError(f"zero_stage={o.stage}: choose 0 (DDP), 1, 2 or 3 (FSDP)")
     if o.replicate is not None and o.stage == 0:
         raise ValueError(
-            "HSDP (a replicate group) shards inside a group: it needs zero_stage 1, 2 or 3 (stage 0 "
-            "over both groups is plain DDP: use zero_stage=0 over the whole data-parallel group)"
+            "HSDP (a replicate group) shards inside a group: it needs zero_stage 1, 2 or 3 (stage "
+            "0 over both groups is plain DDP: use zero_stage=0 over the whole data-parallel group)"
         )
     if o.qgz and _replicas(o):
         raise ValueError(
-            "qgz with HSDP (a replicate group) is not supported: the replicas' all-reduce would have "
-            "to follow qgZ's dequantised sum; use qwz / hpz_comm with HSDP, or no replicate group"
+            "qgz with HSDP (a replicate group) is not supported: the replicas' all-reduce would "
+            "have to follow qgZ's dequantised sum; use qwz / hpz_comm with HSDP, or no replicate "
+            "group"
         )
     if o.inflight_buckets < 1:
         raise ValueError(
-            f"inflight_buckets={o.inflight_buckets}: at least one reduce-scatter must be allowed in "
-            "flight; use 1 (least memory) or more (more overlap)"
+            f"inflight_buckets={o.inflight_buckets}: at least one reduce-scatter must be allowed "
+            "in flight; use 1 (least memory) or more (more overlap)"
         )
     _check_zeropp(o, comm)
     if o.constant_buffers and _replicas(o) and comm.size == 1:
         raise ValueError(
-            "constant_buffers with HSDP over one-rank shard groups: nothing is sharded (that is DDP "
-            "over the replicate group); use zero_stage=0 over it, or larger shard groups"
+            "constant_buffers with HSDP over one-rank shard groups: nothing is sharded (that is "
+            "DDP over the replicate group); use zero_stage=0 over it, or larger shard groups"
         )
     if o.constant_buffers and (o.qwz or o.qgz):
         raise ValueError(

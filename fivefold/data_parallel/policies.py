@@ -61,7 +61,8 @@ class FreshBuffers:
 
 
 class ConstantBuffers(FreshBuffers):
-    """ZeRO-R's constant buffers: after warm-up a step allocates none of the communication buffers."""
+    """ZeRO-R's constant buffers: after warm-up a step allocates none of the communication
+    buffers."""
 
     constant = True
 

@@ -1,15 +1,17 @@
 """`ShardedOptimizer`: any elementwise torch optimizer stepping only this rank's shard.
 
-ZeRO-1 (docs/design.md#mechanisms): for AdamW, knowing part of the gradient is enough to compute that part's first and
-second moments and update that part of the parameters, so an optimizer over the fp32 master shard is exact with state
-KΨ/N; non-elementwise ones (Muon, Adafactor) are refused. Used standalone after DDP (like ZeroRedundancyOptimizer)
-or by the ZeRO engine. A step: unscale (fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan
-skip every rank agrees on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
+ZeRO-1 (docs/design.md#mechanisms): for AdamW, knowing part of the gradient is enough to compute
+that part's first and second moments and update that part of the parameters, so an optimizer over
+the fp32 master shard is exact with state KΨ/N; non-elementwise ones (Muon, Adafactor) are refused.
+Used standalone after DDP (like ZeroRedundancyOptimizer) or by the ZeRO engine. A step: unscale
+(fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan skip every rank agrees
+on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
 
-Offloaded flats (`FlatParam.offload`, docs/design.md#offload-and-constant-buffers): the norm and the clipping still run
-on the device gradient shards (the global-norm collectives stay on the group's device); then the clipped fp32 shards are
-copied to the host (`offload.copy_to_host`), the inner optimizer — whose parameters are the host masters — steps there,
-and `write_back` copies the result to the device.
+Offloaded flats (`FlatParam.offload`, docs/design.md#offload-and-constant-buffers): the norm and the
+clipping still run on the device gradient shards (the global-norm collectives stay on the group's
+device); then the clipped fp32 shards are copied to the host (`offload.copy_to_host`), the inner
+optimizer — whose parameters are the host masters — steps there, and `write_back` copies the result
+to the device.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
         elementwise = issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)
     if not elementwise:
         raise ValueError(
-            f"{optimizer_class.__name__} is not known to be elementwise: sharding its state would change its "
-            "math (Muon orthogonalises whole matrices, Adafactor factors them). Use an elementwise optimizer "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) or pass elementwise=True if it is one"
+            f"{optimizer_class.__name__} is not known to be elementwise: sharding its state would "
+            "change its math (Muon orthogonalises whole matrices, Adafactor factors them). Use an "
+            f"elementwise optimizer ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) or "
+            "pass elementwise=True if it is one"
         )
 
 
@@ -65,7 +68,8 @@ class ShardedOptimizer:
         elementwise: bool | None = None,
         **defaults: Any,
     ) -> None:
-        """Standalone: flattens `params` (tensors or param-group dicts) into one flat buffer per (dtype, device)."""
+        """Standalone: flattens `params` (tensors or param-group dicts) into one flat buffer per
+        (dtype, device)."""
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -151,7 +155,8 @@ class ShardedOptimizer:
             ]
             if members:
                 inner_groups.append({"params": members, **kwargs})
-        # What the global norm sums over: the group's own placement, plus dp where this optimizer shards.
+        # What the global norm sums over: the group's own placement, plus dp where this optimizer
+        # shards.
         dp: Placement = (
             frozenset({self.comm.dim}) if self.sharded else frozenset()
         )  # "dp" (or dp_cp, ep_dp, dp_shard)
@@ -162,8 +167,9 @@ class ShardedOptimizer:
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
             inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
         if comm.device.type != "cpu" and "foreach" in inspect.signature(optimizer_class).parameters:
-            # one multi-tensor kernel per group over all shard segments, not one launch per segment (torch picks it
-            # only for CUDA tensors it recognises); the CPU keeps the per-tensor loop the reference runs
+            # one multi-tensor kernel per group over all shard segments, not one launch per segment
+            # (torch picks it only for CUDA tensors it recognises); the CPU keeps the per-tensor
+            # loop the reference runs
             defaults.setdefault("foreach", True)
         self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
         self.last_step_skipped = False
@@ -184,13 +190,15 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state)
 
     def _grad_shards_from_params(self) -> None:
-        """Standalone: cut this rank's shard out of each (already averaged) full parameter gradient."""
+        """Standalone: cut this rank's shard out of each (already averaged) full parameter
+        gradient."""
         for f in self.flats:
             f.grad_shard = f.shard_of([p.grad for p in f.params], f.param_dtype)
 
     def _master_grads(self) -> list[tuple[torch.Tensor, Placement]]:
-        """(fp32 gradient of each master segment on the device, its placement). Offloaded, the master's own
-        ``.grad`` is its slice of the host buffer, filled by `_grads_to_host` after clipping."""
+        """(fp32 gradient of each master segment on the device, its placement). Offloaded, the
+        master's own ``.grad`` is its slice of the host buffer, filled by `_grads_to_host` after
+        clipping."""
         grads = []
         self._to_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host .grad, device gradient)
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -214,7 +222,8 @@ class ShardedOptimizer:
         return grads
 
     def _grads_to_host(self) -> None:
-        """Offload: copy the (clipped) device gradients into the host masters' ``.grad`` and wait for them."""
+        """Offload: copy the (clipped) device gradients into the host masters' ``.grad`` and wait
+        for them."""
         for host_grad, g in self._to_host:
             host.copy_to_host(host_grad, g)
         if self._to_host:
@@ -222,9 +231,9 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> torch.Tensor | None:
-        """Step the shards; returns the global gradient norm (0-d, on the group's device) when computed (clipping or
-        fp16). Standalone, the norm is over this optimizer's groups and dp shards; with a loss scaler a non-finite
-        norm makes every rank skip the step."""
+        """Step the shards; returns the global gradient norm (0-d, on the group's device) when
+        computed (clipping or fp16). Standalone, the norm is over this optimizer's groups and dp
+        shards; with a loss scaler a non-finite norm makes every rank skip the step."""
         norm, found_inf = None, False
         if max_norm is not None or self.loss_scaler is not None:
             norm = global_grad_sq_norm(
@@ -237,7 +246,8 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def local_sq_norms(self) -> dict[Placement, torch.Tensor]:
-        """Prepare the fp32 unscaled gradient shards; return this rank's squared sums by placement (device tensors)."""
+        """Prepare the fp32 unscaled gradient shards; return this rank's squared sums by placement
+        (device tensors)."""
         self._prepare_grads()
         out: dict[Placement, torch.Tensor] = {}
         for g, placement in self._grads:
@@ -247,8 +257,8 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def first_non_finite_grad(self) -> str | None:
-        """The name of the first parameter whose gradient in this rank's shard has a NaN or Inf element (None if
-        none); after `local_sq_norms` prepared the gradients."""
+        """The name of the first parameter whose gradient in this rank's shard has a NaN or Inf
+        element (None if none); after `local_sq_norms` prepared the gradients."""
         self._prepare_grads()
         for f in self.flats:
             if f.grad_shard is None:
@@ -271,8 +281,9 @@ class ShardedOptimizer:
     def apply_step(
         self, norm: torch.Tensor | None, max_norm: float | None = None, found_inf: bool = False
     ) -> None:
-        """Skip (`found_inf`, agreed by every rank: a loss scaler saw a non-finite norm) or clip to `max_norm` by the
-        global `norm` (on the device, as torch's clip_grad_norm_) and step; write back, all-gather."""
+        """Skip (`found_inf`, agreed by every rank: a loss scaler saw a non-finite norm) or clip to
+        `max_norm` by the global `norm` (on the device, as torch's clip_grad_norm_) and step; write
+        back, all-gather."""
         self._prepare_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -284,8 +295,9 @@ class ShardedOptimizer:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_([g for g, _ in self._grads], coef)
         self.last_step_skipped = False
-        # a step without a backward: no update, no all-gather. Decided by the gradient shards, not by `_grads`: a
-        # rank whose shards are all padding has no segment to step, yet must join the others' all-gathers
+        # a step without a backward: no update, no all-gather. Decided by the gradient shards, not
+        # by `_grads`: a rank whose shards are all padding has no segment to step, yet must join the
+        # others' all-gathers
         if all(f.grad_shard is None for f in self.flats):
             self.zero_grad()
             return
@@ -302,7 +314,8 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads = None
-        self._to_host = []  # (it views the device gradient shards: holding it would keep them alive)
+        # (it views the device gradient shards: holding it would keep them alive)
+        self._to_host = []
         for f in self.flats:
             f.grad_shard = None
             for mp in f.master_params:

@@ -135,9 +135,8 @@ class Stage(BucketStrategy):
     travels), the result kept."""
 
     number: int  # the ZeRO stage (`formulas.flat_model_state_bytes`' ``stage``)
-    keep_full_grads = (
-        True  # the bucket's full gradient buffer lives for the run (GradBucket's keep_buffer)
-    )
+    # the bucket's full gradient buffer lives for the run (GradBucket's keep_buffer)
+    keep_full_grads = True
     grad_views = False  # ``param.grad`` is a view of the bucket (stage 0)
     defer_copy = False  # gradients copied in just before the launch (stage 3)
 
@@ -388,7 +387,9 @@ class ReduceScatter(Stage):
             or flat.grad_shard is None
             or bucket.grad is None
         ):
-            return  # (after a no_sync backward the buffer holds unreduced gradients still to be counted: keep them)
+            # (after a no_sync backward the buffer holds unreduced gradients still to be counted:
+            # keep them)
+            return
         self._reduced_in_buffer.discard(bucket.index)
         if flat.grad_shard.untyped_storage().data_ptr() == bucket.grad.untyped_storage().data_ptr():
             flat.grad_shard = self.buffers.moved_shard(flat, flat.grad_shard)
@@ -562,8 +563,9 @@ def _build_units(
     owner: dict[int, str] = {}
     by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
     unit_mods = dict(find_unit_modules(module, unit_spec))
-    # Every name of every parameter (a tied one has several). A parameter used by two units belongs to the root,
-    # which stays gathered around all its children; two sibling units are never gathered together.
+    # Every name of every parameter (a tied one has several). A parameter used by two units belongs
+    # to the root, which stays gathered around all its children; two sibling units are never
+    # gathered together.
     for name, p in module.named_parameters(remove_duplicate=False):
         if not p.requires_grad or not owns(name, p):
             continue
@@ -578,7 +580,8 @@ def _build_units(
         owner[id(p)] = unit
     for name, p in named:
         by_unit.setdefault(owner[id(p)], []).append((name, p))
-    # Bucket order = reverse order of each unit's first parameter: roughly when backward finishes it.
+    # Bucket order = reverse order of each unit's first parameter: roughly when backward finishes
+    # it.
     first_index = {
         u: min(i for i, (n, _) in enumerate(named) if n in {x for x, _ in ps})
         for u, ps in by_unit.items()

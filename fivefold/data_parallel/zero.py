@@ -144,14 +144,16 @@ class ZeroDataParallel(nn.Module):
         self.replicate = o.replicate if o.replicate is not None and o.replicate.size > 1 else None
         self.reduce_size = self.strategy.divisor
         self.offload_optimizer = o.offload_optimizer
-        # `params`: the parameters this engine owns (default all; MoE experts get an engine of their own).
+        # `params`: the parameters this engine owns (default all; MoE experts get an engine of their
+        # own).
         self.owns = o.params or (lambda name, p: True)
-        # Gradients are averaged over `comm` (× replicate; each bucket pre-divided by `reduce_size`); `grad_divisor`
-        # asks for another divisor (expert gradients, already summed over ep by the all-to-all, divide by dp × cp):
-        # each backward's contribution is scaled by size / divisor as it arrives — not the buffer, which accumulates
-        # micro-steps.
+        # Gradients are averaged over `comm` (× replicate; each bucket pre-divided by
+        # `reduce_size`); `grad_divisor` asks for another divisor (expert gradients, already summed
+        # over ep by the all-to-all, divide by dp × cp): each backward's contribution is scaled by
+        # size / divisor as it arrives — not the buffer, which accumulates micro-steps.
         self.grad_divisor = o.grad_divisor or self.reduce_size
-        # Parameters on the meta device are materialised here, each rank only its share, from `init_value`.
+        # Parameters on the meta device are materialised here, each rank only its share, from
+        # `init_value`.
         deferred = {
             name
             for name, p in module.named_parameters()
@@ -167,7 +169,8 @@ class ZeroDataParallel(nn.Module):
             materialize(module, o.device, storage=False, select=lambda name: name in deferred)
         init_value = o.init_value
         self._value_of = lambda name, p: init_value(name) if name in deferred else p.detach()
-        # (deferred values are the same on every rank by construction); HSDP: then across the replicas
+        # (deferred values are the same on every rank by construction); HSDP: then across the
+        # replicas
         for group in (comm, self.replicate) if o.broadcast_init else ():
             if group is not None and group.size > 1:
                 broadcast_module_state(
@@ -299,7 +302,8 @@ class ZeroDataParallel(nn.Module):
         return step_together([self], max_norm)
 
     def check_step_allowed(self) -> None:
-        """Raise if the gradients are not ready for a step (an interrupted or unreduced backward)."""
+        """Raise if the gradients are not ready for a step (an interrupted or unreduced
+        backward)."""
         if self.reducer.interrupted:
             raise RuntimeError(
                 "a backward started but did not finish (did it raise?): its gradients are partly "
@@ -329,8 +333,8 @@ class ZeroDataParallel(nn.Module):
             gathered = flat.full_master()
             for name, p in zip(flat.names, flat.params):
                 master_by_param[id(p)] = gathered[name]
-        # keep_vars: parameters come back as the Parameter objects, tied ones under every name. Another engine's
-        # parameters (MoE experts / the rest) are that engine's to report.
+        # keep_vars: parameters come back as the Parameter objects, tied ones under every name.
+        # Another engine's parameters (MoE experts / the rest) are that engine's to report.
         theirs = {
             id(p)
             for n, p in self.module.named_parameters(remove_duplicate=False)

@@ -1,6 +1,6 @@
-"""Llama-style decoder (GQA + RoPE, SwiGLU, RMSNorm, no biases) as plain single-process PyTorch: config, presets,
-deterministic init, parameter count. No parallel code: the parallel wrappers address sub-modules by name
-(``layers.3.attention.wq``), so the names are a public contract."""
+"""Llama-style decoder (GQA + RoPE, SwiGLU, RMSNorm, no biases) as plain single-process PyTorch:
+config, presets, deterministic init, parameter count. No parallel code: the parallel wrappers
+address sub-modules by name (``layers.3.attention.wq``), so the names are a public contract."""
 
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3's RoPE frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type`` "llama3"): wavelengths
-    longer than original_max_position / low_freq_factor are stretched by ``factor``, shorter than
-    original_max_position / high_freq_factor kept, those between interpolated."""
+    """Llama-3's RoPE frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type`` "llama3"):
+    wavelengths longer than original_max_position / low_freq_factor are stretched by ``factor``,
+    shorter than original_max_position / high_freq_factor kept, those between interpolated."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -85,9 +85,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks (None: dense)
-    attention_head_dim: int | None = (
-        None  # a head's width when it is not dim / n_heads (HF ``head_dim``)
-    )
+    # a head's width when it is not dim / n_heads (HF ``head_dim``)
+    attention_head_dim: int | None = None
     rope_scaling: RopeScaling | None = None  # Llama-3 long-context RoPE scaling (None: plain RoPE)
 
     @property
@@ -129,11 +128,13 @@ class LlamaConfig:
         return self
 
     def is_moe_block(self, index: int) -> bool:
-        """Block `index` has an MoE feed-forward (every `moe.every`-th block, the first at every - 1)."""
+        """Block `index` has an MoE feed-forward (every `moe.every`-th block, the first at every -
+        1)."""
         return self.moe is not None and index % self.moe.every == self.moe.every - 1
 
 
-# Published Llama-3 shapes (8K pre-training context, no rope scaling), for planning on the meta device.
+# Published Llama-3 shapes (8K pre-training context, no rope scaling), for planning on the meta
+# device.
 _L3 = dict(vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0)
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(
@@ -179,11 +180,12 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-405b": LlamaConfig(
         dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_L3
     ),  # 405.85B
-    # DeepSeek-V3's shape (arXiv 2412.19437) with this file's blocks: 61 blocks of width 7168, 256 routed experts of
-    # hidden 2048 (top 8, sigmoid scores) + 1 shared, vocabulary 129280. Not V3 itself: GQA (56 heads of 128, 8 kv
-    # heads) instead of MLA, every block MoE (V3's first 3 are dense), no MTP, no node-limited routing (fivefold's
-    # device-limited routing needs a group per rank: set --model.moe.groups / group_limit with ep).
-    # 699.5B parameters, ~37B active per token: for planning (`fivefold plan`).
+    # DeepSeek-V3's shape (arXiv 2412.19437) with this file's blocks: 61 blocks of width 7168, 256
+    # routed experts of hidden 2048 (top 8, sigmoid scores) + 1 shared, vocabulary 129280. Not V3
+    # itself: GQA (56 heads of 128, 8 kv heads) instead of MLA, every block MoE (V3's first 3 are
+    # dense), no MTP, no node-limited routing (fivefold's device-limited routing needs a group per
+    # rank: set --model.moe.groups / group_limit with ep). 699.5B parameters, ~37B active per token:
+    # for planning (`fivefold plan`).
     "deepseek-v3-like": LlamaConfig(
         vocab_size=129280,
         dim=7168,
@@ -236,8 +238,8 @@ def precompute_rope(
     device: torch.device | str | None = None,
     scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos, sin [max_seq_len, head_dim]; channels i and i + head_dim/2 rotate at frequency theta^(-2i/head_dim)
-    (with ``scaling``: Llama-3's rescaled frequencies)."""
+    """fp32 cos, sin [max_seq_len, head_dim]; channels i and i + head_dim/2 rotate at frequency
+    theta^(-2i/head_dim) (with ``scaling``: Llama-3's rescaled frequencies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq)
@@ -248,7 +250,8 @@ def precompute_rope(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, H, L, hd] by position, rotate-half as HF / NeoX (Meta checkpoints need wq/wk rows permuted)."""
+    """Rotate ``x`` [B, H, L, hd] by position, rotate-half as HF / NeoX (Meta checkpoints need wq/wk
+    rows permuted)."""
     half = x.shape[-1] // 2
     xf = x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -256,7 +259,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d], causal."""
+    """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d],
+    causal."""
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     if n_kv_heads != n_heads:
         # Explicit, not SDPA's enable_gqa: the same grouping on every backend and torch version.
@@ -266,9 +270,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The same attention written out: softmax(q kᵀ / √d + causal mask) v. Its backward keeps the [B, H, L, L]
-    probabilities, the quadratic term of the activation formula (docs/design.md#activation-memory) that a fused kernel
-    avoids and selective recompute drops; for kernels without a fused path, and to measure that term."""
+    """The same attention written out: softmax(q kᵀ / √d + causal mask) v. Its backward keeps the
+    [B, H, L, L] probabilities, the quadratic term of the activation formula
+    (docs/design.md#activation-memory) that a fused kernel avoids and selective recompute drops; for
+    kernels without a fused path, and to measure that term."""
     n_heads, n_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
     if n_kv_heads != n_heads:
         k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
@@ -278,20 +283,20 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
 
 
-# model.attention (`config.AttentionCore`): which core computes attention (context parallelism replaces either
-# with ring attention)
+# model.attention (`config.AttentionCore`): which core computes attention (context parallelism
+# replaces either with ring attention)
 ATTENTION_CORES = {"sdpa": causal_attention, "eager": eager_attention}
 assert tuple(ATTENTION_CORES) == typing.get_args(AttentionCore)
-# train.recompute (`config.Recompute`): none | full (each block keeps only its input) | selective (the attention
-# core is recomputed)
+# train.recompute (`config.Recompute`): none | full (each block keeps only its input) | selective
+# (the attention core is recomputed)
 RECOMPUTE_MODES = typing.get_args(Recompute)
 
 
 class Attention(nn.Module):
-    """Causal GQA. Head counts come from the projections at forward time, so a TP rank holding some heads runs this
-    code; q head h uses kv head h // (n_heads / n_kv_heads), so contiguous shards of wq and wk/wv line up. ``core``
-    (q, k, v -> out, k and v with their own heads) is `causal_attention`; context parallelism swaps in ring
-    attention."""
+    """Causal GQA. Head counts come from the projections at forward time, so a TP rank holding some
+    heads runs this code; q head h uses kv head h // (n_heads / n_kv_heads), so contiguous shards of
+    wq and wk/wv line up. ``core`` (q, k, v -> out, k and v with their own heads) is
+    `causal_attention`; context parallelism swaps in ring attention."""
 
     def __init__(
         self,
@@ -310,9 +315,8 @@ class Attention(nn.Module):
         self.wv = Linear(dim, n_kv_heads * self.head_dim, **kw)
         self.wo = Linear(n_heads * self.head_dim, dim, **kw)
         self.core = causal_attention
-        self.recompute_core = (
-            False  # selective recompute: keep q, k, v only; the core runs again in backward
-        )
+        # selective recompute: keep q, k, v only; the core runs again in backward
+        self.recompute_core = False
 
     @property
     def n_heads(self) -> int:  # local heads when sharded
@@ -334,8 +338,8 @@ class Attention(nn.Module):
             )
         if seq > cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
-        # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered already; under CP the
-        # tables hold this rank's positions).
+        # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered already;
+        # under CP the tables hold this rank's positions).
         cos, sin = cos[:seq], sin[:seq]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
@@ -363,9 +367,8 @@ class TransformerBlock(nn.Module):
             if c.is_moe_block(index)
             else FeedForward(c.dim, c.ffn_hidden, device=device, dtype=dtype)
         )
-        self.recompute_all = (
-            False  # full recompute: keep only the block's input; all of it runs again in backward
-        )
+        # full recompute: keep only the block's input; all of it runs again in backward
+        self.recompute_all = False
         self.compiled = False  # `compile_body`: run the torch.compile'd `_forward`
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -377,25 +380,27 @@ class TransformerBlock(nn.Module):
         return body(x, cos, sin)
 
     def compile_body(self) -> None:
-        """Compile the block's computation (`_forward`), not the module call: ``nn.Module.compile`` would trace
-        `_call_impl` with the hooks others put on the block (ZeRO-3's gather/free, the step tracer), which stay eager
-        here, as do `forward`'s recompute wrapper and whatever runs between blocks (pipeline sends, the head's loss).
-        Lazy: the first call compiles (torch's inductor; C++ on the CPU), the blocks share the graph (their parameters
-        are its inputs). An MoE block compiles its attention half only: routing sizes the experts' inputs by the data
+        """Compile the block's computation (`_forward`), not the module call: ``nn.Module.compile``
+        would trace `_call_impl` with the hooks others put on the block (ZeRO-3's gather/free, the
+        step tracer), which stay eager here, as do `forward`'s recompute wrapper and whatever runs
+        between blocks (pipeline sends, the head's loss). Lazy: the first call compiles (torch's
+        inductor; C++ on the CPU), the blocks share the graph (their parameters are its inputs). An
+        MoE block compiles its attention half only: routing sizes the experts' inputs by the data
         (dynamo cannot trace it), so the MoE feed-forward stays eager."""
         from fivefold.comm import eager_regions_on
 
         if not eager_regions_on():  # else dynamo would trace into the collectives and the CommLog
             raise RuntimeError(
-                "compile_body: call fivefold.comm.compile_eager_regions() first (parallelize does): "
-                "the collectives inside a block must run eagerly"
+                "compile_body: call fivefold.comm.compile_eager_regions() first (parallelize "
+                "does): the collectives inside a block must run eagerly"
             )
         self.compiled = True
 
     def _compiled_forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        # The unbound methods, compiled once per process and given `self`: a copied block runs its own parameters.
+        # The unbound methods, compiled once per process and given `self`: a copied block runs its
+        # own parameters.
         if isinstance(self.feed_forward, MoEFeedForward):
             return self._feed_forward_half(_compiled_method("_attention_half")(self, x, cos, sin))
         return _compiled_method("_forward")(self, x, cos, sin)
@@ -422,14 +427,16 @@ _COMPILED_METHODS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
 def _compiled_method(name: str) -> Callable[..., torch.Tensor]:
-    """``torch.compile(TransformerBlock.<name>)``, made once per process (every block shares its graphs)."""
+    """``torch.compile(TransformerBlock.<name>)``, made once per process (every block shares its
+    graphs)."""
     if name not in _COMPILED_METHODS:
         _COMPILED_METHODS[name] = torch.compile(getattr(TransformerBlock, name))
     return _COMPILED_METHODS[name]
 
 
 class Blocks(nn.ModuleDict):
-    """Blocks keyed "0", "1", ... so a pipeline stage keeps single-process names (``layers.5.attention.wq.weight``)."""
+    """Blocks keyed "0", "1", ... so a pipeline stage keeps single-process names
+    (``layers.5.attention.wq.weight``)."""
 
     def __getitem__(self, key: int | str) -> nn.Module:
         return super().__getitem__(str(key))
@@ -442,8 +449,9 @@ class Blocks(nn.ModuleDict):
 
 
 class Llama(nn.Module):
-    """Llama decoder. Never touches the global RNG: built on meta, allocated on ``device``, filled by
-    ``init_weights(seed)``; with ``device="meta"`` or ``seed=None`` call `materialize` and ``init_weights`` later."""
+    """Llama decoder. Never touches the global RNG: built on meta, allocated on ``device``, filled
+    by ``init_weights(seed)``; with ``device="meta"`` or ``seed=None`` call `materialize` and
+    ``init_weights`` later."""
 
     def __init__(
         self,
@@ -468,7 +476,8 @@ class Llama(nn.Module):
         )
         self.norm = RMSNorm(c.dim, c.norm_eps, device=meta, dtype=dtype)
         self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
-        # One fp32 table for all layers whatever the dtype (far positions need it); derived, so not persistent.
+        # One fp32 table for all layers whatever the dtype (far positions need it); derived, so not
+        # persistent.
         table_shape = (c.max_seq_len, c.head_dim)
         self.register_buffer("rope_cos", torch.empty(table_shape, device=meta), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table_shape, device=meta), persistent=False)
@@ -477,14 +486,16 @@ class Llama(nn.Module):
         # Tie after allocation so both names share one Parameter (yielded once by parameters()).
         if c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # every parameter's whole-model shape, kept through stage cuts and TP sharding (`full_shapes`)
+        # every parameter's whole-model shape, kept through stage cuts and TP sharding
+        # (`full_shapes`)
         self._full_shapes = {n: tuple(p.shape) for n, p in self.named_parameters()}
         if device.type != "meta" and seed is not None:
             self.init_weights(seed)
 
     @property
     def fsdp_units(self) -> list[str]:
-        """Non-block ZeRO-3 units (weights used only in their own forward); a tied pair is used twice, so none."""
+        """Non-block ZeRO-3 units (weights used only in their own forward); a tied pair is used
+        twice, so none."""
         if self.config.tie_embeddings:
             return []
         return [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
@@ -496,7 +507,8 @@ class Llama(nn.Module):
         return self
 
     def compile_blocks(self) -> Llama:
-        """torch.compile each block's computation (`TransformerBlock.compile_body`); returns self."""
+        """torch.compile each block's computation (`TransformerBlock.compile_body`); returns
+        self."""
         for block in self.layers.values() if self.layers is not None else ():
             block.compile_body()
         return self
@@ -509,16 +521,18 @@ class Llama(nn.Module):
         return self
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter of the *whole* model with its full shape (this copy may be a stage or a TP slice)."""
+        """Every parameter of the *whole* model with its full shape (this copy may be a stage or a
+        TP slice)."""
         return (
             self._full_shapes
         )  # recorded when the whole model was built; stages and TP slices are copies
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
-        """The seeded initial value of parameter `name`, full shape, fp32, on the CPU: normal(0, 0.02), residual
-        outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1. Each parameter draws from its own generator, seeded
-        by (seed, name): bitwise identical on any process and device, and a rank draws only what it holds (its
-        stages), in any order, which is what lets it materialise only its share (`ZeroDataParallel(init_value=)`)."""
+        """The seeded initial value of parameter `name`, full shape, fp32, on the CPU: normal(0,
+        0.02), residual outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1. Each parameter draws
+        from its own generator, seeded by (seed, name): bitwise identical on any process and device,
+        and a rank draws only what it holds (its stages), in any order, which is what lets it
+        materialise only its share (`ZeroDataParallel(init_value=)`)."""
         shape = self.full_shapes()[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device="cpu")
@@ -535,8 +549,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Every materialised parameter gets its `initial_value` (rounded to the parameter's dtype), then the
-        buffers theirs (`init_buffers`)."""
+        """Every materialised parameter gets its `initial_value` (rounded to the parameter's dtype),
+        then the buffers theirs (`init_buffers`)."""
         for name, param in self.named_parameters():
             if param.device.type != "meta":
                 param.copy_(self.initial_value(name, seed))
@@ -544,7 +558,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """The RoPE tables (derived from the config, not checkpointed), computed in fp32 on the CPU."""
+        """The RoPE tables (derived from the config, not checkpointed), computed in fp32 on the
+        CPU."""
         if self.rope_cos.device.type != "meta":
             cos, sin = precompute_rope(
                 self.config.head_dim,
@@ -556,8 +571,9 @@ class Llama(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [B, L] -> logits [B, L, vocab]. A pipeline stage (`keep_only`) without ``tok_embeddings`` takes the
-        hidden state [B, L, D]; without ``norm``/``output`` it returns it."""
+        """tokens [B, L] -> logits [B, L, vocab]. A pipeline stage (`keep_only`) without
+        ``tok_embeddings`` takes the hidden state [B, L, D]; without ``norm``/``output`` it returns
+        it."""
         if self.tok_embeddings is not None:
             if x.shape[1] > self.config.max_seq_len:
                 raise ValueError(
@@ -582,10 +598,11 @@ def build_model(
 
 
 def param_counts(config: LlamaConfig) -> tuple[int, int]:
-    """(parameters, parameters one token goes through — embeddings excluded, they are a lookup; top_k of an MoE
-    layer's experts): the N of `formulas.model_flops_per_token`'s 6·N. Counted from the shapes `Llama` gives its
-    parameters (`full_shapes`), by arithmetic: no module is built, so a 700B or a 10,000-block shape costs nothing
-    (`tests/test_fits.py` holds it to the meta model's count)."""
+    """(parameters, parameters one token goes through — embeddings excluded, they are a lookup;
+    top_k of an MoE layer's experts): the N of `formulas.model_flops_per_token`'s 6·N. Counted from
+    the shapes `Llama` gives its parameters (`full_shapes`), by arithmetic: no module is built, so a
+    700B or a 10,000-block shape costs nothing (`tests/test_fits.py` holds it to the meta model's
+    count)."""
     c = config
     d, hd = c.dim, c.head_dim
     attention = 2 * d * c.n_heads * hd + 2 * d * c.n_kv_heads * hd  # wq and wo; wk and wv
@@ -611,14 +628,16 @@ def param_counts(config: LlamaConfig) -> tuple[int, int]:
             expert * c.moe.shared_experts
         )  # one SwiGLU of shared_experts × hidden, every token through it
         total += n_moe * (router + c.moe.experts * expert + shared)
-        # a token goes through top_k of the experts (E experts × top_k / E: an integer, no float sum to round)
+        # a token goes through top_k of the experts (E experts × top_k / E: an integer, no float sum
+        # to round)
         active += n_moe * (router + c.moe.top_k * expert + shared)
     return total, active
 
 
-# Limits on a model's shape, checked before anything is built (`check_model_bounds`). Each lies far above every
-# published model (so none is refused) and far below what would make the model's construction or the memory
-# check's arithmetic hang: a value beyond one is a typo or a damaged config.json, not a model to train.
+# Limits on a model's shape, checked before anything is built (`check_model_bounds`). Each lies far
+# above every published model (so none is refused) and far below what would make the model's
+# construction or the memory check's arithmetic hang: a value beyond one is a typo or a damaged
+# config.json, not a model to train.
 MODEL_LIMITS: dict[str, tuple[int, str]] = {
     "vocab_size": (2**24, "64× the largest published vocabulary (Gemma 3's 262,144)"),
     "dim": (
@@ -653,10 +672,11 @@ MAX_PARAMS = 2**50  # 1.1e15: ~700× the largest published (Switch-C's 1.6T; Kim
 
 
 def check_model_bounds(config: LlamaConfig, names: dict[str, str] | None = None) -> None:
-    """Raise `ConfigError` (one line) if a size of `config` exceeds `MODEL_LIMITS` or its parameters `MAX_PARAMS`:
-    before any module is built, so a typo (``--model.n_layers 100000``) or an absurd config.json is refused at once
-    instead of hanging in construction. ``names``: how the caller spells a field (config.json's keys), default
-    ``model.<field>``. Only sizes: `LlamaConfig.validate` checks the rest."""
+    """Raise `ConfigError` (one line) if a size of `config` exceeds `MODEL_LIMITS` or its parameters
+    `MAX_PARAMS`: before any module is built, so a typo (``--model.n_layers 100000``) or an absurd
+    config.json is refused at once instead of hanging in construction. ``names``: how the caller
+    spells a field (config.json's keys), default ``model.<field>``. Only sizes:
+    `LlamaConfig.validate` checks the rest."""
     names = names or {}
     values = {f: getattr(config, f) for f in MODEL_LIMITS if not f.startswith("moe.")}
     if config.moe is not None:
@@ -684,13 +704,14 @@ def check_model_bounds(config: LlamaConfig, names: dict[str, str] | None = None)
         total = param_counts(config)[0]
         if total > MAX_PARAMS:
             raise ConfigError(
-                f"the model has {total:.2e} parameters, more than {MAX_PARAMS:.1e} (~700× the largest "
-                "published, Switch-C's 1.6e12): a typo in its sizes?"
+                f"the model has {total:.2e} parameters, more than {MAX_PARAMS:.1e} (~700× the "
+                "largest published, Switch-C's 1.6e12): a typo in its sizes?"
             )
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    """Unique parameters (tied ones once); ``exclude_embeddings`` drops nn.Embedding weights (a tied head's too)."""
+    """Unique parameters (tied ones once); ``exclude_embeddings`` drops nn.Embedding weights (a tied
+    head's too)."""
     excluded: set[int] = set()
     if exclude_embeddings:
         excluded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

@@ -53,9 +53,8 @@ class MoEConfig:
     top_k: int = 2
     score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
     norm_topk: bool = True  # renormalise the k weights to sum to 1
-    shared_experts: int = (
-        0  # experts every token goes through (one SwiGLU of shared_experts × hidden)
-    )
+    # experts every token goes through (one SwiGLU of shared_experts × hidden)
+    shared_experts: int = 0
     hidden: int | None = None  # an expert's hidden size (default: the model's ffn_hidden)
     every: int = 1  # MoE in every `every`-th block (the others dense), counting from the first
     aux_loss_coef: float = 0.01
@@ -155,7 +154,9 @@ class _AuxGrad(torch.autograd.Function):
     loss)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, out: torch.Tensor, aux: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         ctx.scale = scale
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return out.view_as(out)
@@ -200,9 +201,8 @@ class MoEFeedForward(nn.Module):
         self.balance: Callable[
             [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]
         ] = LocalBalance()
-        self.aux_grad_scale = (
-            1.0  # the main loss's scale for this micro-batch (1 / micro-batches), set per step
-        )
+        # the main loss's scale for this micro-batch (1 / micro-batches), set per step
+        self.aux_grad_scale = 1.0
         self.stats: MoEStats | None = None
 
     def run_experts(self, tokens: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:

@@ -61,7 +61,8 @@ __all__ = [
 def apply_tensor_parallel(
     model: nn.Module, comm: Any, sequence_parallel: bool = False, plan: TPPlan = LLAMA_TP_PLAN
 ) -> nn.Module:
-    """Shard `model` (a `Llama` or a stage of one) in place over `comm`; placements go to ``model.tp_placements``."""
+    """Shard `model` (a `Llama` or a stage of one) in place over `comm`; placements go to
+    ``model.tp_placements``."""
     model.tp_placements = shard_by_plan(model, comm, plan, sequence_parallel)
     model.tp_comm = comm
     return model
@@ -89,8 +90,9 @@ def build_stages(
     dtype: torch.dtype = torch.float32,
     layers_per_stage: list[int] | None = None,
 ) -> dict[int, Llama]:
-    """The stages `stage_ids` of the model cut into `n_stages`, each with its single-process weights (on
-    ``device="meta"``: nothing allocated, for `parallelize` to materialise each rank's share)."""
+    """The stages `stage_ids` of the model cut into `n_stages`, each with its single-process weights
+    (on ``device="meta"``: nothing allocated, for `parallelize` to materialise each rank's
+    share)."""
     names = llama_stage_modules(config, n_stages, layers_per_stage)
     meta = Llama(config, device="meta", dtype=dtype)
     stages = {}
@@ -113,7 +115,8 @@ def pipeline_forward_backward(
     inputs: list[torch.Tensor],
     targets: list[torch.Tensor],
 ) -> torch.Tensor | None:
-    """One pipeline step; each stage's M backwards run unreduced (`no_sync`), then every engine reduces over dp once."""
+    """One pipeline step; each stage's M backwards run unreduced (`no_sync`), then every engine
+    reduces over dp once."""
     with contextlib.ExitStack() as unreduced:
         for e in engines.values():
             unreduced.enter_context(e.no_sync())
@@ -124,9 +127,10 @@ def pipeline_forward_backward(
 
 
 def _set_activations(model: Llama, cfg: Config) -> None:
-    """The attention core (``model.attention``; cp swaps in ring attention later) and activation recompute
-    (``train.recompute``), inside each block: under ZeRO-3 the recomputation runs while the block's unit is gathered
-    for its backward, and TP / SP / ring / expert collectives run again in backward in the same order on every rank."""
+    """The attention core (``model.attention``; cp swaps in ring attention later) and activation
+    recompute (``train.recompute``), inside each block: under ZeRO-3 the recomputation runs while
+    the block's unit is gathered for its backward, and TP / SP / ring / expert collectives run again
+    in backward in the same order on every rank."""
     model.set_attention(cfg.model.attention).set_recompute(cfg.train.recompute)
     if (
         cfg.train.compile
@@ -145,21 +149,24 @@ def _shard(module: nn.Module, cfg: Config, mesh: MeshLike):
 
 
 def _grad_comm(mesh: MeshLike):
-    """Gradients and the loss are averaged over dp × cp: a cp rank holds the same parameters for another part of
-    the same sequences (its loss is the mean over its tokens, the same count on every cp rank)."""
+    """Gradients and the loss are averaged over dp × cp: a cp rank holds the same parameters for
+    another part of the same sequences (its loss is the mean over its tokens, the same count on
+    every cp rank)."""
     return mesh.comm("dp_cp") if mesh.size("cp") > 1 else mesh.comm("dp")
 
 
 def _shard_comms(mesh: MeshLike) -> tuple[Comm, Comm | None]:
-    """The dense engine's groups: (shard, replicate). HSDP (parallel.dp_replicate > 1): ZeRO shards over dp_shard (its
-    dp rows with all their cp ranks) and all-reduces each shard across dp_replicate; else shards span dp × cp."""
+    """The dense engine's groups: (shard, replicate). HSDP (parallel.dp_replicate > 1): ZeRO shards
+    over dp_shard (its dp rows with all their cp ranks) and all-reduces each shard across
+    dp_replicate; else shards span dp × cp."""
     if mesh.size("dp_replicate") == 1:
         return _grad_comm(mesh), None
     return mesh.comm("dp_shard"), mesh.comm("dp_replicate")
 
 
 def is_expert(name: str, param: nn.Parameter | None = None) -> bool:
-    """An MoE expert's parameter (``...feed_forward.experts.3.w1.weight``): sharded over ep, its own engine."""
+    """An MoE expert's parameter (``...feed_forward.experts.3.w1.weight``): sharded over ep, its own
+    engine."""
     return ".experts." in f".{name}"
 
 
@@ -168,9 +175,10 @@ def _moe_layers(module: nn.Module) -> list[MoEFeedForward]:
 
 
 def _expert_parallel(module: Llama, mesh: MeshLike, overlap: bool = False) -> None:
-    """Keep this ep rank's experts of every MoE layer (on meta: nothing allocated), exchange tokens by all-to-all
-    over ep, and balance the load over the global micro-batch (dp × cp). ``overlap``: backwards run beside
-    forwards (`pipeline_overlap`), so the backward's all-to-alls get a group of their own."""
+    """Keep this ep rank's experts of every MoE layer (on meta: nothing allocated), exchange tokens
+    by all-to-all over ep, and balance the load over the global micro-batch (dp × cp). ``overlap``:
+    backwards run beside forwards (`pipeline_overlap`), so the backward's all-to-alls get a group of
+    their own."""
     ep, loss_comm = mesh.comm("ep"), _grad_comm(mesh)
     for layer in _moe_layers(module):
         per_rank = layer.config.experts // ep.size
@@ -188,11 +196,12 @@ def _expert_parallel(module: Llama, mesh: MeshLike, overlap: bool = False) -> No
 def _engines(
     module: Llama, cfg: Config, mesh: MeshLike, device: torch.device, overlap: bool = False
 ) -> list[ZeroDataParallel]:
-    """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share of it: the TP
-    slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp) shard of that; then ring
-    attention if cp > 1. An MoE model's experts get a second engine: kept over ep, averaged over the rest of dp × cp
-    (`ep_dp`), their gradients (already summed over ep by the all-to-all) divided by dp × cp like the others.
-    HSDP shards the dense engine over dp_shard and all-reduces across dp_replicate; the experts' engine is as above."""
+    """`module` (on meta, TP-sharded if tp > 1) in its engines, which materialise this rank's share
+    of it: the TP slice of each seeded single-process value, and under ZeRO-3 only the dp(× cp)
+    shard of that; then ring attention if cp > 1. An MoE model's experts get a second engine: kept
+    over ep, averaged over the rest of dp × cp (`ep_dp`), their gradients (already summed over ep by
+    the all-to-all) divided by dp × cp like the others. HSDP shards the dense engine over dp_shard
+    and all-reduces across dp_replicate; the experts' engine is as above."""
     t, z = cfg.train, cfg.zero
     tp_placements: dict[str, ParamPlacement] = getattr(module, "tp_placements", {})
     pp: Placement = frozenset({"pp"}) if mesh.size("pp") > 1 else frozenset()
@@ -302,14 +311,15 @@ class _Parts:
         self.layout = _layout(cfg, mesh)
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's part of whole sequences [B, L] on the device: its layout's positions under cp."""
+        """This rank's part of whole sequences [B, L] on the device: its layout's positions under
+        cp."""
         if self.layout.cp > 1:
             if (
                 tokens.shape[1] != self.cfg.train.seq_len
             ):  # the RoPE tables hold the positions of train.seq_len
                 raise ValueError(
-                    f"context parallel: a batch of {tokens.shape[1]}-token sequences, but the model was "
-                    f"laid out for train.seq_len={self.cfg.train.seq_len}"
+                    f"context parallel: a batch of {tokens.shape[1]}-token sequences, but the "
+                    f"model was laid out for train.seq_len={self.cfg.train.seq_len}"
                 )
             tokens = self.layout.shard(tokens, self.mesh.rank("cp"))
         return tokens.to(self.device)
@@ -318,8 +328,8 @@ class _Parts:
         return [g for e in self.engines.values() for g in e.param_groups]
 
     def step(self, max_norm: float | None, check_finite: bool = False) -> torch.Tensor | None:
-        """Clip and step every engine together; ``check_finite``: stop (`NonFiniteGradient`, on every rank) instead
-        of applying a non-finite gradient."""
+        """Clip and step every engine together; ``check_finite``: stop (`NonFiniteGradient`, on
+        every rank) instead of applying a non-finite gradient."""
         comms = {
             d: self.mesh.comm(d)
             for d in ("tp", "pp", "ep")
@@ -387,15 +397,17 @@ class _Parts:
         return f" (F&B one after the other: {self.overlap_reason})"
 
     def action_marks(self) -> list[tuple]:
-        """The last step's pipeline actions as clock marks (`ActionClock.marks`), for a tracer; none without pp."""
+        """The last step's pipeline actions as clock marks (`ActionClock.marks`), for a tracer; none
+        without pp."""
         return []
 
     def modules(self) -> list[nn.Module]:
         return [self.module] if hasattr(self, "module") else list(self.stages.values())
 
     def traced_modules(self) -> list[tuple[str, nn.Module]]:
-        """What a step trace times on this rank, by single-process name: the embedding, each transformer block
-        (``layers.N``), the final norm and the head — those of this rank's stages under pp."""
+        """What a step trace times on this rank, by single-process name: the embedding, each
+        transformer block (``layers.N``), the final norm and the head — those of this rank's stages
+        under pp."""
         out: list[tuple[str, nn.Module]] = []
         for module in self.modules():
             for name, child in module.named_children():
@@ -406,9 +418,9 @@ class _Parts:
         return out
 
     def moe_load(self) -> dict[str, dict[str, Any]] | None:
-        """Per MoE layer, the last micro-batch's kept assignments per expert and dropped ones summed over dp × cp,
-        and its load-balancing loss; None for a dense model. Collective over dp × cp (and pp); syncs the host, so
-        for log steps only."""
+        """Per MoE layer, the last micro-batch's kept assignments per expert and dropped ones summed
+        over dp × cp, and its load-balancing loss; None for a dense model. Collective over dp × cp
+        (and pp); syncs the host, so for log steps only."""
         layers = {
             name: m
             for module in self.modules()
@@ -502,7 +514,8 @@ class WholeModel(_Parts):
 
 
 class PipelinedModel(_Parts):
-    """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation micro-batches."""
+    """pp > 1: this rank's stages, one engine each, run by a `PipelineRuntime` over the accumulation
+    micro-batches."""
 
     def __init__(
         self, cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
@@ -532,7 +545,8 @@ class PipelinedModel(_Parts):
             for s, m in stages.items()
             for i, e in enumerate(_engines(m, cfg, mesh, device, self.overlap))
         }
-        # Between stages flows the hidden state [mb, L/C, D] (this cp rank's tokens), [mb, L/C/T, D] under SP.
+        # Between stages flows the hidden state [mb, L/C, D] (this cp rank's tokens), [mb, L/C/T, D]
+        # under SP.
         seq = cfg.train.seq_len // mesh.size("cp")
         seq = seq // mesh.size("tp") if cfg.parallel.sp else seq
         self.dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
@@ -565,14 +579,16 @@ class PipelinedModel(_Parts):
         return self.runtime.clock.marks()
 
     def gather_timeline(self) -> None:
-        """The last step's measured action times from every pp rank (one gather, at the end of training)."""
+        """The last step's measured action times from every pp rank (one gather, at the end of
+        training)."""
         records = self.pp.all_gather_object(self.runtime.records)
         self.timeline = Timeline(
             records, name=f"{self.schedule.name} (measured)", n_virtual=self.schedule.n_virtual
         )
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """Only the last stage has the loss: sum over pp (others add 0), mean over dp (× cp); on the device."""
+        """Only the last stage has the loss: sum over pp (others add 0), mean over dp (× cp); on the
+        device."""
         local = self.pp.scalar(local, torch.float32)
         self.pp.all_reduce(local, tag="metrics")
         self.loss_comm.all_reduce(local, tag="metrics")

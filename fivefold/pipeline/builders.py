@@ -1,5 +1,6 @@
-"""Schedule builders: one function per pipeline schedule, ``(P, M, V) -> Schedule`` (compute actions only;
-`lowering.lower` adds the communication). A new schedule is one more builder here and one entry in `SCHEDULES`.
+"""Schedule builders: one function per pipeline schedule, ``(P, M, V) -> Schedule`` (compute actions
+only; `lowering.lower` adds the communication). A new schedule is one more builder here and one
+entry in `SCHEDULES`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
 def _check_m_ge_p(name: str, P: int, M: int, why: str) -> None:
     if M < P:
         raise ValueError(
-            f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M >= P"
+            f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M "
+            ">= P"
         )
 
 
@@ -57,14 +59,15 @@ def _plain_placement(P: int) -> list[int]:
 def _one_stage_per_rank(name: str, V: int) -> None:
     if V != 1:
         raise ValueError(
-            f"schedule {name!r} has one stage per rank (V=1), got V={V}; only 'interleaved' takes V > 1"
+            f"schedule {name!r} has one stage per rank (V=1), got V={V}; only 'interleaved' takes "
+            "V > 1"
         )
 
 
 def gpipe(P: int, M: int, V: int = 1) -> Schedule:
-    """GPipe (Huang et al. 2019; docs/design.md#pipeline-schedules): all M forwards, then all M backwards in reverse
-    order (the stack order of the stored activations). Every rank holds M micro-batches at the turn; bubble
-    (P-1)/(M+P-1)."""
+    """GPipe (Huang et al. 2019; docs/design.md#pipeline-schedules): all M forwards, then all M
+    backwards in reverse order (the stack order of the stored activations). Every rank holds M
+    micro-batches at the turn; bubble (P-1)/(M+P-1)."""
     name = "gpipe"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
@@ -84,7 +87,8 @@ def gpipe(P: int, M: int, V: int = 1) -> Schedule:
 
 def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
     """1F1B (PipeDream-flush / Megatron): rank r warms up with P-1-r forwards, then runs (F, B)
-    pairs, then the last P-1-r backwards. Rank r holds at most P-r micro-batches; bubble as GPipe."""
+    pairs, then the last P-1-r backwards. Rank r holds at most P-r micro-batches; bubble as
+    GPipe."""
     name = "1f1b"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
@@ -107,13 +111,15 @@ def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
 
 def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC 2021): rank r holds chunks r, P + r, ...;
-    micro-batches pass them in groups of P (M % P == 0, as in Megatron). Warm-up ``2·(P-1-r) + (V-1)·P`` forwards,
-    also for M == P (Megatron runs all forwards first there: same makespan, more memory). Bubble (P-1)/(V·M+P-1)."""
+    micro-batches pass them in groups of P (M % P == 0, as in Megatron). Warm-up
+    ``2·(P-1-r) + (V-1)·P`` forwards, also for M == P (Megatron runs all forwards first there: same
+    makespan, more memory). Bubble (P-1)/(V·M+P-1)."""
     name = "interleaved"
     _check_sizes(name, P, M, V)
     if V < 2:
         raise ValueError(
-            f"{name}: needs V >= 2 virtual stages per rank (got V={V}); V=1 is plain 1F1B, use '1f1b'"
+            f"{name}: needs V >= 2 virtual stages per rank (got V={V}); V=1 is plain 1F1B, use "
+            "'1f1b'"
         )
     _check_m_ge_p(
         name,
@@ -125,8 +131,8 @@ def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
     if M % P != 0:
         raise ValueError(
             f"{name} needs the number of micro-batches to be a multiple of the pipeline size "
-            f"(M={M}, P={P}, M % P = {M % P}), as Megatron requires: micro-batches are processed in "
-            f"groups of P per model chunk; use M = {(M // P + 1) * P} or {max(P, M // P * P)}"
+            f"(M={M}, P={P}, M % P = {M % P}), as Megatron requires: micro-batches are processed "
+            f"in groups of P per model chunk; use M = {(M // P + 1) * P} or {max(P, M // P * P)}"
         )
     S = P * V
     total = M * V
@@ -155,14 +161,16 @@ def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
         acts += [bwd(k) for k in range(n_steady, total)]
         actions.append(acts)
     # M > P: pair each F with the backward after it when lowering (Megatron's combined step), else
-    # sends that block (NCCL) deadlock; M == P: that pairing itself deadlocks, per-action batches are safe
+    # sends that block (NCCL) deadlock; M == P: that pairing itself deadlocks, per-action batches
+    # are safe
     return Schedule(name, P, M, V, [s % P for s in range(S)], actions, fuse_forward_backward=M > P)
 
 
 def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
-    """ZB-H1 ("Zero Bubble Pipeline Parallelism", Qi et al. 2023, §3.1): 1F1B with B split into I (critical path)
-    and W, deferred: rank r runs W(i) after I(i + r), filling 1F1B's cool-down; with F = I = W the bubble shrinks to
-    (P-1)/(3M+P-1). Activations live F to W: at most P micro-batches per rank (1F1B's peak, "same peak memory")."""
+    """ZB-H1 ("Zero Bubble Pipeline Parallelism", Qi et al. 2023, §3.1): 1F1B with B split into I
+    (critical path) and W, deferred: rank r runs W(i) after I(i + r), filling 1F1B's cool-down; with
+    F = I = W the bubble shrinks to (P-1)/(3M+P-1). Activations live F to W: at most P micro-batches
+    per rank (1F1B's peak, "same peak memory")."""
     name = "zb-h1"
     _check_sizes(name, P, M, V)
     _one_stage_per_rank(name, V)
@@ -192,20 +200,22 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
 
 def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
     """DualPipeV (DeepSeek's single-copy, V-shaped DualPipe; torch's ``ScheduleDualPipeV``): 2P
-    stages, rank r holds stage r (chunk 0, going down) and stage 2P-1-r (chunk 1, coming back up), so the first and
-    the last stage share rank 0 and stages P-1, P meet on the last rank without communication. Per rank, in DeepSeek's
-    eight phases: 2(P-1-r) chunk-0 forwards; r+1 pairs (F0, F1); P-1-r (I1, W1, F1), zero-bubble; the main
-    phase of (F0, B1), (F1, B0) pairs — one micro-batch's forward beside another's backward, DualPipe's overlap
-    unit; P-1-r (B1, F1, B0); r+1 (B1, B0), the later half split into I + W; P-1-r (W, I0); the r+1 W left. Deferred
-    weight passes run in the order their I ran. Needs M >= 2P."""
+    stages, rank r holds stage r (chunk 0, going down) and stage 2P-1-r (chunk 1, coming back up),
+    so the first and the last stage share rank 0 and stages P-1, P meet on the last rank without
+    communication. Per rank, in DeepSeek's eight phases: 2(P-1-r) chunk-0 forwards; r+1 pairs (F0,
+    F1); P-1-r (I1, W1, F1), zero-bubble; the main phase of (F0, B1), (F1, B0) pairs — one
+    micro-batch's forward beside another's backward, DualPipe's overlap unit; P-1-r (B1, F1, B0);
+    r+1 (B1, B0), the later half split into I + W; P-1-r (W, I0); the r+1 W left. Deferred weight
+    passes run in the order their I ran. Needs M >= 2P."""
     name = "dualpipev"
     _check_sizes(name, P, M, V)
     if V not in (1, 2):
         raise ValueError(f"{name}: every rank holds exactly two stages (V=2), got V={V}")
     if M < 2 * P:
         raise ValueError(
-            f"{name} needs at least twice as many micro-batches as pipeline ranks (M={M} < 2P={2 * P}): "
-            f"the main phase pairs one micro-batch's forward with another's backward; use M >= {2 * P}"
+            f"{name} needs at least twice as many micro-batches as pipeline ranks (M={M} < "
+            f"2P={2 * P}): the main phase pairs one micro-batch's forward with another's backward; "
+            f"use M >= {2 * P}"
         )
     ranks = [_dualpipe_v_rank(P, M, r) for r in range(P)]
     return Schedule(
@@ -221,10 +231,11 @@ def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
 
 
 class _DualPipeVRank:
-    """One rank's lowered DualPipeV list, written the way DeepSeek's reference posts its messages: receives and
-    sends gather in a pending batch that is issued (`commit`) right before the next compute, some receives posted
-    one unit early and some sends held back a unit. Messages between two ranks must pair in posting order (NCCL),
-    and this order is what makes them pair; the generic `lower` would not."""
+    """One rank's lowered DualPipeV list, written the way DeepSeek's reference posts its messages:
+    receives and sends gather in a pending batch that is issued (`commit`) right before the next
+    compute, some receives posted one unit early and some sends held back a unit. Messages between
+    two ranks must pair in posting order (NCCL), and this order is what makes them pair; the generic
+    `lower` would not."""
 
     def __init__(self, P: int, r: int) -> None:
         self.P, self.r = P, r
@@ -242,8 +253,8 @@ class _DualPipeVRank:
             deque()
         )  # (micro-batch, stage) of I's whose W is still to run
         first, last = r == 0, r == P - 1
-        # which transfers exist: the first stage has no input, the loss stage no output; on the last rank the two
-        # chunks meet locally (stage P-1 feeds stage P)
+        # which transfers exist: the first stage has no input, the loss stage no output; on the last
+        # rank the two chunks meet locally (stage P-1 feeds stage P)
         self.has = {
             "rf0": not first,
             "rf1": not last,
@@ -304,8 +315,8 @@ class _DualPipeVRank:
             self.send_backward(phase)
 
     def forward_backward(self, phase0: int, phase1: int, recv0: bool = True) -> None:
-        """DualPipe's overlap unit: one micro-batch's forward beside another's backward (`Schedule.side_by_side`;
-        their messages travel together, before and after the unit)."""
+        """DualPipe's overlap unit: one micro-batch's forward beside another's backward
+        (`Schedule.side_by_side`; their messages travel together, before and after the unit)."""
         if recv0:
             self.recv_forward(phase0)
         self.recv_backward(phase1)
@@ -381,7 +392,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 
 
 def forward_only(P: int, M: int, stage_to_rank: list[int], name: str = "forward-only") -> Schedule:
-    """Evaluation: every micro-batch through every stage in model order, no backward (no cycle can form)."""
+    """Evaluation: every micro-batch through every stage in model order, no backward (no cycle can
+    form)."""
     actions = [
         [
             Action(F, m, s)
@@ -396,7 +408,8 @@ def forward_only(P: int, M: int, stage_to_rank: list[int], name: str = "forward-
 
 
 def build_schedule(name: str, P: int, M: int, V: int = 1) -> Schedule:
-    """Build schedule ``name`` (a key of `SCHEDULES`) for P ranks, M micro-batches, V chunks per rank."""
+    """Build schedule ``name`` (a key of `SCHEDULES`) for P ranks, M micro-batches, V chunks per
+    rank."""
     try:
         builder = SCHEDULES[name]
     except KeyError:

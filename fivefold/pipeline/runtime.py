@@ -1,10 +1,12 @@
 """Executes any lowered pipeline schedule on this rank's stages (docs/design.md#pipeline-schedules).
 
-Each comm batch is one `batch_isend_irecv`; each compute runs one stage on one micro-batch, the last stage dividing
-the loss by M (gradients of the mean loss). With ``overlap``, a schedule's overlapped units (DualPipeV's (F, B)
-pairs) run side by side: the forward in a second thread, so one micro-batch's expert all-to-all waits while
-another micro-batch computes. Zero-bubble: forwards run under `ops.recording_weight_grads`, so ``I``
-only queues every `ops.linear`'s weight-gradient matmul, which ``W`` runs through autograd (hooks still fire).
+Each comm batch is one `batch_isend_irecv`; each compute runs one stage on one micro-batch, the last
+stage dividing the loss by M (gradients of the mean loss). With ``overlap``, a schedule's overlapped
+units (DualPipeV's (F, B) pairs) run side by side: the forward in a second thread, so one
+micro-batch's expert all-to-all waits while another micro-batch computes. Zero-bubble: forwards run
+under `ops.recording_weight_grads`, so ``I``
+only queues every `ops.linear`'s weight-gradient matmul, which ``W`` runs through autograd (hooks
+still fire).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from fivefold.pipeline.checks import check_deadlock_free, validate
 from fivefold.pipeline.lowering import lower
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-SIDE_THREAD = "fivefold-overlap"  # the thread an overlapped unit's forward runs in (a tracer's second compute lane)
+# the thread an overlapped unit's forward runs in (a tracer's second compute lane)
+SIDE_THREAD = "fivefold-overlap"
 
 
 class ActionClock:
-    """When each compute action ran, on the rank's `DeviceClock` (device events on an accelerator, where host time
-    says nothing: the times are read once, when asked, not one wait per action)."""
+    """When each compute action ran, on the rank's `DeviceClock` (device events on an accelerator,
+    where host time says nothing: the times are read once, when asked, not one wait per action)."""
 
     def __init__(self, device: torch.device) -> None:
         self._clock = DeviceClock(device)
@@ -64,8 +67,9 @@ class ActionClock:
         return [(kind, mb, stage, at[i], at[j]) for kind, mb, stage, i, j, _ in self._actions]
 
     def marks(self) -> list[tuple[str, int, int, Any, Any, str]]:
-        """(kind, micro-batch, stage, start mark, end mark, thread name) of each action of the last step, as raw
-        `DeviceClock` marks: a tracer on the same device places them on its own timeline."""
+        """(kind, micro-batch, stage, start mark, end mark, thread name) of each action of the last
+        step, as raw `DeviceClock` marks: a tracer on the same device places them on its own
+        timeline."""
         return [
             (kind, mb, stage, self._marks[i], self._marks[j], thread)
             for kind, mb, stage, i, j, thread in self._actions
@@ -88,8 +92,8 @@ class _Done:
 
 
 class _SideThread:
-    """One persistent daemon thread running overlapped forwards, one at a time (a thread per unit would also give
-    every unit a fresh intra-op thread pool)."""
+    """One persistent daemon thread running overlapped forwards, one at a time (a thread per unit
+    would also give every unit a fresh intra-op thread pool)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,28 +138,33 @@ class PipelineRuntime:
         overlap: bool = False,
     ) -> None:
         self.device = torch.device(device)
-        # Run the schedule's overlapped units (`Schedule.side_by_side`) side by side: the forward in a second thread.
-        # Only safe when the two passes never call one process group at once: the caller decides
-        # (`parallelize.pipeline_overlap`), which relies on the engines' backward hooks issuing no collective during
-        # the pipeline step (`no_sync`) and on the backward's all-to-alls having a group of their own.
+        # Run the schedule's overlapped units (`Schedule.side_by_side`) side by side: the forward in
+        # a second thread. Only safe when the two passes never call one process group at once: the
+        # caller decides (`parallelize.pipeline_overlap`), which relies on the engines' backward
+        # hooks issuing no collective during the pipeline step (`no_sync`) and on the backward's
+        # all-to-alls having a group of their own.
         self.overlap = overlap
         self._side: _SideThread | None = None
-        # How messages complete decides how the lists may be ordered (`Comm.p2p_semantics`; settable for tests).
+        # How messages complete decides how the lists may be ordered (`Comm.p2p_semantics`; settable
+        # for tests).
         self.p2p = p2p or comm.p2p_semantics()
         assert self.p2p in P2P_SEMANTICS, f"p2p={self.p2p!r} (pipeline.p2p is refused when read)"
         if self.p2p == "buffered" and comm.p2p_semantics() == "rendezvous":
             raise ValueError(
-                f"p2p='buffered' relies on gloo's per-message completion; this '{comm.dim}' group on "
-                f"{comm.device} completes a batch as a whole: use p2p='rendezvous' (or the default)"
+                f"p2p='buffered' relies on gloo's per-message completion; this '{comm.dim}' group "
+                f"on {comm.device} completes a batch as a whole: use p2p='rendezvous' (or the "
+                "default)"
             )
         rendezvous = self.p2p == "rendezvous"
         if not schedule.is_lowered and not rendezvous:
-            # buffered sends never block, so the F+B pairing that keeps interleaved 1F1B deadlock-free under a
-            # rendezvous is not needed; without it each SEND_F leaves right after its F instead of after the backward.
+            # buffered sends never block, so the F+B pairing that keeps interleaved 1F1B
+            # deadlock-free under a rendezvous is not needed; without it each SEND_F leaves right
+            # after its F instead of after the backward.
             schedule = dataclasses.replace(schedule, fuse_forward_backward=False)
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
-        # Any list the runtime is given must be complete, executable and pair its messages in order (p2p between
-        # two ranks matches by order): a wrong list would otherwise train on the wrong tensors or hang.
+        # Any list the runtime is given must be complete, executable and pair its messages in order
+        # (p2p between two ranks matches by order): a wrong list would otherwise train on the wrong
+        # tensors or hang.
         validate(self.schedule)
         check_deadlock_free(self.schedule, rendezvous=rendezvous)
         self.rank = comm.rank
@@ -167,27 +176,29 @@ class PipelineRuntime:
             )
         if comm.size != schedule.n_ranks:
             raise ValueError(
-                f"schedule '{schedule.name}' is for {schedule.n_ranks} pipeline ranks; pp={comm.size}"
+                f"schedule '{schedule.name}' is for {schedule.n_ranks} pipeline ranks; "
+                f"pp={comm.size}"
             )
         self.stages = stages
         self.comm = comm
         self.loss_fn = loss_fn
-        self.activation_shape = (
-            activation_shape  # micro-batch size -> shape of the tensor between stages
-        )
+        # micro-batch size -> shape of the tensor between stages
+        self.activation_shape = activation_shape
         self.dtype = dtype
         self.n_stages = self.schedule.n_stages
         self.wgrad = WeightGradStore()
         self.clock = ActionClock(self.device)
-        # Buffered: post the next batch's receives one batch early, so a transfer progresses while this rank
-        # computes. Under a rendezvous a batch completes as a whole: an early receive would hold back the sends
-        # posted with it until the peer's next send, which may wait for them.
+        # Buffered: post the next batch's receives one batch early, so a transfer progresses while
+        # this rank computes. Under a rendezvous a batch completes as a whole: an early receive
+        # would hold back the sends posted with it until the peer's next send, which may wait for
+        # them.
         self.lookahead_recv = not rendezvous
 
     def step(
         self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
     ) -> torch.Tensor | None:
-        """Run every micro-batch forward and backward; the summed loss/M on the last stage (no_grad if forward-only)."""
+        """Run every micro-batch forward and backward; the summed loss/M on the last stage (no_grad
+        if forward-only)."""
         if not any(a.kind != "F" for acts in self.schedule.actions for a in acts if a.is_compute):
             with torch.no_grad():
                 return self._run(inputs, targets)
@@ -199,7 +210,8 @@ class PipelineRuntime:
         M = self.schedule.n_microbatches
         if len(inputs) != M or len(targets) != M:
             raise ValueError(
-                f"schedule expects {M} micro-batches, got {len(inputs)} inputs / {len(targets)} targets"
+                f"schedule expects {M} micro-batches, got {len(inputs)} inputs / {len(targets)} "
+                "targets"
             )
         self.clock.reset()
         stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> input (requires grad)
@@ -269,13 +281,14 @@ class PipelineRuntime:
         return loss
 
     def _unit(self, forward: Action, backward: Action, *state) -> torch.Tensor | None:
-        """DualPipe's overlap unit: ``forward`` (one micro-batch) on the side thread while this thread runs
-        ``backward`` (another), so one pass's collectives (an MoE layer's all-to-alls) wait while the other
-        computes. Their inputs arrived before the unit and their outputs leave after it; they touch different
-        micro-batches' tensors, and their collectives use different process groups (forward: the layer's groups,
-        backward: their backward twins), so each group sees the same order of calls on every rank. The forward
-        always finishes before the unit returns, also when the backward fails (its peers are other ranks'
-        forwards, which do not wait for this backward): no call of this unit is left to collide with a later one."""
+        """DualPipe's overlap unit: ``forward`` (one micro-batch) on the side thread while this
+        thread runs ``backward`` (another), so one pass's collectives (an MoE layer's all-to-alls)
+        wait while the other computes. Their inputs arrived before the unit and their outputs leave
+        after it; they touch different micro-batches' tensors, and their collectives use different
+        process groups (forward: the layer's groups, backward: their backward twins), so each group
+        sees the same order of calls on every rank. The forward always finishes before the unit
+        returns, also when the backward fails (its peers are other ranks' forwards, which do not
+        wait for this backward): no call of this unit is left to collide with a later one."""
         if self._side is None:
             self._side = _SideThread()
         grad_mode = torch.is_grad_enabled()
@@ -295,7 +308,8 @@ class PipelineRuntime:
 
     @property
     def records(self) -> list[tuple[str, int, int, float, float]]:
-        """(kind, micro-batch, stage, start s, end s) of every compute action of the last step (waits for it)."""
+        """(kind, micro-batch, stage, start s, end s) of every compute action of the last step
+        (waits for it)."""
         return self.clock.times()
 
     def _forward(
@@ -307,7 +321,8 @@ class PipelineRuntime:
         else:
             x = stage_in[key]
             x.requires_grad_(torch.is_grad_enabled())
-        # zero-bubble: every `fivefold.ops.linear` in this forward may defer its weight gradient to W
+        # zero-bubble: every `fivefold.ops.linear` in this forward may defer its weight gradient to
+        # W
         with (
             recording_weight_grads(self.wgrad)
             if self.schedule.split_backward
@@ -356,9 +371,9 @@ class PipelineRuntime:
         send_works: list,
         posted: dict,
     ) -> None:
-        """One batch_isend_irecv of this batch's sends and receives (plus, buffered, the next batch's receives).
-        A receive is complete when the work covering it is: its own (gloo) or the whole batch's (NCCL coalesces);
-        sends are waited at the end of the step."""
+        """One batch_isend_irecv of this batch's sends and receives (plus, buffered, the next
+        batch's receives). A receive is complete when the work covering it is: its own (gloo) or the
+        whole batch's (NCCL coalesces); sends are waited at the end of the step."""
         ops: list[tuple[str, torch.Tensor, int]] = []
         new_recvs: list[tuple[int, Action, torch.Tensor]] = []
         shape = tuple(self.activation_shape(mb_size))
@@ -373,7 +388,8 @@ class PipelineRuntime:
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 new_recvs.append((len(ops), a, buf))
                 ops.append(("recv", buf, a.peer))
-        # every message between stages is one activation (or its gradient): the peer allocated exactly this
+        # every message between stages is one activation (or its gradient): the peer allocated
+        # exactly this
         issued = self.comm.batch_p2p(ops, tag="pp", expect=[(shape, self.dtype)] * len(ops))
         if issued.coalesced and self.lookahead_recv:
             raise RuntimeError(
@@ -394,6 +410,7 @@ class PipelineRuntime:
             if a.kind in (RECV_F, RECV_B):
                 buf, w = posted.pop(a)
                 w.wait()
-                # a batch's one work also covers its sends; waited, it is done (gloo's p2p works wait only once)
+                # a batch's one work also covers its sends; waited, it is done (gloo's p2p works
+                # wait only once)
                 send_works[:] = [s for s in send_works if s is not w]
                 (stage_in if a.kind == RECV_F else grad_out)[(a.stage, a.microbatch)] = buf

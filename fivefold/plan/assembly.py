@@ -1,6 +1,7 @@
-"""A rank's parts without the rank: the trainer's own assembly (`parallelize`) on the meta device over stand-in
-process groups, so the planner reads the flat buffers, their padding, ZeRO-3 units, stage cuts, TP slices and expert
-shards a run would hold — nothing allocated, no collective issued."""
+"""A rank's parts without the rank: the trainer's own assembly (`parallelize`) on the meta device
+over stand-in process groups, so the planner reads the flat buffers, their padding, ZeRO-3 units,
+stage cuts, TP slices and expert shards a run would hold — nothing allocated, no collective
+issued."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class PlanningMesh:
 
 
 def resolved(cfg: Config, run: RunPlan) -> Config:
-    """`cfg` with the batch `validate_layout` resolved (the trainer does the same before `parallelize`)."""
+    """`cfg` with the batch `validate_layout` resolved (the trainer does the same before
+    `parallelize`)."""
     cfg = dataclasses.replace(cfg)
     cfg.train = dataclasses.replace(
         cfg.train,
@@ -92,8 +94,8 @@ def resolved(cfg: Config, run: RunPlan) -> Config:
 def rank_parts(
     cfg: Config, run: RunPlan, pp_rank: int = 0, coords: dict[str, int] | None = None
 ) -> Parts:
-    """What `parallelize` builds on pipeline rank `pp_rank` (rank 0 of every other dimension unless `coords` says:
-    dp rank 0 holds the most of a padded shard), on the meta device."""
+    """What `parallelize` builds on pipeline rank `pp_rank` (rank 0 of every other dimension unless
+    `coords` says: dp rank 0 holds the most of a padded shard), on the meta device."""
     return parallelize(
         resolved(cfg, run),
         run.model,
@@ -108,15 +110,16 @@ def stages_of(parts: Parts) -> dict[int, nn.Module]:
 
 
 def engines_of(parts: Parts) -> list[tuple[int, Any]]:
-    """(stage, engine) for every ZeRO engine of this rank (a stage's dense engine, and its experts' under MoE)."""
+    """(stage, engine) for every ZeRO engine of this rank (a stage's dense engine, and its experts'
+    under MoE)."""
     if isinstance(parts, PipelinedModel):
         return [(stage, engine) for (stage, _), engine in parts.engines.items()]
     return [(0, engine) for engine in parts.engines.values()]
 
 
 def local_numels(parts: Parts) -> dict[int, dict[str, int]]:
-    """Per stage, this rank's parameters and their element counts (its TP slice, its experts), from the engines'
-    flat layouts (under ZeRO-3 the modules' parameters are empty stand-ins)."""
+    """Per stage, this rank's parameters and their element counts (its TP slice, its experts), from
+    the engines' flat layouts (under ZeRO-3 the modules' parameters are empty stand-ins)."""
     out: dict[int, dict[str, int]] = {sid: {} for sid in stages_of(parts)}
     for sid, engine in engines_of(parts):
         for f in engine.flats:

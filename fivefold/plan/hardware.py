@@ -1,4 +1,5 @@
-"""The machine a plan is for: one GPU's memory and peak FLOP/s, and its links (docs/design.md#hardware-and-links)."""
+"""The machine a plan is for: one GPU's memory and peak FLOP/s, and its links
+(docs/design.md#hardware-and-links)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU and its links. Bandwidths are GB/s one GPU sends in one direction (what a ring's wire bytes take):
-    an H100's NVLink 4 is 450 GB/s each way — the 900 GB/s usually quoted counts both directions —, InfiniBand NDR
-    400 Gb/s = 50 GB/s per GPU. The peak is dense bf16 (set it for fp32 / TF32); ``compute_efficiency`` is the share
-    of it the model's matmuls reach, an assumption to set from your own measurements."""
+    """One GPU and its links. Bandwidths are GB/s one GPU sends in one direction (what a ring's wire
+    bytes take): an H100's NVLink 4 is 450 GB/s each way — the 900 GB/s usually quoted counts both
+    directions —, InfiniBand NDR 400 Gb/s = 50 GB/s per GPU. The peak is dense bf16 (set it for fp32
+    / TF32); ``compute_efficiency`` is the share of it the model's matmuls reach, an assumption to
+    set from your own measurements."""
 
     name: str = "H100-80GB"
     memory_gb: float = 80.0

@@ -1,4 +1,5 @@
-"""`plan_layout`: one layout's plan — memory per pipeline rank, traffic per dimension, bubble, step time, MFU."""
+"""`plan_layout`: one layout's plan — memory per pipeline rank, traffic per dimension, bubble, step
+time, MFU."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from fivefold.train.validate import RunPlan, validate_layout
 
 __all__ = ["LayoutPlan", "plan_layout"]
 
-# The device a plan is for: `validate_layout` checks what it would refuse there (e.g. DualPipeV's overlap is CPU-only)
+# The device a plan is for: `validate_layout` checks what it would refuse there (e.g. DualPipeV's
+# overlap is CPU-only)
 TARGET_DEVICE = "cuda"
 
 
@@ -89,10 +91,11 @@ def plan_layout(
     pp_ranks: tuple[int, ...] | None = None,
     parts_cache: dict[str, dict[int, Parts]] | None = None,
 ) -> LayoutPlan:
-    """Predict memory per pipeline rank, traffic per dimension, bubble and step time of `cfg` on `world` GPUs; the
-    trainer's own checks name what does not divide (`validate_layout`, a ValueError). ``pp_ranks``: the pipeline
-    ranks to lay out (default all; `search` takes the first and the last, which hold the most). ``parts_cache``:
-    reuse the assembly across plans that differ only in the recompute mode."""
+    """Predict memory per pipeline rank, traffic per dimension, bubble and step time of `cfg` on
+    `world` GPUs; the trainer's own checks name what does not divide (`validate_layout`, a
+    ValueError). ``pp_ranks``: the pipeline ranks to lay out (default all; `search` takes the first
+    and the last, which hold the most). ``parts_cache``: reuse the assembly across plans that differ
+    only in the recompute mode."""
     hardware.check()
     run = validate_layout(cfg, world, device_type=TARGET_DEVICE)
     cfg = resolved(cfg, run)
@@ -148,8 +151,9 @@ def _advice(
     memory: dict[int, RankMemory],
     transfers: dict[int, list[Transfer]],
 ) -> list[str]:
-    """What the plan suggests changing: reducing once per step; keeping ZeRO-3's units gathered from forward to
-    backward (DeepSpeed's default, FSDP's reshard_after_forward=False) when every unit fits beside the rest."""
+    """What the plan suggests changing: reducing once per step; keeping ZeRO-3's units gathered from
+    forward to backward (DeepSpeed's default, FSDP's reshard_after_forward=False) when every unit
+    fits beside the rest."""
     notes = []
     z = cfg.zero
     if z.stage == 3 and z.reshard_after_forward and run.dims.size("dp_shard") > 1:
@@ -163,9 +167,10 @@ def _advice(
         )
         if max(kept.values()) <= hardware.memory_gb * GB and saved:
             notes.append(
-                f"--zero.reshard_after_forward false fits (peak {max(kept.values()) / GB:,.1f} GB: every "
-                f"unit stays gathered from its forward to its backward) and saves the backward's all-gathers, "
-                f"{saved / GB:,.2f} GB per step and GPU (2Ψ of gathers instead of 3Ψ)"
+                f"--zero.reshard_after_forward false fits (peak {max(kept.values()) / GB:,.1f} GB: "
+                "every unit stays gathered from its forward to its backward) and saves the "
+                f"backward's all-gathers, {saved / GB:,.2f} GB per step and GPU (2Ψ of gathers "
+                "instead of 3Ψ)"
             )
     if (
         run.dims.pp == 1
@@ -174,19 +179,21 @@ def _advice(
         and run.dims.size("dp_cp") > 1
     ):
         notes.append(
-            f"gradients are reduced after each of the {run.grad_accum} micro-batches; --zero.defer_reduce "
-            "true reduces once per step (ZeRO-2/3 then hold full gradients until the last micro-batch)"
+            f"gradients are reduced after each of the {run.grad_accum} micro-batches; "
+            "--zero.defer_reduce true reduces once per step (ZeRO-2/3 then hold full gradients "
+            "until the last micro-batch)"
         )
     if cfg.zero.stage == 3 and not cfg.zero.reshard_after_forward:
         notes.append(
-            "zero.reshard_after_forward false: the units stay gathered from forward to backward (2Ψ of "
-            "gathers instead of 3Ψ, every unit's parameters held at once)"
+            "zero.reshard_after_forward false: the units stay gathered from forward to backward "
+            "(2Ψ of gathers instead of 3Ψ, every unit's parameters held at once)"
         )
     return notes
 
 
 def _all_units_bytes(memory: RankMemory, cfg: Config) -> int:
-    """Every ZeRO-3 unit of the rank gathered at once: all its parameters in the compute dtype (without padding)."""
+    """Every ZeRO-3 unit of the rank gathered at once: all its parameters in the compute dtype
+    (without padding)."""
     return memory.params * precision_bytes(cfg)[0]
 
 

@@ -1,6 +1,7 @@
-"""One rank's bytes by part: model states (per flat buffer with its padding, docs/design.md#model-state-memory), the
-buffers that come and go during a step, and the activations kept for backward (docs/design.md#activation-memory).
-`tests/test_plan.py` holds each against `fivefold.memory`'s measurements."""
+"""One rank's bytes by part: model states (per flat buffer with its padding,
+docs/design.md#model-state-memory), the buffers that come and go during a step, and the activations
+kept for backward (docs/design.md#activation-memory). `tests/test_plan.py` holds each against
+`fivefold.memory`'s measurements."""
 
 from __future__ import annotations
 
@@ -49,10 +50,12 @@ BACKWARD_ALLOCATED = (RECOMPUTED, W_GRADS, LOGITS_GRAD, LOSS_CHUNK, WORKING)  # 
 
 @dataclass
 class RankMemory:
-    """One pipeline rank's bytes (every dp / tp / cp / ep rank of it alike, dp rank 0 holding the most padding)."""
+    """One pipeline rank's bytes (every dp / tp / cp / ep rank of it alike, dp rank 0 holding the
+    most padding)."""
 
     pp_rank: int
-    params: int  # parameters this rank's share of the model has, before ZeRO shards them (its stages, TP slice)
+    # parameters this rank's share of the model has, before ZeRO shards them (its stages, TP slice)
+    params: int
     model_states: dict[
         str, int
     ]  # params / grads / optimizer / total; host: the part of them in host memory
@@ -110,12 +113,14 @@ def _is_moe(block: Any) -> bool:
 
 
 def block_bytes(cfg: Config, run: RunPlan, block: Any, recompute: str) -> int:
-    """`formulas.activation_bytes_per_block` for one block of this rank (an MoE block with its feed-forward's)."""
+    """`formulas.activation_bytes_per_block` for one block of this rank (an MoE block with its
+    feed-forward's)."""
     return kind_bytes(cfg, run, _is_moe(block), recompute)
 
 
 def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
-    """`block_bytes` of a dense block or (``is_moe``) an MoE one, told by its kind instead of its module."""
+    """`block_bytes` of a dense block or (``is_moe``) an MoE one, told by its kind instead of its
+    module."""
     m, t, p = run.model, cfg.train, run.dims
     s = precision_bytes(cfg)[0]
     seq = t.seq_len // p.cp
@@ -149,10 +154,11 @@ def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
 
 
 def in_flight(schedule: Schedule, rank: int) -> tuple[int, int]:
-    """(whole activations, activations awaiting W) of (stage, micro-batch) pairs on `rank` when the simulated
-    schedule holds the most: a pair is whole from its F's start to its B's or I's end, then (after I) awaits its W
-    until that ends; the most is taken with a pair awaiting W worth half a whole one (the block formulas' ratio is
-    ~0.4), ties to more whole ones. The order decides, not the costs: the simulator's defaults."""
+    """(whole activations, activations awaiting W) of (stage, micro-batch) pairs on `rank` when the
+    simulated schedule holds the most: a pair is whole from its F's start to its B's or I's end,
+    then (after I) awaits its W until that ends; the most is taken with a pair awaiting W worth half
+    a whole one (the block formulas' ratio is ~0.4), ties to more whole ones. The order decides, not
+    the costs: the simulator's defaults."""
     changes: list[tuple[float, int, int, int]] = []
     for e in simulate(schedule).events[rank]:
         if e.kind == F:
@@ -173,8 +179,8 @@ def in_flight(schedule: Schedule, rank: int) -> tuple[int, int]:
 
 
 def _activations(cfg: Config, run: RunPlan, parts: Parts, pp_rank: int) -> dict[str, int]:
-    """`activation_bytes` of this rank's parts: its stages' blocks by kind, the micro-batches in flight (the
-    simulator's count; 1 without pp)."""
+    """`activation_bytes` of this rank's parts: its stages' blocks by kind, the micro-batches in
+    flight (the simulator's count; 1 without pp)."""
     stages = stages_of(parts)
     if isinstance(parts, PipelinedModel):
         n_stages = parts.schedule.n_stages
@@ -207,13 +213,15 @@ def activation_bytes(
     whole: int,
     pending: int,
 ) -> dict[str, int]:
-    """Bytes kept for backward at the peak by a rank holding stages `stage_ids` (of `n_stages`) with blocks of
-    `kinds` ((is_moe, count) pairs) among them, `whole` (stage, micro-batch) pairs in flight and `pending` awaiting
-    W (`in_flight`): every block × the micro-batches its stages have in flight, the embedding's output on the first
-    stage (under full recompute it is the first block's kept input, counted there), the head and loss on the last
-    (× its micro-batches in flight: GPipe's last stage keeps all M); and what a backward makes on top,
-    activation-sized: with recompute the one block whose discarded part lives again, the head's logits gradient,
-    zero-bubble's output gradients awaiting W. `memory.rank_memory` and `fits.predict_rank` both price with it."""
+    """Bytes kept for backward at the peak by a rank holding stages `stage_ids` (of `n_stages`) with
+    blocks of `kinds` ((is_moe, count) pairs) among them, `whole` (stage, micro-batch) pairs in
+    flight and `pending` awaiting W (`in_flight`): every block × the micro-batches its stages have
+    in flight, the embedding's output on the first stage (under full recompute it is the first
+    block's kept input, counted there), the head and loss on the last (× its micro-batches in
+    flight: GPipe's last stage keeps all M); and what a backward makes on top, activation-sized:
+    with recompute the one block whose discarded part lives again, the head's logits gradient,
+    zero-bubble's output gradients awaiting W. `memory.rank_memory` and `fits.predict_rank` both
+    price with it."""
     m, t, p = run.model, cfg.train, run.dims
     s = precision_bytes(cfg)[0]
     seq = t.seq_len // p.cp
@@ -278,7 +286,8 @@ def activation_bytes(
 
 
 def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None) -> RankMemory:
-    """Model states, transient buffers and activations of pipeline rank `pp_rank` (its parts: `rank_parts`)."""
+    """Model states, transient buffers and activations of pipeline rank `pp_rank` (its parts:
+    `rank_parts`)."""
     cfg = resolved(cfg, run)
     parts = parts if parts is not None else rank_parts(cfg, run, pp_rank)
     states = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
@@ -294,7 +303,8 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
         for k, v in _transient(engine, cfg, accumulating, reductions, deferred_w).items():
             transient[k] = transient.get(k, 0) + v
     states["total"] = states["params"] + states["grads"] + states["optimizer"]
-    # the modules' own buffers (RoPE tables; this rank's positions under cp): not model states, held all along
+    # the modules' own buffers (RoPE tables; this rank's positions under cp): not model states, held
+    # all along
     transient["model buffers"] = sum(
         b.numel() * b.element_size() for m in parts.modules() for b in m.buffers()
     )

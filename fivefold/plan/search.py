@@ -1,5 +1,6 @@
-"""`search`: every layout of a GPU count the trainer accepts, planned and ranked by estimated step time among those
-that fit; the candidates the rule table (`fivefold.rules.RULES`) refuses are dropped before they are planned."""
+"""`search`: every layout of a GPU count the trainer accepts, planned and ranked by estimated step
+time among those that fit; the candidates the rule table (`fivefold.rules.RULES`) refuses are
+dropped before they are planned."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def _model(cfg: Config) -> LlamaConfig:
 
 
 def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> bool:
-    """Whether the layout `overrides` make of `cfg` keeps every rule of the table (as `validate_layout` would find
-    it; False also where its grid, batch or schedule cannot be resolved: the trainer refuses those too)."""
+    """Whether the layout `overrides` make of `cfg` keeps every rule of the table (as
+    `validate_layout` would find it; False also where its grid, batch or schedule cannot be
+    resolved: the trainer refuses those too)."""
     trial = apply_overrides(copy.deepcopy(cfg), overrides)
     p, t = trial.parallel, trial.train
     try:
@@ -68,11 +70,11 @@ def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> 
 def candidate_layouts(
     cfg: Config, world: int, hardware: Hardware, fixed: Collection[str] = ()
 ) -> list[list[str]]:
-    """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs that the rule table allows, as overrides: tp a
-    divisor of a node's GPU count (with SP), pp up to the number of blocks (1F1B), cp up to 16, dp the rest, ep a
-    divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none / selective / full. A key
-    in `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's other checks (what the model divides) then
-    drop the rest."""
+    """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs that the rule table allows, as
+    overrides: tp a divisor of a node's GPU count (with SP), pp up to the number of blocks (1F1B),
+    cp up to 16, dp the rest, ep a divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp =
+    1), recompute none / selective / full. A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value.
+    The trainer's other checks (what the model divides) then drop the rest."""
     model = _model(cfg)
     blocks = model.n_layers
     p, z, t = cfg.parallel, cfg.zero, cfg.train
@@ -110,7 +112,8 @@ def candidate_layouts(
                 dp = world // (tp * pp * cp)
                 if "parallel.dp" in fixed and dp != p.dp:
                     continue
-                # (a dense model has no experts to split: ep 1; the table drops what the experts do not divide)
+                # (a dense model has no experts to split: ep 1; the table drops what the experts do
+                # not divide)
                 for ep in choices("ep", _divisors(dp * cp) if model.moe is not None else [1]):
                     for stage in choices("stage", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                         for recompute in choices("recompute", ["none", "selective", "full"]):
@@ -150,9 +153,10 @@ def search(
     progress: Callable[[int, int], None] | None = None,
     fixed: Collection[str] = (),
 ) -> tuple[list[LayoutPlan], int, int]:
-    """Every candidate (`candidate_layouts`) planned on its first and last pipeline rank (which hold the most; the
-    stages between are costed as the heavier end, so a full `plan_layout` may differ slightly), those that fit ranked
-    by estimated step time, less memory first on a tie; returns (the best `top`, how many were valid, how many fit)."""
+    """Every candidate (`candidate_layouts`) planned on its first and last pipeline rank (which hold
+    the most; the stages between are costed as the heavier end, so a full `plan_layout` may differ
+    slightly), those that fit ranked by estimated step time, less memory first on a tie; returns
+    (the best `top`, how many were valid, how many fit)."""
     if top < 1:
         raise ValueError(f"top={top}: show at least one layout")
     hardware.check()

@@ -1,8 +1,9 @@
-"""What one rank sends per step, by mesh dimension and collective, as `CommLog` records it (an all-gather's output, a
-reduce-scatter's or all-to-all's input, a send's tensor): ZeRO's collectives (with ZeRO++ and HSDP) from the engines'
-flat buffers, TP/SP, ring attention, expert all-to-alls, pipeline messages and the gradient norm's scalars —
-docs/design.md#data-parallel-traffic and the sections after it. Each entry also says when in the step it travels
-(`PHASES`), for the step-time estimate. `tests/test_plan.py` holds the totals against `CommLog`, byte for byte."""
+"""What one rank sends per step, by mesh dimension and collective, as `CommLog` records it (an
+all-gather's output, a reduce-scatter's or all-to-all's input, a send's tensor): ZeRO's collectives
+(with ZeRO++ and HSDP) from the engines' flat buffers, TP/SP, ring attention, expert all-to-alls,
+pipeline messages and the gradient norm's scalars — docs/design.md#data-parallel-traffic and the
+sections after it. Each entry also says when in the step it travels (`PHASES`), for the step-time
+estimate. `tests/test_plan.py` holds the totals against `CommLog`, byte for byte."""
 
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ from fivefold.train.validate import RunPlan
 
 __all__ = ["PHASES", "Transfer", "by_dim", "rank_traffic", "rank_transfers"]
 
-# When a transfer travels: during a micro-batch's forward / backward beside the compute (ZeRO-3's prefetched gathers,
-# bucket reductions overlapping the backward), inside the layers on the critical path ("model": TP, ring attention,
-# expert all-to-alls), between pipeline stages ("p2p"), or after the micro-batches ("after": a pipeline's deferred
-# reduction, ZeRO-1/2's all-gather of updated parameters, the norm's scalars)
+# When a transfer travels: during a micro-batch's forward / backward beside the compute (ZeRO-3's
+# prefetched gathers, bucket reductions overlapping the backward), inside the layers on the critical
+# path ("model": TP, ring attention, expert all-to-alls), between pipeline stages ("p2p"), or after
+# the micro-batches ("after": a pipeline's deferred reduction, ZeRO-1/2's all-gather of updated
+# parameters, the norm's scalars)
 PHASES = ("forward", "backward", "model", "p2p", "after")
 
 
@@ -43,7 +45,8 @@ class Transfer(NamedTuple):
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes this rank sends on a ring of the group (`formulas.ring_wire_bytes`; a receive sends nothing)."""
+        """Bytes this rank sends on a ring of the group (`formulas.ring_wire_bytes`; a receive sends
+        nothing)."""
         return (
             0.0 if self.op == "recv" else formulas.ring_wire_bytes(self.op, self.nbytes, self.group)
         )
@@ -82,8 +85,9 @@ def _engine(engine: Any, cfg: Config, run: RunPlan) -> list[Transfer]:
 
 
 def _norm(parts: Parts, cfg: Config, run: RunPlan) -> list[Transfer]:
-    """The global gradient norm (`optim.clip.global_grad_sq_norm`): one small fp32 all-reduce per partitioned
-    dimension of size > 1, innermost first, of the 2^(k-1-i) squared sums still holding dimension i."""
+    """The global gradient norm (`optim.clip.global_grad_sq_norm`): one small fp32 all-reduce per
+    partitioned dimension of size > 1, innermost first, of the 2^(k-1-i) squared sums still holding
+    dimension i."""
     if not (cfg.train.grad_clip > 0 or cfg.train.check_finite or cfg.precision.param == "fp16"):
         return []
     dims = {d for d in ("tp", "pp", "ep") if run.dims.size(d) > 1}
@@ -106,9 +110,9 @@ class _Shape:
 def _tp_ends(
     batch: int, seq: int, dim: int, s: int, sp: bool, first: bool, last: bool
 ) -> dict[str, int]:
-    """The parts of `formulas.tp_comm_formula` that belong to the model's ends, for a pipeline stage without them:
-    the embedding's exit (one B·L·D), the head's entry (one B·L·D), the loss's 3·B·L fp32 all-reduces and the final
-    norm's weight-gradient all-reduce (SP, D)."""
+    """The parts of `formulas.tp_comm_formula` that belong to the model's ends, for a pipeline stage
+    without them: the embedding's exit (one B·L·D), the head's entry (one B·L·D), the loss's 3·B·L
+    fp32 all-reduces and the final norm's weight-gradient all-reduce (SP, D)."""
     bld, loss = batch * seq * dim * s, 3 * batch * seq * 4
     if not sp:
         return {"all_reduce": (0 if first else bld) + (0 if last else bld + loss)}
@@ -117,8 +121,9 @@ def _tp_ends(
 
 
 def _model(parts: Parts, cfg: Config, run: RunPlan, pp_rank: int) -> list[Transfer]:
-    """What the model's layers send per step on this rank: TP/SP (`formulas.tp_comm_formula` for its blocks), ring
-    attention's K/V, expert all-to-alls and the load-balancing sums, and the pipeline's activations and gradients."""
+    """What the model's layers send per step on this rank: TP/SP (`formulas.tp_comm_formula` for its
+    blocks), ring attention's K/V, expert all-to-alls and the load-balancing sums, and the
+    pipeline's activations and gradients."""
     m, t, d = run.model, cfg.train, run.dims
     s = precision_bytes(cfg)[0]
     M, B, seq = run.grad_accum, run.micro_batch, t.seq_len // d.cp
@@ -189,5 +194,6 @@ def rank_transfers(
 def rank_traffic(
     cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = None
 ) -> dict[str, dict[str, int]]:
-    """Payload bytes per step on one rank of pipeline rank `pp_rank`, by mesh dimension and collective."""
+    """Payload bytes per step on one rank of pipeline rank `pp_rank`, by mesh dimension and
+    collective."""
     return by_dim(rank_transfers(cfg, run, pp_rank, parts))

@@ -1,7 +1,8 @@
-"""The trainer's side of checkpoints: what a resume needs beyond the model and optimizer (the step — which also fixes
-the data position and the learning rate —, every rank's RNG states, the loss scaler), when to save (every
-``checkpoint.interval`` steps and at the end, after ``run.exit_after`` steps, on SIGTERM), and the run-directory
-rules (`check_run_dir`: a new run refuses a directory that holds one unless told to resume or overwrite)."""
+"""The trainer's side of checkpoints: what a resume needs beyond the model and optimizer (the step —
+which also fixes the data position and the learning rate —, every rank's RNG states, the loss
+scaler), when to save (every ``checkpoint.interval`` steps and at the end, after ``run.exit_after``
+steps, on SIGTERM), and the run-directory rules (`check_run_dir`: a new run refuses a directory that
+holds one unless told to resume or overwrite)."""
 
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ def restart_count() -> int:
 
 
 def check_run_dir(cfg: Config) -> Path | None:
-    """The checkpoint a run resumes from (None: a new run). A new run in a directory that already holds one (its
-    metrics or checkpoints) is an error unless ``run.overwrite``; ``run.resume`` must name a complete checkpoint.
-    A worker restarted by torchrun resumes from the latest checkpoint if there is one."""
+    """The checkpoint a run resumes from (None: a new run). A new run in a directory that already
+    holds one (its metrics or checkpoints) is an error unless ``run.overwrite``; ``run.resume`` must
+    name a complete checkpoint. A worker restarted by torchrun resumes from the latest checkpoint if
+    there is one."""
     root, where = checkpoint_root(cfg), run_dir(cfg)
-    # restarted by torchrun: this run's own latest checkpoint wins over where it started (a --resume PATH)
+    # restarted by torchrun: this run's own latest checkpoint wins over where it started (a --resume
+    # PATH)
     resume = "latest" if restart_count() > 0 and complete_checkpoints(root) else cfg.run.resume
     if resume:
         try:
@@ -88,7 +91,8 @@ def check_run_dir(cfg: Config) -> Path | None:
 
 
 def clear_run_dir(cfg: Config) -> None:
-    """``run.overwrite``: remove what an earlier run left (its metrics, pictures and checkpoints)."""
+    """``run.overwrite``: remove what an earlier run left (its metrics, pictures and
+    checkpoints)."""
     where = run_dir(cfg)
     for name in RUN_FILES:
         (where / name).unlink(missing_ok=True)
@@ -112,7 +116,8 @@ LAYOUT_FIELDS = (
 
 
 def check_layout_fields(path: Path, meta: dict[str, Any]) -> None:
-    """A checkpoint whose layout names a field this version does not know is refused, not half understood."""
+    """A checkpoint whose layout names a field this version does not know is refused, not half
+    understood."""
     unknown = sorted(set(meta.get("layout", {})) - set(LAYOUT_FIELDS))
     if unknown:
         raise CheckpointError(
@@ -140,9 +145,9 @@ STOP_REASONS = ("SIGTERM", "SIGINT", "exit_after")  # a checkpoint after which t
 
 
 def watch_sigterm() -> None:
-    """From now on a SIGTERM or SIGINT to this worker is remembered (`TrainCheckpoints.stop_requested`), not fatal:
-    the run stops at the end of a step with a checkpoint. Main thread only (elsewhere the signals keep their
-    defaults)."""
+    """From now on a SIGTERM or SIGINT to this worker is remembered
+    (`TrainCheckpoints.stop_requested`), not fatal: the run stops at the end of a step with a
+    checkpoint. Main thread only (elsewhere the signals keep their defaults)."""
 
     def on_stop(signum: int, frame: Any) -> None:
         _SIGTERM["seen"] = _SIGTERM["seen"] or signal.Signals(signum).name
@@ -182,7 +187,8 @@ class TrainCheckpoints:
         )
         if self.ckpt._group is not None:
             mesh.own(self.ckpt._group)
-        # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce, no device sync.
+        # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce,
+        # no device sync.
         self.control = mesh.own(dist.new_group(backend="gloo"))
         self._pending_reason: str | None = None  # why the background save in flight was started
         self.warnings: list[
@@ -191,8 +197,8 @@ class TrainCheckpoints:
         watch_sigterm()
 
     def stop_requested(self) -> str | None:
-        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one (checked each step: one tiny CPU
-        all-reduce); None otherwise."""
+        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one (checked each step:
+        one tiny CPU all-reduce); None otherwise."""
         seen = _SIGTERM["seen"]
         code = 0 if seen is None else _STOP_SIGNALS.index(getattr(signal, seen)) + 1
         flag = torch.tensor([code], dtype=torch.int32, device="cpu")  # the gloo control group
@@ -200,7 +206,8 @@ class TrainCheckpoints:
         return _STOP_SIGNALS[int(flag.item()) - 1].name if flag.item() else None
 
     def due(self, steps_done: int, steps_this_run: int) -> str | None:
-        """Why to save after ``steps_done`` steps (None: not now). Call on every rank after every step."""
+        """Why to save after ``steps_done`` steps (None: not now). Call on every rank after every
+        step."""
         c, r, t = self.cfg.checkpoint, self.cfg.run, self.cfg.train
         stop = self.stop_requested()
         if stop is not None:
@@ -212,9 +219,10 @@ class TrainCheckpoints:
         return None
 
     def save(self, steps_done: int, reason: str) -> float | None:
-        """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited for it, or None
-        when it failed and ``checkpoint.on_error`` is warn (`warning` says why). A failed save of a stop (SIGTERM,
-        exit_after) always raises: the run cannot claim a checkpoint it does not have."""
+        """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited
+        for it, or None when it failed and ``checkpoint.on_error`` is warn (`warning` says why). A
+        failed save of a stop (SIGTERM, exit_after) always raises: the run cannot claim a checkpoint
+        it does not have."""
         t0 = time.perf_counter()
         self._finish_pending()
         state = training_state(self.parts.engines.values(), self.mesh.comm("tp")).state_dict
@@ -262,7 +270,8 @@ class TrainCheckpoints:
         )
 
     def restore(self, path: Path) -> int:
-        """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had done."""
+        """Load the checkpoint at ``path`` into this rank's layout; returns the steps it had
+        done."""
         meta = read_checkpoint_meta(path)
         check_layout_fields(path, meta)
         check_model_matches(path, meta, self.model_config)
@@ -290,7 +299,8 @@ class TrainCheckpoints:
         return int(meta["steps_done"])
 
     def close(self) -> None:
-        """Finish a background save (its failure raises, or under on_error=warn adds to `warnings`)."""
+        """Finish a background save (its failure raises, or under on_error=warn adds to
+        `warnings`)."""
         try:
             self._finish_pending()
         finally:
@@ -363,7 +373,8 @@ def _saved_keys(path: Path, trust: bool) -> set[str]:
 
 
 def _accelerator_rng(device: torch.device) -> Any:
-    """The generator state of the accelerator this rank computes on (None on the CPU path: no device touched)."""
+    """The generator state of the accelerator this rank computes on (None on the CPU path: no device
+    touched)."""
     if device.type == "cpu":
         return None
     return torch.get_device_module(device.type).get_rng_state(device.index or 0)
@@ -374,8 +385,8 @@ def _set_accelerator_rng(device: torch.device, state: Any) -> None:
         torch.get_device_module(device.type).set_rng_state(state, device.index or 0)
 
 
-# What the weights' shapes depend on: a checkpoint is of this model when these agree (max_seq_len, which grows
-# with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor).
+# What the weights' shapes depend on: a checkpoint is of this model when these agree (max_seq_len,
+# which grows with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor).
 SHAPE_FIELDS = (
     "vocab_size",
     "dim",
@@ -390,7 +401,8 @@ MOE_SHAPE_FIELDS = ("experts", "top_k", "shared_experts", "hidden", "every")
 
 
 def check_model_matches(path: Path, meta: dict[str, Any], model: dict[str, Any]) -> None:
-    """The checkpoint's model has this model's tensors (else the first field that differs, both values)."""
+    """The checkpoint's model has this model's tensors (else the first field that differs, both
+    values)."""
     saved = meta.get("model", {})
     pairs = [(k, saved.get(k), model.get(k)) for k in SHAPE_FIELDS if k in saved and k in model]
     saved_moe, moe = saved.get("moe") or {}, model.get("moe") or {}

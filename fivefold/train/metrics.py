@@ -120,8 +120,9 @@ class RunRecord:
         name: str,
         resume_at: int | None = None,
     ) -> None:
-        """``resume_at``: the run continues after that many steps: the records of later steps (written after the
-        checkpoint, by the attempt that stopped) and its summary are dropped, the rest kept, new ones appended."""
+        """``resume_at``: the run continues after that many steps: the records of later steps
+        (written after the checkpoint, by the attempt that stopped) and its summary are dropped, the
+        rest kept, new ones appended."""
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self._f = None
@@ -146,7 +147,8 @@ class RunRecord:
             self._f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
 
     def abort(self) -> None:
-        """The run fails: close the file (what was written stays valid JSON lines) and the progress bar."""
+        """The run fails: close the file (what was written stays valid JSON lines) and the progress
+        bar."""
         self.progress.close()
         if self._f is not None:
             self._f.close()
@@ -162,8 +164,8 @@ class RunRecord:
     def pipeline(
         self, timeline: Timeline, formula: float | None, title: str, chrome_trace: bool = True
     ) -> None:
-        """The last step's measured timeline: PNG + Chrome trace (unless the step trace, which holds the same actions,
-        is written instead), and its bubble next to the formula (if any)."""
+        """The last step's measured timeline: PNG + Chrome trace (unless the step trace, which holds
+        the same actions, is written instead), and its bubble next to the formula (if any)."""
         if self.run_dir is None:
             return
         versus = f"formula {formula:.1%}" if formula is not None else "no textbook formula"
@@ -181,19 +183,22 @@ class RunRecord:
         )
         also = f" and {self.run_dir / 'trace.json'}" if chrome_trace else ""
         print(
-            f"fivefold: last step's pipeline timeline: measured bubble {timeline.bubble_fraction:.1%} ({versus}); "
-            f"wrote {self.run_dir / 'timeline.png'}{also}"
+            "fivefold: last step's pipeline timeline: measured bubble "
+            f"{timeline.bubble_fraction:.1%} ({versus}); wrote "
+            f"{self.run_dir / 'timeline.png'}{also}"
         )
 
     def trace(self, ranks: list[dict[str, Any]] | None, title: str) -> dict[str, Any] | None:
-        """Every rank's traced steps (`trace.StepTracer.result`, gathered on rank 0): ``trace.json`` (Chrome /
-        Perfetto), ``step_trace.png`` (the last traced step), a "trace" record and the hidden-communication line.
-        Returns the run's figures (None elsewhere than rank 0, or when nothing was traced)."""
+        """Every rank's traced steps (`trace.StepTracer.result`, gathered on rank 0): ``trace.json``
+        (Chrome / Perfetto), ``step_trace.png`` (the last traced step), a "trace" record and the
+        hidden-communication line. Returns the run's figures (None elsewhere than rank 0, or when
+        nothing was traced)."""
         if self.run_dir is None or not ranks:
             return None
         if not any(r["steps"] for r in ranks):
             self.say(
-                "fivefold: run.trace: no step of the trace window ran (the run stopped before its last steps)"
+                "fivefold: run.trace: no step of the trace window ran (the run stopped before its "
+                "last steps)"
             )
             return None
         summary = hidden_summary(ranks)
@@ -215,16 +220,19 @@ class RunRecord:
         )
         if summary is None:
             print(
-                f"fivefold: no communication in the traced steps; wrote {self.run_dir / 'trace.json'} and "
-                f"{self.run_dir / 'step_trace.png'} (step {step} as numbered in metrics.jsonl)"
+                "fivefold: no communication in the traced steps; wrote "
+                f"{self.run_dir / 'trace.json'} and {self.run_dir / 'step_trace.png'} (step {step} "
+                "as numbered in metrics.jsonl)"
             )
         else:
             print(
-                f"fivefold: communication hidden behind compute: {summary['comm_hidden_fraction']:.0%} (ranks "
+                "fivefold: communication hidden behind compute: "
+                f"{summary['comm_hidden_fraction']:.0%} (ranks "
                 f"{summary['comm_hidden_min']:.0%}-{summary['comm_hidden_max']:.0%}; exposed "
-                f"{summary['exposed_comm_ms_per_step']:.1f} of {summary['comm_ms_per_step']:.1f} ms communication "
-                f"per step) over the last {len(summary['traced_steps'])} steps; wrote {self.run_dir / 'trace.json'} "
-                f"and {self.run_dir / 'step_trace.png'} (step {step} as numbered in metrics.jsonl)"
+                f"{summary['exposed_comm_ms_per_step']:.1f} of {summary['comm_ms_per_step']:.1f} "
+                f"ms communication per step) over the last {len(summary['traced_steps'])} steps; "
+                f"wrote {self.run_dir / 'trace.json'} and {self.run_dir / 'step_trace.png'} (step "
+                f"{step} as numbered in metrics.jsonl)"
             )
         return summary
 
@@ -243,7 +251,8 @@ class RunRecord:
                 r.get("kind") == "moe" for r in records
             ):  # the loss plot's companion: how the experts were used
                 print(
-                    f"fivefold: expert load in {plot_moe_load(records, self.run_dir / 'moe_load.png')}"
+                    "fivefold: expert load in "
+                    f"{plot_moe_load(records, self.run_dir / 'moe_load.png')}"
                 )
             val = summary.get("final_val_loss")
             print(
@@ -269,13 +278,11 @@ class TrainResult:
     tokens_per_s: float
     run_dir: str | None
     model_state_mb: float
-    comm_hidden_fraction: float | None = (
-        None  # run.trace: mean over ranks of the communication hidden behind compute
-    )
+    # run.trace: mean over ranks of the communication hidden behind compute
+    comm_hidden_fraction: float | None = None
     mfu: float | None = None  # model FLOPs per second at the median step over the devices' peak
-    stopped: str | None = (
-        None  # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
-    )
+    # why the run stopped before train.steps with a checkpoint (SIGTERM, exit_after...)
+    stopped: str | None = None
 
 
 @dataclass(frozen=True)
@@ -312,9 +319,8 @@ class StepResult:
     )
     logged: bool
     loss_value: float | None = None  # on log steps: `loss` on the host
-    step_time_s: float | None = (
-        None  # on log steps: seconds per step since the previous log (`TrainingClock`)
-    )
+    # on log steps: seconds per step since the previous log (`TrainingClock`)
+    step_time_s: float | None = None
 
 
 @dataclass(frozen=True)

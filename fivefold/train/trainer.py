@@ -70,8 +70,8 @@ __all__ = ["Evaluator", "Heartbeat", "TrainResult", "Trainer", "lr_at", "run", "
 
 
 def run(cfg: Config) -> TrainResult:
-    """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo). The run directory
-    is locked for the run's life (`RunLock`: under torchrun by rank 0)."""
+    """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo). The
+    run directory is locked for the run's life (`RunLock`: under torchrun by rank 0)."""
     if is_torchrun_env():
         with distributed(resolve_device(cfg.run.device), timeout_s=cfg.run.collective_timeout_s):
             lock = _lock_on_rank0(cfg)
@@ -81,7 +81,8 @@ def run(cfg: Config) -> TrainResult:
                 lock.release()
     if cfg.run.device not in ("auto", "cpu"):
         raise ValueError(
-            f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for accelerators"
+            f"run.device={cfg.run.device}: local spawning runs CPU workers; use torchrun for "
+            "accelerators"
         )
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     validate(
@@ -94,12 +95,14 @@ def run(cfg: Config) -> TrainResult:
 
 
 def locked_dirs(cfg: Config) -> list[Path]:
-    """The directories a run writes: its run directory, and its checkpoint directory when that is elsewhere."""
+    """The directories a run writes: its run directory, and its checkpoint directory when that is
+    elsewhere."""
     return [run_dir(cfg), checkpoint_root(cfg)] if cfg.checkpoint.dir else [run_dir(cfg)]
 
 
 def _lock_on_rank0(cfg: Config) -> RunLock:
-    """Rank 0 takes the run's lock; every rank raises `RunDirLocked` if it could not (collective)."""
+    """Rank 0 takes the run's lock; every rank raises `RunDirLocked` if it could not
+    (collective)."""
     lock, problem = RunLock(*locked_dirs(cfg)), [None]
     if dist.get_rank() == 0:
         try:
@@ -113,8 +116,8 @@ def _lock_on_rank0(cfg: Config) -> RunLock:
 
 
 def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
-    """Spawn the workers (restarting them after a lost one, `run.max_restarts` times); the run directory is
-    locked."""
+    """Spawn the workers (restarting them after a lost one, `run.max_restarts` times); the run
+    directory is locked."""
     if (
         cfg.run.overwrite and plan.resume_from is None
     ):  # here, once: a restart must not find the old run's files
@@ -142,13 +145,14 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
             if attempt == cfg.run.max_restarts:
                 raise
             why = lost_worker_reason(e) if isinstance(e, mp.ProcessExitedException) else str(e)
-            # this run's own latest checkpoint, else where it started from (a --resume PATH), else the start
+            # this run's own latest checkpoint, else where it started from (a --resume PATH), else
+            # the start
             latest = complete_checkpoints(checkpoint_root(cfg))
             resume = "latest" if latest else first_resume
             if latest and read_checkpoint_meta(latest[-1]).get("steps_done", 0) >= cfg.train.steps:
                 print(
-                    f"fivefold: {why} after the last checkpoint ({latest[-1]}, all {cfg.train.steps} steps); "
-                    "nothing left to restart",
+                    f"fivefold: {why} after the last checkpoint ({latest[-1]}, all "
+                    f"{cfg.train.steps} steps); nothing left to restart",
                     flush=True,
                 )
                 raise
@@ -165,7 +169,8 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
 
 
 def train(cfg: Config, plan: RunPlan) -> TrainResult:
-    """Train on this rank (torch.distributed initialised, `plan` from `validate`); returns a summary."""
+    """Train on this rank (torch.distributed initialised, `plan` from `validate`); returns a
+    summary."""
     return Trainer(cfg, plan).run()
 
 
@@ -455,8 +460,9 @@ class Heartbeat(TrainObserver):
 def make_tracer(
     cfg: Config, parts: ParallelModel, log: CommLog, mesh: ParallelMesh, device: torch.device
 ) -> StepTracer | None:
-    """With ``run.trace``, a `StepTracer` on this rank's embedding, blocks, norm and head (hooks installed now, idle
-    outside the traced steps); otherwise None: no hook, and the log never times a collective."""
+    """With ``run.trace``, a `StepTracer` on this rank's embedding, blocks, norm and head (hooks
+    installed now, idle outside the traced steps); otherwise None: no hook, and the log never times
+    a collective."""
     if not cfg.run.trace:
         return None
     coords = {d: mesh.rank(d) for d in ("pp", "dp", "cp", "tp") if mesh.size(d) > 1}

@@ -1,7 +1,8 @@
-"""`validate(config, world_size)`: every check needing no process, run before any starts, so a bad input gets one
-error naming what to change instead of a traceback from every worker after loading data. Workers use the `RunPlan`,
-so nothing is resolved twice; only the data's largest token id is left to them (it may grow the vocabulary). The
-rules across keys and dimensions are the table in `fivefold.rules` (docs/architecture.md#the-rule-table)."""
+"""`validate(config, world_size)`: every check needing no process, run before any starts, so a bad
+input gets one error naming what to change instead of a traceback from every worker after loading
+data. Workers use the `RunPlan`, so nothing is resolved twice; only the data's largest token id is
+left to them (it may grow the vocabulary). The rules across keys and dimensions are the table in
+`fivefold.rules` (docs/architecture.md#the-rule-table)."""
 
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ class RunPlan:
     global_batch: int
     micro_batch: int
     grad_accum: int
-    model: LlamaConfig  # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
+    # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
+    model: LlamaConfig
     resume_from: Path | None = None  # the checkpoint this run continues (None: a new run)
     notes: tuple[str, ...] = ()  # what the run changed of what it was given, to say at start-up
 
     def model_for(self, max_token: int) -> LlamaConfig:
-        """The model for data whose largest token id is `max_token` (a larger vocabulary is rounded up to 64·k)."""
+        """The model for data whose largest token id is `max_token` (a larger vocabulary is rounded
+        up to 64·k)."""
         if max_token < self.model.vocab_size:
             return self.model
         return dataclasses.replace(self.model, vocab_size=-(-(max_token + 1) // 64) * 64).validate()
@@ -67,7 +70,8 @@ def _non_negative(**values: float) -> None:
 
 
 def validate(cfg: Config, world_size: int) -> RunPlan:
-    """Raise a `ValueError` naming the first problem of `cfg` on `world_size` processes; return the resolved plan."""
+    """Raise a `ValueError` naming the first problem of `cfg` on `world_size` processes; return the
+    resolved plan."""
     plan = validate_layout(cfg, world_size)
     r = cfg.run
     try:
@@ -84,8 +88,8 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     notes += _check_memory(cfg, plan, world_size)
     if share is not None and share[0] > 0.1:
         notes.append(
-            f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or random "
-            "data?); training proceeds on its bytes"
+            f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or "
+            "random data?); training proceeds on its bytes"
         )
     if cfg.model.init_from:
         try:
@@ -102,8 +106,8 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         _check_out_dir(Path(c.dir), "checkpoint.dir")
     if r.overwrite and r.resume:
         raise ConfigError(
-            f"run.overwrite and run.resume={r.resume!r} contradict each other: --overwrite starts over "
-            "(deleting the run's checkpoints), --resume continues it; give one"
+            f"run.overwrite and run.resume={r.resume!r} contradict each other: --overwrite starts "
+            "over (deleting the run's checkpoints), --resume continues it; give one"
         )
     _non_negative(
         **{
@@ -128,7 +132,8 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                 resume_from, c.trust
             )  # its metadata readable without running anything it holds
             check_layout_fields(resume_from, meta)
-            # the model's tensors (the vocabulary may still grow with the data: the workers check it)
+            # the model's tensors (the vocabulary may still grow with the data: the workers check
+            # it)
             check_model_matches(
                 resume_from,
                 meta,
@@ -139,17 +144,18 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         raise ConfigError(str(e)) from None
     if done >= cfg.train.steps:
         raise ConfigError(
-            f"checkpoint {resume_from} has done {done} steps and train.steps={cfg.train.steps}: nothing "
-            "left to train; raise train.steps to continue it"
+            f"checkpoint {resume_from} has done {done} steps and train.steps={cfg.train.steps}: "
+            "nothing left to train; raise train.steps to continue it"
         )
     return dataclasses.replace(plan, resume_from=resume_from, notes=tuple(notes))
 
 
 def validate_layout(cfg: Config, world_size: int, device_type: str | None = None) -> RunPlan:
-    """The checks of `validate` that need neither data nor a run directory (what `fivefold plan` checks a layout
-    with): the numbers, the grid, the batch, the model and what it divides, then the rule table
-    (`fivefold.rules.RULES`); the resolved plan. ``device_type``: the device the layout is for (default:
-    ``run.device``, "auto" meaning this machine's; probed only when a rule asks)."""
+    """The checks of `validate` that need neither data nor a run directory (what `fivefold plan`
+    checks a layout with): the numbers, the grid, the batch, the model and what it divides, then the
+    rule table (`fivefold.rules.RULES`); the resolved plan. ``device_type``: the device the layout
+    is for (default: ``run.device``, "auto" meaning this machine's; probed only when a rule
+    asks)."""
     p, t = cfg.parallel, cfg.train
     check_choices(cfg)  # (parsing checks them; a config built in code)
     _check_numbers(cfg, world_size)
@@ -229,8 +235,8 @@ def _check_numbers(cfg: Config, world_size: int) -> None:
 
 
 def _model(cfg: Config) -> tuple[LlamaConfig, list[str]]:
-    """The model the run trains (a preset with overrides, or a Hugging Face directory's shape, with [model.moe]
-    laid over it; max_seq_len grown to train.seq_len), and what was changed of it."""
+    """The model the run trains (a preset with overrides, or a Hugging Face directory's shape, with
+    [model.moe] laid over it; max_seq_len grown to train.seq_len), and what was changed of it."""
     overrides = {
         k: v
         for k, v in dataclasses.asdict(cfg.model).items()
@@ -240,8 +246,9 @@ def _model(cfg: Config) -> tuple[LlamaConfig, list[str]]:
         if cfg.model.init_from:  # the shape comes with the weights
             if overrides:
                 raise ConfigError(
-                    f"model.init_from takes the model's shape from {cfg.model.init_from}/config.json; "
-                    f"drop model.{', model.'.join(sorted(overrides))}"
+                    "model.init_from takes the model's shape from "
+                    f"{cfg.model.init_from}/config.json; drop "
+                    f"model.{', model.'.join(sorted(overrides))}"
                 )
             model = read_hf_config(cfg.model.init_from)
         else:
@@ -252,8 +259,8 @@ def _model(cfg: Config) -> tuple[LlamaConfig, list[str]]:
     notes, seq_len = [], cfg.train.seq_len
     if seq_len > model.max_seq_len:
         notes.append(
-            f"model.max_seq_len raised from {model.max_seq_len} to train.seq_len={seq_len} (longer RoPE "
-            "tables; no parameter changes)"
+            f"model.max_seq_len raised from {model.max_seq_len} to train.seq_len={seq_len} (longer "
+            "RoPE tables; no parameter changes)"
         )
         model = dataclasses.replace(model, max_seq_len=seq_len).validate()
     check_model_bounds(model)  # absurd sizes (the raised max_seq_len too) before anything is built
@@ -261,9 +268,9 @@ def _model(cfg: Config) -> tuple[LlamaConfig, list[str]]:
 
 
 def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:
-    """A run this machine's memory cannot hold is refused before any worker starts (`plan.fits.check_fits`); under
-    torchrun every rank checks its own node or device and all raise if one does (one raising alone would leave the
-    others waiting in their first collective)."""
+    """A run this machine's memory cannot hold is refused before any worker starts
+    (`plan.fits.check_fits`); under torchrun every rank checks its own node or device and all raise
+    if one does (one raising alone would leave the others waiting in their first collective)."""
     from fivefold.launch import is_torchrun_env
     from fivefold.plan.fits import check_fits  # (here: fivefold.plan imports this module)
 
@@ -298,7 +305,8 @@ def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:
 
 
 def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:
-    """The preset's MoE settings with the keys the run sets ([model.moe] / --model.moe.*) laid over them."""
+    """The preset's MoE settings with the keys the run sets ([model.moe] / --model.moe.*) laid over
+    them."""
     given = {k: v for k, v in dataclasses.asdict(cfg.moe).items() if v is not None}
     if given.get("capacity_factor") == 0:
         given["capacity_factor"] = None  # dropless
@@ -312,14 +320,15 @@ def _moe_config(preset: MoEConfig | None, cfg: Config) -> MoEConfig | None:
         return None
     if "experts" not in given:
         raise ConfigError(
-            f"moe.{min(given)} is set but the model is dense: set --model.moe.experts N (or use an MoE "
-            "preset such as tiny-moe)"
+            f"moe.{min(given)} is set but the model is dense: set --model.moe.experts N (or use an "
+            "MoE preset such as tiny-moe)"
         )
     return MoEConfig(**given).validate()
 
 
 def _check_data(cfg: Config) -> None:
-    """The corpus exists and is long enough for the windows training and evaluation draw (as `TokenDataset`)."""
+    """The corpus exists and is long enough for the windows training and evaluation draw (as
+    `TokenDataset`)."""
     tokens, own_val = check_source(cfg.data.path, cfg.data.max_bytes)
     need, where = (
         cfg.train.seq_len + 1,
