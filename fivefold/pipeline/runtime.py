@@ -122,6 +122,26 @@ class _SideThread:
         return done
 
 
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclasses.dataclass
+class _StepState:
+    """What one step's actions hand each other: the micro-batches, the tensors between a stage's
+    forward, backward and messages (keyed by (stage, micro-batch)), and the messages in flight."""
+
+    inputs: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+    stage_in: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # requires grad
+    stage_out: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # or the loss
+    grad_out: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # received
+    grad_in: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # to send back
+    send_works: list[Any] = dataclasses.field(default_factory=list)  # waited at the step's end
+    posted: dict[Action, tuple[torch.Tensor, Any]] = dataclasses.field(
+        default_factory=dict
+    )  # receives already in flight
+
+
 class PipelineRuntime:
     """Runs `schedule` for this pp rank over `stages` (virtual stage id -> module)."""
 
@@ -214,36 +234,17 @@ class PipelineRuntime:
                 "targets"
             )
         self.clock.reset()
-        stage_in: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> input (requires grad)
-        stage_out: dict[
-            tuple[int, int], torch.Tensor
-        ] = {}  # forward output (or loss on the last stage)
-        grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received gradient of a stage's output
-        grad_in: dict[
-            tuple[int, int], torch.Tensor
-        ] = {}  # gradient of a stage's input, to send back
-        send_works: list = []
+        st = _StepState(inputs, targets)
         loss_total: torch.Tensor | None = None
         mb_size = inputs[0].shape[0]
         plan = steps(self.schedule.actions[self.rank])
         batches = [i for i, item in enumerate(plan) if isinstance(item, list)]
-        posted: dict[Action, tuple[torch.Tensor, Any]] = {}  # receives already in flight
         side_by_side = None  # the backward that runs beside the forward just started
         for i, item in enumerate(plan):
             if isinstance(item, list):
                 later = [j for j in batches if j > i]
                 upcoming = plan[later[0]] if later else []
-                self._communicate(
-                    item,
-                    upcoming,
-                    mb_size,
-                    stage_in,
-                    stage_out,
-                    grad_out,
-                    grad_in,
-                    send_works,
-                    posted,
-                )
+                self._communicate(item, upcoming, mb_size, st)
                 continue
             a: Action = item
             if a is side_by_side:
@@ -255,32 +256,30 @@ class PipelineRuntime:
                 and self.schedule.runs_beside_forward(self.rank, nxt)
             ):
                 side_by_side = nxt
-                loss = self._unit(a, nxt, inputs, targets, stage_in, stage_out, grad_out, grad_in)
+                loss = self._unit(a, nxt, st)
             else:
-                loss = self._compute(a, inputs, targets, stage_in, stage_out, grad_out, grad_in)
+                loss = self._compute(a, st)
             if loss is not None:
                 loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
-        for w in send_works:
+        for w in st.send_works:
             w.wait()
         return loss_total
 
-    def _compute(
-        self, a: Action, inputs, targets, stage_in, stage_out, grad_out, grad_in
-    ) -> torch.Tensor | None:
+    def _compute(self, a: Action, st: _StepState) -> torch.Tensor | None:
         """Run one compute action, timed; the loss if it is the last stage's forward."""
         key = (a.stage, a.microbatch)
         start = self.clock.mark()
         loss = None
         if a.kind == "F":
-            loss = self._forward(a, key, inputs, targets, stage_in, stage_out)
+            loss = self._forward(a, key, st)
         elif a.kind in ("B", "I"):
-            self._backward(a, key, stage_in, stage_out, grad_out, grad_in)
+            self._backward(a, key, st)
         elif a.kind == "W":
             self.wgrad.run(key)
         self.clock.record(a, start)
         return loss
 
-    def _unit(self, forward: Action, backward: Action, *state) -> torch.Tensor | None:
+    def _unit(self, forward: Action, backward: Action, st: _StepState) -> torch.Tensor | None:
         """DualPipe's overlap unit: ``forward`` (one micro-batch) on the side thread while this
         thread runs ``backward`` (another), so one pass's collectives (an MoE layer's all-to-alls)
         wait while the other computes. Their inputs arrived before the unit and their outputs leave
@@ -295,11 +294,11 @@ class PipelineRuntime:
 
         def run_forward() -> torch.Tensor | None:
             with torch.set_grad_enabled(grad_mode):
-                return self._compute(forward, *state)
+                return self._compute(forward, st)
 
         done = self._side.submit(run_forward)  # returns once the forward is under way
         try:
-            self._compute(backward, *state)
+            self._compute(backward, st)
         finally:
             loss = (
                 done.result()
@@ -312,14 +311,12 @@ class PipelineRuntime:
         (waits for it)."""
         return self.clock.times()
 
-    def _forward(
-        self, a: Action, key: tuple[int, int], inputs, targets, stage_in, stage_out
-    ) -> torch.Tensor | None:
+    def _forward(self, a: Action, key: Key, st: _StepState) -> torch.Tensor | None:
         stage = self.stages[a.stage]
         if a.stage == 0:
-            x = inputs[a.microbatch].to(self.device)
+            x = st.inputs[a.microbatch].to(self.device)
         else:
-            x = stage_in[key]
+            x = st.stage_in[key]
             x.requires_grad_(torch.is_grad_enabled())
         # zero-bubble: every `fivefold.ops.linear` in this forward may defer its weight gradient to
         # W
@@ -331,45 +328,40 @@ class PipelineRuntime:
             out = stage(x)
         if a.stage == self.n_stages - 1:
             loss = (
-                self.loss_fn(out, targets[a.microbatch].to(self.device))
+                self.loss_fn(out, st.targets[a.microbatch].to(self.device))
                 / self.schedule.n_microbatches
             )
-            stage_out[key] = loss
+            st.stage_out[key] = loss
             return loss
-        stage_out[key] = out
+        st.stage_out[key] = out
         nxt = (a.stage + 1, a.microbatch)
         if self.schedule.rank_of(a.stage + 1) == self.rank:  # next stage is local: no communication
-            stage_in[nxt] = out.detach()
+            st.stage_in[nxt] = out.detach()
         return None
 
-    def _backward(self, a: Action, key, stage_in, stage_out, grad_out, grad_in) -> None:
-        out = stage_out.pop(key)
+    def _backward(self, a: Action, key: Key, st: _StepState) -> None:
+        out = st.stage_out.pop(key)
         self.wgrad.current = key  # recorded linears queue their weight gradients under this key
         if a.stage == self.n_stages - 1:
             torch.autograd.backward(out)
         else:
-            torch.autograd.backward(out, grad_out.pop(key))
+            torch.autograd.backward(out, st.grad_out.pop(key))
         if a.kind == "B":  # a full backward: whatever a recorded forward queued is computed now
             self.wgrad.run(key)
         if a.stage > 0:
-            x = stage_in.pop(key)
+            x = st.stage_in.pop(key)
             prev = (a.stage - 1, a.microbatch)
             if self.schedule.rank_of(a.stage - 1) == self.rank:
-                grad_out[prev] = x.grad
+                st.grad_out[prev] = x.grad
             else:
-                grad_in[key] = x.grad
+                st.grad_in[key] = x.grad
 
     def _communicate(
         self,
         batch: list[Action],
         upcoming: list[Action],
         mb_size: int,
-        stage_in,
-        stage_out,
-        grad_out,
-        grad_in,
-        send_works: list,
-        posted: dict,
+        st: _StepState,
     ) -> None:
         """One batch_isend_irecv of this batch's sends and receives (plus, buffered, the next
         batch's receives). A receive is complete when the work covering it is: its own (gloo) or the
@@ -380,11 +372,11 @@ class PipelineRuntime:
         for a in batch:
             key = (a.stage, a.microbatch)
             if a.kind == SEND_F:
-                ops.append(("send", stage_out[key].detach().contiguous(), a.peer))
+                ops.append(("send", st.stage_out[key].detach().contiguous(), a.peer))
             elif a.kind == SEND_B:
-                ops.append(("send", grad_in.pop(key).contiguous(), a.peer))
+                ops.append(("send", st.grad_in.pop(key).contiguous(), a.peer))
         for a in [*batch, *(upcoming if self.lookahead_recv else [])]:
-            if a.kind in (RECV_F, RECV_B) and a not in posted:
+            if a.kind in (RECV_F, RECV_B) and a not in st.posted:
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 new_recvs.append((len(ops), a, buf))
                 ops.append(("recv", buf, a.peer))
@@ -396,7 +388,7 @@ class PipelineRuntime:
                 "p2p='buffered' needs one work per message, but this backend returned one for the "
                 f"whole batch of {issued.n_ops} (it coalesces, as NCCL does): use p2p='rendezvous'"
             )
-        send_works.extend(
+        st.send_works.extend(
             {
                 id(w): w
                 for i, (kind, _, _) in enumerate(ops)
@@ -405,12 +397,12 @@ class PipelineRuntime:
             }.values()
         )
         for i, a, buf in new_recvs:
-            posted[a] = (buf, issued.work_of(i))
+            st.posted[a] = (buf, issued.work_of(i))
         for a in batch:
             if a.kind in (RECV_F, RECV_B):
-                buf, w = posted.pop(a)
+                buf, w = st.posted.pop(a)
                 w.wait()
                 # a batch's one work also covers its sends; waited, it is done (gloo's p2p works
                 # wait only once)
-                send_works[:] = [s for s in send_works if s is not w]
-                (stage_in if a.kind == RECV_F else grad_out)[(a.stage, a.microbatch)] = buf
+                st.send_works[:] = [s for s in st.send_works if s is not w]
+                (st.stage_in if a.kind == RECV_F else st.grad_out)[(a.stage, a.microbatch)] = buf
