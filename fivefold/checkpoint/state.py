@@ -21,6 +21,7 @@ from fivefold.checkpoint.pieces import Pieces
 from fivefold.comm import Comm
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.data_parallel.flat_param import FlatParam
+from fivefold.data_parallel.sharded_optimizer import write_back
 
 __all__ = ["ParamShare", "TrainingState", "optimizer_state_keys", "param_shares", "training_state"]
 
@@ -109,14 +110,7 @@ class TrainingState:
         compute copies (16-bit shards; ZeRO-1/2's full buffers)."""
         for fqn, target in self.scalar_targets:
             target.copy_(self.state_dict[fqn])
-        works = []
-        for engine in engines:
-            for flat in engine.flats:
-                flat.write_back()
-                if flat.sharded and not flat.reshard_enabled:
-                    works.append(flat.gather_params())
-        for w in works:
-            w.wait()
+        write_back(flat for engine in engines for flat in engine.flats)
 
 
 def training_state(

@@ -56,6 +56,19 @@ def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
         )
 
 
+def write_back(flats: Iterable[FlatParam]) -> None:
+    """Refresh the compute copies from the fp32 masters (`FlatParam.write_back`), then all-gather
+    the updated shards of the sharded flats that stay gathered (ZeRO-1/2), all launched before any
+    is waited on."""
+    works = []
+    for f in flats:
+        f.write_back()
+        if f.sharded and not f.reshard_enabled:
+            works.append(f.gather_params())
+    for w in works:
+        w.wait()
+
+
 class ShardedOptimizer:
     """An inner torch optimizer over the fp32 master shards of a list of `FlatParam`s."""
 
@@ -91,15 +104,9 @@ class ShardedOptimizer:
             )
             for i, ((dtype, _), named) in enumerate(by_kind.items())
         ]
-        self._setup(
-            flats,
-            optimizer_class,
-            group_kwargs,
-            comm,
-            elementwise=elementwise,
-            grads_from_params=True,
-            defaults=defaults,
-        )
+        self.flats, self.comm, self.grads_from_params = flats, comm, True
+        self.loss_scaler: DynamicLossScaler | None = None
+        self._build_inner(optimizer_class, group_kwargs, elementwise, defaults)
 
     @classmethod
     def for_flat_params(
@@ -115,35 +122,23 @@ class ShardedOptimizer:
     ) -> ShardedOptimizer:
         """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter."""
         self = cls.__new__(cls)
-        self._setup(
-            flats,
-            optimizer_class,
-            group_kwargs,
-            comm,
-            elementwise=elementwise,
-            grads_from_params=False,
-            defaults=defaults,
-            loss_scaler=loss_scaler,
-        )
+        self.flats, self.comm, self.grads_from_params = flats, comm, False
+        self.loss_scaler = loss_scaler
+        self._build_inner(optimizer_class, group_kwargs, elementwise, defaults)
         return self
 
-    def _setup(
+    def _build_inner(
         self,
-        flats: list[FlatParam],
         optimizer_class: type,
         group_kwargs: list[dict[str, Any]],
-        comm: Comm,
-        *,
         elementwise: bool | None,
-        grads_from_params: bool,
         defaults: dict[str, Any],
-        loss_scaler: DynamicLossScaler | None = None,
     ) -> None:
+        """Both constructors' common part, once ``flats``, ``comm``, ``grads_from_params`` and
+        ``loss_scaler`` are set: the inner optimizer over the flats' master shards, with each
+        parameter's norm placement."""
         check_elementwise(optimizer_class, elementwise)
-        self.flats = flats
-        self.comm = comm
-        self.grads_from_params = grads_from_params
-        self.loss_scaler = loss_scaler
+        flats, comm = self.flats, self.comm
         self.sharded = any(f.sharded for f in flats)
         inner_groups = []
         for g, kwargs in enumerate(group_kwargs):
@@ -303,13 +298,7 @@ class ShardedOptimizer:
             return
         self._grads_to_host()
         self.optimizer.step()
-        works = []
-        for f in self.flats:
-            f.write_back()
-            if f.sharded and not f.reshard_enabled:
-                works.append(f.gather_params())
-        for w in works:
-            w.wait()
+        write_back(self.flats)
         self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -422,18 +422,20 @@ class ReduceScatter(Stage):
         return self._largest_param_grad(param_bytes)
 
     def collectives(
-        self, *, param_bytes: int, grad_bytes: int, reductions: int, reduce_phase: str, **_: Any
+        self, *, param_bytes: int, grad_bytes: int, reductions: int, reduce_phase: str, **rest: Any
     ) -> list[Collective]:
-        """The gradient reductions (the transport's), then the all-gather of the updated shards once
-        per step."""
+        """The gradient reductions (the transport's), then the parameter gathers
+        (`_param_gathers`)."""
         padded = [f.layout.padded_numel for f in self.flats]
         out = self.transport.collectives(padded, grad_bytes, reductions, reduce_phase)
-        n = self.comm.size
-        if n > 1:
-            out.append(
-                Collective(self.comm.dim, "all_gather", "after", sum(padded) * param_bytes, n)
-            )
+        if self.comm.size > 1:
+            out += self._param_gathers(padded, param_bytes, **rest)
         return out
+
+    def _param_gathers(self, padded: list[int], param_bytes: int, **_: Any) -> list[Collective]:
+        """The all-gather of the updated shards once per step."""
+        n = self.comm.size
+        return [Collective(self.comm.dim, "all_gather", "after", sum(padded) * param_bytes, n)]
 
 
 class ShardedParams(ReduceScatter):
@@ -528,27 +530,16 @@ class ShardedParams(ReduceScatter):
             out["unit gradients"] = max(n for _, n in units) * param_bytes
         return out
 
-    def collectives(
-        self,
-        *,
-        param_bytes: int,
-        grad_bytes: int,
-        reductions: int,
-        reduce_phase: str,
-        micro_batches: int,
+    def _param_gathers(
+        self, padded: list[int], param_bytes: int, *, micro_batches: int, **_: Any
     ) -> list[Collective]:
-        """The gradient reductions (the transport's), then every unit gathered in each forward and,
-        when freed after it, again in each backward (hpZ: inside its secondary group)."""
-        padded = [f.layout.padded_numel for f in self.flats]
-        out = self.transport.collectives(padded, grad_bytes, reductions, reduce_phase)
+        """Every unit gathered in each forward and, when freed after it, again in each backward
+        (hpZ: inside its secondary group)."""
         n = self.comm.size
-        if n > 1:
-            forward = micro_batches * self.gather.gather_bytes(padded, n, param_bytes)
-            out.append(Collective(self.comm.dim, "all_gather", "forward", forward, n))
-            if self.reshard_after_forward:
-                out.append(
-                    self.gather.backward_gathers(self.comm, padded, param_bytes, micro_batches)
-                )
+        forward = micro_batches * self.gather.gather_bytes(padded, n, param_bytes)
+        out = [Collective(self.comm.dim, "all_gather", "forward", forward, n)]
+        if self.reshard_after_forward:
+            out.append(self.gather.backward_gathers(self.comm, padded, param_bytes, micro_batches))
         return out
 
 

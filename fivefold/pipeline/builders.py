@@ -5,14 +5,11 @@ entry in `SCHEDULES`.
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
+from collections import Counter, deque
 from collections.abc import Callable
 
 from fivefold.pipeline.actions import (
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
     Action,
     B,
     F,
@@ -21,6 +18,7 @@ from fivefold.pipeline.actions import (
     ScheduleError,
     W,
 )
+from fivefold.pipeline.lowering import transfers
 
 __all__ = [
     "gpipe",
@@ -44,11 +42,23 @@ def _check_sizes(name: str, P: int, M: int, V: int = 1) -> None:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
 
 
-def _check_m_ge_p(name: str, P: int, M: int, why: str) -> None:
+# Why each schedule needs M >= P micro-batches (`_check_m_ge_p`).
+_WHY_M_GE_P = {
+    "gpipe": "with fewer the pipeline never fills (no moment has every stage busy) and the bubble "
+    "(P-1)/(M+P-1) is at least 50%",
+    "1f1b": "with fewer, the first stage runs out of forwards before the first backward returns",
+    "interleaved": "micro-batches enter each model chunk in groups of P, and with fewer the first "
+    "chunk's group is incomplete before the second chunk starts",
+    "zb-h1": "with fewer, the first stage runs out of forwards before the first input-gradient "
+    "pass returns",
+}
+
+
+def _check_m_ge_p(name: str, P: int, M: int) -> None:
     if M < P:
         raise ValueError(
-            f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): {why}; use M "
-            ">= P"
+            f"{name} needs at least as many micro-batches as stages (M={M} < P={P}): "
+            f"{_WHY_M_GE_P[name]}; use M >= P"
         )
 
 
@@ -56,12 +66,29 @@ def _plain_placement(P: int) -> list[int]:
     return list(range(P))
 
 
-def _one_stage_per_rank(name: str, V: int) -> None:
+def _check_one_stage_per_rank(name: str, P: int, M: int, V: int) -> None:
+    """The checks of a schedule with one stage per rank: the sizes, V == 1, M >= P."""
+    _check_sizes(name, P, M, V)
     if V != 1:
         raise ValueError(
             f"schedule {name!r} has one stage per rank (V=1), got V={V}; only 'interleaved' takes "
             "V > 1"
         )
+    _check_m_ge_p(name, P, M)
+
+
+def _warmed_up(
+    name: str, P: int, M: int, V: int, after_warmup: Callable[[int, int], list[Action]]
+) -> Schedule:
+    """A schedule with one stage per rank in which rank r first runs the P-1-r forwards that fill
+    the pipeline below it (1F1B's warm-up), then ``after_warmup(r, n_warmup)``."""
+    _check_one_stage_per_rank(name, P, M, V)
+    actions = []
+    for r in range(P):
+        n_warmup = P - 1 - r
+        warmup = [Action(F, m, r) for m in range(n_warmup)]
+        actions.append(warmup + after_warmup(r, n_warmup))
+    return Schedule(name, P, M, 1, _plain_placement(P), actions)
 
 
 def gpipe(P: int, M: int, V: int = 1) -> Schedule:
@@ -69,15 +96,7 @@ def gpipe(P: int, M: int, V: int = 1) -> Schedule:
     backwards in reverse order (the stack order of the stored activations). Every rank holds M
     micro-batches at the turn; bubble (P-1)/(M+P-1)."""
     name = "gpipe"
-    _check_sizes(name, P, M, V)
-    _one_stage_per_rank(name, V)
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "with fewer the pipeline never fills (no moment has every stage busy) and the bubble "
-        "(P-1)/(M+P-1) is at least 50%",
-    )
+    _check_one_stage_per_rank(name, P, M, V)
     actions = [
         [Action(F, m, r) for m in range(M)] + [Action(B, m, r) for m in reversed(range(M))]
         for r in range(P)
@@ -89,24 +108,14 @@ def one_f_one_b(P: int, M: int, V: int = 1) -> Schedule:
     """1F1B (PipeDream-flush / Megatron): rank r warms up with P-1-r forwards, then runs (F, B)
     pairs, then the last P-1-r backwards. Rank r holds at most P-r micro-batches; bubble as
     GPipe."""
-    name = "1f1b"
-    _check_sizes(name, P, M, V)
-    _one_stage_per_rank(name, V)
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "with fewer, the first stage runs out of forwards before the first backward returns",
-    )
-    actions = []
-    for r in range(P):
-        n_warmup = P - 1 - r
-        acts = [Action(F, m, r) for m in range(n_warmup)]
+
+    def after_warmup(r: int, n_warmup: int) -> list[Action]:
+        acts: list[Action] = []
         for i in range(M - n_warmup):
             acts += [Action(F, n_warmup + i, r), Action(B, i, r)]
-        acts += [Action(B, i, r) for i in range(M - n_warmup, M)]
-        actions.append(acts)
-    return Schedule(name, P, M, 1, _plain_placement(P), actions)
+        return acts + [Action(B, i, r) for i in range(M - n_warmup, M)]
+
+    return _warmed_up("1f1b", P, M, V, after_warmup)
 
 
 def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
@@ -121,13 +130,7 @@ def interleaved_1f1b(P: int, M: int, V: int = 2) -> Schedule:
             f"{name}: needs V >= 2 virtual stages per rank (got V={V}); V=1 is plain 1F1B, use "
             "'1f1b'"
         )
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "micro-batches enter each model chunk in groups of P, and with fewer the first "
-        "chunk's group is incomplete before the second chunk starts",
-    )
+    _check_m_ge_p(name, P, M)
     if M % P != 0:
         raise ValueError(
             f"{name} needs the number of micro-batches to be a multiple of the pipeline size "
@@ -171,20 +174,9 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
     (critical path) and W, deferred: rank r runs W(i) after I(i + r), filling 1F1B's cool-down; with
     F = I = W the bubble shrinks to (P-1)/(3M+P-1). Activations live F to W: at most P micro-batches
     per rank (1F1B's peak, "same peak memory")."""
-    name = "zb-h1"
-    _check_sizes(name, P, M, V)
-    _one_stage_per_rank(name, V)
-    _check_m_ge_p(
-        name,
-        P,
-        M,
-        "with fewer, the first stage runs out of forwards before the first input-gradient "
-        "pass returns",
-    )
-    actions = []
-    for r in range(P):
-        n_warmup = P - 1 - r
-        acts = [Action(F, m, r) for m in range(n_warmup)]
+
+    def after_warmup(r: int, n_warmup: int) -> list[Action]:
+        acts: list[Action] = []
         n_w = 0  # weight-gradient passes emitted so far (in micro-batch order)
         for i in range(M):
             if i < M - n_warmup:  # steady state: forward of the next micro-batch first
@@ -193,9 +185,9 @@ def zero_bubble_h1(P: int, M: int, V: int = 1) -> Schedule:
             while n_w <= i - r:  # W of micro-batch i - r: r micro-batches behind the I's
                 acts.append(Action(W, n_w, r))
                 n_w += 1
-        acts += [Action(W, m, r) for m in range(n_w, M)]  # flush the last r
-        actions.append(acts)
-    return Schedule(name, P, M, 1, _plain_placement(P), actions)
+        return acts + [Action(W, m, r) for m in range(n_w, M)]  # flush the last r
+
+    return _warmed_up("zb-h1", P, M, V, after_warmup)
 
 
 def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
@@ -217,14 +209,11 @@ def dualpipe_v(P: int, M: int, V: int = 2) -> Schedule:
             f"2P={2 * P}): the main phase pairs one micro-batch's forward with another's backward; "
             f"use M >= {2 * P}"
         )
-    ranks = [_dualpipe_v_rank(P, M, r) for r in range(P)]
-    return Schedule(
-        name,
-        P,
-        M,
-        2,
-        list(range(P)) + list(reversed(range(P))),
-        [k.acts for k in ranks],
+    frame = Schedule(name, P, M, 2, list(range(P)) + list(reversed(range(P))), [[]] * P)
+    ranks = [_dualpipe_v_rank(frame, r) for r in range(P)]
+    return dataclasses.replace(
+        frame,
+        actions=[k.acts for k in ranks],
         is_lowered=True,
         side_by_side=[frozenset(k.overlapped) for k in ranks],
     )
@@ -237,57 +226,45 @@ class _DualPipeVRank:
     two ranks must pair in posting order (NCCL), and this order is what makes them pair; the generic
     `lower` would not."""
 
-    def __init__(self, P: int, r: int) -> None:
-        self.P, self.r = P, r
-        self.stage = (r, 2 * P - 1 - r)
+    def __init__(self, frame: Schedule, r: int) -> None:
+        self.frame, self.r = frame, r  # frame: the placement the messages follow
+        self.stage = (r, 2 * frame.n_ranks - 1 - r)
         self.acts: list[Action] = []
         self.pending: list[Action] = []
-        keys = ("F0", "F1", "B0", "B1", "rf0", "rf1", "sf0", "sf1", "rb0", "rb1", "sb0", "sb1")
-        self.count = dict.fromkeys(
-            keys, 0
-        )  # computes and messages so far, by chunk: the next micro-batch
-        self.overlapped: set[Action] = (
-            set()
-        )  # backwards of the (F, B) units, run beside their forward
-        self.deferred: deque[tuple[int, int]] = (
-            deque()
-        )  # (micro-batch, stage) of I's whose W is still to run
-        first, last = r == 0, r == P - 1
-        # which transfers exist: the first stage has no input, the loss stage no output; on the last
-        # rank the two chunks meet locally (stage P-1 feeds stage P)
-        self.has = {
-            "rf0": not first,
-            "rf1": not last,
-            "sf0": not last,
-            "sf1": not first,
-            "rb0": not last,
-            "rb1": not first,
-            "sb0": not first,
-            "sb1": not last,
-        }
+        # computes and messages so far, by chunk: the next micro-batch
+        self.count: Counter[object] = Counter()
+        # backwards of the (F, B) units, run beside their forward
+        self.overlapped: set[Action] = set()
+        # (micro-batch, stage) of I's whose W is still to run
+        self.deferred: deque[tuple[int, int]] = deque()
 
-    def _next(self, key: str) -> int:
+    def _next(self, key: object) -> int:
         self.count[key] += 1
         return self.count[key] - 1
 
-    def _comm(self, key: str, kind: str, phase: int, peer_step: int) -> None:
-        if self.has[key]:
-            self.pending.append(
-                Action(kind, self._next(key), self.stage[phase], peer=self.r + peer_step)
-            )
+    def _comm(self, compute: str, phase: int, receive: bool) -> None:
+        """Post the next message that a ``compute`` at ``phase``'s stage receives (or sends), if
+        there is one: the neighbouring stage exists and lives on another rank (`transfers`; the
+        first stage has no input, the loss stage no output, and on the last rank the two chunks meet
+        locally)."""
+        key = (compute, phase, receive)
+        probe = Action(compute, self.count[key], self.stage[phase])
+        messages = transfers(self.frame, self.r, probe)[0 if receive else 1]
+        if messages:
+            self._next(key)
+            self.pending += messages
 
-    # phase 0 flows down (r-1 -> r -> r+1), phase 1 back up
     def recv_forward(self, phase: int) -> None:
-        self._comm(f"rf{phase}", RECV_F, phase, -1 if phase == 0 else 1)
+        self._comm(F, phase, receive=True)
 
     def send_forward(self, phase: int) -> None:
-        self._comm(f"sf{phase}", SEND_F, phase, 1 if phase == 0 else -1)
+        self._comm(F, phase, receive=False)
 
     def recv_backward(self, phase: int) -> None:
-        self._comm(f"rb{phase}", RECV_B, phase, 1 if phase == 0 else -1)
+        self._comm(B, phase, receive=True)
 
     def send_backward(self, phase: int) -> None:
-        self._comm(f"sb{phase}", SEND_B, phase, -1 if phase == 0 else 1)
+        self._comm(B, phase, receive=False)
 
     def commit(self) -> None:
         self.acts += self.pending
@@ -333,9 +310,10 @@ class _DualPipeVRank:
         self.acts.append(Action(W, m, s))
 
 
-def _dualpipe_v_rank(P: int, M: int, r: int) -> _DualPipeVRank:
+def _dualpipe_v_rank(frame: Schedule, r: int) -> _DualPipeVRank:
     """DeepSeek's eight phases for rank r (dualpipev.py), step for step."""
-    k = _DualPipeVRank(P, r)
+    P, M = frame.n_ranks, frame.n_microbatches
+    k = _DualPipeVRank(frame, r)
     last = r == P - 1
     for _ in range(2 * (P - 1 - r)):  # 1: F0
         k.forward(0)

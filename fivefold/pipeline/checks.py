@@ -6,15 +6,11 @@ latter reading lowered lists through `actions.steps` like the runtime and simula
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fivefold.pipeline.actions import (
     BACKWARD_KINDS,
     COMPUTE_KINDS,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
     Action,
     B,
     DeadlockError,
@@ -28,7 +24,7 @@ from fivefold.pipeline.actions import (
 )
 from fivefold.pipeline.lowering import transfers
 
-__all__ = ["validate", "check_deadlock_free"]
+__all__ = ["validate", "check_deadlock_free", "play_until_stuck"]
 
 
 def validate(schedule: Schedule) -> None:
@@ -168,7 +164,7 @@ def _validate_comm(schedule: Schedule, errors: list[str]) -> None:
         if len(idxs) > 1:
             errors.append(f"rank {rank}: {a} appears {len(idxs)} times (steps {idxs})")
         s = a.stage
-        neighbour = {SEND_F: s + 1, RECV_F: s - 1, SEND_B: s - 1, RECV_B: s + 1}[a.kind]
+        neighbour = a.counterpart(rank).stage  # the stage it sends to or receives from
         if not 0 <= neighbour < S:
             errors.append(f"rank {rank}: {a} talks to stage {neighbour}, which does not exist")
             continue
@@ -234,6 +230,21 @@ def _order_errors(lists: Sequence[Sequence[Action]]) -> list[str]:
                 )
                 break
     return errors
+
+
+def play_until_stuck(
+    plans: Sequence[Sequence], pc: list[int], advance: Callable[[int], bool]
+) -> list[int]:
+    """Move the ranks in turn, each as far as ``advance(r)`` takes it (it moves ``pc[r]``, the
+    index of rank r's next step in ``plans[r]``), until none moves; the ranks left before the end of
+    their plan (the deadlock check's and the simulator's common loop)."""
+    progress = True
+    while progress:
+        progress = False
+        for r in range(len(plans)):
+            while pc[r] < len(plans[r]) and advance(r):
+                progress = True
+    return [r for r in range(len(plans)) if pc[r] < len(plans[r])]
 
 
 def _report(name: str, what: str, errors: list[str], limit: int = 12) -> str:
@@ -306,14 +317,7 @@ def check_deadlock_free(
         pc[r] += 1
         return True
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            while pc[r] < len(plans[r]) and advance(r):
-                progress = True
-
-    if any(pc[r] < len(plans[r]) for r in range(P)):
+    if play_until_stuck(plans, pc, advance):
         lines = []
         for r in range(P):
             if pc[r] >= len(plans[r]):

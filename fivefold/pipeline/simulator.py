@@ -27,6 +27,7 @@ from fivefold.pipeline.actions import (
     channel,
     steps,
 )
+from fivefold.pipeline.checks import play_until_stuck
 
 __all__ = ["DEFAULT_COSTS", "OVERLAPPED", "Event", "Timeline", "simulate", "bubble_formula"]
 
@@ -249,13 +250,7 @@ def simulate(
         pc[r] += len(unit)
         return True
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            while pc[r] < len(plans[r]) and advance(r):
-                progress = True
-    stuck = [f"rank {r} waits at {plans[r][pc[r]]}" for r in range(P) if pc[r] < len(plans[r])]
+    stuck = [f"rank {r} waits at {plans[r][pc[r]]}" for r in play_until_stuck(plans, pc, advance)]
     if stuck:
         raise DeadlockError(
             f"{schedule.name!r} cannot finish: its orders contradict the data dependencies; "
