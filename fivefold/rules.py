@@ -19,13 +19,16 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fivefold.config import Config, ConfigError
-from fivefold.models.moe import MoEConfig
 from fivefold.pipeline.actions import Schedule, W
 from fivefold.pipeline.builders import build_schedule
+
+if TYPE_CHECKING:  # the model's experts, read by field (rules sit below the models)
+    from fivefold.models.moe import MoEConfig
 
 __all__ = [
     "GROUPS",
@@ -445,7 +448,7 @@ def check(layout: Layout, rules: Sequence[Rule] = RULES) -> None:
 
 
 def pipeline_overlap(
-    cfg: Config, moe: bool, size: Callable[[str], int], device_type: str
+    cfg: Config, moe: MoEConfig | None, size: Callable[[str], int], device_type: str
 ) -> tuple[bool, str]:
     """Whether the pipeline runs its schedule's overlapped units side by side (`PipelineRuntime`
     ``overlap``), and why (not). A unit's forward runs in a second thread beside the backward; that
@@ -454,20 +457,19 @@ def pipeline_overlap(
     (forward only; the engines' backward hooks issue nothing during a pipeline step, which runs
     under `no_sync`) are; TP's collectives, ring attention's messages and ZeRO-3's gathers are not.
     Off by default: the second thread needs a core of its own to gain anything
-    (docs/benchmarks.md#expert-parallelism: measured slower on 2 cores shared by 4 ranks); ``moe``
-    says whether there are expert all-to-alls to hide. `validate_layout` refuses a broken rule
-    first; here it is raised again."""
+    (docs/benchmarks.md#expert-parallelism). ``moe`` (the model's experts, None: dense) says
+    whether there are expert all-to-alls to hide. `validate_layout` refuses a broken rule first;
+    here it is raised again."""
     if cfg.pipeline.overlap == "off":
         return False, "pipeline.overlap off"
     schedule = build_schedule(
         cfg.pipeline.schedule, size("pp"), cfg.train.grad_accum, cfg.pipeline.virtual
     )
-    # (these rules ask only whether there are experts, not how many)
-    layout = Layout(cfg, size, MoEConfig() if moe else None, device_type, schedule)
+    layout = Layout(cfg, size, moe, device_type, schedule)
     check(layout, [r for r in RULES if r.group == "overlap"])
     hides = (
         "expert all-to-alls"
-        if moe and size("ep") > 1
+        if moe is not None and size("ep") > 1
         else "nothing but compute (no expert all-to-all)"
     )
     return True, f"each unit's forward beside its backward, hiding {hides}"

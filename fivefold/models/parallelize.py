@@ -538,7 +538,7 @@ class PipelinedModel(_Parts):
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
         self.stages = stages
         self.overlap, self.overlap_reason = pipeline_overlap(
-            cfg, model_cfg.moe is not None, mesh.size, device.type
+            cfg, model_cfg.moe, mesh.size, device.type
         )
         self.engines = {
             (s, i): e
