@@ -471,6 +471,16 @@ class Comm:
             return self.log.record(op, self.dim, tensor, self.size, tag, numel)
         return None
 
+    def _begin(
+        self, op: str, tensors: tuple[torch.Tensor, ...], logged: torch.Tensor, tag: str
+    ) -> CommTiming | None:
+        """What every collective does before it is issued: its tensors' devices checked, in debug
+        mode the ranks' agreement (`_agree`), and the call logged by its `logged` buffer."""
+        self._check(op, *tensors)
+        if self._side is not None:
+            self._agree(op, tensors, tag)
+        return self._record(op, logged, tag)
+
     def _issued(self, timing: CommTiming | None, work, async_op: bool):
         """The call's result; while tracing, a synchronous call is complete now and an async one's
         work is timed."""
@@ -492,10 +502,7 @@ class Comm:
         async_op: bool = False,
         tag: str = "",
     ):
-        self._check("all_reduce", tensor)
-        if self._side is not None:
-            self._agree("all_reduce", (tensor,), tag)
-        timing = self._record("all_reduce", tensor, tag)
+        timing = self._begin("all_reduce", (tensor,), tensor, tag)
         return self._issued(
             timing, dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op
         )
@@ -510,17 +517,7 @@ class Comm:
     ):
         """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`,
         gets its shard."""
-        self._check("reduce_scatter", output, input)
-        if self._side is not None:
-            self._agree(
-                "reduce_scatter",
-                (
-                    output,
-                    input,
-                ),
-                tag,
-            )
-        timing = self._record("reduce_scatter", input, tag)
+        timing = self._begin("reduce_scatter", (output, input), input, tag)
         return self._issued(
             timing,
             _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op),
@@ -532,17 +529,7 @@ class Comm:
     ):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may
         be its slice)."""
-        self._check("all_gather", output, input)
-        if self._side is not None:
-            self._agree(
-                "all_gather",
-                (
-                    output,
-                    input,
-                ),
-                tag,
-            )
-        timing = self._record("all_gather", output, tag)
+        timing = self._begin("all_gather", (output, input), output, tag)
         return self._issued(
             timing, _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op
         )
@@ -550,10 +537,7 @@ class Comm:
     def broadcast(
         self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""
     ):
-        self._check("broadcast", tensor)
-        if self._side is not None:
-            self._agree("broadcast", (tensor,), tag)
-        timing = self._record("broadcast", tensor, tag)
+        timing = self._begin("broadcast", (tensor,), tensor, tag)
         return self._issued(
             timing,
             dist.broadcast(
@@ -571,17 +555,7 @@ class Comm:
         async_op: bool = False,
         tag: str = "",
     ):
-        self._check("all_to_all", output, input)
-        if self._side is not None:
-            self._agree(
-                "all_to_all",
-                (
-                    output,
-                    input,
-                ),
-                tag,
-            )
-        timing = self._record("all_to_all", input, tag)
+        timing = self._begin("all_to_all", (output, input), input, tag)
         return self._issued(
             timing,
             dist.all_to_all_single(

@@ -72,53 +72,51 @@ STAGE_SHARDS: dict[int, tuple[bool, bool, bool]] = {
     3: (True, True, True),
 }
 
+_FP32_STATE_BYTES = (4, 4, 8)  # bytes per element of params, grads, optimizer (m and v)
+_OP_ABBREVIATIONS = {
+    "all_reduce": "AR",
+    "reduce_scatter": "RS",
+    "all_gather": "AG",
+    "broadcast": "BC",
+}
+
+
+def _recipe(
+    label: str, memory_formula: str, stage: int, comm: dict[str, int], **notes: str
+) -> dict:
+    """One `RECIPES` entry: fp32 model states sharded as ZeRO-``stage`` shards them; ``comm``: op
+    -> multiple of 4Ψ, written out as ``comm_formula`` ("RS Ψ + AG Ψ")."""
+    return dict(
+        label=label,
+        memory_formula=memory_formula,
+        memory=tuple(zip(_FP32_STATE_BYTES, STAGE_SHARDS[stage])),
+        comm=comm,
+        comm_formula=" + ".join(
+            f"{_OP_ABBREVIATIONS[op]} {'' if k == 1 else k}Ψ" for op, k in comm.items()
+        ),
+        **notes,
+    )
+
+
+# memory: (bytes per element, sharded?) for params, grads, optimizer; comm: op -> multiple of 4Ψ
 RECIPES: dict[str, dict[str, Any]] = {
-    # memory: (bytes per element, sharded?) for params, grads, optimizer; comm: op -> multiple of 4Ψ
-    "ddp": dict(
-        label="DDP",
-        memory_formula="4Ψ+4Ψ+8Ψ = 16Ψ",
-        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[0])),
-        comm={"all_reduce": 1},
-        comm_formula="AR Ψ",
-    ),
-    "zero1": dict(
-        label="ZeRO-1",
-        memory_formula="4Ψ+4Ψ+8Ψ/N",
-        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[1])),
-        comm={"reduce_scatter": 1, "all_gather": 1},
-        comm_formula="RS Ψ + AG Ψ",
-    ),
-    "zero2": dict(
-        label="ZeRO-2",
-        memory_formula="4Ψ+12Ψ/N",
-        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[2])),
-        comm={"reduce_scatter": 1, "all_gather": 1},
-        comm_formula="RS Ψ + AG Ψ",
-    ),
-    "zero3": dict(
-        label="ZeRO-3",
-        memory_formula="16Ψ/N",
-        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])),
-        comm={"all_gather": 2, "reduce_scatter": 1},
-        comm_formula="AG 2Ψ + RS Ψ",
-    ),
+    "ddp": _recipe("DDP", "4Ψ+4Ψ+8Ψ = 16Ψ", 0, {"all_reduce": 1}),
+    "zero1": _recipe("ZeRO-1", "4Ψ+4Ψ+8Ψ/N", 1, {"reduce_scatter": 1, "all_gather": 1}),
+    "zero2": _recipe("ZeRO-2", "4Ψ+12Ψ/N", 2, {"reduce_scatter": 1, "all_gather": 1}),
+    "zero3": _recipe("ZeRO-3", "16Ψ/N", 3, {"all_gather": 2, "reduce_scatter": 1}),
     # ZeRO-3 keeping each unit gathered from its forward to its backward (zero.reshard_after_forward
     # false, DeepSpeed's default when parameters are reused soon): one all-gather per step; the
     # gathered units are held meanwhile
-    "zero3-keep": dict(
-        label="ZeRO-3, kept for backward",
-        memory_formula="16Ψ/N",
-        memory=tuple(zip((4, 4, 8), STAGE_SHARDS[3])),
-        comm={"all_gather": 1, "reduce_scatter": 1},
-        comm_formula="AG Ψ + RS Ψ",
+    "zero3-keep": _recipe(
+        "ZeRO-3, kept for backward", "16Ψ/N", 3, {"all_gather": 1, "reduce_scatter": 1}
     ),
-    # torch's ZeRO-1 recipe: DDP's all-reduce, then every parameter broadcast by its owner
-    "ddp+zero_optim": dict(
-        label="ZeRO-1 (DDP+ZeroRedundancyOptimizer)",
-        memory_formula="4Ψ+4Ψ+8Ψ/N",
-        memory=((4, False), (4, False), (8, True)),
-        comm={"all_reduce": 1, "broadcast": 1},
-        comm_formula="AR Ψ + BC Ψ",
+    # torch's ZeRO-1 recipe: DDP's all-reduce, then every parameter broadcast by its owner; the
+    # states sharded as ZeRO-1's
+    "ddp+zero_optim": _recipe(
+        "ZeRO-1 (DDP+ZeroRedundancyOptimizer)",
+        "4Ψ+4Ψ+8Ψ/N",
+        1,
+        {"all_reduce": 1, "broadcast": 1},
         memory_note="ZeroRedundancyOptimizer partitions whole parameters, not a flat buffer: "
         "its shards are uneven",
     ),

@@ -17,13 +17,11 @@ __all__ = ["DEVICE_PEAKS", "cpu_peak_flops", "device_peak_flops"]
 
 # Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the
 # device has them and fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts;
-# PCIe ones are lower: set the override).
+# PCIe ones are lower: set the override). Looked up in this order, a name's first fragment wins
+# ("A100" before "A10", "L40S" before "L4"); H200 and H800 compute as an H100, A800 as an A100.
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
-    "H200": (989.0, 494.5),
-    "H100": (989.0, 494.5),
-    "H800": (989.0, 494.5),
-    "A100": (312.0, 156.0),
-    "A800": (312.0, 156.0),
+    **dict.fromkeys(("H200", "H100", "H800"), (989.0, 494.5)),
+    **dict.fromkeys(("A100", "A800"), (312.0, 156.0)),
     "L40S": (362.0, 183.0),
     "L4": (121.0, 60.0),
     "A10": (125.0, 62.5),

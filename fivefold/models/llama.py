@@ -34,6 +34,7 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "TransformerBlock",
+    "WEIGHT_SIZES",
     "apply_rotary",
     "build_model",
     "causal_attention",
@@ -70,20 +71,25 @@ class RopeScaling:
         return torch.where(medium, smoothed, scaled)
 
 
+# The sizes the weights' shapes are made of (`param_counts`; with tie_embeddings and
+# attention_head_dim, what a checkpoint must agree on: `train.checkpointing.SHAPE_FIELDS`)
+WEIGHT_SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
+
+
 @dataclass
 class LlamaConfig:
     """Shape of a Llama model. ``vocab_size`` defaults to 256 (byte-level tokens)."""
 
-    vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_hidden: int = 384
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    vocab_size: int = 256  # rows of the embedding, outputs of the head
+    dim: int = 128  # the model's width D
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads H
+    n_kv_heads: int = 2  # key/value heads (GQA: n_heads / n_kv_heads query heads share one)
+    ffn_hidden: int = 384  # the SwiGLU's hidden width F
+    max_seq_len: int = 256  # the longest sequence: the RoPE tables' length
+    rope_theta: float = 10000.0  # RoPE's base frequency
+    norm_eps: float = 1e-5  # added to the mean square in RMSNorm
+    tie_embeddings: bool = False  # the head uses the embedding's weight
     moe: MoEConfig | None = None  # mixture-of-experts feed-forward blocks (None: dense)
     # a head's width when it is not dim / n_heads (HF ``head_dim``)
     attention_head_dim: int | None = None
@@ -95,15 +101,7 @@ class LlamaConfig:
 
     def validate(self) -> LlamaConfig:
         """Raise ValueError naming the offending numbers; return self for chaining."""
-        for name in (
-            "vocab_size",
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_hidden",
-            "max_seq_len",
-        ):
+        for name in (*WEIGHT_SIZES, "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -133,45 +131,25 @@ class LlamaConfig:
         return self.moe is not None and index % self.moe.every == self.moe.every - 1
 
 
+# The small shapes (byte-level vocabulary), for tests, examples and the benchmarks' scaling table
+# (docs/benchmarks.md: "small" is its ~10M, bench-* its larger sizes), with their parameter counts
+_SMALL_COLUMNS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len", "moe")
+_SMALL_SHAPES = {
+    "tiny": (128, 4, 4, 2, 384, 256, None),  # ~0.85M
+    "small": (384, 6, 6, 2, 1024, 512, None),  # ~9.6M
+    "medium": (768, 12, 12, 4, 2048, 1024, None),  # ~76M
+    "bench-40m": (640, 9, 10, 2, 1792, 512, None),  # ~40M
+    "bench-120m": (1024, 11, 16, 4, 2816, 512, None),  # ~125M
+    # Llama-MoE: 8 experts of hidden 256, top-2, in every block (~3.4M parameters)
+    "tiny-moe": (128, 4, 4, 2, 256, 256, MoEConfig(experts=8, top_k=2)),
+    "small-moe": (384, 6, 6, 2, 512, 512, MoEConfig(experts=8, top_k=2, every=2)),
+}
+
 # Published Llama-3 shapes (8K pre-training context, no rope scaling), for planning on the meta
 # device.
 _L3 = dict(vocab_size=128256, n_kv_heads=8, max_seq_len=8192, rope_theta=500000.0)
 PRESETS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(
-        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384, max_seq_len=256
-    ),  # ~0.85M
-    "small": LlamaConfig(
-        dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024, max_seq_len=512
-    ),  # ~9.6M
-    "medium": LlamaConfig(
-        dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048, max_seq_len=1024
-    ),  # ~76M
-    # the scaling table's larger sizes (docs/benchmarks.md; "small" is its ~10M)
-    "bench-40m": LlamaConfig(
-        dim=640, n_layers=9, n_heads=10, n_kv_heads=2, ffn_hidden=1792, max_seq_len=512
-    ),  # ~40M
-    "bench-120m": LlamaConfig(
-        dim=1024, n_layers=11, n_heads=16, n_kv_heads=4, ffn_hidden=2816, max_seq_len=512
-    ),  # ~125M
-    # Llama-MoE: 8 experts of hidden 256, top-2, in every block (~3.4M parameters)
-    "tiny-moe": LlamaConfig(
-        dim=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=256,
-        max_seq_len=256,
-        moe=MoEConfig(experts=8, top_k=2),
-    ),
-    "small-moe": LlamaConfig(
-        dim=384,
-        n_layers=6,
-        n_heads=6,
-        n_kv_heads=2,
-        ffn_hidden=512,
-        max_seq_len=512,
-        moe=MoEConfig(experts=8, top_k=2, every=2),
-    ),
+    **{name: LlamaConfig(**dict(zip(_SMALL_COLUMNS, row))) for name, row in _SMALL_SHAPES.items()},
     "llama3.2-1b": LlamaConfig(
         dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, tie_embeddings=True, **_L3
     ),  # 1.2B
@@ -690,17 +668,7 @@ def check_model_bounds(config: LlamaConfig, names: dict[str, str] | None = None)
                 f"{names.get(field, 'model.' + field)}={value:,} exceeds {limit:,}, {why}: a typo? "
                 "(this limit guards against sizes no machine could train)"
             )
-    if all(
-        isinstance(v, int) and v > 0
-        for v in (
-            config.vocab_size,
-            config.dim,
-            config.n_layers,
-            config.n_heads,
-            config.n_kv_heads,
-            config.ffn_hidden,
-        )
-    ):
+    if all(isinstance(v, int) and v > 0 for v in (getattr(config, f) for f in WEIGHT_SIZES)):
         total = param_counts(config)[0]
         if total > MAX_PARAMS:
             raise ConfigError(

@@ -175,7 +175,7 @@ class MoEFeedForward(nn.Module):
     def __init__(
         self,
         dim: int,
-        hidden: int,
+        hidden: int,  # an expert's hidden size unless config.hidden sets one
         config: MoEConfig,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,

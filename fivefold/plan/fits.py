@@ -613,15 +613,28 @@ def _micro_batches(run: RunPlan) -> list[int]:
 MAX_PIPELINE_MICRO_BATCHES = 4096
 
 
-def _advice(
-    cfg: Config,
-    run: RunPlan,
-    ranks: Sequence[int],
-    cpu: bool,
-    baseline: int,
-    available: int,
-    device_type: str,
-) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Machine:
+    """What the advice prices a changed layout on: the local ranks (global ranks), whether they are
+    CPU processes, each one's process baseline, the bytes available, the device type."""
+
+    ranks: Sequence[int]
+    cpu: bool
+    baseline: int
+    available: int
+    device_type: str
+
+    def variant(self, cfg: Config, world: int, **sections: dict) -> tuple[Config, RunPlan] | None:
+        return _variant(cfg, world, self.device_type, **sections)
+
+    def price(self, variant: tuple[Config, RunPlan]) -> _Prediction:
+        return _predict(*variant, self.ranks, self.cpu, self.baseline)
+
+    def fits(self, pred: _Prediction) -> bool:
+        return _fits(pred, self.available)
+
+
+def _advice(cfg: Config, run: RunPlan, machine: _Machine) -> str:
     """The first change the memory model says fits: a smaller micro-batch (the global batch kept),
     ZeRO-3, full recompute, all three; else how many such machines (devices) ZeRO-3 would need, and
     a preset that fits."""
@@ -629,13 +642,12 @@ def _advice(
     batch = run.micro_batch * run.grad_accum  # per dp rank and step: micro_batch × grad_accum stays
 
     def with_micro(micro: int) -> _Prediction | None:
-        v = _variant(
+        v = machine.variant(
             cfg,
             world,
-            device_type,
             train=dict(global_batch=run.global_batch, micro_batch=micro, grad_accum=batch // micro),
         )
-        return _predict(*v, ranks, cpu, baseline) if v is not None else None
+        return machine.price(v) if v is not None else None
 
     # the largest that fits, by bisection: the peak grows with the micro-batch (activations ∝
     # micro-batch × micro-batches in flight, which a smaller one never raises; GPipe's stay: then
@@ -645,7 +657,7 @@ def _advice(
     while lo <= hi:
         mid = (lo + hi) // 2
         pred = with_micro(micros[mid])
-        if pred is not None and _fits(pred, available):
+        if pred is not None and machine.fits(pred):
             best, lo = (micros[mid], pred), mid + 1
         else:
             hi = mid - 1
@@ -657,15 +669,15 @@ def _advice(
         )
     shard = run.dims.size("dp_shard") if run.dims.dp_replicate > 1 else run.dims.size("dp_cp")
     if cfg.zero.stage != 3 and shard > 1:
-        v = _variant(cfg, world, device_type, zero=dict(stage=3))
-        if v is not None and _fits(pred := _predict(*v, ranks, cpu, baseline), available):
+        v = machine.variant(cfg, world, zero=dict(stage=3))
+        if v is not None and machine.fits(pred := machine.price(v)):
             return (
                 f"--zero 3 (parameters, gradients and optimizer state sharded over {shard} ranks) "
                 f"would need {pred.need()}"
             )
     if t.recompute != "full":
-        v = _variant(cfg, world, device_type, train=dict(recompute="full"))
-        if v is not None and _fits(pred := _predict(*v, ranks, cpu, baseline), available):
+        v = machine.variant(cfg, world, train=dict(recompute="full"))
+        if v is not None and machine.fits(pred := machine.price(v)):
             return f"--train.recompute full would need {pred.need()}"
     micro = micros[0] if micros else run.micro_batch  # the smallest
     least = dict(
@@ -683,11 +695,11 @@ def _advice(
         + (" --zero 3" if shard > 1 else "")
         + " --train.recompute full"
     )
-    v = _variant(cfg, world, device_type, **least)
+    v = machine.variant(cfg, world, **least)
     if v is None:  # (a layout that refuses one of them: price the current one)
         v, flags, least = (cfg, run), "its current layout", {}
-    pred = _predict(*v, ranks, cpu, baseline)
-    if _fits(pred, available):
+    pred = machine.price(v)
+    if machine.fits(pred):
         return f"{flags} together would need {pred.need()}"
     # ZeRO-3 over more ranks: each holds ~1/N of the world's model states beside its own activations
     # and buffers, which stay; a host with fewer ranks on it has room for more of the states
@@ -695,15 +707,14 @@ def _advice(
     beside = max(
         pred.rank_bytes(r) - pred.per_rank[r].model_states["total"] for r in set(pred.ranks)
     )
-    per_host = next(
-        (n for n in range(len(ranks) if cpu else 1, 0, -1) if available > n * beside), 0
-    )
+    local = len(machine.ranks) if machine.cpu else 1  # the CPU: all local ranks; else 1 a device
+    per_host = next((n for n in range(local, 0, -1) if machine.available > n * beside), 0)
     if per_host:
-        hosts = math.ceil(states / (available - per_host * beside))
+        hosts = math.ceil(states / (machine.available - per_host * beside))
         where = (
             f"such machines ({per_host} rank{'s' * (per_host > 1)} each)"
-            if cpu
-            else f"such {device_type} devices"
+            if machine.cpu
+            else f"such {machine.device_type} devices"
         )
         more = f"ZeRO-3 would need at least {hosts:,} {where}"
     else:
@@ -711,20 +722,11 @@ def _advice(
     return (
         f"the model does not fit on this machine, even with {flags} ({pred.need()}): {more}, or a "
         "smaller model with them "
-        f"({_smaller_model(cfg, run, ranks, cpu, baseline, available, device_type, least)})"
+        f"({_smaller_model(cfg, run, machine, least)})"
     )
 
 
-def _smaller_model(
-    cfg: Config,
-    run: RunPlan,
-    ranks: Sequence[int],
-    cpu: bool,
-    baseline: int,
-    available: int,
-    device_type: str,
-    changes: dict[str, dict],
-) -> str:
+def _smaller_model(cfg: Config, run: RunPlan, machine: _Machine, changes: dict[str, dict]) -> str:
     """The largest preset smaller than the model that fits this layout with `changes` (the
     least-memory settings just named); else what the smallest needs."""
     mine = param_counts(run.model)[0]
@@ -741,10 +743,9 @@ def _smaller_model(
         ep = (
             cfg.parallel.ep if PRESETS[name].moe is not None else 1
         )  # (a dense model has no experts to split)
-        v = _variant(
+        v = machine.variant(
             cfg,
             run.dims.world_size,
-            device_type,
             **changes,
             model=dict(blank, preset=name, init_from=""),
             moe={f.name: None for f in dataclasses.fields(cfg.moe)},
@@ -752,8 +753,8 @@ def _smaller_model(
         )
         if v is None:
             continue
-        pred = _predict(*v, ranks, cpu, baseline)
-        if _fits(pred, available):
+        pred = machine.price(v)
+        if machine.fits(pred):
             return f"--model.preset {name} needs {pred.need()}"
         smallest = f"even --model.preset {name} needs {pred.need()}"
     return smallest or "none of the presets is smaller"
@@ -814,7 +815,7 @@ def check_fits(
         )
     else:
         need = f"about {_fmt(pred.largest)} per rank ({parts})"
-    advice = _advice(cfg, plan, ranks, cpu, baseline, have.bytes, device_type)
+    advice = _advice(cfg, plan, _Machine(ranks, cpu, baseline, have.bytes, device_type))
     raise ConfigError(
         f"memory: this run needs {need}, more than the {_fmt(have.bytes)} available "
         f"({have.source}); {advice}; or --run.check_memory false to start it anyway"

@@ -140,20 +140,20 @@ def plan_layout(
         _dims_table(transfers[busiest], run, hardware),
         bubble,
         time,
-        notes=[*run.notes, *_advice(cfg, run, hardware, memory, transfers)],
+        notes=[*run.notes, *_advice(cfg, run, memory, transfers, hardware.memory_gb * GB)],
     )
 
 
 def _advice(
     cfg: Config,
     run: RunPlan,
-    hardware: Hardware,
     memory: dict[int, RankMemory],
     transfers: dict[int, list[Transfer]],
+    device_bytes: float,
 ) -> list[str]:
     """What the plan suggests changing: reducing once per step; keeping ZeRO-3's units gathered from
     forward to backward (DeepSpeed's default, FSDP's reshard_after_forward=False) when every unit
-    fits beside the rest."""
+    fits beside the rest in a device's ``device_bytes``."""
     notes = []
     z = cfg.zero
     if z.stage == 3 and z.reshard_after_forward and run.dims.size("dp_shard") > 1:
@@ -165,7 +165,7 @@ def _advice(
             sum(t.nbytes for t in moved if t.op == "all_gather" and t.phase == "backward")
             for moved in transfers.values()
         )
-        if max(kept.values()) <= hardware.memory_gb * GB and saved:
+        if max(kept.values()) <= device_bytes and saved:
             notes.append(
                 f"--zero.reshard_after_forward false fits (peak {max(kept.values()) / GB:,.1f} GB: "
                 "every unit stays gathered from its forward to its backward) and saves the "

@@ -5,6 +5,8 @@ reduce-scatter of the same volume."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fivefold.comm import Comm, eager_region
@@ -60,26 +62,29 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSP(torch.autograd.Function):
+# `_gather_seq` or `_reduce_scatter_seq`
+_SequenceOp = Callable[[torch.Tensor, Comm, str], torch.Tensor]
+
+
+class _SequenceConjugate(torch.autograd.Function):
+    """SP's conjugate pair: ``forward_op`` (all-gather or reduce-scatter along the sequence, tagged
+    ``tag``) forward, the other one (tagged ``tag``_bwd) on the gradient backward."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm = comm
-        return _gather_seq(x, comm, "sp_gather")
+    def forward(  # type: ignore[override]
+        ctx,
+        x: torch.Tensor,
+        comm: Comm,
+        forward_op: _SequenceOp,
+        backward_op: _SequenceOp,
+        tag: str,
+    ) -> torch.Tensor:
+        ctx.comm, ctx.backward_op, ctx.tag = comm, backward_op, tag
+        return forward_op(x, comm, tag)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _reduce_scatter_seq(grad, ctx.comm, "sp_gather_bwd"), None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm, "sp_scatter")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _gather_seq(grad, ctx.comm, "sp_scatter_bwd"), None
+        return ctx.backward_op(grad, ctx.comm, f"{ctx.tag}_bwd"), None, None, None, None
 
 
 def all_reduce_grad_hook(comm: Comm, tag: str):
@@ -110,10 +115,10 @@ def reduce_from_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 @eager_region
 def gather_from_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """SP entry: [B, L/T, D] -> [B, L, D] by all-gather; backward reduce-scatters."""
-    return _GatherFromSP.apply(x, comm)
+    return _SequenceConjugate.apply(x, comm, _gather_seq, _reduce_scatter_seq, "sp_gather")
 
 
 @eager_region
 def scatter_to_sp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """SP exit: partial sums [B, L, D] -> this rank's reduced [B, L/T, D]; backward all-gathers."""
-    return _ScatterToSP.apply(x, comm)
+    return _SequenceConjugate.apply(x, comm, _reduce_scatter_seq, _gather_seq, "sp_scatter")

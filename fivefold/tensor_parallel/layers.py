@@ -43,18 +43,26 @@ def _exit(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
     return scatter_to_sp(x, comm) if sequence_parallel else reduce_from_tp(x, comm)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """What both parallel linears hold: this rank's slice of the weight (and of the bias, if any)
+    and the TP group it is split over."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """y_local = x W_localᵀ, W split by rows; `input_mode` "copy" (f), "gather" (SP) or "none" (e.g.
     `RegionEntry`)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none"
     ) -> None:
-        super().__init__()
-        self.comm = comm
+        super().__init__(weight, bias, comm)
         self.input_mode = input_mode
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
     def from_linear(
@@ -75,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         return f"local {tuple(self.weight.shape)}, tp={self.comm.size}, input={self.input_mode}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = Σ_ranks x_local W_localᵀ (+ bias once) with W split by columns; exit all-reduce / SP
     scatter."""
 
@@ -86,11 +94,8 @@ class RowParallelLinear(nn.Module):
         comm: Comm,
         sequence_parallel: bool = False,
     ) -> None:
-        super().__init__()
-        self.comm = comm
+        super().__init__(weight, bias, comm)
         self.sequence_parallel = sequence_parallel
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
         if (
             self.bias is not None and sequence_parallel
         ):  # added to each rank's chunk: sum the partial grads

@@ -29,6 +29,7 @@ from fivefold.checkpoint.manager import (
 from fivefold.checkpoint.metadata import read_safe_metadata
 from fivefold.config import Config
 from fivefold.mesh import MESH_DIMS, ParallelMesh
+from fivefold.models.llama import WEIGHT_SIZES
 from fivefold.train.metrics import (
     RunRecord,
     StepResult,
@@ -387,16 +388,7 @@ def _set_accelerator_rng(device: torch.device, state: Any) -> None:
 
 # What the weights' shapes depend on: a checkpoint is of this model when these agree (max_seq_len,
 # which grows with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor).
-SHAPE_FIELDS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden",
-    "tie_embeddings",
-    "attention_head_dim",
-)
+SHAPE_FIELDS = (*WEIGHT_SIZES, "tie_embeddings", "attention_head_dim")
 MOE_SHAPE_FIELDS = ("experts", "top_k", "shared_experts", "hidden", "every")
 
 
