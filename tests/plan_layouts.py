@@ -23,7 +23,7 @@ from fivefold.memory import (
 )
 from fivefold.mesh import ParallelMesh
 from fivefold.models.parallelize import PipelinedModel, parallelize
-from fivefold.train.validate import validate_layout
+from fivefold.run_plan import validate_layout
 
 WORLD = 4
 MODEL = ["--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2",

@@ -19,7 +19,7 @@ from tolerance import KERNELS, assert_values_close, reference
 
 from fivefold.comm import CommLog
 from fivefold.config import Config, ConfigError, load_config
-from fivefold.train.validate import validate_layout
+from fivefold.run_plan import validate_layout
 
 SEQ, ROWS, MICRO, STEPS = 32, 4, 2, 2
 # Adam divides by |g| + eps: at eps 1e-8 an entry whose gradient is below a reordered sum's error (the attention

@@ -34,7 +34,7 @@ from fivefold.pipeline.builders import build_schedule
 from fivefold.plan import fits
 from fivefold.plan.fits import PROCESS_BASELINE, check_fits, predict_rank
 from fivefold.plan.memory import in_flight, rank_memory
-from fivefold.train.validate import validate_layout
+from fivefold.run_plan import validate_layout
 
 GiB = 2**30
 MACHINE = 8 * GiB  # the CI machine the checks are sized for: 2 cores, 8 GB

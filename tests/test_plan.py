@@ -29,7 +29,7 @@ from fivefold.plan import (
     rank_parts,
     rank_traffic,
 )
-from fivefold.train.validate import validate_layout
+from fivefold.run_plan import validate_layout
 
 GB = 1e9
 

@@ -15,8 +15,8 @@ from fivefold.comm import CommLog
 from fivefold.config import Config
 from fivefold.data_parallel.mixed_precision import MixedPrecision
 from fivefold.models.parallelize import PipelinedModel, WholeModel, parallelize
+from fivefold.run_plan import RunPlan
 from fivefold.topology import ParallelDims
-from fivefold.train.validate import RunPlan
 
 __all__ = [
     "Parts",

@@ -37,7 +37,7 @@ from fivefold.pipeline.split import split_layers
 from fivefold.plan.assembly import precision_bytes, resolved
 from fivefold.plan.hardware import GB
 from fivefold.plan.memory import RankMemory, activation_bytes, in_flight
-from fivefold.train.validate import RunPlan, validate_layout
+from fivefold.run_plan import RunPlan, validate_layout
 
 __all__ = [
     "PROCESS_BASELINE",

@@ -16,7 +16,7 @@ from fivefold.plan.hardware import GB, HARDWARE, Hardware, link
 from fivefold.plan.memory import RankMemory, block_bytes, rank_memory
 from fivefold.plan.timing import step_time
 from fivefold.plan.traffic import Transfer, by_dim, rank_transfers
-from fivefold.train.validate import RunPlan, validate_layout
+from fivefold.run_plan import RunPlan, validate_layout
 
 __all__ = ["LayoutPlan", "plan_layout"]
 

@@ -23,7 +23,7 @@ from fivefold.plan.assembly import (
     resolved,
     stages_of,
 )
-from fivefold.train.validate import RunPlan
+from fivefold.run_plan import RunPlan
 
 __all__ = [
     "BACKWARD_ALLOCATED",

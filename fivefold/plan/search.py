@@ -15,7 +15,7 @@ from fivefold.models.llama import LlamaConfig
 from fivefold.pipeline.builders import build_schedule
 from fivefold.plan.hardware import HARDWARE, Hardware
 from fivefold.plan.layout import TARGET_DEVICE, LayoutPlan, plan_layout
-from fivefold.train.validate import validate_layout
+from fivefold.run_plan import validate_layout
 
 __all__ = ["SEARCHED", "candidate_layouts", "search"]
 

@@ -24,7 +24,7 @@ from fivefold.plan.assembly import Parts, engines_of, local_numels, precision_by
 from fivefold.plan.hardware import GB, Hardware, link
 from fivefold.plan.memory import RankMemory
 from fivefold.plan.traffic import Transfer
-from fivefold.train.validate import RunPlan
+from fivefold.run_plan import RunPlan
 
 __all__ = ["attention_flops_per_token", "step_time", "transfer_seconds"]
 

@@ -24,7 +24,7 @@ from fivefold.plan.assembly import (
     resolved,
     stages_of,
 )
-from fivefold.train.validate import RunPlan
+from fivefold.run_plan import RunPlan
 
 __all__ = ["PHASES", "Transfer", "by_dim", "rank_traffic", "rank_transfers"]
 

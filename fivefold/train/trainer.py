@@ -37,6 +37,7 @@ from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
 from fivefold.peak import device_peak_flops
 from fivefold.pipeline.runtime import SIDE_THREAD
+from fivefold.run_plan import RunPlan
 from fivefold.trace import StepTracer, trace_window
 from fivefold.train.checkpointing import (
     CheckpointSaver,
@@ -63,7 +64,7 @@ from fivefold.train.metrics import (
     TrainResult,
 )
 from fivefold.train.run_lock import RunDirLocked, RunLock
-from fivefold.train.validate import RunPlan, validate
+from fivefold.train.validate import validate
 from fivefold.watchdog import Stalled, report_step, watch_comm_log
 
 __all__ = ["Evaluator", "Heartbeat", "TrainResult", "Trainer", "lr_at", "run", "train"]
