@@ -60,12 +60,12 @@ def _worker(spec: CheckpointSpec, root: str) -> dict:
 
     from fivefold.checkpoint import training_state
     from fivefold.checkpoint.manager import Checkpointer
-    from fivefold.comm import CommLog
     from fivefold.config import Config
-    from fivefold.memory import model_state_bytes
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
+    from fivefold.observe.memory import model_state_bytes
 
     cfg = Config()
     cfg.zero.stage, cfg.train.seq_len, cfg.train.grad_accum = spec.zero, spec.seq_len, 1
@@ -143,7 +143,7 @@ def _export(root: str, spec: CheckpointSpec) -> dict:
 
 def bench_checkpoint(spec: CheckpointSpec | None = None, **overrides: Any) -> dict:
     """Save/load/export costs of ``spec.preset`` at dp ``spec.dp`` (one local launch plus one export process)."""
-    from fivefold.launch import launch_local
+    from fivefold.distributed.launch import launch_local
     from fivefold.models import count_params, get_config
     from fivefold.models.llama import Llama
 

@@ -27,7 +27,7 @@ from bench.harness import (
     run_contest,
     time_rows,
 )
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
 
 __all__ = ["LAYOUTS", "CompileSpec", "bench_compile", "format_compile_table"]
 
@@ -62,7 +62,7 @@ class CompileSpec:
 
 def build_layout(config: Any, spec: CompileSpec, world: Comm, compiled: bool) -> Runner:
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     dims_of, stage = LAYOUTS[spec.layout]

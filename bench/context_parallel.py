@@ -46,9 +46,9 @@ from bench.harness import (
     run_contest,
     time_rows,
 )
-from fivefold.comm import Comm, CommLog
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import ZeroDataParallel
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.models import build_model
 from fivefold.models.plans import LLAMA_CP_PLAN
 from fivefold.tensor_parallel.comm_ops import gather_from_sp

@@ -17,7 +17,7 @@ Every rank takes its own rows of the global batch. A step is zero_grad + forward
 optimizer step (+ its collectives), all timed. Bytes: fivefold from its `CommLog`, torch as
 `bench.torch_collectives` counts them; both checked against `fivefold.formulas.expected_for`.
 
-Model states are unique storages (`fivefold.memory.model_state_bytes`): the engine reports what
+Model states are unique storages (`fivefold.observe.memory.model_state_bytes`): the engine reports what
 it holds; torch modules are measured with their optimizer; FSDP2 through the local shards
 (``to_local()``) of its DTensor parameters, gradients and optimizer state. AdamW's per-tensor
 ``step`` counters (4-byte scalars) are counted but reported apart from the formula check.
@@ -50,10 +50,10 @@ from bench.harness import (
     time_rows,
 )
 from bench.torch_collectives import OpCounter, counting_allreduce_hook, counting_dist_calls
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.formulas import MODEL_STATES, RECIPES, expected_for, ring_wire_bytes
-from fivefold.memory import ModelStateBytes, model_state_bytes
 from fivefold.models import build_model
+from fivefold.observe.memory import ModelStateBytes, model_state_bytes
 
 __all__ = [
     "DDP_CONTESTANTS",
@@ -517,7 +517,7 @@ def format_table(results: dict) -> str:
     out += ["", f"model states per rank, MiB (max over ranks, step {results['memory_step']} between backward "
                 "and optimizer step; optimizer includes AdamW step counters; peak = the most held at any "
                 "operator of that step's backward, every storage reachable from the wrapper and optimizer "
-                "and the running hooks' locals, counted by fivefold.memory.PeakSampler for every contestant):"]
+                "and the running hooks' locals, counted by fivefold.observe.memory.PeakSampler for every contestant):"]
     rows = [("impl", "layout", "params", "grads", "optimizer", "total", "formula", "formula total", "Ψ padded",
              "matches", "peak in backward", "peak / formula")]
     formula_impls = [r for r in impls if r["recipe"] is not None]  # the ideal has no formula
@@ -581,7 +581,7 @@ def format_offload_table(results: dict) -> str:
     out += ["", f"model states per rank at step {results['memory_step']} (between backward and optimizer step; "
                 "max over ranks): on the device, on the host (offloaded masters, Adam m and v, the fp32 gradient "
                 "copy), constant buffers (pools and ZeRO-3 gather slots); the peak walks every storage reachable "
-                "from the engine after each operator of that step's backward (fivefold.memory.PeakSampler):"]
+                "from the engine after each operator of that step's backward (fivefold.observe.memory.PeakSampler):"]
     out += markdown_table(rows)
     out += ["", *[ratio_line(p, loss_over="steps and ranks") for p in results["pairs"]],
             f"Ψ = {results['params']:,}, preset {spec['preset']}, world {spec['world']} (gloo, {spec['threads']} "

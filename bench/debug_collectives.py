@@ -28,8 +28,8 @@ class DebugSpec:
 def _worker(spec: DebugSpec) -> dict:
     import torch
 
-    from fivefold.comm import CommLog
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
 
     comms = {mode: ParallelMesh(ParallelDims(dp=spec.world), "cpu", CommLog(enabled=False),
                                 debug_collectives=mode == "debug").comm("dp") for mode in ("off", "debug")}
@@ -47,7 +47,7 @@ def _worker(spec: DebugSpec) -> dict:
 
 
 def bench_debug(spec: DebugSpec | None = None, **overrides: Any) -> dict:
-    from fivefold.launch import launch_local
+    from fivefold.distributed.launch import launch_local
 
     spec = replace(spec or DebugSpec(), **overrides)
     ranks = launch_local(_worker, spec.world, spec, threads=spec.threads, timeout_s=600.0)

@@ -32,8 +32,8 @@ from bench.harness import (
     run_contest,
     time_rows,
 )
-from fivefold.comm import Comm, CommLog
-from fivefold.memory import ModelStateBytes
+from fivefold.distributed.comm import Comm, CommLog
+from fivefold.observe.memory import ModelStateBytes
 
 __all__ = ["EPOverlapSpec", "EPSpec", "bench_ep", "bench_ep_overlap", "format_ep_overlap_table", "format_ep_table"]
 
@@ -62,9 +62,9 @@ class EPSpec:
 
 def build_moe(config: Any, spec: EPSpec, world: Comm, ep: int) -> Runner:
     from fivefold.config import Config
-    from fivefold.memory import model_state_bytes
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
+    from fivefold.observe.memory import model_state_bytes
 
     cfg = Config()
     cfg.parallel.ep, cfg.train.seq_len, cfg.train.seed, cfg.train.grad_accum = ep, spec.seq_len, spec.seed, 1
@@ -153,7 +153,7 @@ class EPOverlapSpec:
 
 def build_dualpipev_moe(config: Any, spec: EPOverlapSpec, world: Comm, overlap: str) -> Runner:
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     cfg = Config()

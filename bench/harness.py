@@ -7,7 +7,7 @@ A B C, ...) so that machine noise and slow drift hit every contestant alike. For
 keeps the wall time of the slowest rank, the process CPU time summed over ranks, the loss and the
 bytes the step communicated; once (step 1: the optimizer state exists), between backward and
 optimizer step, it measures the model states of the contestants that can report them, and the
-peak during that step's backward (`fivefold.memory.PeakSampler`) when the step is untimed. It
+peak during that step's backward (`fivefold.observe.memory.PeakSampler`) when the step is untimed. It
 reports medians, quartiles, best steps, a paired ratio per alternating round, the ratio of best
 steps, the CPU-time ratio and the loss drift of each contestant against its baseline: a dict
 (JSON-ready) and markdown tables.
@@ -15,7 +15,7 @@ steps, the CPU-time ratio and the loss drift of each contestant against its base
 The dimensions (`bench.data_parallel`, `bench.tensor_parallel`, `bench.pipeline`) supply the
 contestants, a spec (settings, and how a step's batch is laid out) and what they add to the result
 (formulas, bubbles). The harness's own cross-rank traffic (barriers, gathering times, losses and
-memory) goes through `fivefold.comm.Comm`.
+memory) goes through `fivefold.distributed.comm.Comm`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ReduceOp
 
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
+from fivefold.distributed.launch import launch_local
 from fivefold.formulas import ring_wire_bytes
-from fivefold.launch import launch_local
-from fivefold.memory import ModelStateBytes, PeakSampler
 from fivefold.models import build_model, get_config
+from fivefold.observe.memory import ModelStateBytes, PeakSampler
 
 __all__ = [
     "CPU_LEGEND",

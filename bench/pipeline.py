@@ -41,7 +41,7 @@ from bench.harness import (
     run_contest,
     time_rows,
 )
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.formulas import bubble_formula
 from fivefold.models import get_config
 

@@ -4,7 +4,7 @@ activations dominate the model states, with torch's own full recompute (`apply_a
 
 One process (the cost is per rank and needs no peer), one model per contestant built from the same seed, the same
 batches, timed in alternating blocks (paired ratios against ``none``). Per contestant: the activations the forward keeps
-for backward (`fivefold.memory.block_activation_bytes` on the whole model: storages it allocated that are still alive
+for backward (`fivefold.observe.memory.block_activation_bytes` on the whole model: storages it allocated that are still alive
 when it returns) next to `formulas.activation_bytes_per_block` × blocks, the process's peak resident memory above its
 size before a forward + backward (Linux VmHWM; large blocks come from mmap so that freed memory leaves the count), and
 the median step time (forward, backward, AdamW). Both attention cores: ``eager`` keeps the L×L probabilities (the
@@ -66,8 +66,8 @@ def _worker(spec: RecomputeSpec) -> dict:
     import torch.nn.functional as F
 
     from fivefold.formulas import activation_bytes_per_block
-    from fivefold.memory import block_activation_bytes
     from fivefold.models import get_config
+    from fivefold.observe.memory import block_activation_bytes
 
     config = get_config(spec.preset, max_seq_len=max(spec.seq_len, get_config(spec.preset).max_seq_len))
     gen = torch.Generator().manual_seed(spec.seed)
@@ -122,7 +122,7 @@ def _worker(spec: RecomputeSpec) -> dict:
 
 def bench_recompute(spec: RecomputeSpec | None = None, **overrides: Any) -> dict:
     """Memory and step time of every recompute mode and torch's full recompute, in one local process."""
-    from fivefold.launch import launch_local
+    from fivefold.distributed.launch import launch_local
     from fivefold.models import count_params, get_config
     from fivefold.models.llama import Llama
 

@@ -12,7 +12,7 @@ Per size (presets ``small`` ≈10M, ``bench-40m`` ≈40M, ``bench-120m`` ≈125M
 Every row gives the median step time (slowest rank), fivefold / torch (paired rounds), the step / ideal where there
 is one, the bytes a rank sends per step, and MFU: the model FLOPs of the step (`formulas.model_flops_per_token` ×
 tokens: 6·N + 12·n_layers·L·D per token) over the step time and the peak of the cores the ranks run on, each core's
-peak the 1-thread matmul probe of `fivefold.peak.cpu_peak_flops` — with 4 ranks on 2 cores the peak is that of 2.
+peak the 1-thread matmul probe of `fivefold.observe.peak.cpu_peak_flops` — with 4 ranks on 2 cores the peak is that of 2.
 Data-parallel rows are checked against their formulas by `bench.data_parallel` (mismatches are listed).
 """
 
@@ -28,7 +28,7 @@ from bench.tensor_parallel import TPSpec, bench_tp
 from fivefold.formulas import model_flops_per_token
 from fivefold.models import get_config
 from fivefold.models.llama import param_counts
-from fivefold.peak import cpu_peak_flops
+from fivefold.observe.peak import cpu_peak_flops
 
 __all__ = ["ScaleSpec", "bench_scaling", "format_scaling_table"]
 
@@ -118,7 +118,7 @@ def format_scaling_table(results: dict) -> str:
     out = markdown_table(table)
     out += ["", f"MFU = model FLOPs of the step (6·N + 12·n_layers·L·D per token, N without embeddings) / (step time × "
                 f"peak of the cores in use); a core's peak: {results['core_peak_flops'] / 1e9:.1f} GFLOP/s "
-                f"(fivefold.peak's fp32 matmul probe, {spec['threads']} thread); {results['cpu_count']} cores, so "
+                f"(fivefold.observe.peak's fp32 matmul probe, {spec['threads']} thread); {results['cpu_count']} cores, so "
                 "4 ranks share 2 cores and their MFU is against the peak of 2",
             "fivefold-z3 / torch-FSDP2 reshard after forward (AG 2Ψ + RS Ψ); the -keep rows keep every unit gathered "
             "from its forward to its backward (AG Ψ + RS Ψ; the whole model's full parameters, 4Ψ, are held at the "

@@ -56,7 +56,7 @@ from bench.harness import (
     time_rows,
 )
 from bench.torch_collectives import byte_counting_mode
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.formulas import tp_comm_formula, tp_comm_formula_text
 from fivefold.models import build_model, get_config
 

@@ -35,10 +35,10 @@ from bench.harness import (
     run_contest,
     time_rows,
 )
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.formulas import hpz_secondary_bytes, zero3_gather_bytes, zero_grad_reduce_bytes
-from fivefold.memory import model_state_bytes
 from fivefold.models import build_model
+from fivefold.observe.memory import model_state_bytes
 
 __all__ = ["DEEPSPEED_NOTE", "ZeroPPSpec", "bench_zeropp", "format_zeropp_table", "zeropp_contestants"]
 
@@ -106,7 +106,7 @@ def expected_bytes(units: list[int], world: int, width: int, block: int, qwz: bo
 def build_zero3(config: Any, spec: ZeroPPSpec, world: Comm, qwz: bool = False, qgz: bool = False,
                 hpz: bool = False) -> Runner:
     from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
 
     log = CommLog()
     mesh = ParallelMesh(ParallelDims(dp=world.size), comm_log=log) if hpz else None

@@ -45,9 +45,9 @@ def _train(argv: list[str]) -> int:
     # has failed: the failure is said below, once
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
-    from fivefold.launch import Terminated, lost_worker_reason
+    from fivefold.distributed.launch import Terminated, lost_worker_reason
+    from fivefold.distributed.watchdog import Stalled
     from fivefold.train.trainer import run
-    from fivefold.watchdog import Stalled
 
     try:
         cfg = load_config(args.config, overrides)

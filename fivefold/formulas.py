@@ -1,7 +1,7 @@
 """The formulas fivefold is checked against (docs/design.md, every section with a formula), pure
 Python.
 
-Tests, `bench/` and `fivefold plan` compute here what should happen; `fivefold.memory` and
+Tests, `bench/` and `fivefold plan` compute here what should happen; `fivefold.observe.memory` and
 `comm.CommLog` measure what does. Ψ = parameter count, N = data-parallel degree, P = pipeline ranks,
 M = micro-batches, V = model chunks per pipeline rank, B·L·D = batch × sequence × model width.
 """
@@ -366,7 +366,7 @@ def activation_bytes_per_block(
     """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved
     tensors apart from its input, plus its output, the next block's input), counted tensor by tensor
     as Korthikanti et al. do for the GPT block (`korthikanti_block_bytes`;
-    docs/design.md#activation-memory); `fivefold.memory.block_activation_bytes` measures it.
+    docs/design.md#activation-memory); `fivefold.observe.memory.block_activation_bytes` measures it.
 
     With s = ``dtype_bytes`` and F = ``ffn_hidden``, no recompute:
       attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the

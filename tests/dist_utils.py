@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.launch import launch_local
+from fivefold.distributed.launch import launch_local
 
 
 def run_workers(fn, world_size: int, *args):

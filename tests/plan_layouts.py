@@ -13,16 +13,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import CommLog
 from fivefold.config import load_config
-from fivefold.memory import (
+from fivefold.distributed.comm import CommLog
+from fivefold.distributed.mesh import ParallelMesh
+from fivefold.models.parallelize import PipelinedModel, parallelize
+from fivefold.observe.memory import (
     PeakSampler,
     block_activation_bytes,
     model_state_bytes,
     peak_activation_bytes,
 )
-from fivefold.mesh import ParallelMesh
-from fivefold.models.parallelize import PipelinedModel, parallelize
 from fivefold.run_plan import validate_layout
 
 WORLD = 4

@@ -91,9 +91,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _parts(dims: dict, zero: int, model: dict):
-    from fivefold.comm import CommLog
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     cfg = Config()
@@ -587,7 +587,7 @@ def test_the_restart_loop_resumes_from_this_runs_latest_else_from_where_it_start
     sent SIGTERM does not restart."""
     import torch.multiprocessing as mp
 
-    from fivefold.launch import Terminated
+    from fivefold.distributed.launch import Terminated
     from fivefold.train import trainer
 
     calls = []

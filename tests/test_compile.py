@@ -17,8 +17,8 @@ import torch
 from dist_utils import run_workers, trainer_reference
 from tolerance import KERNELS, assert_values_close, reference
 
-from fivefold.comm import CommLog
 from fivefold.config import Config, ConfigError, load_config
+from fivefold.distributed.comm import CommLog
 from fivefold.run_plan import validate_layout
 
 SEQ, ROWS, MICRO, STEPS = 32, 4, 2, 2
@@ -82,7 +82,7 @@ def _compiled_in_graph(out: torch.Tensor, limit: int = 64) -> bool:
 
 
 def _train(name: str, compiled: bool) -> dict:
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     dims, stage, recompute, preset = LAYOUTS[name]
@@ -196,7 +196,7 @@ def test_a_compiled_block_copy_runs_its_own_parameters():
     function is the class's, given `self` at each call), and compiling without the eager regions is refused."""
     import copy
 
-    from fivefold import comm
+    from fivefold.distributed import comm
     from fivefold.models import get_config
     from fivefold.models.llama import Llama
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.comm import CommLog, ring_wire_bytes
 from fivefold.config import ConfigError, load_config, resolve_batch
-from fivefold.mesh import ParallelDims
+from fivefold.distributed.comm import CommLog, ring_wire_bytes
+from fivefold.distributed.mesh import ParallelDims
 
 
 def test_parallel_dims_product_must_equal_world():

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from dist_utils import coalescing_p2p, run_workers
 from tolerance import KERNELS, assert_values_close, reference, unit_roundoff
 
-from fivefold.comm import Comm, CommLog
 from fivefold.context_parallel.layout import SequenceLayout
 from fivefold.context_parallel.ring_attention import RingAttention, ring_attention
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.formulas import ring_attention_p2p_elements
 
 B, L, D_HEAD = 2, 32, 8
@@ -251,7 +251,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train_worker(world: int) -> dict:
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     out = {}

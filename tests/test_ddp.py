@@ -23,8 +23,8 @@ from dist_utils import (
 )
 from tolerance import KERNELS, assert_values_close, assert_within, reference
 
-from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import DDP
+from fivefold.distributed.comm import Comm, CommLog
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

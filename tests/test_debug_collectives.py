@@ -18,7 +18,7 @@ MODEL = dict(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq
 
 
 def _catch(fn) -> str | None:
-    from fivefold.comm import CollectiveMismatch
+    from fivefold.distributed.comm import CollectiveMismatch
     try:
         fn()
     except CollectiveMismatch as e:
@@ -28,9 +28,9 @@ def _catch(fn) -> str | None:
 
 def _worker(scenario: str) -> dict:
     """One scenario per spawn: after a mismatch the group holds an unmatched collective (a real run exits)."""
-    from fivefold.comm import CommLog, set_debug_step
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog, set_debug_step
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 
@@ -96,9 +96,9 @@ def _hsdp_worker() -> list[float]:
     in its group, so the shard and replica collectives must come in one order on every rank. Each rank here sees
     its reduce-scatters finish at different times (injected): a start of the replicas' all-reduce that depended on
     it would pair different collectives and raise, or hang."""
-    from fivefold.comm import Comm, CommLog
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import Comm, CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 

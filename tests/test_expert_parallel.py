@@ -15,7 +15,7 @@ import torch
 from dist_utils import run_workers
 from tolerance import KERNELS, WORKERS, assert_values_close, reference
 
-from fivefold.comm import Comm, CommLog
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.expert_parallel import AllToAllExperts
 from fivefold.models.moe import MoEConfig, MoEFeedForward
 from fivefold.pipeline.simulator import Timeline
@@ -237,7 +237,7 @@ def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _moe_train_worker(world: int) -> dict:
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     out = {}

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fivefold import comm, formulas
+from fivefold import formulas
+from fivefold.distributed import comm
 from fivefold.formulas import (
     RECIPES,
     expected_for,

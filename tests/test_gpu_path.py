@@ -28,7 +28,7 @@ import pytest
 import torch
 from tolerance import Bound, assert_values_close, unit_roundoff, value_bound
 
-from fivefold import launch
+from fivefold.distributed import launch
 
 LAYOUTS = {  # name: (world, dims, config overrides)
     "ddp": (2, dict(dp=2), dict(zero=0)),
@@ -67,9 +67,9 @@ def _dry_run(name: str, rank: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fivefold.comm import CommLog
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 
@@ -124,7 +124,7 @@ def _dry_run(name: str, rank: int) -> dict:
             refused = str(e)
         tracer = None
         if o.get("trace"):  # (on an accelerator the step's end reads the events: one sync per traced step, by design)
-            from fivefold.trace import StepTracer
+            from fivefold.observe.trace import StepTracer
             tracer = StepTracer(parts.traced_modules(), mesh.comm_log, mesh.device)
             assert tracer.clock.device_events
         syncs, traced = [], []

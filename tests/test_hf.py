@@ -101,9 +101,9 @@ def test_llama3_rope_scaling_matches_transformers():
 def _train_and_save(root: str) -> dict:
     from fivefold.checkpoint import training_state
     from fivefold.checkpoint.manager import Checkpointer
-    from fivefold.comm import CommLog
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     cfg = Config()
@@ -148,9 +148,9 @@ def test_export_writes_hf_llama_that_transformers_runs_with_the_same_logits(tmp_
 # In: a model saved by transformers, loaded into ZeRO-3 dp 2 × tp 2.
 
 def _load_worker(directory: str) -> dict:
-    from fivefold.comm import CommLog
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     cfg = Config()

@@ -20,7 +20,7 @@ from dist_utils import build_toy, lm_loss, run_workers, toy_batch
 from tolerance import KERNELS, WORKERS, reference
 from torch import nn
 
-from fivefold.comm import CommLog
+from fivefold.distributed.comm import CommLog
 from fivefold.formulas import hsdp_expected
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -91,7 +91,7 @@ def _engine_run(cfg, mesh) -> dict:
 
 def _engine_memory(mesh) -> dict:
     """Model-state bytes after the backward of step 2 (optimizer state exists, gradients present), stages 1-3."""
-    from fivefold.memory import model_state_bytes
+    from fivefold.observe.memory import model_state_bytes
 
     out = {}
     for stage in (1, 2, 3):
@@ -160,7 +160,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _parts(dims: dict, zero: int, micro: int, model=None, lr: float = LR, eps: float = EPS_MODEL, beta2: float = 0.999):
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 
@@ -214,7 +214,7 @@ def _moe_run() -> dict:
 
 
 def _worker(root: str) -> dict:
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
 
     mesh = ParallelMesh(ParallelDims(**HSDP), "cpu", CommLog())
     out = dict(groups={d: sorted(torch.distributed.get_process_group_ranks(mesh.group(d)))

@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fivefold import launch
-from fivefold.launch import launch_local, lost_worker_reason, oom_kills
+from fivefold.distributed import launch
+from fivefold.distributed.launch import launch_local, lost_worker_reason, oom_kills
 
 TCP_LISTEN = "0A"
 

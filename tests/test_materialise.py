@@ -52,10 +52,10 @@ def _peak_while(build, *args):
 def _worker():
     import torch.distributed as dist
 
-    from fivefold.comm import CommLog
     from fivefold.config import Config
     from fivefold.data_parallel import broadcast_module_state
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.llama import Llama
     from fivefold.models.parallelize import parallelize
@@ -113,7 +113,7 @@ def _worker():
     with torch.no_grad():
         for i, p in enumerate(module.parameters()):
             p.copy_(torch.full_like(p, float(10 * rank + i)))
-    from fivefold.comm import Comm
+    from fivefold.distributed.comm import Comm
     broadcast_module_state(module, Comm(None, "dp", CommLog()), message_bytes=4096)
     out["broadcast"] = [p.detach().clone() for p in module.parameters()]
     return out

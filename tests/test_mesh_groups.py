@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 from dist_utils import run_workers
 
-from fivefold.comm import CommLog
-from fivefold.mesh import DERIVED_DIMS, MESH_DIMS, ParallelDims, ParallelMesh
+from fivefold.distributed.comm import CommLog
+from fivefold.distributed.mesh import DERIVED_DIMS, MESH_DIMS, ParallelDims, ParallelMesh
 
 LAYOUTS = {
     "dp2-cp2-tp2-ep2": ParallelDims(pp=1, dp=2, cp=2, tp=2, ep=2),

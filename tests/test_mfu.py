@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from fivefold import peak
 from fivefold.formulas import model_flops_per_token
 from fivefold.models.llama import get_config, param_counts
+from fivefold.observe import peak
 
 
 def _by_hand_8b(seq_len: int) -> int:

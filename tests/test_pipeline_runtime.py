@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from dist_utils import coalescing_p2p, run_workers
 from tolerance import ALL_KERNELS, KERNELS, assert_within, reference
 
-from fivefold.comm import Comm, CommLog
 from fivefold.config import Config
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.models import build_model, get_config
 from fivefold.models.parallelize import build_stages
 from fivefold.pipeline.builders import build_schedule
@@ -216,7 +216,7 @@ def _parts_config(name: str, zero: int, M: int, V: int, pp: int, dp: int, tp: in
 
 
 def _ppdp_worker() -> dict:
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     mesh = ParallelMesh(ParallelDims(pp=2, dp=2), "cpu", CommLog())
@@ -287,7 +287,7 @@ def test_pp2_dp2_training_matches_single_process(ppdp_results, run, kernels):
 def _empty_stage_worker() -> list:
     """pp 3 with a middle stage holding no block (no parameters at all): its rank still takes part in the
     global norm's collectives, so every rank clips alike and nothing hangs."""
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     mesh = ParallelMesh(ParallelDims(pp=3, dp=1), "cpu", CommLog())
@@ -321,7 +321,7 @@ def test_pipeline_stage_without_parameters_trains_like_single_process(empty_stag
 # ---------------------------------------------------------------------------------------------
 # The 3-D mesh: pp 2 × dp 2 × tp 2 (+ SP), ZeRO-1 over dp, 1F1B — 8 processes, a few steps.
 def _mesh3d_worker() -> dict:
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     mesh = ParallelMesh(ParallelDims(pp=2, dp=2, tp=2), "cpu", CommLog())

@@ -20,6 +20,7 @@ import os
 import pytest
 
 from fivefold.formulas import pipeline_idle
+from fivefold.observe.report import plot_timeline, to_chrome_trace
 from fivefold.pipeline import (
     RECV_B,
     RECV_F,
@@ -45,7 +46,6 @@ from fivefold.pipeline import (
     zero_bubble_h1,
 )
 from fivefold.pipeline.simulator import OVERLAPPED, Timeline, bubble_formula, simulate
-from fivefold.report import plot_timeline, to_chrome_trace
 
 SIZES = [(1, 3), (2, 2), (2, 4), (2, 8), (3, 3), (3, 5), (4, 4), (4, 8), (4, 13), (5, 7), (8, 8), (8, 16)]
 INTERLEAVED_SIZES = [(1, 2), (2, 2), (2, 4), (2, 8), (3, 6), (4, 4), (4, 8), (4, 12), (8, 16)]

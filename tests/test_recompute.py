@@ -14,10 +14,10 @@ import pytest
 import torch
 from dist_utils import run_workers
 
-from fivefold.comm import CommLog
+from fivefold.distributed.comm import CommLog
 from fivefold.formulas import activation_bytes_per_block, korthikanti_block_bytes, tp_comm_formula
-from fivefold.memory import block_activation_bytes
 from fivefold.models.llama import RECOMPUTE_MODES, Llama, LlamaConfig, get_config
+from fivefold.observe.memory import block_activation_bytes
 
 B, L, D, H, H_KV, F = 2, 64, 64, 4, 2, 96
 SHAPE = LlamaConfig(dim=D, n_layers=3, n_heads=H, n_kv_heads=H_KV, ffn_hidden=F, max_seq_len=L)
@@ -103,7 +103,7 @@ def _model_config(moe: bool) -> LlamaConfig:
 
 def _layout_worker() -> dict:
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     out = {}

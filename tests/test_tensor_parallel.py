@@ -19,10 +19,10 @@ from dist_utils import run_workers
 from tolerance import KERNELS, WORKERS, assert_values_close, reference
 from torch import nn
 
-from fivefold.comm import Comm, CommLog
 from fivefold.config import Config
 from fivefold.data_parallel.zero import default_no_decay
-from fivefold.mesh import ParallelDims, ParallelMesh
+from fivefold.distributed.comm import Comm, CommLog
+from fivefold.distributed.mesh import ParallelDims, ParallelMesh
 from fivefold.models import build_model, get_config
 from fivefold.models.llama import RMSNorm
 from fivefold.models.parallelize import apply_tensor_parallel, is_tp_sharded, parallelize, tp_loss

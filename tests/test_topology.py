@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from fivefold.comm import Comm
-from fivefold.mesh import ParallelMesh
+from fivefold.distributed.comm import Comm
+from fivefold.distributed.mesh import ParallelMesh
+from fivefold.distributed.topology import DERIVED_DIMS, MESH_DIMS, CommLike, MeshLike, ParallelDims
 from fivefold.plan.assembly import PlanningMesh
-from fivefold.topology import DERIVED_DIMS, MESH_DIMS, CommLike, MeshLike, ParallelDims
 
 SHAPES = [
     ParallelDims(dp=8),

@@ -20,9 +20,9 @@ import torch
 from dist_utils import coalescing_p2p, run_workers
 
 from fivefold.clock import DeviceClock
-from fivefold.comm import CommLog
-from fivefold.report import step_trace_lanes
-from fivefold.trace import intersect, length, overlap, subtract, trace_window, union
+from fivefold.distributed.comm import CommLog
+from fivefold.observe.report import step_trace_lanes
+from fivefold.observe.trace import intersect, length, overlap, subtract, trace_window, union
 
 STEPS, TRACED = 3, 2  # the last two steps are traced
 MODEL = ["--preset", "tiny", "--model.n_layers", "2", "--model.dim", "64", "--model.ffn_hidden", "128"]
@@ -59,8 +59,8 @@ def _worker(out_dir: str) -> dict:
     """Every run of `RUNS` through the trainer, each step's CommLog records kept (op, dim, bytes, tag, seq, timed)."""
     import torch.distributed as dist
 
-    from fivefold.comm import CommLog as PlainLog
-    from fivefold.mesh import ParallelMesh
+    from fivefold.distributed.comm import CommLog as PlainLog
+    from fivefold.distributed.mesh import ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
     from fivefold.train import trainer
@@ -467,5 +467,5 @@ def test_timed_work_stamps_completion_and_waits():
 
 def test_no_torch_cuda_in_new_modules():
     root = Path(__file__).resolve().parent.parent / "fivefold"
-    for name in ("clock.py", "trace.py"):
+    for name in ("clock.py", "observe/trace.py"):
         assert "torch.cuda" not in (root / name).read_text(), name

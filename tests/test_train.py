@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, load_config
-from fivefold.memory import model_state_bytes
 from fivefold.models import build_model, get_config
+from fivefold.observe.memory import model_state_bytes
 from fivefold.train.trainer import lr_at, run
 
 

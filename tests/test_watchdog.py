@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.watchdog import Watchdog
+from fivefold.distributed.watchdog import Watchdog
 
 
 def _beat(d: Path, rank: int, **fields) -> None:
@@ -91,8 +91,8 @@ def _timeouts_worker() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm import CommLog
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     mesh = ParallelMesh(ParallelDims(dp=2), "cpu", CommLog(), debug_collectives=True, collective_timeout_s=7)
     groups = [mesh.comm("dp").group, mesh.comm("dp")._side, mesh.group("dp_cp"), mesh.world.group,
               mesh.own(dist.new_group(backend="gloo"))]

@@ -18,10 +18,10 @@ from dist_utils import build_toy, initial_state, lm_loss, run_workers, toy_batch
 from tolerance import KERNELS, WORKERS, assert_values_close, assert_within, reference
 from torch import nn
 
-from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import DDP, MixedPrecision, ShardedOptimizer, ZeroDataParallel
-from fivefold.memory import model_state_bytes
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.models import build_model, get_config
+from fivefold.observe.memory import model_state_bytes
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

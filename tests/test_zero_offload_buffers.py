@@ -25,10 +25,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
-from fivefold.memory import PeakSampler, model_state_bytes, reachable_storage_bytes
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.models.llama import TransformerBlock
+from fivefold.observe.memory import PeakSampler, model_state_bytes, reachable_storage_bytes
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

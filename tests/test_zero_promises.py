@@ -21,11 +21,11 @@ from dist_utils import build_toy, initial_state, lm_loss, run_workers, toy_batch
 from tolerance import KERNELS, WORKERS, assert_within, reference
 from torch import nn
 
-from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import DDP, DynamicLossScaler, MixedPrecision, ZeroDataParallel
-from fivefold.memory import PeakSampler, model_state_bytes, reachable_storage_bytes
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.models import build_model, get_config
 from fivefold.models.llama import TransformerBlock
+from fivefold.observe.memory import PeakSampler, model_state_bytes, reachable_storage_bytes
 
 # The model: 8 blocks, Ψ = 427,072, untied, fp32 AdamW (4 + 4 + 8 bytes per element).
 BLOCKS = 8

@@ -18,18 +18,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fivefold.comm import Comm, CommLog
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel
 from fivefold.data_parallel import quantize as q8
 from fivefold.data_parallel import zero as zero_module
+from fivefold.distributed.comm import Comm, CommLog
 from fivefold.formulas import (
     hpz_secondary_bytes,
     quantized_chunk_bytes,
     zero3_gather_bytes,
     zero_grad_reduce_bytes,
 )
-from fivefold.memory import model_state_bytes
 from fivefold.models import build_model, get_config
+from fivefold.observe.memory import model_state_bytes
 
 BLOCK = 256  # shards of the tiny Llama's units span many blocks and end in a short one
 VOCAB, SEQ, BATCH = 13, 16, 8
@@ -147,7 +147,7 @@ def _world2() -> dict:
 
 
 def _world4() -> dict:
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
 
     mesh = ParallelMesh(ParallelDims(dp=4), comm_log=CommLog())
     comm, hpz = mesh.comm("dp"), mesh.hpz_comm(2)
@@ -430,7 +430,7 @@ COMPOSED_STEPS, COMPOSED_SEQ = 4, 16
 
 def _composed_worker() -> dict:
     from fivefold.config import Config
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     shape = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, max_seq_len=COMPOSED_SEQ, vocab_size=2 * VOCAB)  # tp 2

@@ -26,8 +26,8 @@ from fivefold.checkpoint.manager import (
     verify_files,
 )
 from fivefold.checkpoint.state import training_state
-from fivefold.comm import Comm
 from fivefold.data_parallel import ZeroDataParallel
+from fivefold.distributed.comm import Comm
 from fivefold.models.llama import LlamaConfig, RopeScaling
 from fivefold.paths import PathOutside, inside
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from fivefold.checkpoint.pieces import Pieces
-from fivefold.comm import Comm
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.sharded_optimizer import write_back
+from fivefold.distributed.comm import Comm
 
 __all__ = ["ParamShare", "TrainingState", "optimizer_state_keys", "param_shares", "training_state"]
 

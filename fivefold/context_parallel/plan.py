@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fivefold.comm import Comm
 from fivefold.context_parallel.layout import SequenceLayout
 from fivefold.context_parallel.ring_attention import RingAttention
+from fivefold.distributed.comm import Comm
 
 __all__ = ["CPPlan", "apply_context_parallel"]
 

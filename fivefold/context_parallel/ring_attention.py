@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fivefold.comm import Comm, eager_region
 from fivefold.context_parallel.layout import SequenceLayout
+from fivefold.distributed.comm import Comm, eager_region
 
 __all__ = ["KERNELS", "RingAttention", "default_kernel", "ring_attention"]
 

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import (
     BucketedGradReducer,
     BucketStrategy,
     GradBucket,
     make_grad_buckets,
 )
+from fivefold.distributed.comm import Comm
 
 
 def broadcast_module_state(

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from fivefold.comm import Comm
 from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.buckets import FlatLayout
 from fivefold.data_parallel.quantize import dequantize_packed, packed_bytes, quantize_rows_into
+from fivefold.distributed.comm import Comm
 
 GroupOf = Callable[[str, nn.Parameter], int]
 # A parameter's value to start from (default: its own data); ZeRO's meta-device path draws it from

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fivefold.comm import Comm
+from fivefold.distributed.comm import Comm
 
 __all__ = ["ReplicaReduce", "ThenAllReduce"]
 

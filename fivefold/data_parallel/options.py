@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm, Placement
 from fivefold.data_parallel.fsdp import UnitSpec
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from fivefold.distributed.comm import Comm, Placement
 
 __all__ = ["ZeroOptions", "check_options", "default_no_decay"]
 

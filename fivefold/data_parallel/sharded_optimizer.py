@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm, Placement
 from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
+from fivefold.distributed.comm import Comm, Placement
 from fivefold.optim.clip import global_grad_sq_norm
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (

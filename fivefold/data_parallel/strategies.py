@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from fivefold import formulas
-from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import BucketStrategy, GradBucket, assign_buckets
 from fivefold.data_parallel.flat_param import FlatParam, GroupOf, ValueOf
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
 from fivefold.data_parallel.policies import FreshBuffers
 from fivefold.data_parallel.transports import Collective, GradTransport
+from fivefold.distributed.comm import Comm
 
 __all__ = [
     "AllReduce",

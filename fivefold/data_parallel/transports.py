@@ -15,11 +15,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from fivefold import formulas
-from fivefold.comm import Comm
 from fivefold.data_parallel.buckets import GradBucket
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.hsdp import ReplicaReduce
 from fivefold.data_parallel.quantize import dequantize_sum, packed_bytes, quantize_rows_into
+from fivefold.distributed.comm import Comm
 
 __all__ = [
     "Collective",

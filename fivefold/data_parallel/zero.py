@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm, Placement
 from fivefold.data_parallel.buckets import BucketedGradReducer, GradBucket
 from fivefold.data_parallel.ddp import broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
@@ -56,6 +55,7 @@ from fivefold.data_parallel.transports import (
     PlainReduceScatter,
     ReplicaAllReduce,
 )
+from fivefold.distributed.comm import Comm, Placement
 from fivefold.materialize import materialize
 from fivefold.optim.clip import step_together
 
@@ -347,8 +347,9 @@ class ZeroDataParallel(nn.Module):
         }
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds, for `fivefold.memory.model_state_bytes`: params, grads, optimizer;
-        ``buffers``: the constant buffers (pools and gather slots, whoever borrows them now);
+        """What this rank holds, for `fivefold.observe.memory.model_state_bytes`: params, grads,
+        optimizer; ``buffers``: the constant buffers (pools and gather slots, whoever borrows them
+        now);
         ``host``: the offloaded ones."""
         buffers = self.strategy.buffers.tensors()
         buffers += (

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from fivefold.comm import Comm, eager_region
+from fivefold.distributed.comm import Comm, eager_region
 
 __all__ = ["AllToAllExperts", "GlobalBalance", "all_to_all"]
 

@@ -365,12 +365,12 @@ class TransformerBlock(nn.Module):
         inductor; C++ on the CPU), the blocks share the graph (their parameters are its inputs). An
         MoE block compiles its attention half only: routing sizes the experts' inputs by the data
         (dynamo cannot trace it), so the MoE feed-forward stays eager."""
-        from fivefold.comm import eager_regions_on
+        from fivefold.distributed.comm import eager_regions_on
 
         if not eager_regions_on():  # else dynamo would trace into the collectives and the CommLog
             raise RuntimeError(
-                "compile_body: call fivefold.comm.compile_eager_regions() first (parallelize "
-                "does): the collectives inside a block must run eagerly"
+                "compile_body: call fivefold.distributed.comm.compile_eager_regions() first "
+                "(parallelize does): the collectives inside a block must run eagerly"
             )
         self.compiled = True
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from fivefold.comm import Comm
     from fivefold.data_parallel import ZeroDataParallel
+    from fivefold.distributed.comm import Comm
     from fivefold.pipeline.simulator import Timeline
 
 __all__ = ["Batch", "MeasuredPipeline", "ParallelModel"]

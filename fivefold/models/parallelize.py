@@ -12,19 +12,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm, Placement, compile_eager_regions
 from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel, ZeroOptions
+from fivefold.distributed.comm import Comm, Placement, compile_eager_regions
+from fivefold.distributed.topology import MeshLike
 from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
 from fivefold.formulas import bubble_formula
 from fivefold.materialize import materialize
-from fivefold.memory import model_state_bytes
 from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.moe import MoEFeedForward
 from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.observe.memory import model_state_bytes
 from fivefold.optim.clip import step_together
 from fivefold.pipeline.actions import Schedule
 from fivefold.pipeline.builders import build_schedule, forward_only
@@ -39,7 +40,6 @@ from fivefold.rules import (  # the rules a model's assembly checks again (`vali
 )
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
-from fivefold.topology import MeshLike
 
 __all__ = [
     "PipelinedModel",

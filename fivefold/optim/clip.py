@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fivefold.comm import Comm, Placement
+from fivefold.distributed.comm import Comm, Placement
 
 __all__ = ["DIM_ORDER", "global_grad_sq_norm", "step_together"]
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fivefold.clock import DeviceClock
-from fivefold.comm import P2P_SEMANTICS, Comm
+from fivefold.distributed.comm import P2P_SEMANTICS, Comm
 from fivefold.ops import WeightGradStore, recording_weight_grads
 from fivefold.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, steps
 from fivefold.pipeline.checks import check_deadlock_free, validate

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import CommLog
 from fivefold.config import Config
 from fivefold.data_parallel.mixed_precision import MixedPrecision
+from fivefold.distributed.comm import CommLog
+from fivefold.distributed.topology import ParallelDims
 from fivefold.models.parallelize import PipelinedModel, WholeModel, parallelize
 from fivefold.run_plan import RunPlan
-from fivefold.topology import ParallelDims
 
 __all__ = [
     "Parts",
@@ -33,8 +33,9 @@ Parts = WholeModel | PipelinedModel
 
 
 class _StandIn:
-    """A process group that is not there (a `fivefold.topology.CommLike`): its size and this rank's
-    place in it, on the meta device. The assembly only reads these while building; nothing is ever
+    """A process group that is not there (a `fivefold.distributed.topology.CommLike`): its size and
+    this rank's place in it, on the meta device. The assembly only reads these while building;
+    nothing is ever
     issued through it."""
 
     def __init__(self, dim: str, size: int, rank: int = 0) -> None:
@@ -50,9 +51,9 @@ class _StandIn:
 
 
 class PlanningMesh:
-    """`fivefold.mesh.ParallelMesh`'s sizes and ranks without processes (a
-    `fivefold.topology.MeshLike`): ``coords`` places this rank on the mesh (pp, dp, cp, tp; 0 where
-    missing), its place in every group read from the groups the real mesh makes
+    """`fivefold.distributed.mesh.ParallelMesh`'s sizes and ranks without processes (a
+    `fivefold.distributed.topology.MeshLike`): ``coords`` places this rank on the mesh (pp, dp, cp,
+    tp; 0 where missing), its place in every group read from the groups the real mesh makes
     (`ParallelDims.groups`, via `derived_rank`)."""
 
     def __init__(self, dims: ParallelDims, coords: dict[str, int] | None = None) -> None:

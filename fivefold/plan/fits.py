@@ -30,7 +30,7 @@ from pathlib import Path
 from fivefold import formulas
 from fivefold.config import Config, ConfigError
 from fivefold.data_parallel.flat_param import OPTIMIZER_CHUNK
-from fivefold.mesh import ParallelDims
+from fivefold.distributed.mesh import ParallelDims
 from fivefold.models.llama import PRESETS, LlamaConfig, check_model_bounds, param_counts
 from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.split import split_layers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.topology import ParallelDims
+from fivefold.distributed.topology import ParallelDims
 
 __all__ = ["GB", "HARDWARE", "Hardware", "link"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fivefold import formulas
 from fivefold.config import Config
-from fivefold.mesh import ParallelDims
+from fivefold.distributed.mesh import ParallelDims
 from fivefold.models.llama import LlamaConfig, param_counts
 from fivefold.plan.assembly import Parts, precision_bytes, rank_parts, resolved, stages_of
 from fivefold.plan.hardware import GB, HARDWARE, Hardware, link

@@ -1,7 +1,7 @@
 """One rank's bytes by part: model states (per flat buffer with its padding,
 docs/design.md#model-state-memory), the buffers that come and go during a step, and the activations
 kept for backward (docs/design.md#activation-memory). `tests/test_plan.py` holds each against
-`fivefold.memory`'s measurements."""
+`fivefold.observe.memory`'s measurements."""
 
 from __future__ import annotations
 

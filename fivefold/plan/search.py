@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 
 from fivefold import rules
 from fivefold.config import Config, ConfigError, apply_overrides, resolve_batch
-from fivefold.mesh import ParallelDims
+from fivefold.distributed.mesh import ParallelDims
 from fivefold.models.llama import LlamaConfig
 from fivefold.pipeline.builders import build_schedule
 from fivefold.plan.hardware import HARDWARE, Hardware

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from fivefold.comm import Comm, eager_region
+from fivefold.distributed.comm import Comm, eager_region
 
 SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.comm import Comm
+from fivefold.distributed.comm import Comm
 from fivefold.ops import linear
 from fivefold.tensor_parallel.comm_ops import (
     all_reduce_grad_hook,

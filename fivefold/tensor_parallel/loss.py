@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fivefold.comm import Comm
+from fivefold.distributed.comm import Comm
 
 __all__ = [
     "CHUNK_ELEMENTS",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.comm import Comm, Placement
+from fivefold.distributed.comm import Comm, Placement
 from fivefold.tensor_parallel.comm_ops import all_reduce_grad_hook, copy_to_tp, gather_from_sp
 from fivefold.tensor_parallel.layers import (
     ColumnParallelLinear,

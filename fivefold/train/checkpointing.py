@@ -28,7 +28,7 @@ from fivefold.checkpoint.manager import (
 )
 from fivefold.checkpoint.metadata import read_safe_metadata
 from fivefold.config import Config
-from fivefold.mesh import MESH_DIMS, ParallelMesh
+from fivefold.distributed.mesh import MESH_DIMS, ParallelMesh
 from fivefold.models.llama import WEIGHT_SIZES
 from fivefold.train.metrics import (
     RunRecord,

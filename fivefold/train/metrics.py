@@ -1,7 +1,7 @@
 """What a run shows and leaves behind: the progress bar, and `RunRecord`, sole owner of the run
 directory (written on rank 0): ``metrics.jsonl``, then the loss curve, for pipelines the measured
 timeline and, with ``run.trace``, the step trace and its hidden-communication figure (via
-`fivefold.report`).
+`fivefold.observe.report`).
 
 The trainer tells what happens through `TrainObserver`, the interface of everything that watches a
 run: its hooks, called at fixed points of `train.trainer.Trainer`, receive typed results (`RunInfo`,
@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fivefold.comm import Comm, CommTotals
-from fivefold.pipeline.simulator import Timeline
-from fivefold.report import (
+from fivefold.distributed.comm import Comm, CommTotals
+from fivefold.observe.report import (
     plot_loss,
     plot_moe_load,
     plot_step_trace,
@@ -31,7 +30,8 @@ from fivefold.report import (
     to_chrome_trace,
     write_step_trace,
 )
-from fivefold.trace import StepTracer, hidden_summary
+from fivefold.observe.trace import StepTracer, hidden_summary
+from fivefold.pipeline.simulator import Timeline
 
 if TYPE_CHECKING:
     from fivefold.config import Config

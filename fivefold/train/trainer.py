@@ -16,11 +16,15 @@ import torch.multiprocessing as mp
 
 from fivefold.checkpoint.hf import load_hf_weights
 from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta
-from fivefold.comm import CommLog, CommTotals, debug_collectives_requested, set_debug_step
 from fivefold.config import Config
 from fivefold.data_parallel.mixed_precision import MixedPrecision
-from fivefold.formulas import model_flops_per_token
-from fivefold.launch import (
+from fivefold.distributed.comm import (
+    CommLog,
+    CommTotals,
+    debug_collectives_requested,
+    set_debug_step,
+)
+from fivefold.distributed.launch import (
     Terminated,
     distributed,
     is_torchrun_env,
@@ -29,16 +33,18 @@ from fivefold.launch import (
     resolve_device,
     to_device,
 )
-from fivefold.mesh import ParallelMesh
+from fivefold.distributed.mesh import ParallelMesh
+from fivefold.distributed.watchdog import Stalled, report_step, watch_comm_log
+from fivefold.formulas import model_flops_per_token
 from fivefold.models.llama import param_counts
 from fivefold.models.parallel_model import Batch, ParallelModel
 from fivefold.models.parallelize import parallelize
+from fivefold.observe.peak import device_peak_flops
+from fivefold.observe.trace import StepTracer, trace_window
 from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
-from fivefold.peak import device_peak_flops
 from fivefold.pipeline.runtime import SIDE_THREAD
 from fivefold.run_plan import RunPlan
-from fivefold.trace import StepTracer, trace_window
 from fivefold.train.checkpointing import (
     CheckpointSaver,
     TrainCheckpoints,
@@ -65,7 +71,6 @@ from fivefold.train.metrics import (
 )
 from fivefold.train.run_lock import RunDirLocked, RunLock
 from fivefold.train.validate import validate
-from fivefold.watchdog import Stalled, report_step, watch_comm_log
 
 __all__ = ["Evaluator", "Heartbeat", "TrainResult", "Trainer", "lr_at", "run", "train"]
 

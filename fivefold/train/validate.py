@@ -111,7 +111,7 @@ def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:
     """A run this machine's memory cannot hold is refused before any worker starts
     (`plan.fits.check_fits`); under torchrun every rank checks its own node or device and all raise
     if one does (one raising alone would leave the others waiting in their first collective)."""
-    from fivefold.launch import is_torchrun_env
+    from fivefold.distributed.launch import is_torchrun_env
 
     if not is_torchrun_env():  # `run` spawns world_size CPU workers on this host
         return check_fits(cfg, plan, world_size, "cpu")

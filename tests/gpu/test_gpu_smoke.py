@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fivefold.launch import launch_local, resolve_device
+from fivefold.distributed.launch import launch_local, resolve_device
 
 ACCELERATOR = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 pytestmark = [pytest.mark.skipif(ACCELERATOR is None or torch.accelerator.device_count() < 2,
@@ -63,9 +63,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _worker(device_type: str) -> dict:
-    from fivefold.comm import CommLog
-    from fivefold.launch import to_device
-    from fivefold.mesh import ParallelDims, ParallelMesh
+    from fivefold.distributed.comm import CommLog
+    from fivefold.distributed.launch import to_device
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models.parallelize import parallelize
 
     torch.set_float32_matmul_precision("highest")

@@ -1,10 +1,12 @@
 """The process grid of this rank (docs/design.md#the-mesh): the process groups
-`fivefold.topology.ParallelDims.groups` lists — pp, dp, cp, tp as a torch `DeviceMesh` (checked
-against the list), the derived dp_cp, ep, ep_dp, dp_shard, dp_replicate and ZeRO++ hpZ's dp_hpz made
+`fivefold.distributed.topology.ParallelDims.groups` lists — pp, dp, cp, tp as a torch `DeviceMesh`
+(checked against the list), the derived dp_cp, ep, ep_dp, dp_shard, dp_replicate and ZeRO++ hpZ's
+dp_hpz made
 by `new_group` in the list's order on every rank — and a `Comm` per dimension. Gradients reduce over
 ``dp_cp`` (a cp rank holds a slice of the same sequences); ``ep`` blocks of consecutive dp_cp ranks
 hold different experts, reduced over ``ep_dp``; HSDP (docs/design.md#hsdp) shards over ``dp_shard``
-blocks and replicates over ``dp_replicate``. `ParallelMesh` is a `fivefold.topology.MeshLike`."""
+blocks and replicates over ``dp_replicate``. `ParallelMesh` is a
+`fivefold.distributed.topology.MeshLike`."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from fivefold.comm import Comm, CommLog
-from fivefold.topology import DERIVED_DIMS, MESH_DIMS, ParallelDims
+from fivefold.distributed.comm import Comm, CommLog
+from fivefold.distributed.topology import DERIVED_DIMS, MESH_DIMS, ParallelDims
 
 __all__ = ["DERIVED_DIMS", "MESH_DIMS", "ParallelDims", "ParallelMesh"]
 
@@ -33,8 +35,9 @@ class ParallelMesh:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
-                "torch.distributed is not initialised: call fivefold.launch.init_distributed() "
-                "first or run under `fivefold train` / torchrun"
+                "torch.distributed is not initialised: call "
+                "fivefold.distributed.launch.init_distributed() first or run under `fivefold "
+                "train` / torchrun"
             )
         self.device = torch.device(device)
         self.dims = dims.resolve(dist.get_world_size())
@@ -65,7 +68,8 @@ class ParallelMesh:
             if made != self.dims.group_of(dim, me):
                 raise RuntimeError(
                     f"the DeviceMesh's {dim} group of rank {me} is {made}, but the topology says "
-                    f"{self.dims.group_of(dim, me)} (fivefold.topology.ParallelDims.groups)"
+                    f"{self.dims.group_of(dim, me)} "
+                    "(fivefold.distributed.topology.ParallelDims.groups)"
                 )
 
     def _derived_groups(self) -> dict[str, dist.ProcessGroup]:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fivefold.clock import DeviceClock, Mark
-from fivefold.comm import CommLog
+from fivefold.distributed.comm import CommLog
 from fivefold.ops import call_in_backward, in_backward, unwatch_recompute, watch_recompute
 
 __all__ = [

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from fivefold.clock import DeviceClock, Mark
-from fivefold.formulas import ring_wire_bytes  # re-exported: fivefold.comm.ring_wire_bytes
+from fivefold.formulas import (
+    ring_wire_bytes,  # re-exported: fivefold.distributed.comm.ring_wire_bytes
+)
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on torch >= 2.6.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -6,13 +6,14 @@ order (tp innermost, so TP peers share a node; pp outermost), every group of a m
 the derived groups cut from the dp × cp rows (one per (pp, tp) coordinate, its ranks in (dp, cp)
 order): ``dp_cp`` the rows themselves, ``ep`` / ``dp_shard`` / ``dp_hpz`` blocks of consecutive
 ranks of a row, ``ep_dp`` / ``dp_replicate`` the columns across a row's blocks (the same place in
-every block). `fivefold.mesh.ParallelMesh` creates exactly these groups;
+every block). `fivefold.distributed.mesh.ParallelMesh` creates exactly these groups;
 `fivefold.plan.assembly.PlanningMesh` and `fivefold.plan.hardware.link` read them (`derived_rank`,
 `group_span`).
 
 `MeshLike` / `CommLike` are the members the package uses of a mesh and of a `Comm` while assembling
-a model: `ParallelMesh` / `fivefold.comm.Comm` and the planner's stand-ins both provide them. Pure
-Python (torch only for the protocols' types): no process group, no `torch.distributed`."""
+a model: `ParallelMesh` / `fivefold.distributed.comm.Comm` and the planner's stand-ins both provide
+them. Pure Python (torch only for the protocols' types): no process group, no
+`torch.distributed`."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from fivefold.comm import CommLog
+    from fivefold.distributed.comm import CommLog
 
 __all__ = ["DERIVED_DIMS", "MESH_DIMS", "CommLike", "MeshLike", "ParallelDims"]
 
@@ -190,8 +191,9 @@ def _index(dims: ParallelDims, dim: str, block: int) -> dict[int, tuple[int, int
 
 @runtime_checkable
 class CommLike(Protocol):
-    """What the package reads of a `fivefold.comm.Comm` it is handed while a model is assembled: the
-    group's mesh dim, size, this rank's place, the device its tensors live on, the log, scalars and
+    """What the package reads of a `fivefold.distributed.comm.Comm` it is handed while a model is
+    assembled: the group's mesh dim, size, this rank's place, the device its tensors live on, the
+    log, scalars and
     the p2p semantics."""
 
     dim: str
@@ -207,7 +209,7 @@ class CommLike(Protocol):
 
 @runtime_checkable
 class MeshLike(Protocol):
-    """What the package asks of a mesh (`fivefold.mesh.ParallelMesh`, or the planner's
+    """What the package asks of a mesh (`fivefold.distributed.mesh.ParallelMesh`, or the planner's
     `PlanningMesh`): sizes and this rank's places by dimension, and a comm per dimension (a backward
     twin, hpZ's, the world's)."""
 

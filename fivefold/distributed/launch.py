@@ -228,7 +228,7 @@ def _local_worker(
 ) -> None:
     torch.set_num_threads(threads)
     if heartbeat_dir:  # the launcher watches for stalls
-        from fivefold.watchdog import Heartbeat
+        from fivefold.distributed.watchdog import Heartbeat
 
         Heartbeat(heartbeat_dir, rank)
     # gloo's listening sockets (one per worker, for its pair connections) otherwise bind the address
@@ -400,7 +400,7 @@ def launch_local(
     directory ``fivefold-<pid>-*`` in the temporary directory, removed at the end; those of
     launchers that died first are removed at the next launch's start. ``watch`` = (heartbeat_s,
     stall_s): watch the workers' heartbeats and, on a stall, kill them and raise
-    `fivefold.watchdog.Stalled` (`fivefold.watchdog`)."""
+    `fivefold.distributed.watchdog.Stalled` (`fivefold.distributed.watchdog`)."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: need at least one process")
     _record_launch_start()
@@ -423,7 +423,7 @@ def launch_local(
         terminated = [False]
         watchdog = None
         if watch is not None:
-            from fivefold.watchdog import Watchdog
+            from fivefold.distributed.watchdog import Watchdog
 
             watchdog = Watchdog(heartbeat_dir, nproc, heartbeat_s=watch[0], stall_s=watch[1])
         with _forwarding_stop_signals(context.processes, terminated):
@@ -431,7 +431,7 @@ def launch_local(
                 while not context.join(timeout=1.0 if watchdog is not None else None):
                     problem = watchdog.check() if watchdog is not None else None
                     if problem is not None:
-                        from fivefold.watchdog import Stalled
+                        from fivefold.distributed.watchdog import Stalled
 
                         for p in context.processes:
                             if p.is_alive():
