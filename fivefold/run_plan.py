@@ -17,7 +17,7 @@ from fivefold.checkpoint.hf import read_hf_config
 from fivefold.config import Config, ConfigError, check_choices, resolve_batch
 from fivefold.context_parallel.layout import SequenceLayout
 from fivefold.data_parallel.mixed_precision import parse_dtype
-from fivefold.distributed.mesh import ParallelDims
+from fivefold.distributed.topology import ParallelDims
 from fivefold.models import LlamaConfig, get_config
 from fivefold.models.llama import check_model_bounds
 from fivefold.models.moe import MoEConfig
