@@ -65,7 +65,7 @@ def _worker(spec: RecomputeSpec) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from fivefold.formulas import activation_bytes_per_block
+    from fivefold.formulas import MicroBatch, activation_bytes_per_block
     from fivefold.models import get_config
     from fivefold.observe.memory import block_activation_bytes
 
@@ -108,9 +108,10 @@ def _worker(spec: RecomputeSpec) -> dict:
         per_round = {name: [statistics.median(t for r, t in times[name] if r == rnd)
                             for rnd in range(len(blocks(spec.steps, spec.repeats)))] for name in built}
         c = config
-        formula = {m: c.n_layers * activation_bytes_per_block(spec.micro_batch, spec.seq_len, c.dim, c.n_heads,
-                                                              c.n_kv_heads, c.ffn_hidden, attention=core,
-                                                              recompute=m) for m in ("none", "full", "selective")}
+        mb = MicroBatch(spec.micro_batch, spec.seq_len, c.dim)
+        formula = {m: c.n_layers * activation_bytes_per_block(mb, c.n_heads, c.n_kv_heads, c.ffn_hidden,
+                                                              attention=core, recompute=m)
+                   for m in ("none", "full", "selective")}
         formula["torch-full"] = formula["full"]
         out[core] = {name: dict(
             kept_bytes=kept[name], formula_bytes=formula[name], peak_bytes=peak[name], loss=losses[name],

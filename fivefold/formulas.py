@@ -8,10 +8,11 @@ M = micro-batches, V = model chunks per pipeline rank, B·L·D = batch × sequen
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "MODEL_STATES",
+    "MicroBatch",
     "ModelShape",
     "RECIPES",
     "STAGE_SHARDS",
@@ -341,6 +342,26 @@ def ring_attention_p2p_elements(
 # -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) ---------
 
 
+class MicroBatch(NamedTuple):
+    """One rank's micro-batch of activations, as the activation formulas below take it
+    (docs/design.md#activation-memory): ``batch`` sequences of ``seq_len`` tokens (this rank's,
+    after context parallelism) of width ``dim``, in ``dtype_bytes`` per element, under ``tp``-way
+    tensor parallelism, ``sp`` its sequence parallelism (the norms' tensors and residuals
+    [L/T]). A named tuple, immutable: this module imports only `typing`."""
+
+    batch: int
+    seq_len: int
+    dim: int
+    dtype_bytes: int = 4
+    tp: int = 1
+    sp: bool = False
+
+    @property
+    def seq_norm(self) -> int:
+        """The tokens a rank's norms and residuals hold: [L/T] under SP, else [L]."""
+        return self.seq_len // self.tp if self.sp else self.seq_len
+
+
 def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) -> int:
     """Korthikanti et al.'s formula, 34·B·L·D + 5·B·L²·H bytes per block: a GPT-3 block (LayerNorm,
     MHA, GeLU MLP of 4D, dropout masks) in fp16, every activation saved.
@@ -349,26 +370,22 @@ def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) ->
 
 
 def activation_bytes_per_block(
-    batch: int,
-    seq_len: int,
-    dim: int,
+    mb: MicroBatch,
     n_heads: int,
     n_kv_heads: int,
     ffn_hidden: int,
     *,
-    dtype_bytes: int = 4,
+    ffn_bytes: int | None = None,
     attention: str = "sdpa",
     recompute: str = "none",
-    tp: int = 1,
-    sp: bool = False,
-    ffn_bytes: int | None = None,
 ) -> int:
-    """Bytes one dense Llama block keeps for backward on one rank (what it adds to memory: its saved
-    tensors apart from its input, plus its output, the next block's input), counted tensor by tensor
-    as Korthikanti et al. do for the GPT block (`korthikanti_block_bytes`;
-    docs/design.md#activation-memory); `fivefold.observe.memory.block_activation_bytes` measures it.
+    """Bytes one dense Llama block keeps for backward on one rank for the micro-batch ``mb`` (what
+    it adds to memory: its saved tensors apart from its input, plus its output, the next block's
+    input), counted tensor by tensor as Korthikanti et al. do for the GPT block
+    (`korthikanti_block_bytes`; docs/design.md#activation-memory);
+    `fivefold.observe.memory.block_activation_bytes` measures it.
 
-    With s = ``dtype_bytes`` and F = ``ffn_hidden``, no recompute:
+    With s = ``mb.dtype_bytes`` and F = ``ffn_hidden``, no recompute:
       attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the
                  norm's output = the input of wq/wk/wv (s); q, and k and v repeated to H heads
                  (3·s); the core's output = wo's input (s); the core's own: sdpa (fused) the
@@ -379,7 +396,7 @@ def activation_bytes_per_block(
     i.e. 10·BLD + 4·BLF (+ the core's term) elements in fp32 — where GPT's is 34·BLD + 5·BL²H bytes
     in fp16. ``recompute``: "full" keeps only the block's input (B·L·D·s); "selective" recomputes
     the attention core, keeping its inputs q, k, v (k and v with their own H_kv heads) and dropping
-    the repeats and the core's own term. ``tp``: heads and F split T ways; ``sp``: the norms'
+    the repeats and the core's own term. ``mb.tp``: heads and F split T ways; ``mb.sp``: the norms'
     tensors and the residuals are [L/T] too, but the column linears keep their all-gathered [L]
     inputs (Megatron re-gathers them in backward instead: not done here, so SP divides this formula
     by less than T). An MoE block: ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of the dense
@@ -388,8 +405,8 @@ def activation_bytes_per_block(
         raise ValueError(f"recompute={recompute!r}: choose none, full or selective")
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention={attention!r}: choose sdpa or eager")
-    s, fp32 = dtype_bytes, 4
-    seq_norm = seq_len // tp if sp else seq_len  # the tokens a rank's norms and residuals hold
+    batch, seq_len, dim, tp = mb.batch, mb.seq_len, mb.dim, mb.tp
+    s, fp32, seq_norm = mb.dtype_bytes, 4, mb.seq_norm
     bl, bld_norm = batch * seq_len, batch * seq_norm * dim
     if recompute == "full":
         return bld_norm * s
@@ -472,22 +489,14 @@ def model_flops_per_token(active_params: int, n_layers: int, seq_len: int, dim: 
     return 6 * active_params + 12 * n_layers * seq_len * dim
 
 
-def head_activation_bytes(
-    batch: int,
-    seq_len: int,
-    dim: int,
-    vocab: int,
-    *,
-    dtype_bytes: int = 4,
-    tp: int = 1,
-    sp: bool = False,
-) -> int:
-    """What the model's end keeps for backward on the last pipeline rank: the final RMSNorm (its
-    fp32 input, 1/rms, the normalised tensor, its output = the head's input, all-gathered to the
-    whole sequence under SP) and this tp rank's logits B·L·V/T (``dtype_bytes``); the chunked
-    cross-entropy keeps only per-row fp32 statistics (`tensor_parallel.loss`): the log-sum-exp and
-    the target logit, 2·B·L·4."""
-    seq_norm = seq_len // tp if sp else seq_len
+def head_activation_bytes(mb: MicroBatch, vocab: int) -> int:
+    """What the model's end keeps for backward on the last pipeline rank for the micro-batch ``mb``:
+    the final RMSNorm (its fp32 input, 1/rms, the normalised tensor, its output = the head's input,
+    all-gathered to the whole sequence under SP) and this tp rank's logits B·L·V/T
+    (``mb.dtype_bytes``); the chunked cross-entropy keeps only per-row fp32 statistics
+    (`tensor_parallel.loss`): the log-sum-exp and the target logit, 2·B·L·4."""
+    batch, seq_len, dim, dtype_bytes, tp = mb.batch, mb.seq_len, mb.dim, mb.dtype_bytes, mb.tp
+    seq_norm = mb.seq_norm
     norm = batch * seq_norm * dim * 4 + batch * seq_norm * 4 + batch * seq_norm * dim * dtype_bytes
     return (
         norm
@@ -526,24 +535,16 @@ def moe_ffn_activation_bytes(
 
 
 def weight_grad_pending_bytes(
-    batch: int,
-    seq_len: int,
-    dim: int,
-    n_heads: int,
-    n_kv_heads: int,
-    ffn_hidden: int,
-    *,
-    dtype_bytes: int = 4,
-    tp: int = 1,
+    mb: MicroBatch, n_heads: int, n_kv_heads: int, ffn_hidden: int
 ) -> dict[str, int]:
-    """What a dense block still holds between its input-gradient pass (I) and its weight-gradient
-    pass (W) in a zero-bubble schedule (`ops.linear`'s deferral): each linear's input and its
-    output's gradient. Inputs: the attention norm's output (wq, wk, wv share it), the core's output
-    (wo), the MLP norm's output (w1, w3 share it), SwiGLU's product (w2); gradients: of q, k, v, of
-    wo's and w2's outputs (B·L·D each: partial sums under tp), of w1's and w3's. The rest of
-    `activation_bytes_per_block` dies at I. Returned apart: ``inputs`` (allocated by the forward)
-    and ``grads`` (by the I pass)."""
-    s, bl = dtype_bytes, batch * seq_len
+    """What a dense block still holds for the micro-batch ``mb`` (``mb.sp`` changes nothing here)
+    between its input-gradient pass (I) and its weight-gradient pass (W) in a zero-bubble schedule
+    (`ops.linear`'s deferral): each linear's input and its output's gradient. Inputs: the attention
+    norm's output (wq, wk, wv share it), the core's output (wo), the MLP norm's output (w1, w3 share
+    it), SwiGLU's product (w2); gradients: of q, k, v, of wo's and w2's outputs (B·L·D each:
+    partial sums under tp), of w1's and w3's. The rest of `activation_bytes_per_block` dies at I.
+    Returned apart: ``inputs`` (allocated by the forward) and ``grads`` (by the I pass)."""
+    s, bl, dim, tp = mb.dtype_bytes, mb.batch * mb.seq_len, mb.dim, mb.tp
     heads, kv_heads, hidden, head_dim = (
         n_heads // tp,
         n_kv_heads // tp,
@@ -555,25 +556,16 @@ def weight_grad_pending_bytes(
     return {"inputs": inputs * s, "grads": grads * s}
 
 
-def backward_working_bytes(
-    batch: int,
-    seq_len: int,
-    dim: int,
-    ffn_hidden: int,
-    *,
-    dtype_bytes: int = 4,
-    tp: int = 1,
-    sp: bool = False,
-) -> int:
-    """What a block's backward allocates while it runs, beyond the activations it frees: the
-    gradients flowing through it — of its output and its residual (B·L·D each, [L/T] under SP), the
-    RMSNorm's fp32 upcasts of its input and gradient (2·B·L·D·4) — and the SwiGLU's three B·L·F/T
-    gradients (of w2's input and of w1's and w3's outputs); an upper estimate, measured within it in
-    `tests/test_plan.py`."""
-    seq = seq_len // tp if sp else seq_len
+def backward_working_bytes(mb: MicroBatch, ffn_hidden: int) -> int:
+    """What a block's backward allocates while it runs for the micro-batch ``mb``, beyond the
+    activations it frees: the gradients flowing through it — of its output and its residual (B·L·D
+    each, [L/T] under SP), the RMSNorm's fp32 upcasts of its input and gradient (2·B·L·D·4) — and
+    the SwiGLU's three B·L·F/T gradients (of w2's input and of w1's and w3's outputs); an upper
+    estimate, measured within it in `tests/test_plan.py`."""
+    s = mb.dtype_bytes
     return (
-        batch * seq * dim * (2 * dtype_bytes + 2 * 4)
-        + 3 * batch * seq_len * ffn_hidden // tp * dtype_bytes
+        mb.batch * mb.seq_norm * mb.dim * (2 * s + 2 * 4)
+        + 3 * mb.batch * mb.seq_len * ffn_hidden // mb.tp * s
     )
 
 

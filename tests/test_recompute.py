@@ -15,7 +15,12 @@ import torch
 from dist_utils import run_workers
 
 from fivefold.distributed.comm import CommLog
-from fivefold.formulas import activation_bytes_per_block, korthikanti_block_bytes, tp_comm_formula
+from fivefold.formulas import (
+    MicroBatch,
+    activation_bytes_per_block,
+    korthikanti_block_bytes,
+    tp_comm_formula,
+)
 from fivefold.models.llama import RECOMPUTE_MODES, Llama, LlamaConfig, get_config
 from fivefold.observe.memory import block_activation_bytes
 
@@ -35,7 +40,7 @@ def test_block_activations_match_the_formula(mode, core):
     model = Llama(SHAPE).set_attention(core).set_recompute(mode)
     x = _tokens(0)
     measured = block_activation_bytes(model.layers, lambda: model(x))
-    want = activation_bytes_per_block(B, L, D, H, H_KV, F, attention=core, recompute=mode)
+    want = activation_bytes_per_block(MicroBatch(B, L, D), H, H_KV, F, attention=core, recompute=mode)
     for i, got in enumerate(measured):
         assert got == pytest.approx(want, rel=0.02), f"block {i}: measured {got} bytes, formula {want}"
 
@@ -53,7 +58,7 @@ def test_one_more_block_costs_the_formula(mode, core, dtype):
         model = Llama(LlamaConfig(**{**SHAPE.__dict__, "n_layers": n}), dtype=torch_dtype)
         model.set_attention(core).set_recompute(mode)
         totals.append(block_activation_bytes([model], lambda m=model: m(x))[0])
-    want = activation_bytes_per_block(B, L, D, H, H_KV, F, dtype_bytes=nbytes, attention=core, recompute=mode)
+    want = activation_bytes_per_block(MicroBatch(B, L, D, dtype_bytes=nbytes), H, H_KV, F, attention=core, recompute=mode)
     assert totals[1] - totals[0] == pytest.approx(want, rel=0.02)
 
 
@@ -61,7 +66,7 @@ def test_recompute_drops_activations_as_seed_003_says():
     """Full keeps 1 of the ~16 B·L·D a block holds; selective drops the core's L×L term — the 5·B·L²·H of the seed's
     GPT formula, one fp32 L×L matrix here (no dropout) — and gains most where that term dominates (L ≫ D)."""
     def kept(mode: str, core: str, seq: int = L) -> int:
-        return activation_bytes_per_block(B, seq, D, H, H_KV, F, attention=core, recompute=mode)
+        return activation_bytes_per_block(MicroBatch(B, seq, D), H, H_KV, F, attention=core, recompute=mode)
     bld = B * L * D * 4
     assert kept("full", "eager") == bld
     assert kept("none", "sdpa") == pytest.approx(16.1 * bld, rel=0.01)
@@ -191,7 +196,7 @@ def test_tp_rank_activations_match_the_formula(layout_results, run_name, mode):
     c = _model_config(False)
     for rank, res in enumerate(layout_results):
         run = res[(run_name, mode)]
-        want = activation_bytes_per_block(run["micro"], SEQ, c.dim, c.n_heads, c.n_kv_heads, c.ffn_hidden,
-                                          recompute=mode, tp=2, sp=run_name.endswith("sp"))
+        mb = MicroBatch(run["micro"], SEQ, c.dim, tp=2, sp=run_name.endswith("sp"))
+        want = activation_bytes_per_block(mb, c.n_heads, c.n_kv_heads, c.ffn_hidden, recompute=mode)
         for i, got in enumerate(run["block_bytes"]):
             assert got == pytest.approx(want, rel=0.05), f"rank {rank} block {i}: measured {got}, formula {want}"

@@ -42,6 +42,25 @@ class CheckpointMismatch(ValueError):
     dtype)."""
 
 
+class _PiecesPlanner:
+    """What both planners share: flat state dicts (with ``_flags``, the planner's own); its
+    `Pieces` values kept in ``self.pieces`` (DCP's own walk skips them), DCP's planner set up with
+    the rest; ``self.caller_state_dict`` the whole dict."""
+
+    _flags: dict[str, bool]
+
+    def __init__(self) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            flatten_state_dict=False, flatten_sharded_tensors=False, **self._flags
+        )
+
+    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self.pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
+        self.caller_state_dict = state_dict
+        rest = {k: v for k, v in state_dict.items() if k not in self.pieces}
+        super().set_up_planner(rest, *args, **kwargs)  # type: ignore[misc]
+
+
 def _box(pieces: Pieces, index: MetadataIndex) -> torch.Tensor:
     key = tuple(index.offset) if index.offset is not None else ()
     try:
@@ -50,28 +69,13 @@ def _box(pieces: Pieces, index: MetadataIndex) -> torch.Tensor:
         raise KeyError(f"{index.fqn}: this rank holds no box at offsets {key}") from None
 
 
-class PiecesSavePlanner(DefaultSavePlanner):
+class PiecesSavePlanner(_PiecesPlanner, DefaultSavePlanner):
     """`DefaultSavePlanner` that also writes `Pieces` values as their rectangles. Flat state dicts
     only."""
 
-    def __init__(self) -> None:
-        # replicas' copies of a tensor are written once, by the rank that has written least so far
-        # (not all by rank 0)
-        super().__init__(
-            flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False
-        )
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
-    ) -> None:
-        self.pieces = {
-            k: v for k, v in state_dict.items() if isinstance(v, Pieces)
-        }  # DCP's own walk skips these
-        super().set_up_planner(
-            {k: v for k, v in state_dict.items() if k not in self.pieces},
-            storage_meta,
-            is_coordinator,
-        )
+    # replicas' copies of a tensor are written once, by the rank that has written least so far (not
+    # all by rank 0)
+    _flags = {"dedup_save_to_lowest_rank": False}
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -101,25 +105,11 @@ class PiecesSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
-class PiecesLoadPlanner(DefaultLoadPlanner):
+class PiecesLoadPlanner(_PiecesPlanner, DefaultLoadPlanner):
     """`DefaultLoadPlanner` that fills `Pieces` values from whichever saved chunks overlap their
     rectangles."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False
-        )
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
-    ) -> None:
-        self.pieces = {
-            k: v for k, v in state_dict.items() if isinstance(v, Pieces)
-        }  # DCP's own walk drops these
-        self.caller_state_dict = state_dict
-        super().set_up_planner(
-            {k: v for k, v in state_dict.items() if k not in self.pieces}, metadata, is_coordinator
-        )
+    _flags = {"allow_partial_load": False}
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         # DCP's default unpickles objects with weights_only=False (any code the file carries would

@@ -103,6 +103,7 @@ class Watchdog:
         self,
         directory: str | Path,
         nproc: int,
+        *,
         heartbeat_s: float = 60.0,
         stall_s: float = 0.0,
         startup_s: float = 600.0,

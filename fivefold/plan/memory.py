@@ -118,37 +118,44 @@ def block_bytes(cfg: Config, run: RunPlan, block: Any, recompute: str) -> int:
     return kind_bytes(cfg, run, _is_moe(block), recompute)
 
 
+def micro_batch(cfg: Config, run: RunPlan) -> formulas.MicroBatch:
+    """This rank's micro-batch of activations as the formulas take it: its sequences, their
+    tokens under cp, the model's width, the compute dtype, tp and (under tp) sp."""
+    p = run.dims
+    return formulas.MicroBatch(
+        run.micro_batch,
+        cfg.train.seq_len // p.cp,
+        run.model.dim,
+        dtype_bytes=precision_bytes(cfg)[0],
+        tp=p.tp,
+        sp=cfg.parallel.sp and p.tp > 1,
+    )
+
+
 def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
     """`block_bytes` of a dense block or (``is_moe``) an MoE one, told by its kind instead of its
     module."""
-    m, t, p = run.model, cfg.train, run.dims
-    s = precision_bytes(cfg)[0]
-    seq = t.seq_len // p.cp
+    m, p, mb = run.model, run.dims, micro_batch(cfg, run)
     ffn = None
     moe = m.moe if is_moe else None
     if moe is not None and recompute != "full":
         hidden = moe.hidden or m.ffn_hidden
         ffn = formulas.moe_ffn_activation_bytes(
-            run.micro_batch * seq,
+            mb.batch * mb.seq_len,
             m.dim,
             moe.experts,
             moe.top_k,
             hidden,
             moe.shared_experts * hidden,
-            dtype_bytes=s,
+            dtype_bytes=mb.dtype_bytes,
         )
     return formulas.activation_bytes_per_block(
-        run.micro_batch,
-        seq,
-        m.dim,
+        mb,
         m.n_heads,
         m.n_kv_heads,
         m.ffn_hidden,
-        dtype_bytes=s,
         attention=cfg.model.attention if p.cp == 1 else "sdpa",
         recompute=recompute,
-        tp=p.tp,
-        sp=cfg.parallel.sp and p.tp > 1,
         ffn_bytes=ffn,
     )
 
@@ -226,6 +233,7 @@ def activation_bytes(
     s = precision_bytes(cfg)[0]
     seq = t.seq_len // p.cp
     sp = cfg.parallel.sp and p.tp > 1
+    mb = micro_batch(cfg, run)
     kinds = [(moe, n) for moe, n in kinds if n]
     per_chunk = whole / len(
         stage_ids
@@ -242,14 +250,7 @@ def activation_bytes(
         w = [
             (
                 formulas.weight_grad_pending_bytes(
-                    run.micro_batch,
-                    seq,
-                    m.dim,
-                    m.n_heads,
-                    m.n_kv_heads,
-                    moe_ffn if moe else m.ffn_hidden,
-                    dtype_bytes=s,
-                    tp=p.tp,
+                    mb, m.n_heads, m.n_kv_heads, moe_ffn if moe else m.ffn_hidden
                 ),
                 n,
             )
@@ -265,18 +266,13 @@ def activation_bytes(
         )
     if n_stages - 1 in stage_ids:
         out["head and loss"] = int(
-            formulas.head_activation_bytes(
-                run.micro_batch, seq, m.dim, m.vocab_size, dtype_bytes=s, tp=p.tp, sp=sp
-            )
-            * max(1, per_chunk)
+            formulas.head_activation_bytes(mb, m.vocab_size) * max(1, per_chunk)
         )
         out[LOGITS_GRAD] = run.micro_batch * seq * m.vocab_size // p.tp * s
         out[LOSS_CHUNK] = formulas.loss_chunk_bytes(run.micro_batch, seq, m.vocab_size, p.tp)
     if kinds:
         hidden = m.moe.top_k * (m.moe.hidden or m.ffn_hidden) if m.moe is not None else m.ffn_hidden
-        out[WORKING] = formulas.backward_working_bytes(
-            run.micro_batch, seq, m.dim, max(hidden, m.ffn_hidden), dtype_bytes=s, tp=p.tp, sp=sp
-        )
+        out[WORKING] = formulas.backward_working_bytes(mb, max(hidden, m.ffn_hidden))
     if t.recompute != "none" and kinds:
         out[RECOMPUTED] = max(
             kind_bytes(cfg, run, moe, "none") - kind_bytes(cfg, run, moe, t.recompute)
