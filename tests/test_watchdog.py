@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.distributed.watchdog import Watchdog
+from fivefold.distributed.watchdog import Limits, Watchdog
 
 
 def _beat(d: Path, rank: int, **fields) -> None:
@@ -29,7 +29,7 @@ def _beat(d: Path, rank: int, **fields) -> None:
 
 
 def test_watchdog_tells_a_frozen_rank_from_a_hang(tmp_path):
-    wd = Watchdog(tmp_path, 2, heartbeat_s=5, stall_s=0, startup_s=60)
+    wd = Watchdog(tmp_path, 2, Limits(heartbeat_s=5, stall_s=0, startup_s=60))
     _beat(tmp_path, 0)
     assert wd.check() is None  # rank 1 not started yet: start-up allowance
     _beat(tmp_path, 1)

@@ -423,9 +423,10 @@ def launch_local(
         terminated = [False]
         watchdog = None
         if watch is not None:
-            from fivefold.distributed.watchdog import Watchdog
+            from fivefold.distributed.watchdog import Limits, Watchdog
 
-            watchdog = Watchdog(heartbeat_dir, nproc, heartbeat_s=watch[0], stall_s=watch[1])
+            limits = Limits(heartbeat_s=watch[0], stall_s=watch[1])
+            watchdog = Watchdog(heartbeat_dir, nproc, limits)
         with _forwarding_stop_signals(context.processes, terminated):
             try:
                 while not context.join(timeout=1.0 if watchdog is not None else None):

@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,20 +97,23 @@ class Stalled(RuntimeError):
     """Workers stopped making progress; the message names which and where."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """How long the launcher waits, in seconds: for a silent worker (``heartbeat_s``), for a
+    finished step (``stall_s``; 0: judged from the step times, `Watchdog.stall_limit`) and for the
+    first beat and step (``startup_s``)."""
+
+    heartbeat_s: float = 60.0
+    stall_s: float = 0.0
+    startup_s: float = 600.0
+
+
 class Watchdog:
     """The launcher side: reads the heartbeats of ``nproc`` workers in ``directory``."""
 
-    def __init__(
-        self,
-        directory: str | Path,
-        nproc: int,
-        *,
-        heartbeat_s: float = 60.0,
-        stall_s: float = 0.0,
-        startup_s: float = 600.0,
-    ) -> None:
+    def __init__(self, directory: str | Path, nproc: int, limits: Limits | None = None) -> None:
         self.directory, self.nproc = Path(directory), nproc
-        self.heartbeat_s, self.stall_s, self.startup_s = heartbeat_s, stall_s, startup_s
+        self.limits = limits or Limits()
         self.started = time.time()
 
     def _beats(self) -> dict[int, dict[str, Any]]:
@@ -124,8 +128,8 @@ class Watchdog:
     def stall_limit(self, beats: dict[int, dict[str, Any]]) -> float:
         """Seconds without a finished step that count as a hang: ``stall_s`` if given, else the
         larger of 3 minutes and 20 of the slowest steps any rank has seen."""
-        if self.stall_s > 0:
-            return self.stall_s
+        if self.limits.stall_s > 0:
+            return self.limits.stall_s
         slowest = max((b.get("max_step_s") or 0.0 for b in beats.values()), default=0.0)
         return max(180.0, 20 * slowest)
 
@@ -133,7 +137,7 @@ class Watchdog:
         """A description of the stall, or None while every worker makes progress."""
         now = time.time()
         beats = self._beats()
-        frozen = [r for r, b in beats.items() if now - b["time"] > self.heartbeat_s]
+        frozen = [r for r, b in beats.items() if now - b["time"] > self.limits.heartbeat_s]
         if frozen:
             return "; ".join(
                 f"rank {r} (pid {beats[r]['pid']}) has not answered for "
@@ -143,14 +147,17 @@ class Watchdog:
             )
         if len(beats) < self.nproc:
             missing = sorted(set(range(self.nproc)) - set(beats))
-            if now - self.started > self.startup_s:
-                return f"rank(s) {missing} never started beating within {self.startup_s:.0f} s"
+            if now - self.started > self.limits.startup_s:
+                return (
+                    f"rank(s) {missing} never started beating within {self.limits.startup_s:.0f} s"
+                )
             return None
         progress = [b.get("step_at") for b in beats.values()]
         if any(p is None for p in progress):  # before the first step: start-up may be long
-            if now - self.started > self.startup_s:
-                return f"no rank finished a first step within {self.startup_s:.0f} s: " + _where(
-                    beats
+            if now - self.started > self.limits.startup_s:
+                return (
+                    f"no rank finished a first step within {self.limits.startup_s:.0f} s: "
+                    + _where(beats)
                 )
             return None
         latest = max(progress)
