@@ -55,7 +55,7 @@ class FlatParam:
         value_of: ValueOf | None = None,
         quant_block: int | None = None,
         secondary: Comm | None = None,
-        offload: bool = False,
+        master_home: host.MasterHome | None = None,
     ) -> None:
         ordered = sorted(
             named_params, key=lambda item: group_of(*item)
@@ -101,20 +101,10 @@ class FlatParam:
             self.local = self.full[self.start : self.end]
         self.is_unsharded = not self.reshard_enabled
         # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the
-        # 16-bit copy: wrapping must not round the weights. Offloaded, it is a host buffer of its
-        # own whatever the dtype.
-        self.offload = offload
-        if offload:
-            self.master = host.host_zeros(self.shard_numel, torch.float32, device)
-        else:
-            self.master = (
-                self.local
-                if param_dtype == torch.float32
-                else torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
-            )
-        self.host_grad: torch.Tensor | None = None  # offload: the fp32 gradient shard on the host
-        # offload on an accelerator: the cast shard before its copy
-        self.host_staging: torch.Tensor | None = None
+        # 16-bit copy: wrapping must not round the weights. Where it lives is the policy's
+        # (`offload.MasterOnDevice`, or ZeRO-Offload's `MasterOnHost`).
+        self.master_home = master_home or host.MasterOnDevice()
+        self.master = self.master_home.make_master(self.local, param_dtype, device)
         value_of = value_of or (lambda name, p: p.detach())
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(self.names, self.params)):
@@ -296,12 +286,25 @@ class FlatParam:
         else:
             self.grad_shard += shard_grad
 
-    def host_grad_shard(self) -> torch.Tensor:
-        """Offload: the host buffer the fp32 gradient shard is copied into for the optimizer
-        (allocated once)."""
-        if self.host_grad is None:
-            self.host_grad = host.host_zeros(self.shard_numel, torch.float32, self.local.device)
-        return self.host_grad
+    @property
+    def offload(self) -> bool:
+        """ZeRO-Offload: the fp32 master shard (and the optimizer state) on the host."""
+        return self.master_home.on_host
+
+    @property
+    def host_grad(self) -> torch.Tensor | None:
+        """Offload: the fp32 gradient shard on the host (once the first step allocated it)."""
+        return self.master_home.grad
+
+    @property
+    def host_staging(self) -> torch.Tensor | None:
+        """Offload on an accelerator: the cast shard before its copy to the device."""
+        return self.master_home.staging
+
+    def master_grad_buffer(self) -> torch.Tensor | None:
+        """Where the optimizer reads this shard's gradient (offload: a host buffer, allocated once;
+        None: the device gradient itself)."""
+        return self.master_home.grad_buffer(self.shard_numel, self.local.device)
 
     def write_back(self) -> None:
         """Copy the updated fp32 master shard into the compute-dtype shard (if they differ;
@@ -311,18 +314,7 @@ class FlatParam:
         if self.master is self.local:
             return
         with torch.no_grad():
-            if self.offload:
-                if (
-                    self.host_staging is None
-                    and self.param_dtype != torch.float32
-                    and host.is_accelerator(self.local.device)
-                ):
-                    self.host_staging = host.host_zeros(
-                        self.shard_numel, self.param_dtype, self.local.device
-                    )
-                host.copy_to_device(self.local, self.master, self.host_staging)
-            else:
-                self.local.copy_(self.master)
+            self.master_home.write_back(self.local, self.master)
 
     def gather_params(self):
         """ZeRO-1/2 after the step: all-gather the updated shards in place; returns the work."""

@@ -2,9 +2,11 @@
 optimizer state live in host memory and the optimizer step runs there; each step the gradient shard
 travels to the host and the updated shard back to the device.
 
-This module owns the host side's buffers and copies, device-agnostic: on an accelerator the host
-buffers are pinned and the copies asynchronous (one wait on the device before the host reads what
-arrived); on the CPU the same code runs against host buffers of their own (never aliasing the
+This module owns the two master policies a `FlatParam` is built with (`MasterOnDevice`, and
+ZeRO-Offload's `MasterOnHost`) and the host side's buffers and copies, device-agnostic: on an
+accelerator the host buffers are pinned and the copies asynchronous (one wait on the device before
+the host reads what arrived); on the CPU the same code runs against host buffers of their own (never
+aliasing the
 compute shard), so CI exercises the whole path. The norm, clipping and every collective stay on the
 device (`ShardedOptimizer`); only the elementwise update moves.
 """
@@ -55,3 +57,63 @@ def copy_to_device(
         staging.copy_(host)
         host = staging
     dst.copy_(host, non_blocking=is_accelerator(dst.device))
+
+
+# -- where a flat buffer's fp32 master shard lives: the policies `FlatParam` is built with ---------
+
+
+class MasterOnDevice:
+    """The fp32 master shard beside the compute shard (the default): the shard itself for an fp32
+    model, an fp32 copy otherwise; gradients are used where they are and the update is copied into
+    the compute shard on the device."""
+
+    on_host = False
+    grad: torch.Tensor | None = None  # (no host gradient buffer)
+    staging: torch.Tensor | None = None  # (no host staging buffer)
+
+    def make_master(
+        self, local: torch.Tensor, param_dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        if param_dtype == torch.float32:
+            return local
+        return torch.zeros(local.numel(), dtype=torch.float32, device=device)
+
+    def grad_buffer(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        """Where the optimizer reads the master's gradient (None: the device gradient itself)."""
+        return None
+
+    def write_back(self, local: torch.Tensor, master: torch.Tensor) -> None:
+        local.copy_(master)
+
+
+class MasterOnHost:
+    """ZeRO-Offload: the fp32 master shard (and so the optimizer state) in host memory. The
+    gradient shard is copied into a host buffer of its own for the step; the update travels back,
+    cast on the host first on an accelerator (a staging buffer in the compute dtype), so only
+    compute-dtype bytes cross the bus. One instance per flat buffer: it owns that flat's host
+    buffers, each allocated once."""
+
+    on_host = True
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None  # the fp32 gradient shard on the host
+        self.staging: torch.Tensor | None = None  # the cast shard before its copy (accelerator)
+
+    def make_master(
+        self, local: torch.Tensor, param_dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        # a host buffer of its own whatever the dtype (never aliasing the compute shard)
+        return host_zeros(local.numel(), torch.float32, device)
+
+    def grad_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = host_zeros(numel, torch.float32, device)
+        return self.grad
+
+    def write_back(self, local: torch.Tensor, master: torch.Tensor) -> None:
+        if self.staging is None and local.dtype != torch.float32 and is_accelerator(local.device):
+            self.staging = host_zeros(local.numel(), local.dtype, local.device)
+        copy_to_device(local, master, self.staging)
+
+
+MasterHome = MasterOnDevice | MasterOnHost

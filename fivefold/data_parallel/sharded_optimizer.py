@@ -208,8 +208,9 @@ class ShardedOptimizer:
                 g = g.float() if g.dtype != torch.float32 else g
                 if inv_scale != 1.0:
                     g.mul_(inv_scale)
-                if f.offload:
-                    mp.grad = f.host_grad_shard()[a:b]
+                buffer = f.master_grad_buffer()  # offload: the host's copy
+                if buffer is not None:
+                    mp.grad = buffer[a:b]
                     self._to_host.append((mp.grad, g))
                 else:
                     mp.grad = g

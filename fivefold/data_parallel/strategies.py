@@ -31,6 +31,7 @@ from fivefold import formulas
 from fivefold.data_parallel.buckets import BucketStrategy, GradBucket, assign_buckets
 from fivefold.data_parallel.flat_param import FlatParam, GroupOf, ValueOf
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
+from fivefold.data_parallel.offload import MasterHome
 from fivefold.data_parallel.policies import FreshBuffers
 from fivefold.data_parallel.transports import Collective, GradTransport
 from fivefold.distributed.comm import Comm
@@ -58,7 +59,9 @@ class FlatSpec:
     group_of: GroupOf
     param_dtype: torch.dtype
     value_of: ValueOf
-    offload: bool  # ZeRO-Offload: the fp32 master shard on the host
+    # where each flat's fp32 master lives: `offload.MasterOnDevice`, or ZeRO-Offload's
+    # `MasterOnHost` (a class: one instance per flat, holding its host buffers)
+    master_home: type[MasterHome]
 
 
 # -- ZeRO-3's gathers (docs/design.md#zero-qwz-qgz-hpz), run by `FlatParam._start_gather` -----
@@ -176,7 +179,7 @@ class Stage(BucketStrategy):
                 param_dtype=spec.param_dtype,
                 sharded=self.sharded,
                 value_of=spec.value_of,
-                offload=spec.offload,
+                master_home=spec.master_home(),
             )
             for i, g in enumerate(groups)
         ]
@@ -588,7 +591,7 @@ def _build_units(
             sharded=True,
             reshard=True,
             value_of=spec.value_of,
-            offload=spec.offload,
+            master_home=spec.master_home(),
             quant_block=gather.quant_block,
             secondary=gather.secondary,
         )

@@ -11,8 +11,9 @@ An engine is built from one `options.ZeroOptions` (or the same keywords) and com
   `ReplicaAllReduce` (docs/design.md#hsdp) or replaced by qgZ's `Int8AllToAll`
   (docs/design.md#zero-qwz-qgz-hpz));
 - ZeRO-3's gather (`strategies.PlainGather`, qwZ's `Int8Gather`, hpZ's `SecondaryGather`);
-- the buffer policy (`policies.FreshBuffers` or ZeRO-R's `ConstantBuffers`) and the offload of the
-  optimizer (`offload`, `FlatParam`'s host master; docs/design.md#offload-and-constant-buffers).
+- the buffer policy (`policies.FreshBuffers` or ZeRO-R's `ConstantBuffers`) and the master policy
+  (`offload.MasterOnDevice` or ZeRO-Offload's `MasterOnHost`: where each flat's fp32 master and so
+  the optimizer step live; docs/design.md#offload-and-constant-buffers).
 
 This module owns what every stage shares: the parameters it owns, their materialisation from the
 meta device and broadcast, the optimizer groups, the buckets and reducer, the sharded optimizer,
@@ -34,6 +35,7 @@ from fivefold.data_parallel.ddp import broadcast_module_state
 from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.fsdp import FSDPHooks
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from fivefold.data_parallel.offload import MasterOnDevice, MasterOnHost
 from fivefold.data_parallel.options import ZeroOptions, check_options, default_no_decay
 from fivefold.data_parallel.policies import ConstantBuffers, FreshBuffers
 from fivefold.data_parallel.quantize import dequantize_sum
@@ -196,7 +198,8 @@ class ZeroDataParallel(nn.Module):
             for _, p in named:
                 p.register_hook(lambda g, factor=factor: g * factor)
 
-        spec = FlatSpec(comm, group_of, self.mp.param_dtype, self._value_of, o.offload_optimizer)
+        master_home = MasterOnHost if o.offload_optimizer else MasterOnDevice  # the policy
+        spec = FlatSpec(comm, group_of, self.mp.param_dtype, self._value_of, master_home)
         self.flats: list[FlatParam] = self.strategy.build_flats(
             module,
             named,
