@@ -2,7 +2,8 @@
 
 Model FLOPs per token by PaLM's convention, counted by hand from the shapes for two presets; the CPU
 peak probe the trainer divides by (positive, bounded, cached; marked `multiprocess` because
-`platform.processor()` runs `uname`) and accelerator peaks from the table or an override."""
+`platform.processor()` runs `uname`) and accelerator peaks from the table or an override: a
+table key matches whole words of a device's name, an unknown device gives MFU None, never an error."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ def test_cpu_peak_probe_is_positive_bounded_and_cached(tmp_path, monkeypatch):
 def test_accelerator_peaks_come_from_the_table_or_an_override():
     assert peak.DEVICE_PEAKS["H100"] == (989.0, 494.5)
     assert peak.device_peak_flops(torch.device("meta"), torch.bfloat16, override_tflops=312.0) == 312e12
+
+
+@pytest.mark.parametrize(
+    "name, half_tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA GeForce RTX 4090", 165.0),
+        ("AMD Instinct MI300X", 1307.0),
+        # not in the table: MFU is n/a, never an error, and never a neighbour's figure
+        ("NVIDIA L40", None),
+        ("NVIDIA B200", None),
+        ("NVIDIA GB200", None),
+        ("NVIDIA H20", None),
+        ("NVIDIA A1000", None),
+    ],
+)
+def test_device_names_match_whole_words_of_the_table(name, half_tflops):
+    got = peak.table_peak(name, torch.bfloat16)
+    assert got == (None if half_tflops is None else half_tflops * 1e12)
+
+
+def test_an_unknown_peak_gives_no_mfu():
+    from fivefold.train.metrics import Throughput
+
+    assert Throughput(1024, 6e6, None, 8).mfu(0.5) is None
+    assert Throughput(1024, 6e6, 1e12, 1).mfu(1.0) == pytest.approx(1024 * 6e6 / 1e12)

@@ -8,17 +8,19 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["DEVICE_PEAKS", "cpu_peak_flops", "device_peak_flops"]
+__all__ = ["DEVICE_PEAKS", "cpu_peak_flops", "device_peak_flops", "table_peak"]
 
 # Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the
 # device has them and fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts;
-# PCIe ones are lower: set the override). Looked up in this order, a name's first fragment wins
-# ("A100" before "A10", "L40S" before "L4"); H200 and H800 compute as an H100, A800 as an A100.
+# PCIe ones are lower: set the override). A key matches whole words of the device's name
+# ("NVIDIA L40S", "NVIDIA A100-SXM4-80GB": words split at spaces and hyphens), so "L4" is not an
+# L40 nor "A10" an A100; H200 and H800 compute as an H100, A800 as an A100.
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
     **dict.fromkeys(("H200", "H100", "H800"), (989.0, 494.5)),
     **dict.fromkeys(("A100", "A800"), (312.0, 156.0)),
@@ -36,24 +38,33 @@ _CACHE = (
 )
 
 
+def _words(name: str) -> list[str]:
+    return re.split(r"[\s\-_]+", name.strip().upper())
+
+
+def table_peak(name: str, dtype: torch.dtype) -> float | None:
+    """The table's dense peak FLOP/s for a device called `name` in `dtype` (None: not in it): the
+    key whose words appear in the name in a row."""
+    words = _words(name)
+    for key, (half, single) in DEVICE_PEAKS.items():
+        k = _words(key)
+        if any(words[i : i + len(k)] == k for i in range(len(words) - len(k) + 1)):
+            return (single if dtype == torch.float32 else half) * 1e12
+    return None
+
+
 def device_peak_flops(
     device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0
-) -> float:
+) -> float | None:
     """Peak FLOP/s of one `device` in `dtype`: ``override_tflops`` if set; on the CPU
-    `cpu_peak_flops`; on an accelerator the table's entry for its name, or a ValueError saying to
-    set ``run.peak_tflops``."""
+    `cpu_peak_flops`; on an accelerator the table's entry for its name (`table_peak`), or None for
+    a device the table does not know: MFU is then "n/a", never an error (set
+    ``run.peak_tflops``)."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type == "cpu":
         return cpu_peak_flops(torch.get_num_threads(), dtype)
-    props = getattr(torch, device.type).get_device_properties(device)
-    for fragment, (half, single) in DEVICE_PEAKS.items():
-        if fragment in props.name:
-            return (single if dtype == torch.float32 else half) * 1e12
-    raise ValueError(
-        f"no known peak for the {device.type} device {props.name!r}: set run.peak_tflops to its "
-        f"dense {dtype} TFLOP/s (the data sheet's, without sparsity)"
-    )
+    return table_peak(getattr(torch, device.type).get_device_properties(device).name, dtype)
 
 
 def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:

@@ -396,7 +396,7 @@ class Throughput:
 
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: float  # the devices' peak summed over the world
+    peak_flops: float | None  # the devices' peak summed over the world (None: unknown)
     world: int
 
     def tokens_per_s(self, step_s: float) -> float:
@@ -405,7 +405,10 @@ class Throughput:
     def tflops_per_device(self, step_s: float) -> float:
         return self.tokens_per_step * self.flops_per_token / step_s / self.world / 1e12
 
-    def mfu(self, step_s: float) -> float:
+    def mfu(self, step_s: float) -> float | None:
+        """None where a device's peak is unknown (`observe.peak.device_peak_flops`)."""
+        if self.peak_flops is None:
+            return None
         return self.tokens_per_step * self.flops_per_token / step_s / self.peak_flops
 
 
@@ -486,7 +489,7 @@ class RunRecordLog(TrainObserver):
             loss=f"{r.loss_value:.3f}",
             tok_s=f"{tp.tokens_per_s(dt):,.0f}",
             step_ms=f"{dt * 1e3:.0f}",
-            mfu=f"{tp.mfu(dt):.1%}",
+            mfu="n/a" if (mfu := tp.mfu(dt)) is None else f"{mfu:.1%}",
             state_MB=f"{r.model_state_mb:.1f}",
         )
 

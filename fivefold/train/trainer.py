@@ -253,10 +253,17 @@ class Trainer:
         12·n_layers·L·D, against every rank's device peak."""
         cfg, m, world = self.cfg, self.model_cfg, dist.get_world_size()
         param_dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
+        peak = device_peak_flops(self.device, param_dtype, cfg.run.peak_tflops)
+        self.peak_note = (  # said at start-up; the run goes on without MFU
+            None
+            if peak is not None
+            else f"MFU n/a: no known peak FLOP/s for this {self.device.type} device; set "
+            "run.peak_tflops to its dense TFLOP/s in the compute dtype (the data sheet's)"
+        )
         return Throughput(
             cfg.train.global_batch * cfg.train.seq_len,
             model_flops_per_token(active_params, m.n_layers, cfg.train.seq_len, m.dim),
-            device_peak_flops(self.device, param_dtype, cfg.run.peak_tflops) * world,
+            None if peak is None else peak * world,
             world,
         )
 
@@ -317,7 +324,7 @@ class Trainer:
             self.dp,
             self.start,
             self.plan.resume_from,
-            tuple(self.plan.notes),
+            (*self.plan.notes, *([self.peak_note] if self.peak_note else [])),
             self.model.describe_layout(),
             str(self.data),
         )
