@@ -69,6 +69,13 @@ def write_back(flats: Iterable[FlatParam]) -> None:
         w.wait()
 
 
+def _fused_on(device: torch.device) -> bool:
+    """Whether torch has fused optimizer kernels for this device type."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return device.type in _get_fused_kernels_supported_devices()
+
+
 class ShardedOptimizer:
     """An inner torch optimizer over the fp32 master shards of a list of `FlatParam`s."""
 
@@ -161,7 +168,11 @@ class ShardedOptimizer:
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
             inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
-        if comm.device.type != "cpu" and "foreach" in inspect.signature(optimizer_class).parameters:
+        accepts = inspect.signature(optimizer_class).parameters
+        if comm.device.type != "cpu" and "fused" in accepts and _fused_on(comm.device):
+            # one fused kernel per group, which can also skip a step on the device (`found_inf`)
+            defaults.setdefault("fused", not defaults.get("foreach", False))
+        elif comm.device.type != "cpu" and "foreach" in accepts:
             # one multi-tensor kernel per group over all shard segments, not one launch per segment
             # (torch picks it only for CUDA tensors it recognises); the CPU keeps the per-tensor
             # loop the reference runs
@@ -273,13 +284,35 @@ class ShardedOptimizer:
                 self._grad_shards_from_params()
             self._grads = self._master_grads()
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a step can be skipped on the device, from a flag the host never reads: the inner
+        optimizer is fused (its kernels take ``found_inf``), no loss scaler (its scale is updated
+        on the host) and the masters live on the device (offload's host optimizer would need the
+        flag on the host)."""
+        return (
+            bool(self.optimizer.defaults.get("fused"))
+            and self.loss_scaler is None
+            and all(mp.device == self.comm.device for f in self.flats for mp in f.master_params)
+        )
+
     @torch.no_grad()
     def apply_step(
-        self, norm: torch.Tensor | None, max_norm: float | None = None, found_inf: bool = False
+        self,
+        norm: torch.Tensor | None,
+        max_norm: float | None = None,
+        found_inf: bool | torch.Tensor = False,
     ) -> None:
         """Skip (`found_inf`, agreed by every rank: a loss scaler saw a non-finite norm) or clip to
         `max_norm` by the global `norm` (on the device, as torch's clip_grad_norm_) and step; write
-        back, all-gather."""
+        back, all-gather. A `found_inf` tensor (`NonFiniteWatch`, when `skips_on_device`) is
+        handed to the fused kernels, which skip the update on the device when it is 1."""
+        if isinstance(found_inf, torch.Tensor):
+            self.optimizer.found_inf = found_inf  # read by torch's fused step (GradScaler's way)
+            try:
+                return self.apply_step(norm, max_norm, False)
+            finally:
+                self.optimizer.found_inf = None
         self._prepare_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)

@@ -26,7 +26,7 @@ from fivefold.models.moe import MoEFeedForward
 from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.observe.memory import model_state_bytes
-from fivefold.optim.clip import step_together
+from fivefold.optim.clip import NonFiniteWatch, step_together
 from fivefold.pipeline.actions import Schedule
 from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
@@ -309,6 +309,7 @@ class _Parts:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.loss_comm = _grad_comm(mesh)
         self.layout = _layout(cfg, mesh)
+        self.finite_watch = NonFiniteWatch()
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole sequences [B, L] on the device: its layout's positions under
@@ -341,6 +342,7 @@ class _Parts:
             comms,
             check_finite,
             self.mesh.world if check_finite else None,
+            self.finite_watch,
         )
 
     def gather_timeline(self) -> None:
