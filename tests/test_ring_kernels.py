@@ -221,3 +221,32 @@ def test_the_config_choice_reaches_every_ring_core():
                                    max_seq_len=32, vocab_size=32), seed=0)
     apply_context_parallel(model, _NoWire(0, 2), SequenceLayout("zigzag", 2), 16, LLAMA_CP_PLAN, kernel="math")
     assert [layer.attention.core.kernel for layer in model.layers] == ["math", "math"]
+
+
+# -- the benchmark's emulation (bench/context_parallel.py: bench_cp_kernels) ----------------------------
+@pytest.mark.parametrize("rank", [0, 2])
+def test_one_rank_emulated_by_blocks_computes_its_rows_of_full_attention(rank):
+    """`_LocalRing` hands rank r the K/V shards the ring would: its output and dQ are full attention's rows at
+    its positions (its dK/dV are not: the other ranks' parts never arrive)."""
+    from bench.context_parallel import _LocalRing
+
+    layout, hq, hkv = SequenceLayout("zigzag", 3), 4, 2
+    q, k, v, grad = _inputs(1, hq, hkv, 48, 8)
+    shards = [torch.stack([layout.shard(t, r, dim=2) for t in (k, v)]) for r in range(3)]
+    q_r = layout.shard(q, rank, dim=2).requires_grad_()
+    out = ring_attention(q_r, shards[rank][0], shards[rank][1], _LocalRing(rank, 3, shards), layout, True, "math")
+    out.backward(layout.shard(grad, rank, dim=2))
+    q2 = q.clone().requires_grad_()
+    ref = F.scaled_dot_product_attention(q2, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    ref.backward(grad)
+    assert_values_close(out.detach(), layout.shard(ref.detach(), rank, dim=2), 48, "emulated rank out")
+    assert_values_close(q_r.grad, layout.shard(q2.grad, rank, dim=2), 48 * 2, "emulated rank dq")
+
+
+def test_the_kernel_bench_runs_at_a_small_size(capsys):
+    from bench import run as bench_run
+
+    assert bench_run.main(["cp-kernel", "--dry-run", "--seq-len", "64", "--heads", "2", "--kv-heads", "1",
+                           "--head-dim", "8", "--cp", "2", "--steps", "1", "--warmup", "0", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| flash     | cpu_flash" in out and "| math      | math" in out and "64 tokens on cpu" in out
