@@ -308,40 +308,52 @@ def bench_cp_kernels(spec: CPKernelSpec | None = None, **overrides: Any) -> dict
     q_r, grad_r = (layout.shard(t, spec.rank, dim=2) for t in (q, grad))
     chunk = spec.seq_len // (2 * spec.cp)
     fwd_flops = 4 * spec.batch * spec.heads * spec.head_dim * _block_area(layout, spec.rank, chunk)
-    rows, outputs = [], {}
-    for choice in spec.kernels:
-        kernel = choose_kernel(choice, device.type, dtype, spec.head_dim)
-        fwd_s, bwd_s, peak = [], [], None
-        for i in range(spec.warmup + spec.steps):
-            qq = q_r.clone().requires_grad_()
-            kk, vv = (shards[spec.rank][j].clone().requires_grad_() for j in (0, 1))
-            comm = _LocalRing(spec.rank, spec.cp, shards)
-            if device.type != "cpu" and i == spec.warmup:
-                torch.accelerator.reset_peak_memory_stats(device)
-                base = torch.accelerator.memory_allocated(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = ring_attention(qq, kk, vv, comm, layout, True, kernel)
-            _sync(device)
-            t1 = time.perf_counter()
-            out.backward(grad_r)
-            _sync(device)
-            t2 = time.perf_counter()
-            if i == spec.warmup and device.type != "cpu":
-                peak = torch.accelerator.max_memory_allocated(device) - base
+    accelerator = device.type != "cpu"
+
+    def one_step(kernel: str, measure_peak: bool) -> tuple[float, float, int | None, tuple]:
+        qq = q_r.clone().requires_grad_()
+        kk, vv = (shards[spec.rank][j].clone().requires_grad_() for j in (0, 1))
+        comm = _LocalRing(spec.rank, spec.cp, shards)
+        if measure_peak:
+            torch.accelerator.reset_peak_memory_stats(device)
+            base = torch.accelerator.memory_allocated(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = ring_attention(qq, kk, vv, comm, layout, True, kernel)
+        _sync(device)
+        t1 = time.perf_counter()
+        out.backward(grad_r)
+        _sync(device)
+        t2 = time.perf_counter()
+        peak = torch.accelerator.max_memory_allocated(device) - base if measure_peak else None
+        return t1 - t0, t2 - t1, peak, (out.detach().float(), qq.grad.float())
+
+    # Alternating rounds (A B, B A, ...) so that drift and noise hit every kernel alike.
+    chosen = {c: choose_kernel(c, device.type, dtype, spec.head_dim) for c in spec.kernels}
+    times: dict[str, list[tuple[float, float]]] = {c: [] for c in spec.kernels}
+    peaks: dict[str, int | None] = {c: None for c in spec.kernels}
+    outputs: dict[str, tuple] = {}
+    for i in range(spec.warmup + spec.steps):
+        for choice in spec.kernels if i % 2 == 0 else reversed(spec.kernels):
+            fwd, bwd, peak, outputs[choice] = one_step(chosen[choice], accelerator and i == spec.warmup)
+            if peak is not None:
+                peaks[choice] = peak
             if i >= spec.warmup:
-                fwd_s.append(t1 - t0)
-                bwd_s.append(t2 - t1)
-        outputs[choice] = (out.detach().float(), qq.grad.float())
-        fwd, bwd = statistics.median(fwd_s), statistics.median(bwd_s)
-        rows.append(dict(choice=choice, kernel=kernel, forward_s=fwd, backward_s=bwd, step_s=fwd + bwd,
-                         tflops=3.5 * fwd_flops / (fwd + bwd) / 1e12, peak_bytes=peak))
+                times[choice].append((fwd, bwd))
+    rows = []
+    for choice in spec.kernels:
+        fwd = statistics.median([f for f, _ in times[choice]])
+        bwd = statistics.median([b for _, b in times[choice]])
+        rows.append(dict(choice=choice, kernel=chosen[choice], forward_s=fwd, backward_s=bwd, step_s=fwd + bwd,
+                         tflops=3.5 * fwd_flops / (fwd + bwd) / 1e12, peak_bytes=peaks[choice]))
     ref = "math" if "math" in outputs else spec.kernels[0]
     for row in rows:
         out, dq = outputs[row["choice"]]
         row["max_abs_diff_out"] = float((out - outputs[ref][0]).abs().max())
         row["max_abs_diff_dq"] = float((dq - outputs[ref][1]).abs().max())
         row["step_ratio"] = row["step_s"] / next(r["step_s"] for r in rows if r["choice"] == ref)
+        row["step_ratio_paired"] = statistics.median(
+            [(f + b) / (fr + br) for (f, b), (fr, br) in zip(times[row["choice"]], times[ref])])
     return dict(kind="cp-kernel", spec=asdict(spec), device=str(device), reference=ref,
                 scale=dict(out=float(outputs[ref][0].abs().max()), dq=float(outputs[ref][1].abs().max())),
                 rows=rows)
@@ -351,17 +363,17 @@ def format_cp_kernel_table(results: dict) -> str:
     """One row per kernel choice: forward, backward, ratio to the reference, TFLOP/s, peak memory,
     the largest differences from the reference."""
     s, ref = results["spec"], results["reference"]
-    head = ("cp_kernel", "block kernel", "forward ms", "backward ms", f"step / {ref}", "attention TFLOP/s",
+    head = ("cp_kernel", "block kernel", "forward ms", "backward ms", f"step / {ref} (paired)", "attention TFLOP/s",
             "peak MiB", f"max |Δ out| vs {ref}", f"max |Δ dQ| vs {ref}")
     rows = [head] + [(r["choice"], r["kernel"], f"{1e3 * r['forward_s']:.2f}", f"{1e3 * r['backward_s']:.2f}",
-                      f"{r['step_ratio']:.3f}", f"{r['tflops']:.3g}",
+                      f"{r['step_ratio']:.3f} ({r['step_ratio_paired']:.3f})", f"{r['tflops']:.3g}",
                       "n/a (CPU)" if r["peak_bytes"] is None else mib(r["peak_bytes"]),
                       f"{r['max_abs_diff_out']:.2e}", f"{r['max_abs_diff_dq']:.2e}") for r in results["rows"]]
     out = markdown_table(rows)
     out.append(f"one cp rank ({s['rank']} of {s['cp']}, zig-zag) of ring attention at {s['seq_len']} tokens on "
                f"{results['device']}, cp emulated by blocks (the ring's K/V handed over in memory); B={s['batch']}, "
                f"{s['heads']}/{s['kv_heads']} heads of {s['head_dim']}, {s['dtype']}; median of {s['steps']} steps "
-               f"(+{s['warmup']} warmup); TFLOP/s = 3.5 × 4·B·H·d·(causal block area) / (forward + backward); "
+               f"(+{s['warmup']} warmup) per kernel in alternating rounds; paired: the median of each round's ratio; TFLOP/s = 3.5 × 4·B·H·d·(causal block area) / (forward + backward); "
                f"peak: memory allocated above the inputs during one forward + backward; |out| ≤ "
                f"{results['scale']['out']:.2f}, |dQ| ≤ {results['scale']['dq']:.2f} ({ref})")
     return "\n".join(out)
