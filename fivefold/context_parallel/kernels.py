@@ -17,7 +17,7 @@ dk, dv [B, H_kv, Lk, d], fp32.
   backward; inputs stay in their dtype (bf16 / fp16 in), the results are widened to fp32 for the
   merge. The op pair is a strategy (`SdpaOps`): `CpuFlashOps` (CPU flash attention),
   `CudaFlashOps` (FlashAttention-2: fp16 / bf16, head dim a multiple of 8 up to 256) and
-  `CudaEfficientOps` (memory-efficient attention, where flash cannot run: fp32, other head dims).
+  `CudaEfficientOps` (memory-efficient attention where flash cannot run: fp32, other head dims).
   An op without GQA of its own (CPU flash, efficient) gets each block's kv heads expanded for the
   call, and dk / dv summed back per kv head; CUDA flash takes the kv heads as they are and sums
   their gradients itself.
@@ -187,8 +187,9 @@ class CudaFlashOps:
 
 class CudaEfficientOps:
     """aten._scaled_dot_product_efficient_attention and its backward (memory-efficient attention):
-    fp32 too, any head dim; equal head counts. Its log-sum-exp has a row per query padded to a
-    multiple of 32; the merge reads the first Lq, the backward gets the final one padded alike."""
+    fp32 too, and head dims flash refuses (within this kernel's own limits); equal head counts. Its
+    log-sum-exp has a row per query padded to a multiple of 32; the merge reads the first Lq, the
+    backward gets the final one padded alike."""
 
     native_gqa = False
 
