@@ -278,7 +278,12 @@ def _engines(
     module.init_buffers()
     if mesh.size("cp") > 1:
         apply_context_parallel(
-            module, mesh.comm("cp"), _layout(cfg, mesh), cfg.train.seq_len, LLAMA_CP_PLAN
+            module,
+            mesh.comm("cp"),
+            _layout(cfg, mesh),
+            cfg.train.seq_len,
+            LLAMA_CP_PLAN,
+            kernel=cfg.parallel.cp_kernel,
         )
     return engines
 
