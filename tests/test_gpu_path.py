@@ -13,7 +13,7 @@
    synchronize): an unlogged step makes none, a log step one (the loss, the norm and the count of
    skipped non-finite steps, `NonFiniteWatch`, in one copy), a traced step one more (its events), the first step also
    the global norm's index vectors. The optimizer is torch's fused AdamW, which skips a non-finite
-   step on the device. (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch
+   step on the device; ring attention runs CUDA's fused flash blocks (both have meta kernels). (`FakeTensorMode` with ``device="cuda"`` was the first choice; on a CPU-only torch
    build it cannot copy into a fake CUDA tensor — "PyTorch is not linked with support for cuda
    devices" — so `meta` stands in.)
 2. Device rules (`launch.resolve_device`) with the accelerator API faked: one device per local rank,
@@ -109,6 +109,9 @@ def _dry_run(name: str, rank: int) -> dict:
     fused_devices = foreach_utils._get_fused_kernels_supported_devices() + ["meta"]
     foreach_utils._get_fused_kernels_supported_devices = lambda: fused_devices
     sys.modules["torch.optim.optimizer"]._get_fused_kernels_supported_devices = lambda: fused_devices
+
+    from fivefold.context_parallel import kernels
+    kernels.FUSED["meta"] = kernels.FUSED["cuda"]  # and ring attention's fused CUDA block kernels
 
     world, dims, o = LAYOUTS[name]
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
