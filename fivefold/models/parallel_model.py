@@ -64,7 +64,6 @@ class ParallelModel(Protocol):
         when the trainer next reads ``finite_watch``."""
         ...
 
-
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's mean loss over the data-parallel ranks (and pp's last stage), 0-d on the
         device."""
