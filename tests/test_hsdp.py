@@ -456,9 +456,10 @@ WAIT_CONFIGS = {  # name: (stage, micro-batches, constant buffers)
 }
 
 
-def _record_waits(stage: int, micro: int, constant: bool, monkeypatch) -> tuple[list[list[tuple]], list[str]]:
-    """Every collective's issue and wait, per backward, and every misuse seen: a pooled buffer handed out, or a
-    reduced shard added to the gradient, while a collective on its storage was not waited yet."""
+def _record_waits(stage: int, micro: int, constant: bool, monkeypatch) -> tuple[list[list[tuple]], list[str], list]:
+    """Every collective's issue and wait, per backward; every misuse seen: a pooled buffer handed out, or a reduced
+    shard added to the gradient, while a collective on its storage was not waited yet; and the bytes of the shard
+    outputs alive when a later micro-step's are first added, beside the stage's `transient_bytes` for them."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fivefold.data_parallel import ZeroDataParallel
@@ -513,9 +514,17 @@ def _record_waits(stage: int, micro: int, constant: bool, monkeypatch) -> tuple[
             misuse.append(f"a pooled buffer handed out while a collective on it runs: {events[-3:]}")
         return view
 
+    held: list[tuple[int, int]] = []  # (shard outputs alive, the formula's) when a later micro-step's are added
+
     def checked_accumulate(self, shard):
         if in_flight(shard) or (self.grad_shard is not None and in_flight(self.grad_shard)):
             misuse.append(f"flat {self.index}: a shard read before its collective was waited")
+        strategy = model.strategy
+        if stage >= 2 and not events_seen_accumulate and all(f.grad_shard is not None for f in strategy.flats):
+            events_seen_accumulate.append(True)  # the first addition of a later micro-step: every output alive
+            alive = {id(b.out): b.out.numel() * b.out.element_size() for b in strategy.buckets if b.out is not None}
+            want = strategy.transient_bytes(param_bytes=4, grad_bytes=4, accumulating=False, reductions=micro)
+            held.append((sum(alive.values()), want["reduce-scatter outputs"]))
         return accumulate(self, shard)
     monkeypatch.setattr(BufferPool, "acquire", checked_acquire)
     monkeypatch.setattr(FlatParam, "accumulate_grad", checked_accumulate)
@@ -526,15 +535,16 @@ def _record_waits(stage: int, micro: int, constant: bool, monkeypatch) -> tuple[
         model = ZeroDataParallel(build_toy(), mesh.comm("dp_shard"), replicate=mesh.comm("dp_replicate"),
                                  zero_stage=stage, bucket_mb=SMALL_BUCKET_MB, units=[nn.Linear], lr=LR,
                                  constant_buffers=constant)
-        backwards = []
+        backwards, events_seen_accumulate = [], []
         for step in range(2):  # the second: the optimizer state exists, pools are warm
             x, y = toy_batch(step, batch=4)
             for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
                 events.clear()
+                events_seen_accumulate.clear()
                 model.backward(lm_loss(model(xm), ym) / micro)
                 backwards.append(list(events))
             model.step()
-        return backwards, misuse
+        return backwards, misuse, held
     finally:
         dist.destroy_process_group()
 
@@ -544,8 +554,11 @@ def test_replica_all_reduces_are_waited_at_the_end_of_backward(name, monkeypatch
     """FSDP2's order: every bucket's reduce-scatter issued, and its all-reduce started, before any replica
     all-reduce is waited (none waited when the next bucket is issued, nor by the in-flight bound); every one
     waited before backward returns; no buffer reused or read while its collective runs."""
-    backwards, misuse = _record_waits(*WAIT_CONFIGS[name], monkeypatch)
+    backwards, misuse, held = _record_waits(*WAIT_CONFIGS[name], monkeypatch)
     assert not misuse, misuse[:3]
+    stage, micro, _ = WAIT_CONFIGS[name]
+    if stage >= 2 and micro > 1:  # every bucket's shard output alive at the end of backward: the formula exactly
+        assert len(held) == 2 and all(got == want > 0 for got, want in held), held
     for events in backwards:
         issued_rs = [i for i, e in enumerate(events) if e[:3] == ("issue", "reduce_scatter", "dp_shard")]
         issued_ar = [i for i, e in enumerate(events) if e[:3] == ("issue", "all_reduce", "dp_replicate")]
