@@ -628,4 +628,18 @@ def parallelize(
     """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`: a
     `WholeModel` (pp = 1) or a `PipelinedModel`."""
     device = torch.device(device)
+    _groups_of_the_layout(cfg, model_cfg, mesh, device)
     return (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)
+
+
+def _groups_of_the_layout(
+    cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
+) -> None:
+    """The groups only some layouts use (hpZ's, the expert all-to-alls' backward twin), made here on
+    every rank, before any stage is built: making a group is a collective every rank joins (NCCL
+    splits the world's communicator), so it must not wait for the ranks whose stage needs it."""
+    if cfg.zero.hpz > 1:
+        mesh.hpz_comm(cfg.zero.hpz)
+    if model_cfg.moe is not None and mesh.size("pp") > 1 and mesh.size("ep") > 1:
+        if pipeline_overlap(cfg, model_cfg.moe, mesh.size, device.type)[0]:
+            mesh.backward_comm("ep")
