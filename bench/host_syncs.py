@@ -48,17 +48,18 @@ def meta_as_cuda() -> None:
     kernels.FUSED["meta"] = kernels.FUSED["cuda"]
 
 
-def build_rank(name: str, overrides: dict[str, Any] | None = None, log_every: int = 1):
-    """(config, mesh, parallel model) of this rank of layout `name` on meta; the fake process group
-    is initialised. A tiny Llama, 4 micro-batches of 8 tokens."""
+def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, device: str = "meta",
+               model: Any = None, seq: int = SEQ, micro_batches: int = MICRO_BATCHES):
+    """(config, mesh, parallel model) of this rank of a layout (``LAYOUTS``' mesh dims and config)
+    on `device` (meta: the fake process group is initialised); by default a tiny Llama, 4
+    micro-batches of 8 tokens. ``o`` may also name ``param`` / ``reduce`` precisions and
+    ``compile``."""
     from fivefold.config import Config
     from fivefold.distributed.comm import CommLog
     from fivefold.distributed.mesh import ParallelDims, ParallelMesh
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 
-    _, dims, o = LAYOUTS[name] if name in LAYOUTS else (None, overrides["dims"], overrides)
-    o = {**o, **(overrides or {})}
     cfg = Config()
     cfg.zero.stage, cfg.zero.bucket_mb = o["zero"], 0.01
     cfg.parallel.tp, cfg.parallel.pp = o.get("tp", 1), o.get("pp", 1)
@@ -67,34 +68,47 @@ def build_rank(name: str, overrides: dict[str, Any] | None = None, log_every: in
     cfg.zero.qwz, cfg.zero.qgz, cfg.zero.hpz = o.get("qwz", False), o.get("qgz", False), o.get("hpz", 0)
     cfg.pipeline.schedule = o.get("schedule", "1f1b")
     cfg.pipeline.layers_per_stage = o.get("layers", "")
-    cfg.train.grad_accum, cfg.train.seq_len = MICRO_BATCHES, SEQ
-    cfg.train.recompute = o.get("recompute", "none")
+    cfg.train.grad_accum, cfg.train.seq_len = micro_batches, seq
+    cfg.train.recompute, cfg.train.compile = o.get("recompute", "none"), o.get("compile", False)
+    cfg.precision.param = o.get("param", cfg.precision.param)
+    cfg.precision.reduce = o.get("reduce", cfg.precision.reduce)
     cfg.run.log_every = log_every
-    model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                       max_seq_len=SEQ, vocab_size=16)
-    mesh = ParallelMesh(ParallelDims(**dims), "meta", CommLog())
-    return cfg, mesh, parallelize(cfg, model, mesh, "meta")
+    if model is None:
+        model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                           max_seq_len=SEQ, vocab_size=16)
+    mesh = ParallelMesh(ParallelDims(**dims), device, CommLog())
+    return cfg, mesh, parallelize(cfg, model, mesh, torch.device(device))
 
 
-def stepping_trainer(cfg, parts, mesh, steps: int):
+def stepping_trainer(cfg, parts, mesh, steps: int, rows: int = 4, vocab: int = 16,
+                     peak_flops: float | None = None, flops_per_token: float = 1.0):
     """The trainer's own `train_step` over `parts` (no data file, run directory or checkpoints): a
     token array in memory; the run record (rank 0 of nothing: no file), summary and heartbeat
     observers."""
     import numpy as np
 
     from fivefold.train.data import TokenDataset
-    from fivefold.train.metrics import RunRecord, RunRecordLog, RunSummary, Throughput, TrainingClock
+    from fivefold.train.metrics import (
+        RunRecord,
+        RunRecordLog,
+        RunSummary,
+        Throughput,
+        TrainingClock,
+    )
     from fivefold.train.trainer import Heartbeat, Trainer
 
     dp = mesh.size("dp")
-    t = cfg.train = dataclasses.replace(cfg.train, steps=steps, micro_batch=max(1, 4 // dp))
+    t = cfg.train = dataclasses.replace(cfg.train, steps=steps, micro_batch=max(1, rows // dp))
     t.global_batch = t.micro_batch * dp * t.grad_accum
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.model, trainer.log, trainer.device = cfg, parts, mesh.comm_log, mesh.device
     trainer.dp, trainer.dp_rank, trainer.start, trainer.model_state_mb = dp, mesh.rank("dp"), 0, 0.0
-    trainer.data = TokenDataset(np.arange(4096, dtype=np.uint16) % 16, t.seq_len, val_fraction=0.0)
+    tokens = np.random.default_rng(0).integers(0, vocab, 64 * t.seq_len * max(1, rows), np.int64)
+    trainer.data = TokenDataset(tokens.astype(np.uint32 if vocab > 65535 else np.uint16),
+                                t.seq_len, val_fraction=0.0)
     trainer.clock = TrainingClock(0)
-    trainer.throughput = Throughput(t.global_batch * t.seq_len, 1.0, None, mesh.world.size)
+    trainer.throughput = Throughput(t.global_batch * t.seq_len, flops_per_token, peak_flops,
+                                    mesh.world.size)
     trainer.summary = RunSummary()
     record = RunRecord(None, steps, False, "syncs")
     trainer.observers = [RunRecordLog(record, parts, trainer.throughput, None), trainer.summary,
@@ -110,10 +124,10 @@ def count_syncs(name: str, rank: int, steps: int = 4, log_every: int = 3) -> dic
     from fivefold.observe.host_syncs import HostSyncs
 
     meta_as_cuda()
-    world = LAYOUTS[name][0]
+    world, dims, o = LAYOUTS[name]
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        cfg, mesh, parts = build_rank(name, log_every=log_every)
+        cfg, mesh, parts = build_rank(dims, o, log_every)
         trainer = stepping_trainer(cfg, parts, mesh, steps)
         where, logged = [], []
         for step in range(steps):

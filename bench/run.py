@@ -13,6 +13,8 @@
     python bench/run.py cp-kernel                 # ring attention's block kernels, fused vs fp32 math, one
                                                   # device (a GPU: 8k tokens, cp 4 emulated by blocks);
                                                   # --dry-run: a CPU-sized run in seconds
+    python bench/run.py syncs                     # host syncs per training step, per layout (fake group, meta
+                                                  # standing in for CUDA): first, unlogged and log steps
     python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
     python bench/run.py debug                     # what --debug.collectives costs per collective
     python bench/run.py recompute                 # activation recompute none/full/selective (+ torch's): memory
@@ -71,6 +73,7 @@ from bench.expert_parallel import (  # noqa: E402
     format_ep_overlap_table,
     format_ep_table,
 )
+from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
 from bench.scaling import ScaleSpec, bench_scaling, format_scaling_table  # noqa: E402
@@ -81,7 +84,7 @@ __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
-    "cp-kernel": ("cp-kernel",),
+    "cp-kernel": ("cp-kernel",), "syncs": ("syncs",),
     "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",),
@@ -168,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
     sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
     sub.add_parser("debug", parents=[common], help="what --debug.collectives costs per collective")
+    sy = sub.add_parser("syncs", parents=[common],
+                        help="host syncs per training step, per layout (simulated: fake group, meta device)")
+    sy.add_argument("--layouts", default=None, help="comma-separated layouts of bench/host_syncs.py (all)")
     rc = sub.add_parser("recompute", parents=[common, micro],
                         help="activation recompute none/full/selective and torch's: memory and step time")
     rc.add_argument("--cores", default=None, help="comma-separated attention cores (eager,sdpa)")
@@ -242,6 +248,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             world=opt.get("world"), batch=opt.get("batch"),
             layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
             format_compile_table),
+        "syncs": (lambda: bench_syncs(tuple(n.strip() for n in opt["layouts"].split(",")) if opt.get("layouts")
+                                      else None), format_syncs_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),

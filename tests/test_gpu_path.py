@@ -31,18 +31,11 @@ import pytest
 import torch
 from tolerance import Bound, assert_values_close, unit_roundoff, value_bound
 
+from bench import host_syncs
 from fivefold.distributed import launch
 
-LAYOUTS = {  # name: (world, dims, config overrides)
-    "ddp": (2, dict(dp=2), dict(zero=0)),
-    "zero3": (2, dict(dp=2), dict(zero=3)),
-    "tp2-sp": (2, dict(dp=1, tp=2), dict(zero=1, tp=2, sp=True)),
-    "pp2-1f1b": (2, dict(pp=2, dp=1), dict(zero=1, pp=2, schedule="1f1b")),
-    "pp2-dp2-zero3-zb": (4, dict(pp=2, dp=2), dict(zero=3, pp=2, schedule="zb-h1")),
-    "pp3-tp2-empty-stage": (6, dict(pp=3, dp=1, tp=2), dict(zero=1, pp=3, tp=2, layers="1,0,1")),
-    "dp2-cp2-zero3": (4, dict(dp=2, cp=2), dict(zero=3, cp=2)),
-    "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), dict(zero=2, dp_replicate=2)),
-    "dp4-zero3-zeropp": (4, dict(dp=4), dict(zero=3, qwz=True, qgz=True, hpz=2)),  # ZeRO++: qwZ, qgZ, hpZ
+LAYOUTS = {  # name: (world, dims, config overrides): bench/host_syncs.py's, and traced runs
+    **host_syncs.LAYOUTS,
     # run.trace with its accelerator clock (device events; a host stand-in for torch.Event): no host sync either
     "zero3-recompute-traced": (2, dict(dp=2), dict(zero=3, recompute="full", trace=True)),
     "pp2-zb-traced": (2, dict(pp=2, dp=1), dict(zero=1, pp=2, schedule="zb-h1", trace=True)),
@@ -64,69 +57,17 @@ class _StandInEvent:
         return (other.at - self.at) * 1e3
 
 
-def _trainer_on(cfg, parts, mesh, dp_rank: int, dp: int, steps: int):
-    """The trainer's own `train_step` over `parts` (no data file, run directory or checkpoints):
-    a token array in memory, the summary and heartbeat observers; log steps as configured."""
-    import dataclasses
-
-    import numpy as np
-
-    from fivefold.train.data import TokenDataset
-    from fivefold.train.metrics import RunSummary, Throughput, TrainingClock
-    from fivefold.train.trainer import Heartbeat, Trainer
-
-    t = cfg.train = dataclasses.replace(cfg.train, steps=steps, micro_batch=4 // dp)
-    t.global_batch = t.micro_batch * dp * t.grad_accum
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.model, trainer.log, trainer.device = cfg, parts, mesh.comm_log, mesh.device
-    trainer.dp, trainer.dp_rank, trainer.start, trainer.model_state_mb = dp, dp_rank, 0, 0.0
-    trainer.data = TokenDataset(np.arange(4096, dtype=np.uint16) % 16, t.seq_len, val_fraction=0.0)
-    trainer.clock = TrainingClock(0)
-    trainer.throughput = Throughput(t.global_batch * t.seq_len, 1.0, None, mesh.world.size)
-    trainer.summary = RunSummary()
-    trainer.observers = [trainer.summary, Heartbeat()]
-    return trainer
-
-
 def _dry_run(name: str, rank: int) -> dict:
     """In a fresh process: one rank of `name` on the fake group and the meta device, stepped by the
     trainer at the defaults (clipping, ``check_finite``); host syncs on each step, logged or not."""
-    import sys
-
     import torch.distributed as dist
-    import torch.utils._foreach_utils as foreach_utils
     from host_syncs import HostSyncs
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fivefold.config import Config
-    from fivefold.distributed.comm import CommLog
-    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
-    from fivefold.models import get_config
-    from fivefold.models.parallelize import parallelize
-
-    # meta stands in for CUDA in torch's list of devices with fused optimizer kernels too (the
-    # fused AdamW kernel has a meta implementation): the accelerator's optimizer path runs here
-    fused_devices = foreach_utils._get_fused_kernels_supported_devices() + ["meta"]
-    foreach_utils._get_fused_kernels_supported_devices = lambda: fused_devices
-    sys.modules["torch.optim.optimizer"]._get_fused_kernels_supported_devices = lambda: fused_devices
-
-    from fivefold.context_parallel import kernels
-    kernels.FUSED["meta"] = kernels.FUSED["cuda"]  # and ring attention's fused CUDA block kernels
-
+    host_syncs.meta_as_cuda()
     world, dims, o = LAYOUTS[name]
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        cfg = Config()
-        cfg.zero.stage, cfg.zero.bucket_mb = o["zero"], 0.01
-        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp = o.get("tp", 1), o.get("pp", 1), o.get("sp", False)
-        cfg.parallel.cp, cfg.parallel.dp_replicate = o.get("cp", 1), o.get("dp_replicate", 1)
-        cfg.zero.qwz, cfg.zero.qgz, cfg.zero.hpz = o.get("qwz", False), o.get("qgz", False), o.get("hpz", 0)
-        cfg.pipeline.schedule, cfg.pipeline.layers_per_stage = o.get("schedule", "1f1b"), o.get("layers", "")
-        cfg.train.grad_accum, cfg.train.seq_len, cfg.train.recompute = 4, 8, o.get("recompute", "none")
-        cfg.run.log_every = LOG_EVERY
-        assert cfg.train.check_finite and cfg.train.grad_clip > 0  # the defaults, as a run has them
-        model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=8,
-                           vocab_size=16)
         if o.get("trace"):  # every clock (the tracer's, the pipeline's) on device events, as on an accelerator
             from fivefold import clock
             plain_init = clock.DeviceClock.__init__
@@ -136,8 +77,8 @@ def _dry_run(name: str, rank: int) -> dict:
                 self.device_events = torch.device(device).type == "meta"
             clock.DeviceClock.__init__ = events_on_meta
             torch.Event, torch.accelerator.synchronize = _StandInEvent, lambda *a: None
-        mesh = ParallelMesh(ParallelDims(**dims), "meta", CommLog())
-        parts = parallelize(cfg, model, mesh, "meta")
+        cfg, mesh, parts = host_syncs.build_rank(dims, o, LOG_EVERY)
+        assert cfg.train.check_finite and cfg.train.grad_clip > 0  # the defaults, as a run has them
         on_meta = all(p.device.type == "meta" for e in parts.engines.values() for p in e.parameters())
         fused = all(e.optimizer.skips_on_device for e in parts.engines.values())
         refused = None
@@ -145,7 +86,7 @@ def _dry_run(name: str, rank: int) -> dict:
             mesh.comm("dp").all_reduce(torch.zeros(1))
         except RuntimeError as e:
             refused = str(e)
-        trainer = _trainer_on(cfg, parts, mesh, mesh.rank("dp"), mesh.size("dp"), steps=STEPS)
+        trainer = host_syncs.stepping_trainer(cfg, parts, mesh, STEPS)
         tracer = None
         if o.get("trace"):  # (on an accelerator the step's end reads the events: one sync per traced step, by design)
             from fivefold.observe.trace import StepTracer

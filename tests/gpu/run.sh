@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 28 in one go, for a machine with one GPU (H200-class), in under 10 minutes;
+# with 2+ GPUs the two-process smoke tests run too. Results: OUT/<part>.json and OUT/summary.txt.
+#
+#   tests/gpu/run.sh [--dry-run] [OUT]      # OUT defaults to runs/gpu-checks
+#
+# --dry-run runs every part that can on the CPU at tiny sizes (the rehearsal: run it before the
+# first GPU run, so that run needs no fixing on the spot). Each part has its own time limit and a
+# failed part does not stop the others; the exit status is 1 if any failed.
+set -u
+cd "$(dirname "$0")/../.."
+DRY=""
+if [ "${1:-}" = "--dry-run" ]; then DRY="--dry-run"; shift; fi
+OUT="${1:-runs/gpu-checks}"
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+status=0
+
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local line="$name: rc $rc ($((SECONDS - t0)) s)"
+  [ $rc -eq 124 ] && line="$line TIMED OUT after $limit s"
+  echo "$line" | tee -a "$OUT/summary.txt"
+  [ $rc -eq 0 ] || { status=1; tail -5 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$OUT/summary.txt"; }
+}
+
+"$PY" - <<'PYEOF' | tee -a "$OUT/summary.txt"
+import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {n} GPU(s)"
+      + "".join(f"\n  {i}: {torch.cuda.get_device_name(i)}" for i in range(n)))
+PYEOF
+
+for p in syncs moe profile compile cp-kernel; do
+  part "$p" 150 "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
+done
+if [ -z "$DRY" ]; then  # the two-process NCCL smoke tests (skipped by pytest with fewer than 2 GPUs)
+  part smoke 240 "$PY" -m pytest -p no:cacheprovider -q -s tests/gpu/test_gpu_smoke.py
+fi
+echo "results in $OUT" | tee -a "$OUT/summary.txt"
+exit $status
