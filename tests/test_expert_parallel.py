@@ -499,3 +499,14 @@ def test_device_limited_routing_keeps_each_token_within_its_best_groups():
         differs += by_total != set(best_groups[t].tolist())
     assert differs > 0, "the data never tells the top-2 rule from ranking groups by their total"
     assert_values_close(weights.sum(-1), torch.ones(256), 3, "top-3 weights")  # renormalised over the chosen ones
+
+
+def test_the_experts_bench_runs_every_strategy_on_one_layer():
+    """`fivefold bench experts` at a toy size: every strategy timed, its table, the strategies' results close."""
+    from bench.expert_parallel import EXPERT_STRATEGIES, bench_experts, format_experts_table
+
+    result = bench_experts(sizes=((16, 32, 4, 32),), steps=2, warmup=0, repeats=2, threads=1)
+    (row,) = result["sizes"]
+    assert set(row["impls"]) == set(EXPERT_STRATEGIES) and row["impls"]["loop"]["ratio_paired"] == 1.0
+    assert all(r["max_abs_diff"] < 1e-4 for r in row["impls"].values())
+    assert "grouped / loop paired (min)" in format_experts_table(result)
