@@ -446,9 +446,9 @@ class MoEFeedForward(nn.Module):
         ``strategy``."""
         groups = ExpertGroups(sizes, counts, first)
         strategy = self.strategy
-        if strategy is None:
+        if strategy is None:  # chosen at each call: the layer may have moved since
             w = self.experts[str(groups.first)].w1.weight
-            strategy = self.strategy = default_experts(w.device, w.dtype)
+            strategy = default_experts(w.device, w.dtype)
         return strategy(self.experts, tokens, groups)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
