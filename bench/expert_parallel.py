@@ -8,6 +8,9 @@ all E experts everywhere and all-reduces their gradients with the rest. What dif
 (1/ep of it), the traffic (all-to-alls of the routed rows instead of an all-reduce of every expert's gradient) and
 the expert work per rank (the tokens routed to its experts, from every rank). torch has no expert-parallel
 reference to compare with, so the baseline is fivefold's own replicated layout.
+
+`bench_experts` (``experts``): one MoE layer's experts as one grouped matmul or one bmm over padded groups against
+the loop over experts, forward + backward, in one process, at a few sizes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from bench.harness import (
 from fivefold.distributed.comm import Comm, CommLog
 from fivefold.observe.memory import ModelStateBytes
 
-__all__ = ["EPOverlapSpec", "EPSpec", "bench_ep", "bench_ep_overlap", "format_ep_overlap_table", "format_ep_table"]
+__all__ = ["EPOverlapSpec", "EPSpec", "ExpertsSpec", "bench_ep", "bench_ep_overlap", "bench_experts",
+           "format_ep_overlap_table", "format_ep_table", "format_experts_table"]
 
 
 @dataclass(frozen=True)
@@ -217,4 +221,110 @@ def format_ep_overlap_table(results: dict) -> str:
                "AdamW, slowest rank")
     for r in results["impls"]:
         out += [f"- {note}" for note in r["notes"]]
+    return "\n".join(out)
+
+
+# -- one MoE layer's experts: grouped matmul / padded bmm against the loop -------------------------------------------
+
+EXPERT_STRATEGIES = ("grouped", "padded", "loop")  # the loop is the baseline of the ratios
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """Forward + backward of one `MoEFeedForward` (dropless, top-k, routing as initialised with a sharpened router)
+    per size (model width D, expert hidden F, experts E, tokens T), in one process: its experts run by each strategy
+    in turn, on the same layer and tokens."""
+
+    sizes: tuple[tuple[int, int, int, int], ...] = ((64, 128, 8, 512), (64, 64, 64, 256), (128, 256, 16, 1024))
+    top_k: int = 2
+    steps: int = 8
+    warmup: int = 1
+    repeats: int = 4
+    seed: int = 0
+    threads: int = 2
+
+
+def _strategy(name: str) -> Any:
+    from fivefold.models.moe import GroupedExperts, LoopedExperts, PaddedBatchedExperts
+
+    return {"grouped": GroupedExperts, "padded": PaddedBatchedExperts, "loop": LoopedExperts}[name]()
+
+
+def _time_layer(spec: ExpertsSpec, dim: int, hidden: int, experts: int, tokens: int) -> dict:
+    import statistics
+    import time
+
+    from fivefold.models.moe import MoEConfig, MoEFeedForward
+
+    torch.manual_seed(spec.seed)
+    layer = MoEFeedForward(dim, hidden, MoEConfig(experts=experts, top_k=spec.top_k))
+    with torch.no_grad():
+        layer.router.weight.mul_(4.0)  # uneven loads, as a trained router gives
+    x = torch.randn(tokens, dim, requires_grad=True)
+    upstream = torch.randn(tokens, dim)
+    strategies = {name: _strategy(name) for name in EXPERT_STRATEGIES}
+
+    def step(name: str) -> tuple[float, torch.Tensor]:
+        layer.strategy = strategies[name]
+        t0 = time.perf_counter()
+        out = layer(x)
+        out.backward(upstream)
+        elapsed = time.perf_counter() - t0
+        grads = torch.cat([p.grad.reshape(-1) for p in layer.experts.parameters()])
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        return elapsed, torch.cat([out.detach().reshape(-1), grads])
+
+    values = {name: step(name)[1] for name in EXPERT_STRATEGIES}
+    for name in EXPERT_STRATEGIES:
+        for _ in range(spec.warmup):
+            step(name)
+    times: dict[str, list[tuple[int, float]]] = {name: [] for name in EXPERT_STRATEGIES}
+    sizes = blocks(spec.steps, spec.repeats)
+    for rnd, size in enumerate(sizes):
+        for name in EXPERT_STRATEGIES:
+            times[name] += [(rnd, step(name)[0]) for _ in range(size)]
+    per_round = {name: [statistics.median(t for r, t in times[name] if r == rnd) for rnd in range(len(sizes))]
+                 for name in EXPERT_STRATEGIES}
+    loads = layer.stats.tokens_per_expert.tolist()
+    return dict(dim=dim, hidden=hidden, experts=experts, tokens=tokens, loads=(min(loads), max(loads)),
+                impls={name: dict(median_s=statistics.median(t for _, t in times[name]),
+                                  min_s=min(t for _, t in times[name]),
+                                  ratio_paired=statistics.median(a / b for a, b in zip(per_round[name],
+                                                                                         per_round["loop"])),
+                                  max_abs_diff=float((values[name] - values["loop"]).abs().max()))
+                       for name in EXPERT_STRATEGIES})
+
+
+def bench_experts(spec: ExpertsSpec | None = None, **overrides: Any) -> dict:
+    """One MoE layer's forward + backward with its experts as one grouped matmul (`GroupedExperts`), one bmm over
+    padded groups (`PaddedBatchedExperts`) and the loop over experts (`LoopedExperts`), at each of ``spec.sizes``:
+    median step time and the paired ratio against the loop."""
+    spec = replace(spec or ExpertsSpec(), **overrides)
+    before = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        rows = [_time_layer(spec, *size) for size in spec.sizes]
+    finally:
+        torch.set_num_threads(before)
+    return dict(spec=spec.__dict__, sizes=rows)
+
+
+def format_experts_table(results: dict) -> str:
+    spec = results["spec"]
+    rows = [("D × F, E experts, T tokens (rows per expert min-max)",
+             *(f"{name} ms median (min)" for name in EXPERT_STRATEGIES), "grouped / loop paired (min)",
+             "padded / loop paired (min)", "max |Δ| vs loop (grouped, padded)")]
+    for r in results["sizes"]:
+        impls, loop = r["impls"], r["impls"]["loop"]
+        rows.append((f"{r['dim']} × {r['hidden']}, E={r['experts']}, T={r['tokens']} ({r['loads'][0]}-{r['loads'][1]})",
+                     *(f"{impls[n]['median_s'] * 1e3:.1f} ({impls[n]['min_s'] * 1e3:.1f})" for n in EXPERT_STRATEGIES),
+                     *(f"{impls[n]['ratio_paired']:.3f} ({impls[n]['min_s'] / loop['min_s']:.3f})"
+                       for n in ("grouped", "padded")),
+                     f"{impls['grouped']['max_abs_diff']:.1e}, {impls['padded']['max_abs_diff']:.1e}"))
+    out = markdown_table(rows)
+    out.append(f"one MoEFeedForward, fp32, top-{spec['top_k']} dropless, forward + backward (outputs and the experts' "
+               f"weight gradients compared), {spec['steps']} timed steps (+{spec['warmup']} warmup) per strategy in "
+               f"{len(blocks(spec['steps'], spec['repeats']))} alternating blocks, {spec['threads']} thread(s), one "
+               "process; ratio < 1: faster than the loop")
     return "\n".join(out)

@@ -21,6 +21,8 @@
                                                   # kept, peak, step time; seq 1024, eager and sdpa attention
     python bench/run.py ep                        # Llama-MoE: experts over ep 2 vs replicated experts, then
                                                   # DualPipeV pp 2 x ep 2 with (F, B) units overlapped vs not
+    python bench/run.py experts                   # one MoE layer: experts as a grouped matmul / padded bmm vs
+                                                  # the loop, forward + backward at three sizes
     python bench/run.py scaling                   # DDP (world 2, 4), ZeRO-3 (+ kept), TP 2 at ~10M/40M/125M:
                                                   # fivefold/torch, step/ideal, MFU (docs/benchmarks.md)
     python bench/run.py compile                   # train.compile: compiled vs eager blocks in DDP, ZeRO-3, tp 2, pp 2
@@ -68,10 +70,13 @@ from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table  
 from bench.expert_parallel import (  # noqa: E402
     EPOverlapSpec,
     EPSpec,
+    ExpertsSpec,
     bench_ep,
     bench_ep_overlap,
+    bench_experts,
     format_ep_overlap_table,
     format_ep_table,
+    format_experts_table,
 )
 from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
@@ -85,7 +90,7 @@ __all__ = ["main"]
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
     "cp-kernel": ("cp-kernel",), "syncs": ("syncs",),
-    "ep": ("ep", "ep-overlap"),
+    "ep": ("ep", "ep-overlap"), "experts": ("experts",),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
@@ -169,6 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     ckp.add_argument("--dry-run", action="store_true",
                      help="a CPU-sized run (1k tokens, 4/2 heads of 64, fp32, 3 steps); other options still apply")
     sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
+    sub.add_parser("experts", parents=[common],
+                   help="one MoE layer: experts as a grouped matmul / padded bmm vs the loop (forward + backward)")
     sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
     sub.add_parser("debug", parents=[common], help="what --debug.collectives costs per collective")
     sy = sub.add_parser("syncs", parents=[common],
@@ -230,6 +237,9 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "cp-kernel": (lambda: bench_cp_kernels(_cp_kernel_spec(args)), format_cp_kernel_table),
         "ep": (lambda: bench_ep(EPSpec(**common, **_given(ep=opt.get("ep"), micro_batch=opt.get("micro_batch")))),
                format_ep_table),
+        "experts": (lambda: bench_experts(ExpertsSpec(**_given(
+            steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads))),
+            format_experts_table),
         "ep-overlap": (lambda: bench_ep_overlap(EPOverlapSpec(**common, **_given(ep=opt.get("ep")))),
                        format_ep_overlap_table),
         "debug": (lambda: bench_debug(DebugSpec(**_given(repeats=args.repeats, threads=args.threads))),

@@ -3,7 +3,9 @@ backward into I (input gradient) and W (weight gradients, deferred into bubbles)
 `recording_weight_grads` I only queues (x, grad_out), and `WeightGradStore.run` (W) later hands dW,
 db to autograd, so accumulation and DP hooks fire then. `recompute(fn, *args)`: activation
 checkpointing (docs/design.md#activation-memory) that keeps the same recording state, and tells a
-watcher (`watch_recompute`: the tracer) when a recomputation runs. Backward markers shared by
+watcher (`watch_recompute`: the tracer) when a recomputation runs; `host_values(fetch)` inside it
+reads values on the host once, in the forward, and hands the recomputation the same ones (no second
+host sync). Backward markers shared by
 ZeRO-3's unit hooks and the tracer: `call_in_backward` (an identity whose backward calls a hook
 first), `in_backward`."""
 
@@ -26,12 +28,14 @@ __all__ = [
     "WeightGradStore",
     "call_in_backward",
     "graph_task_id",
+    "host_values",
     "in_backward",
     "linear",
     "recompute",
     "recording_weight_grads",
     "unwatch_recompute",
     "watch_recompute",
+    "weight_grad_store",
 ]
 
 
@@ -144,11 +148,17 @@ def recording_weight_grads(store: WeightGradStore) -> Iterator[None]:
         _recording.reset(token)
 
 
+def weight_grad_store() -> WeightGradStore | None:
+    """The store `recording_weight_grads` set (None outside it, and while compiling, as `linear`
+    sees it): for layers that defer their weight gradients themselves (grouped MoE experts)."""
+    return None if torch.compiler.is_compiling() else _recording.get()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x Wᵀ + b; under `recording_weight_grads` its weight gradients wait in the store."""
     # A compiled block (train.compile) never records: validate refuses compile with the zero-bubble
     # schedules, and dynamo cannot read a ContextVar (it would break the graph at every linear).
-    store = None if torch.compiler.is_compiling() else _recording.get()
+    store = weight_grad_store()
     if store is None or not (torch.is_grad_enabled() and x.requires_grad):
         # nothing to defer to: without a gradient path through x there is no I pass to split off
         # (the first layer of a stage fed raw inputs), so the weight gradient is computed by the one
@@ -197,6 +207,49 @@ class _Told(AbstractContextManager):
             self.watcher(False)
 
 
+class _HostMemo:
+    """What a `recompute` region read on the host in its forward, in order, for recomputing it."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.replaying, self.next = False, 0
+
+
+_host_memo: ContextVar[_HostMemo | None] = ContextVar("fivefold_host_memo", default=None)
+
+
+def host_values(fetch: Callable[[], Any]) -> Any:
+    """``fetch()`` (a read of device values on the host: a sync), except while `recompute` runs a
+    region again in backward: then the value the forward's ``fetch()`` returned, so a
+    recomputation makes no host sync and sees the forward's host values (split sizes, say)."""
+    memo = _host_memo.get()
+    if memo is None:
+        return fetch()
+    if memo.replaying:
+        value = memo.values[memo.next]
+        memo.next += 1
+        return value
+    value = fetch()
+    memo.values.append(value)
+    return value
+
+
+def _remembering(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, recording its `host_values` on the first call and replaying them on every later one."""
+    memo = _HostMemo()
+
+    def run(*args: Any) -> Any:
+        token = _host_memo.set(memo)
+        memo.next = 0
+        try:
+            return fn(*args)
+        finally:
+            _host_memo.reset(token)
+            memo.replaying = True
+
+    return run
+
+
 def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when
     backward needs them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once,
@@ -204,7 +257,8 @@ def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     `recording_weight_grads` state as the forward did (the I pass of a zero-bubble pipeline computes
     it outside that context): the same ops, the same saved tensors. The RNG state is not stashed
     (fivefold's models draw no random numbers in forward: no dropout), which saves its copy per call
-    (5 KiB on the CPU); a function that draws would need ``preserve_rng_state``."""
+    (5 KiB on the CPU); a function that draws would need ``preserve_rng_state``. What ``fn`` reads
+    on the host through `host_values` is read once, in the forward: the recomputation replays it."""
     if not torch.is_grad_enabled():
         return fn(*args)
     store = _recording.get()
@@ -214,7 +268,9 @@ def recompute(fn: Callable[..., Any], *args: Any) -> Any:
         again = recording_weight_grads(store) if store is not None else nullcontext()
         return nullcontext(), (again if watcher is None else _Told(again, watcher))
 
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False)
+    return checkpoint(
+        _remembering(fn), *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False
+    )
 
 
 class Linear(nn.Linear):

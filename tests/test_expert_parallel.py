@@ -6,18 +6,35 @@ auxiliary losses, routing counts and dropped assignments equal it; replicated gr
 rank's, an expert's gradient the sum over every rank's tokens, within tests/tolerance.py's bound
 (bitwise where the ops agree). All-to-all payload equals the formula; dp × ep (ZeRO 0-3) and pp 2 ×
 dp 2 × ep 2 training equals single-process training. One spawn per ep degree (`multiprocess`);
-routing unit tests don't."""
+routing unit tests don't.
+
+Host syncs (tests/host_syncs.py, counted on the CPU path with real values): one per MoE layer and
+micro-batch, forward and backward together, with or without a capacity, under full recompute, at
+ep 1 (in process, a layer and a two-layer model) and ep 2 / 4 (in the workers of the spawn above);
+a control shows the count catches one added `.tolist()`. The expert strategies (grouped matmul,
+padded bmm) against the loop: routing bit-equal, outputs and gradients within rule 1's bound (the
+elementwise SwiGLU over all rows at once rounds a vector tail differently from per-expert slices)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dist_utils import run_workers
+from host_syncs import HostSyncs
 from tolerance import KERNELS, WORKERS, assert_values_close, reference
 
+from fivefold import ops
 from fivefold.distributed.comm import Comm, CommLog
 from fivefold.expert_parallel import AllToAllExperts
-from fivefold.models.moe import MoEConfig, MoEFeedForward
+from fivefold.models.moe import (
+    GroupedExperts,
+    LocalExperts,
+    LoopedExperts,
+    MoEConfig,
+    MoEFeedForward,
+    PaddedBatchedExperts,
+    default_experts,
+)
 from fivefold.pipeline.simulator import Timeline
 
 D, HIDDEN, E = 16, 24, 8
@@ -51,16 +68,30 @@ def _layer_terms(world: int) -> int:
     return max(world * TOKENS, HIDDEN)
 
 
-def _run(layer: MoEFeedForward, rank: int) -> dict:
+def _run(layer: MoEFeedForward, rank: int, recompute: bool = False) -> dict:
+    """Forward and backward of `layer` on rank `rank`'s tokens (under full recompute: `ops.recompute`, as a block
+    runs it), counting the host syncs of both."""
     x, upstream = _tokens(rank)
     x.requires_grad_()
-    out = layer(x)
-    out.backward(upstream)
+    with HostSyncs(devices=("cpu",)) as syncs:
+        out = ops.recompute(layer, x) if recompute else layer(x)
+        out.backward(upstream)
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad(set_to_none=True)
     s = layer.stats
     return dict(out=out.detach(), dx=x.grad, grads=grads, counts=s.tokens_per_expert, dropped=int(s.dropped),
-                aux=s.aux_loss, z=s.z_loss)
+                aux=s.aux_loss, z=s.z_loss, syncs=syncs.count, where=syncs.where)
+
+
+class _OneMoreRead:
+    """An exchange that reads the counts on the host once more before the real one (the detector's control)."""
+
+    def __init__(self, exchange) -> None:
+        self.exchange = exchange
+
+    def __call__(self, run, tokens, counts):
+        counts.tolist()
+        return self.exchange(run, tokens, counts)
 
 
 def _worker() -> dict:
@@ -78,6 +109,13 @@ def _worker() -> dict:
         res["payload"] = {}
         for r in comm.log.records:
             res["payload"][r.tag] = res["payload"].get(r.tag, 0) + r.numel
+        # the same layer under full recompute, and with each other strategy (the default is the device's)
+        res["recomputed"] = _run(layer, comm.rank, recompute=True)
+        for strategy in (LoopedExperts(), PaddedBatchedExperts()):
+            layer.strategy = strategy
+            res[type(strategy).__name__] = _run(layer, comm.rank)
+        layer.exchange = _OneMoreRead(layer.exchange)
+        res["control_syncs"] = _run(layer, comm.rank)["syncs"]
         results[name] = res
     return results
 
@@ -146,6 +184,122 @@ def test_all_to_all_payload_equals_the_formula(ep_results, case):
         assert combined[rank] == arrived * D, rank
     if cfg.capacity_factor is None:  # over the group: dispatch + combine = 2·k·T·D
         assert sum(dispatched) + sum(combined) == 2 * cfg.top_k * tokens * world * D
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_with_ep_syncs_once_and_every_strategy_agrees(ep_results, case):
+    """In the workers: one host sync per forward + backward (the splits), the same under full recompute (whose
+    results equal the plain run's bit for bit), one more with a `.tolist()` added; the loop and the padded bmm
+    against the default strategy."""
+    world, results = ep_results
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert got["syncs"] == 1, f"rank {rank}: {got['syncs']} host syncs\n" + "\n".join(got["where"])
+        again = got["recomputed"]
+        assert again["syncs"] == 1, f"rank {rank} recomputed: {again['syncs']}\n" + "\n".join(again["where"])
+        for key in ("out", "dx", "aux", "z", "counts"):
+            assert torch.equal(again[key], got[key]), (rank, key)
+        assert all(torch.equal(again["grads"][n], g) for n, g in got["grads"].items()), rank
+        assert got["control_syncs"] == 2, rank
+        _assert_strategies_agree(got, {n: got[n] for n in ("LoopedExperts", "PaddedBatchedExperts")},
+                                 _layer_terms(world), f"ep{world} rank {rank}")
+
+
+def _assert_strategies_agree(want: dict, others: dict, terms: int, msg: str) -> None:
+    """Routing and losses bit-equal; outputs, input and parameter gradients within rule 1's bound (scale: the
+    largest gradient entry)."""
+    grad_scale = max(float(g.abs().max()) for g in (want["dx"], *want["grads"].values()))
+    for name, got in others.items():
+        assert got["syncs"] == 1, (msg, name, got["where"])
+        for key in ("counts", "aux", "z"):
+            assert torch.equal(got[key], want[key]), (msg, name, key)
+        assert got["dropped"] == want["dropped"], (msg, name)
+        assert_values_close(got["out"], want["out"], terms, f"{msg} {name} out")
+        assert_values_close(got["dx"], want["dx"], terms, f"{msg} {name} dx", scale=grad_scale)
+        assert set(got["grads"]) == set(want["grads"]), (msg, name)
+        for n, g in got["grads"].items():
+            assert_values_close(g, want["grads"][n], terms, f"{msg} {name} grad {n}", scale=grad_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# One host sync per layer and micro-batch; the expert strategies against the loop (ep 1, in process).
+STRATEGIES = {"grouped": GroupedExperts, "padded": PaddedBatchedExperts, "loop": LoopedExperts}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_syncs_once_and_its_strategies_equal_the_loop(case, recompute):
+    layer = _layer(CASES[case])
+    runs = {}
+    for name, strategy in STRATEGIES.items():
+        layer.strategy = strategy()
+        runs[name] = _run(layer, 0, recompute=recompute)
+        assert runs[name]["syncs"] == 1, f"{name}: {runs[name]['syncs']} host syncs\n" + "\n".join(runs[name]["where"])
+    loop = runs.pop("loop")
+    _assert_strategies_agree(loop, runs, _layer_terms(1), case)
+    # the control: one .tolist() more is one sync more, and once more in a recomputation (nothing replays it)
+    layer.exchange = _OneMoreRead(LocalExperts())
+    assert _run(layer, 0, recompute=recompute)["syncs"] == 2 + recompute
+
+
+def test_an_moe_model_syncs_once_per_moe_layer_and_micro_batch():
+    """A two-block Llama-MoE (capacity, z-loss) under full recompute, two micro-batches through forward and
+    backward: 2 × 2 syncs (the recomputations read none)."""
+    from fivefold.models.llama import Llama
+
+    model = Llama(_moe_model_config(capacity_factor=1.0), seed=0).set_recompute("full")
+    x, y = _moe_batch(0)
+    with HostSyncs(devices=("cpu",)) as syncs:
+        for xi, yi in zip(x.chunk(2), y.chunk(2)):
+            torch.nn.functional.cross_entropy(model(xi).flatten(0, 1), yi.flatten()).backward()
+    assert syncs.count == MOE_MODEL["n_layers"] * 2, "\n".join(syncs.where)
+
+
+def test_batched_experts_defer_weight_gradients_under_zero_bubble():
+    """Under `ops.recording_weight_grads` the grouped and padded experts leave their weight gradients to the store
+    (none before its W pass), which then hands over what the plain loop computes."""
+    want = _run(_layer(CASES["capacity-1.0"]), 0)
+    for strategy in (GroupedExperts, PaddedBatchedExperts):
+        layer = _layer(CASES["capacity-1.0"])
+        layer.strategy = strategy()
+        store = ops.WeightGradStore()
+        x, upstream = _tokens(0)
+        x.requires_grad_()
+        with ops.recording_weight_grads(store):
+            layer(x).backward(upstream)
+        assert all(p.grad is None for n, p in layer.named_parameters() if n.startswith("experts.")), strategy
+        assert store.pending() >= 3 * E
+        store.run(None)
+        grad_scale = max(float(g.abs().max()) for g in want["grads"].values())
+        for n, p in layer.named_parameters():
+            assert_values_close(p.grad, want["grads"][n], _layer_terms(1), f"{strategy.__name__} {n}",
+                                scale=grad_scale)
+
+
+def test_experts_strategy_by_device_and_alignment(monkeypatch):
+    assert isinstance(default_experts(torch.device("cpu"), torch.float32), GroupedExperts)
+    assert isinstance(default_experts(torch.device("cpu"), torch.float16), PaddedBatchedExperts)
+    assert isinstance(default_experts(torch.device("meta"), torch.bfloat16), PaddedBatchedExperts)
+    for capability, kind in (((9, 0), GroupedExperts), ((8, 0), PaddedBatchedExperts)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert isinstance(default_experts(torch.device("cuda"), torch.bfloat16), kind), capability
+        assert isinstance(default_experts(torch.device("cuda"), torch.float32), PaddedBatchedExperts)
+    # widths whose rows are not 16-byte aligned (10 fp32 values): the grouped strategy falls back to its fallback
+    torch.manual_seed(0)
+    layer, calls = MoEFeedForward(10, 12, MoEConfig(experts=4, top_k=2)), []
+
+    class Watched(PaddedBatchedExperts):
+        def __call__(self, *args):
+            calls.append(1)
+            return super().__call__(*args)
+
+    x = torch.randn(6, 10)
+    layer.strategy = GroupedExperts(fallback=Watched())
+    got = layer(x)
+    layer.strategy = LoopedExperts()
+    assert calls and got.shape == x.shape
+    assert_values_close(got, layer(x), 12, "fallback")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,3 +499,14 @@ def test_device_limited_routing_keeps_each_token_within_its_best_groups():
         differs += by_total != set(best_groups[t].tolist())
     assert differs > 0, "the data never tells the top-2 rule from ranking groups by their total"
     assert_values_close(weights.sum(-1), torch.ones(256), 3, "top-3 weights")  # renormalised over the chosen ones
+
+
+def test_the_experts_bench_runs_every_strategy_on_one_layer():
+    """`fivefold bench experts` at a toy size: every strategy timed, its table, the strategies' results close."""
+    from bench.expert_parallel import EXPERT_STRATEGIES, bench_experts, format_experts_table
+
+    result = bench_experts(sizes=((16, 32, 4, 32),), steps=2, warmup=0, repeats=2, threads=1)
+    (row,) = result["sizes"]
+    assert set(row["impls"]) == set(EXPERT_STRATEGIES) and row["impls"]["loop"]["ratio_paired"] == 1.0
+    assert all(r["max_abs_diff"] < 1e-4 for r in row["impls"].values())
+    assert "grouped / loop paired (min)" in format_experts_table(result)

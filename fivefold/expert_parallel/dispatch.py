@@ -8,8 +8,10 @@ will receive), the dispatch all-to-all of the rows (uneven splits), the experts 
 (grouped by expert across the sources), and the combine all-to-all back. Backward is the mirror:
 each all-to-all's gradient travels the reverse way (`_AllToAll`). Payload per rank: dispatch = its
 k·T rows (including the ones for its own experts: the whole input buffer is counted), combine = the
-rows it received; summed over the group both equal k·T·D. Split sizes are read on the host: one sync
-per layer, as in every dropless implementation.
+rows it received; summed over the group both equal k·T·D. The split sizes and the received group
+sizes are read on the host in one `.tolist()` of one small tensor (this rank's E counts and the E it
+receives): one sync per layer and forward, none more in backward or a full recompute
+(`ops.host_values`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from fivefold import ops
 from fivefold.distributed.comm import Comm, eager_region
 
 __all__ = ["AllToAllExperts", "GlobalBalance", "all_to_all"]
@@ -78,29 +81,39 @@ class AllToAllExperts:
     @eager_region
     def __call__(
         self,
-        run: Callable[[torch.Tensor, list[int], int], torch.Tensor],
+        run: Callable[[torch.Tensor, list[int], torch.Tensor, int], torch.Tensor],
         tokens: torch.Tensor,
         counts: torch.Tensor,
     ) -> torch.Tensor:
-        """`tokens` sorted by global expert id, `counts` [E] rows per expert -> the experts'
-        outputs, same order. ``run(grouped tokens, group sizes, first expert id)`` applies this
-        rank's experts (the layer's)."""
-        ep, per_rank = self.comm.size, self.per_rank
-        received_counts = torch.empty_like(counts)
-        self.comm.all_to_all(received_counts, counts.contiguous(), tag="ep_counts")
-        received_counts = received_counts.view(ep, per_rank)  # [source rank, local expert]
-        send_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
-        recv_splits = received_counts.sum(dim=1).tolist()
+        """`tokens` sorted by global expert id (rows past ``counts.sum()``: dropped, never sent),
+        `counts` [E] rows per expert -> the experts' outputs for the sent rows, same order.
+        ``run(grouped rows, group sizes, the same sizes on the device, first expert id)`` applies
+        this rank's experts (the layer's)."""
+        ep, per_rank, n = self.comm.size, self.per_rank, counts.numel()
+        received = torch.empty_like(counts)
+        self.comm.all_to_all(received, counts.contiguous(), tag="ep_counts")
+        # The one host sync: what this rank sends per expert and receives per (source, expert).
+        both = ops.host_values(torch.cat([counts, received]).tolist)
+        sent_h, received_h = both[:n], both[n:]
+        send_splits = [sum(sent_h[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        recv_splits = [sum(received_h[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        sizes = [sum(received_h[r * per_rank + e] for r in range(ep)) for e in range(per_rank)]
         arrived = all_to_all(
-            tokens, self.comm, recv_splits, send_splits, "ep_dispatch", self.backward_comm
+            tokens[: sum(send_splits)],
+            self.comm,
+            recv_splits,
+            send_splits,
+            "ep_dispatch",
+            self.backward_comm,
         )
         # Arrived rows are source-major (each source's rows sorted by local expert): regroup
         # expert-major.
-        segment = torch.arange(ep * per_rank, device=tokens.device).repeat_interleave(
-            received_counts.reshape(-1)
+        segment = torch.repeat_interleave(
+            torch.arange(ep * per_rank, device=tokens.device), received, output_size=sum(sizes)
         )
         order = ((segment % per_rank) * ep + segment // per_rank).argsort(stable=True)
-        out = run(arrived[order], received_counts.sum(dim=0).tolist(), self.comm.rank * per_rank)
+        local = received.view(ep, per_rank).sum(dim=0)
+        out = run(arrived[order], sizes, local, self.comm.rank * per_rank)
         return all_to_all(
             out[order.argsort()],
             self.comm,

@@ -3,14 +3,24 @@ PyTorch.
 
 A router scores every token against E experts (softmax, or sigmoid as DeepSeek-V3), keeps the top k
 (optionally renormalised to sum to 1), and the token's output is the weighted sum of those experts'
-SwiGLU outputs (plus shared experts every token goes through). Experts run batched: the token copies
-are sorted by expert and each expert runs once on its group, through `ops.Linear`, so zero-bubble
-deferral covers them.
+SwiGLU outputs (plus shared experts every token goes through). The token copies are sorted by
+expert and the experts run on their groups by a strategy (`ExpertsStrategy`, chosen by device:
+`default_experts`): `GroupedExperts` (one `torch._grouped_mm` per projection),
+`PaddedBatchedExperts` (one `torch.bmm` over the groups padded to one size) or `LoopedExperts`
+(each expert's module on its rows, the reference). The batched ones keep what the loop keeps for
+backward (the experts' weights are stacked for the product and again in backward, never saved) and
+defer their weight gradients under a zero-bubble pipeline as `ops.linear` does.
+
+One host sync per layer and forward (docs/design.md#expert-parallelism): everything routing needs
+stays on the device (counts by `scatter_add`, the dropped rows sorted last instead of cut out, the
+token total a device scalar); `exchange` reads the group sizes (under expert parallelism also the
+all-to-all's splits) in one `.tolist()`, through `ops.host_values`, so a full recompute reuses the
+forward's.
 
 Capacity: with ``capacity_factor`` c an expert takes at most ceil(c·T·k/E) of a micro-batch's T·k
 assignments, first by slot (every token's first choice before any second choice) then by token order
-— deterministic; the dropped ones contribute nothing (the residual carries the token). Without it,
-dropless.
+— deterministic; the dropped ones contribute nothing (the residual carries the token): they sort
+after every kept row and are never sent. Without it, dropless.
 
 Auxiliary losses (Switch/GShard load balancing E·Σ_e f_e·P_e with f_e the fraction of assignments
 routed to e and P_e the mean routing probability; router z-loss mean(logsumexp(logits)²)) are not
@@ -26,21 +36,30 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fivefold import ops
 from fivefold.models.layers import FeedForward
 from fivefold.ops import Linear
 
 __all__ = [
+    "ExpertGroups",
+    "ExpertsStrategy",
+    "GroupedExperts",
     "LocalBalance",
     "LocalExperts",
+    "LoopedExperts",
     "MoEConfig",
     "MoEFeedForward",
     "MoEStats",
+    "PaddedBatchedExperts",
     "RunExperts",
+    "default_experts",
     "run_experts",
 ]
 
@@ -127,16 +146,228 @@ def run_experts(
     return torch.cat(outs)
 
 
-RunExperts = Callable[
-    [torch.Tensor, list[int], int], torch.Tensor
-]  # (grouped tokens, group sizes, first expert)
+@dataclass
+class ExpertGroups:
+    """Rows sorted by expert: ``sizes[i]`` rows (on the host, read in the layer's one sync) for
+    expert ``first + i``; ``counts`` the same sizes on the rows' device (int64), from which the
+    grouped kernels' offsets and indices are computed without another sync."""
+
+    sizes: list[int]
+    counts: torch.Tensor
+    first: int
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.sizes)
+
+    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+class ExpertsStrategy(Protocol):
+    """How a layer's experts run on their groups: ``(experts, rows sorted by expert, groups) ->
+    outputs`` in the rows' order; every expert of the groups gets a gradient (zero if it has no
+    rows)."""
+
+    def __call__(
+        self, experts: nn.ModuleDict, tokens: torch.Tensor, groups: ExpertGroups
+    ) -> torch.Tensor: ...
+
+
+class LoopedExperts:
+    """Each expert's module on its rows, one after the other (`run_experts`): the reference."""
+
+    def __call__(
+        self, experts: nn.ModuleDict, tokens: torch.Tensor, groups: ExpertGroups
+    ) -> torch.Tensor:
+        return run_experts(experts, tokens, groups.sizes, groups.first)
+
+
+class _Kernel(Protocol):
+    """The grouped products of a batched strategy, for rows [R, ·] sorted by group and stacked
+    weights [G, out, in]: ``forward`` y_r = W_g x_r, ``backward`` x_r = W_gᵀ y_r, ``weight_grad``
+    dW_g = Σ_r∈g dy_r x_rᵀ."""
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor: ...
+
+    def backward(self, g: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor: ...
+
+    def weight_grad(
+        self, g: torch.Tensor, x: torch.Tensor, groups: ExpertGroups
+    ) -> torch.Tensor: ...
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y = x W_gᵀ for every row with its group's weight, the G weights given one by one: stacked
+    for the product (a transient) and again in backward, so backward keeps x and views of the
+    weights, as G separate linears would. Under `ops.recording_weight_grads` (``store``) the
+    weights arrive detached and each expert's dW waits in the store as `ops.linear`'s does."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x: torch.Tensor,
+        kernel: _Kernel,
+        groups: ExpertGroups,
+        store: ops.WeightGradStore | None,
+        params: tuple[torch.Tensor, ...],
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.kernel, ctx.groups, ctx.store, ctx.params = kernel, groups, store, params
+        ctx.save_for_backward(x, *(w.detach() for w in weights))
+        return kernel.forward(x, torch.stack(weights), groups)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        grad, groups = grad.contiguous(), ctx.groups
+        dx = ctx.kernel.backward(grad, torch.stack(weights), groups)
+        if ctx.store is not None:
+            start = 0
+            for param, n in zip(ctx.params, groups.sizes):
+                ctx.store.queue(param, None, x[start : start + n], grad[start : start + n])
+                start += n
+            return (dx, None, None, None, None, *(None for _ in weights))
+        dw = ctx.kernel.weight_grad(grad, x, groups)
+        return (dx, None, None, None, None, *dw.unbind(0))
+
+
+class _BatchedExperts:
+    """SwiGLU experts as three grouped linears (w1, w3, then w2), elementwise ops between them as
+    in `FeedForward`, so autograd keeps the loop's tensors."""
+
+    kernel: _Kernel
+
+    def _linear(
+        self, x: torch.Tensor, weights: list[torch.Tensor], groups: ExpertGroups
+    ) -> torch.Tensor:
+        store = ops.weight_grad_store() if torch.is_grad_enabled() and x.requires_grad else None
+        params = tuple(weights)
+        if store is not None:  # the weights outside autograd's inputs until W (as ops.linear)
+            weights = [w.detach() for w in weights]
+        return _GroupedLinear.apply(x, self.kernel, groups, store, params, *weights)
+
+    def __call__(
+        self, experts: nn.ModuleDict, tokens: torch.Tensor, groups: ExpertGroups
+    ) -> torch.Tensor:
+        mods = [experts[str(groups.first + i)] for i in range(len(groups.sizes))]
+        h1 = self._linear(tokens, [m.w1.weight for m in mods], groups)
+        h3 = self._linear(tokens, [m.w3.weight for m in mods], groups)
+        return self._linear(F.silu(h1) * h3, [m.w2.weight for m in mods], groups)
+
+
+class _GroupedMM:
+    """`torch._grouped_mm` with the groups' ends as int32 offsets (computed on the device)."""
+
+    @staticmethod
+    def _offsets(groups: ExpertGroups) -> torch.Tensor:
+        return groups.cached("offsets", lambda: groups.counts.cumsum(0).to(torch.int32))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=self._offsets(groups))
+
+    def backward(self, g: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return torch._grouped_mm(g, w, offs=self._offsets(groups))
+
+    def weight_grad(self, g: torch.Tensor, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return torch._grouped_mm(g.t(), x, offs=self._offsets(groups))
+
+
+class _PaddedBMM:
+    """Each group's rows padded with zeros to one size T (the largest group, rounded up to a
+    multiple of ``multiple``: fewer distinct shapes), then `torch.bmm` over [G, T, ·]. Padding and
+    unpadding are gathers by indices computed on the device from the counts."""
+
+    def __init__(self, multiple: int) -> None:
+        self.multiple = multiple
+
+    def _indices(self, groups: ExpertGroups) -> tuple[int, torch.Tensor, torch.Tensor]:
+        def make() -> tuple[int, torch.Tensor, torch.Tensor]:
+            counts, rows, n = groups.counts, groups.rows, len(groups.sizes)
+            size = max(1, -(-max(groups.sizes, default=0) // self.multiple) * self.multiple)
+            starts = counts.cumsum(0) - counts
+            slot = torch.arange(size, device=counts.device)
+            # padded slot (g, p) reads row starts[g] + p, or row `rows` (a zero row) past its group
+            src = torch.where(slot < counts[:, None], starts[:, None] + slot, rows).reshape(-1)
+            group = torch.repeat_interleave(
+                torch.arange(n, device=counts.device), counts, output_size=rows
+            )
+            dest = group * size + torch.arange(rows, device=counts.device) - starts[group]
+            return size, src, dest
+
+        return groups.cached("padded", make)
+
+    def _pad(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        size, src, _ = self._indices(groups)
+        return torch.cat([x, x.new_zeros(1, x.shape[1])])[src].view(-1, size, x.shape[1])
+
+    def _unpad(self, y: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return y.reshape(-1, y.shape[-1])[self._indices(groups)[2]]
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return self._unpad(torch.bmm(self._pad(x, groups), w.transpose(1, 2)), groups)
+
+    def backward(self, g: torch.Tensor, w: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return self._unpad(torch.bmm(self._pad(g, groups), w), groups)
+
+    def weight_grad(self, g: torch.Tensor, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return torch.bmm(self._pad(g, groups).transpose(1, 2), self._pad(x, groups))
+
+
+class PaddedBatchedExperts(_BatchedExperts):
+    """The experts as one `torch.bmm` per projection over their groups padded to one size (the
+    largest, rounded up to ``multiple`` rows): for devices without a grouped matmul. Costs the
+    padding's FLOPs (G·T − R rows) and transient padded copies."""
+
+    def __init__(self, multiple: int = 8) -> None:
+        self.kernel = _PaddedBMM(multiple)
+
+
+class GroupedExperts(_BatchedExperts):
+    """The experts as one `torch._grouped_mm` per projection (and per gradient), the groups given
+    by offsets: no padding. torch 2.13 runs it on CUDA (bf16; CUTLASS kernels on sm90+) and on the
+    CPU (a fallback over the groups); rows and weights must have 16-byte aligned strides, so a
+    layer whose widths are not falls back to `fallback`."""
+
+    def __init__(self, fallback: ExpertsStrategy | None = None) -> None:
+        self.kernel = _GroupedMM()
+        self.fallback = fallback or PaddedBatchedExperts()
+
+    def __call__(
+        self, experts: nn.ModuleDict, tokens: torch.Tensor, groups: ExpertGroups
+    ) -> torch.Tensor:
+        w = experts[str(groups.first)].w1.weight
+        if any(n * tokens.element_size() % 16 for n in w.shape):
+            return self.fallback(experts, tokens, groups)
+        return super().__call__(experts, tokens, groups)
+
+
+def default_experts(device: torch.device, dtype: torch.dtype) -> ExpertsStrategy:
+    """The strategy for experts on ``device`` in ``dtype``: `GroupedExperts` where torch has a
+    grouped matmul for it (CUDA sm90+ in bf16; the CPU), else `PaddedBatchedExperts`."""
+    device = torch.device(device)
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return GroupedExperts()
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        if torch.cuda.get_device_capability(device) >= (9, 0):
+            return GroupedExperts()
+    return PaddedBatchedExperts()
+
+
+# (rows sorted by expert, group sizes on the host, the same on the device, first expert id)
+RunExperts = Callable[[torch.Tensor, list[int], torch.Tensor, int], torch.Tensor]
 
 
 class LocalExperts:
-    """Every expert is on this process: run them on their groups (the single-process `exchange`)."""
+    """Every expert is on this process: run them on their groups (the single-process `exchange`).
+    The group sizes are the layer's one host sync."""
 
     def __call__(self, run: RunExperts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run(tokens, counts.tolist(), 0)  # group sizes on the host: a sync per layer
+        sizes = ops.host_values(counts.tolist)
+        return run(tokens[: sum(sizes)], sizes, counts, 0)
 
 
 class LocalBalance:
@@ -204,11 +435,21 @@ class MoEFeedForward(nn.Module):
         # the main loss's scale for this micro-batch (1 / micro-batches), set per step
         self.aux_grad_scale = 1.0
         self.stats: MoEStats | None = None
+        # how the experts run on their groups; None: `default_experts` for their device and dtype
+        self.strategy: ExpertsStrategy | None = None
 
-    def run_experts(self, tokens: torch.Tensor, counts: list[int], first: int) -> torch.Tensor:
-        """`run_experts` on this layer's experts (those this rank holds under expert
-        parallelism)."""
-        return run_experts(self.experts, tokens, counts, first)
+    def run_experts(
+        self, tokens: torch.Tensor, sizes: list[int], counts: torch.Tensor, first: int
+    ) -> torch.Tensor:
+        """This layer's experts ``first``, ``first + 1``, ... (those this rank holds under expert
+        parallelism) on their groups of ``sizes`` rows (``counts`` on the device), by
+        ``strategy``."""
+        groups = ExpertGroups(sizes, counts, first)
+        strategy = self.strategy
+        if strategy is None:  # chosen at each call: the layer may have moved since
+            w = self.experts[str(groups.first)].w1.weight
+            strategy = default_experts(w.device, w.dtype)
+        return strategy(self.experts, tokens, groups)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 logits [T, E] -> (weights [T, k], experts [T, k], probabilities [T, E] for load
@@ -242,7 +483,8 @@ class MoEFeedForward(nn.Module):
         by_slot = experts.t().reshape(
             -1
         )  # every token's first choice, then every second choice, ...
-        one_hot = torch.nn.functional.one_hot(by_slot, c.experts)
+        # one-hot by comparison (F.one_hot checks its range on the host)
+        one_hot = (by_slot[:, None] == torch.arange(c.experts, device=by_slot.device)).long()
         position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
         return (position < capacity).view(k, tokens).t()
 
@@ -254,32 +496,32 @@ class MoEFeedForward(nn.Module):
         logits = self.router(t).float()
         weights, experts, probs = self.route(logits)
         kept = self.capacity_mask(experts)
-        # Each kept (token, slot) is one row sent to its expert; sorted by expert (stable: token
-        # order within).
+        # Each (token, slot) is one row for its expert, sorted by expert (stable: token order
+        # within); a dropped row sorts last, under a bucket E of its own, and is never computed.
         flat_experts = experts.reshape(-1)
-        token_of = torch.arange(n_tokens, device=t.device).repeat_interleave(c.top_k)
-        if c.capacity_factor is not None:
-            keep = kept.reshape(-1)
-            flat_experts, token_of, flat_weights = (
-                flat_experts[keep],
-                token_of[keep],
-                weights.reshape(-1)[keep],
-            )
-        else:
-            flat_weights = weights.reshape(-1)
-        order = flat_experts.argsort(stable=True)
-        token_of, flat_weights = token_of[order], flat_weights[order]
-        counts = torch.bincount(flat_experts, minlength=c.experts)
+        bucket = flat_experts if c.capacity_factor is None else flat_experts.masked_fill(
+            ~kept.reshape(-1), c.experts
+        )
+        order = bucket.argsort(stable=True)
+        token_of = torch.div(order, c.top_k, rounding_mode="floor")
+        flat_weights = weights.reshape(-1)[order]
+        ones = torch.ones_like(flat_experts)
+        counts = torch.zeros(c.experts + 1, dtype=torch.long, device=t.device)
+        counts = counts.scatter_add_(0, bucket, ones)[: c.experts]
         y = self.exchange(self.run_experts, t[token_of], counts)
-        out = torch.zeros_like(t).index_add(0, token_of, y * flat_weights.unsqueeze(-1).to(y.dtype))
+        rows = y.shape[0]  # the kept rows (known on the host from the exchange's sizes)
+        weighted = y * flat_weights[:rows].unsqueeze(-1).to(y.dtype)
+        out = torch.zeros_like(t).index_add(0, token_of[:rows], weighted)
         if self.shared is not None:
             out = out + self.shared(t)
 
         # Load balancing over the tokens `balance` covers: f from (all-reduced) routing counts, P
         # from this rank's probabilities; scaled by the number of ranks so that the mean over ranks
         # of their aux is the global aux.
-        chosen = torch.bincount(experts.reshape(-1), minlength=c.experts).float()
-        chosen, total, ranks = self.balance(chosen, torch.tensor(float(n_tokens), device=t.device))
+        chosen = torch.zeros(c.experts, device=t.device).scatter_add_(
+            0, flat_experts, ones.to(torch.float32)
+        )
+        chosen, total, ranks = self.balance(chosen, chosen.new_full((), float(n_tokens)))
         f = chosen / (total * c.top_k)
         aux = c.experts * (f * probs.sum(dim=0)).sum() / total * ranks
         z = logits.logsumexp(dim=-1).pow(2).sum() / total * ranks
