@@ -75,7 +75,7 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
     cfg.run.log_every = log_every
     if model is None:
         model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                           max_seq_len=SEQ, vocab_size=16)
+                           max_seq_len=seq, vocab_size=16)
     mesh = ParallelMesh(ParallelDims(**dims), device, CommLog())
     return cfg, mesh, parallelize(cfg, model, mesh, torch.device(device))
 

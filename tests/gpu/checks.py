@@ -7,7 +7,8 @@ Parts (one accelerator, world 1 on NCCL; ``--dry-run``: the same code on the CPU
   ``torch.cuda.set_sync_debug_mode("error")`` (a sync raises); dry run: the simulated count
   (`bench/host_syncs.py`, meta standing in for CUDA), which must be 0 on unlogged steps.
 - ``moe``: the MoE step's host syncs (``set_sync_debug_mode("warn")``, each warning counted) per
-  MoE layer per micro-batch; dry run: `fivefold.observe.host_syncs` on the CPU path.
+  MoE layer per micro-batch; dry run: `fivefold.observe.host_syncs` on the CPU path, over forward
+  and backward.
 - ``profile``: a Llama-3.2-1B bf16 step (ZeRO-1 at dp 1, seq 2048) under torch.profiler: kernels
   and synchronising runtime calls per step, step time, tokens/s and MFU; dry run: a tiny model.
 - ``compile``: ``train.compile`` blocks (inductor: triton on CUDA, C++ on the CPU), a few steps;
@@ -124,8 +125,11 @@ def part_moe(dry: bool) -> dict[str, Any]:
         if dry:
             from fivefold.observe.host_syncs import HostSyncs
 
+            batches = trainer._micro_batches(2)
+            # forward and backward only: on the CPU path everything counts, torch's own CPU AdamW
+            # reading its step counts too
             with HostSyncs(devices=("cpu",)) as syncs:
-                trainer.train_step(2)
+                parts.forward_backward(batches)
             count, where = syncs.count, sorted({w.splitlines()[0] for w in syncs.where})
         else:
             torch.cuda.set_sync_debug_mode("warn")

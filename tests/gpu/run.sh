@@ -36,8 +36,10 @@ print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {n} GPU(s)"
       + "".join(f"\n  {i}: {torch.cuda.get_device_name(i)}" for i in range(n)))
 PYEOF
 
+LIMIT=150  # per part on the GPU; a CPU rehearsal is slower (compiling, every layout simulated)
+[ -n "$DRY" ] && LIMIT=900
 for p in syncs moe profile compile cp-kernel; do
-  part "$p" 150 "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
+  part "$p" "$LIMIT" "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
 done
 if [ -z "$DRY" ]; then  # the two-process NCCL smoke tests (skipped by pytest with fewer than 2 GPUs)
   part smoke 240 "$PY" -m pytest -p no:cacheprovider -q -s tests/gpu/test_gpu_smoke.py
