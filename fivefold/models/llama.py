@@ -238,13 +238,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d],
-    causal."""
-    n_heads, n_kv_heads = q.shape[1], k.shape[1]
-    if n_kv_heads != n_heads:
-        # Explicit, not SDPA's enable_gqa: the same grouping on every backend and torch version.
-        k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
-        v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    causal. GQA goes to SDPA as it is (``enable_gqa``: q head h reads kv head h // (H / H_kv), as
+    `repeat_interleave` would group them), so a fused kernel keeps k and v with their own H_kv heads
+    for backward, not H-head copies (docs/design.md#activation-memory); a backend without a GQA
+    kernel repeats them inside torch (its math path). The forward equals the repeated-K/V call bit
+    for bit on the CPU; dK and dV sum the group's heads in another order (last-bit differences)."""
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
