@@ -314,3 +314,20 @@ def test_gqa_block_keeps_what_the_activation_formula_says() -> None:
     x = torch.randint(0, 256, (b, seq), generator=torch.Generator().manual_seed(0))
     measured = block_activation_bytes(model.layers, lambda: model(x))
     assert measured == [activation_bytes_per_block(MicroBatch(b, seq, dim), h, h_kv, ffn)] * 2
+
+
+
+def test_initial_values_on_the_cpu_are_the_seeded_cpu_stream() -> None:
+    """On the CPU (the default device) `Llama.initial_value` is the stream of a CPU generator seeded by
+    blake2b(seed:name), bit for bit: the values every layout and checkpoint reproduce. An accelerator draws with
+    its own generator instead (not comparable here: no accelerator)."""
+    import hashlib
+
+    model = Llama(tiny(), device="meta")
+    name, seed = "layers.1.attention.wo.weight", 5
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    scale = 0.02 / math.sqrt(2 * model.config.n_layers)
+    want = torch.empty(model.full_shapes()[name]).normal_(0.0, scale, generator=gen)
+    assert torch.equal(model.initial_value(name, seed), want)
+    assert torch.equal(model.initial_value(name, seed, torch.device("cpu")), want)
