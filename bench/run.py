@@ -16,6 +16,7 @@
     python bench/run.py syncs                     # host syncs per training step, per layout (fake group, meta
                                                   # standing in for CUDA): first, unlogged and log steps
     python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
+    python bench/run.py init                      # start-up's initial values drawn: CPU (1 thread) vs accelerator
     python bench/run.py debug                     # what --debug.collectives costs per collective
     python bench/run.py recompute                 # activation recompute none/full/selective (+ torch's): memory
                                                   # kept, peak, step time; seq 1024, eager and sdpa attention
@@ -79,6 +80,7 @@ from bench.expert_parallel import (  # noqa: E402
     format_experts_table,
 )
 from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
+from bench.init import InitSpec, bench_init, format_init_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
 from bench.scaling import ScaleSpec, bench_scaling, format_scaling_table  # noqa: E402
@@ -92,7 +94,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "cp-kernel": ("cp-kernel",), "syncs": ("syncs",),
     "ep": ("ep", "ep-overlap"), "experts": ("experts",),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
-    "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",),
+    "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -193,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--layouts", default=None, help="comma-separated: ddp,zero3,tp2,pp2 (all)")
     co.add_argument("--world", type=int, default=None, help=f"gloo ranks ({CompileSpec().world})")
     co.add_argument("--batch", type=int, default=None, help=f"sequences per step ({CompileSpec().batch})")
+    sub.add_parser("init", parents=[common], help="start-up's initial values drawn on the CPU (1 thread) vs an accelerator")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -260,6 +263,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             format_compile_table),
         "syncs": (lambda: bench_syncs(tuple(n.strip() for n in opt["layouts"].split(",")) if opt.get("layouts")
                                       else None), format_syncs_table),
+        "init": (lambda: bench_init(InitSpec(**_given(preset=args.preset, repeats=args.repeats,
+                                                      threads=args.threads))), format_init_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),

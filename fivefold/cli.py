@@ -32,6 +32,7 @@ def _train(argv: list[str]) -> int:
         help="TOML file with sections [model] [parallel] [zero] [train] [data] "
         "[precision] [pipeline] [run] [checkpoint]",
     )
+    parser.add_argument("--profile", help=PROFILE_HELP)
     parser.epilog = (
         "--resume [PATH]: continue the run from its latest complete checkpoint, or from the "
         "checkpoint PATH; --overwrite: start over in a run directory that already holds a run"
@@ -50,7 +51,7 @@ def _train(argv: list[str]) -> int:
     from fivefold.train.trainer import run
 
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, profile=args.profile)
         result = run(cfg)
     except Terminated as e:
         print(f"fivefold train: {e}", file=sys.stderr)
@@ -75,6 +76,13 @@ def _train(argv: list[str]) -> int:
     # under torchrun every rank returns a result; a rank that stopped early with a checkpoint says
     # so in its code
     return EXIT_STOPPED if getattr(result, "stopped", None) else EXIT_DONE
+
+
+PROFILE_HELP = (
+    "defaults for a kind of machine, under --config and the overrides: a name (gpu: "
+    "configs/gpu.toml, bf16 parameters with fp32 reduction, log every 10 steps, defer_reduce, "
+    "train.compile) or a TOML path"
+)
 
 
 def worker_error(e: BaseException) -> str:
@@ -207,6 +215,7 @@ def _plan(argv: list[str]) -> int:
         "--pp 4 --zero 1 --micro-batch 1 --seq 8192 --global-batch 1024 --sp --recompute selective",
     )
     parser.add_argument("--config", help="a train TOML file: its layout, model and batch")
+    parser.add_argument("--profile", help=PROFILE_HELP)
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job (the world size)")
     parser.add_argument(
         "--hardware", default="h100", choices=sorted(HARDWARE), help="GPU preset (default h100)"
@@ -276,7 +285,9 @@ def _plan(argv: list[str]) -> int:
         hw.check()
         if args.gpus <= 0:
             raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs in the job")
-        cfg = load_config(args.config, [*overrides, "--run.nproc", str(args.gpus)])
+        cfg = load_config(
+            args.config, [*overrides, "--run.nproc", str(args.gpus)], profile=args.profile
+        )
         notes = [] if args.config else _plan_defaults(cfg, given)
         if args.search:
 

@@ -472,34 +472,68 @@ def apply_overrides(cfg: Config, args: list[str]) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file (if any), then command-line overrides."""
+# `--profile NAME`: configs/NAME.toml of the checkout (next to the package), a layer of defaults
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def profile_path(profile: str | Path) -> Path:
+    """The TOML file of ``profile``: a name (``gpu`` -> `PROFILES_DIR`/gpu.toml) or a path."""
+    text = str(profile)
+    if text.endswith(".toml") or "/" in text:
+        return Path(profile)
+    path = PROFILES_DIR / f"{text}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.toml")) if PROFILES_DIR.is_dir() else []
+        raise ConfigError(
+            f"--profile {text}: no {path}"
+            + (f"; profiles: {', '.join(known)}" if known else " (profiles ship with the checkout)")
+        )
+    return path
+
+
+def apply_toml(cfg: Config, path: str | Path, flag: str = "--config") -> Config:
+    """Set every key the TOML file at ``path`` names (``flag``: which option named it, for
+    errors)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path}: {e.strerror or e}"
+            + (" (a directory, not a TOML file)" if isinstance(e, IsADirectoryError) else "")
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{flag} {path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{flag} {path} is not valid TOML: {e}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            _set(cfg, ALIASES.get(section, section), values)
+            continue
+        for key, value in values.items():
+            if isinstance(value, dict):  # a nested table such as [model.moe]
+                for sub, v in value.items():
+                    _set(cfg, f"{section}.{key}.{sub}", v)
+            else:
+                _set(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    profile: str | Path | None = None,
+) -> Config:
+    """Defaults, then the profile (``--profile``: defaults for a kind of machine, e.g. ``gpu``),
+    then the TOML file (if any), then command-line overrides: each layer wins over the ones
+    before."""
     cfg = Config()
+    if profile is not None:
+        apply_toml(cfg, profile_path(profile), "--profile")
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError(
-                f"--config {path}: {e.strerror or e}"
-                + (" (a directory, not a TOML file)" if isinstance(e, IsADirectoryError) else "")
-            ) from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"--config {path} is not UTF-8 text (byte {e.start}): TOML files are UTF-8"
-            ) from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"--config {path} is not valid TOML: {e}") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                _set(cfg, ALIASES.get(section, section), values)
-                continue
-            for key, value in values.items():
-                if isinstance(value, dict):  # a nested table such as [model.moe]
-                    for sub, v in value.items():
-                        _set(cfg, f"{section}.{key}.{sub}", v)
-                else:
-                    _set(cfg, f"{section}.{key}", value)
+        apply_toml(cfg, path)
     return apply_overrides(cfg, overrides or [])
 
 

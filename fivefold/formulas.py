@@ -387,20 +387,21 @@ def activation_bytes_per_block(
 
     With s = ``mb.dtype_bytes`` and F = ``ffn_hidden``, no recompute:
       attention  block input (fp32 in the RMSNorm), 1/rms (B·L, fp32), normalised (s), the
-                 norm's output = the input of wq/wk/wv (s); q, and k and v repeated to H heads
-                 (3·s); the core's output = wo's input (s); the core's own: sdpa (fused) the
-                 log-sum-exp B·H·L fp32, eager the softmax B·H·L² (s) and its L×L causal mask
-                 (1 byte)
+                 norm's output = the input of wq/wk/wv (s); q, k and v: sdpa with their own
+                 heads, B·L·(H + 2·H_kv)·d·s (GQA handed to the kernel), eager with k and v
+                 repeated to H heads, 3·B·L·H·d·s; the core's output = wo's input (s); the
+                 core's own: sdpa (fused) the log-sum-exp B·H·L fp32, eager the softmax B·H·L²
+                 (s) and its L×L causal mask (1 byte)
       MLP        residual h (fp32 in the norm), 1/rms, normalised, the norm's output = input of
                  w1/w3 (s); w1·x, w3·x, silu(w1·x) and their product = w2's input (4·B·L·F·s)
-    i.e. 10·BLD + 4·BLF (+ the core's term) elements in fp32 — where GPT's is 34·BLD + 5·BL²H bytes
-    in fp16. ``recompute``: "full" keeps only the block's input (B·L·D·s); "selective" recomputes
-    the attention core, keeping its inputs q, k, v (k and v with their own H_kv heads) and dropping
-    the repeats and the core's own term. ``mb.tp``: heads and F split T ways; ``mb.sp``: the norms'
-    tensors and the residuals are [L/T] too, but the column linears keep their all-gathered [L]
-    inputs (Megatron re-gathers them in backward instead: not done here, so SP divides this formula
-    by less than T). An MoE block: ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of the dense
-    feed-forward's 4·B·L·F·s."""
+    i.e. (8 + 2·H_kv/H)·BLD + 4·BLF (eager: 10·BLD + 4·BLF; + the core's term) elements in fp32 —
+    where GPT's is 34·BLD + 5·BL²H bytes in fp16. ``recompute``: "full" keeps only the block's
+    input (B·L·D·s); "selective" recomputes the attention core, keeping its inputs q, k, v (k and v
+    with their own H_kv heads) and dropping the eager core's repeats and the core's own term.
+    ``mb.tp``: heads and F split T ways; ``mb.sp``: the norms' tensors and the residuals are [L/T]
+    too, but the column linears keep their all-gathered [L] inputs (Megatron re-gathers them in
+    backward instead: not done here, so SP divides this formula by less than T). An MoE block:
+    ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of the dense feed-forward's 4·B·L·F·s."""
     if recompute not in ("none", "full", "selective"):
         raise ValueError(f"recompute={recompute!r}: choose none, full or selective")
     if attention not in ("sdpa", "eager"):
@@ -423,16 +424,13 @@ def activation_bytes_per_block(
     mlp = (
         4 * bl * hidden * s if ffn_bytes is None else ffn_bytes
     )  # an MoE block: `moe_ffn_activation_bytes`
+    own_heads = bl * (heads + 2 * kv_heads) * head_dim * s  # q, k, v as the projections made them
     if recompute == "selective":
-        qkv = bl * (heads + 2 * kv_heads) * head_dim * s
-        core = 0
-    else:
-        qkv = 3 * bl * local_d * s
-        core = (
-            batch * heads * seq_len * fp32
-            if attention == "sdpa"
-            else batch * heads * seq_len**2 * s + seq_len**2
-        )
+        qkv, core = own_heads, 0
+    elif attention == "sdpa":  # the fused kernel keeps k and v un-repeated (enable_gqa)
+        qkv, core = own_heads, batch * heads * seq_len * fp32
+    else:  # eager: k and v repeated to H heads, the probabilities and the mask
+        qkv, core = 3 * bl * local_d * s, batch * heads * seq_len**2 * s + seq_len**2
     return norms + linear_inputs + qkv + core_out + core + mlp
 
 

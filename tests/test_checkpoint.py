@@ -562,6 +562,88 @@ def test_a_stop_signal_to_the_launcher_stops_every_worker_with_a_checkpoint(calm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_accelerator_snapshot_reuses_pinned_buffers_with_asynchronous_copies_and_one_wait(monkeypatch):
+    """`PinnedSnapshot` (an accelerator's background save): one pinned host buffer per tensor and rectangle,
+    allocated at the first save and reused by the next while the shapes hold; every copy non_blocking; one wait
+    per save; the copy no longer changes with training. On the CPU (`snapshot_for`) the fresh copies as before.
+    In process: the pinned allocation and the device wait stood in for (a CPU-only torch cannot pin)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.checkpoint import snapshot as snap
+
+    assert isinstance(snap.snapshot_for("cpu"), snap.HostCopy)
+    assert isinstance(snap.snapshot_for(torch.device("cuda", 1)), snap.PinnedSnapshot)
+    waits, pinned = [], []
+    monkeypatch.setattr(snap, "wait_for_device", lambda device: waits.append(str(device)))
+    monkeypatch.setattr(snap, "_pinned_empty", lambda shape, dtype: pinned.append(shape) or torch.empty(shape, dtype=dtype))
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.non_blocking: list[bool] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.copy_.default:
+                self.non_blocking.append(bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+            return func(*args, **kwargs)
+
+    master = torch.arange(12.0)
+    pieces = Pieces(torch.Size([3, 4]), torch.float32)
+    pieces.add_flat_range(master[2:11], (3, 4), 2, (0, 0))  # a ZeRO shard cutting rows: three rectangles
+    state = {"model.w": pieces, "optim.step": torch.tensor(3.0), "meta": {"step": 3}}
+    snapshot = snap.PinnedSnapshot(torch.device("cuda", 1))
+    copies = Copies()
+    with copies:
+        first = snapshot.take(state)
+    assert waits == ["cuda:1"] and len(pinned) == len(pieces.boxes) + 1 == snapshot.allocated
+    assert copies.non_blocking == [True] * snapshot.allocated
+    assert first["meta"] is state["meta"] and torch.equal(first["optim.step"], torch.tensor(3.0))
+    for at, values in pieces.boxes.items():
+        assert torch.equal(first["model.w"].boxes[at], values)
+    master.add_(100.0)  # training goes on: the copy stays
+    assert all(not torch.equal(first["model.w"].boxes[at], v) for at, v in pieces.boxes.items())
+
+    second = snapshot.take(state)
+    assert len(waits) == 2 and snapshot.allocated == len(pinned) == 4  # the same buffers again
+    for at, values in pieces.boxes.items():
+        assert second["model.w"].boxes[at] is first["model.w"].boxes[at] and torch.equal(second["model.w"].boxes[at], values)
+    snapshot.take({"optim.step": torch.zeros(2)})  # a new shape: a new buffer
+    assert snapshot.allocated == 5
+
+
+def test_the_stop_flag_is_read_one_step_late_and_nothing_is_left_in_flight(tmp_path):
+    """`TrainCheckpoints.due` starts each step's SIGTERM all-reduce asynchronously and reads it at the next step
+    (every rank the same result at the same step); the run's last step (or `run.exit_after`'s) reads its own, so
+    no flag stays in flight. In process: a gloo group of one rank (the agreement across ranks: the signal test
+    above)."""
+    import torch.distributed as dist
+
+    from fivefold.train import checkpointing
+    from fivefold.train.checkpointing import TrainCheckpoints
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    checks = TrainCheckpoints.__new__(TrainCheckpoints)  # the flag's part only: no model, no checkpointer
+    checks.cfg, checks.control, checks._flag = _cfg(tmp_path, "flag", "--checkpoint.interval", "5"), dist.new_group(), None
+    try:
+        assert [checks.due(n, n) for n in (1, 2)] == [None, None]
+        checkpointing._SIGTERM["seen"] = "SIGTERM"  # arrives during step 3
+        assert checks.due(3, 3) is None and checks._flag is not None  # step 3's flag is in flight
+        assert checks.due(4, 4) == "SIGTERM" and checks._flag is None  # read at step 4: stop, nothing started
+        assert checks.due(6, 6) == "SIGTERM" and checks._flag is None  # the last step reads its own flag
+        checkpointing._SIGTERM["seen"] = None
+        assert checks.due(6, 6) == "interval" and checks._flag is None
+        checks.cfg = _cfg(tmp_path, "flag", "--run.exit_after", "2")
+        assert checks.due(2, 2) == "exit_after" and checks._flag is None
+    finally:
+        checkpointing._SIGTERM["seen"] = None
+        dist.destroy_process_group(checks.control)
+        if started:
+            dist.destroy_process_group()
+
+
 @pytest.mark.multiprocess
 def test_a_worker_restarted_by_torchrun_resumes_from_latest(trainer_runs, monkeypatch):
     from fivefold.train.validate import validate

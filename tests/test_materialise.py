@@ -73,9 +73,9 @@ def _worker():
     drawn: list[str] = []  # the initial values each layout draws
     initial_value = Llama.initial_value
 
-    def counting(self, pname, seed):
+    def counting(self, pname, seed, *device):
         drawn.append(pname)
-        return initial_value(self, pname, seed)
+        return initial_value(self, pname, seed, *device)
 
     Llama.initial_value = counting
     for name, (dims, o) in LAYOUTS.items():

@@ -260,3 +260,74 @@ def test_attention_head_shards_sum_to_full_attention() -> None:
         full.wv = torch.nn.Linear(dim, kv_rows, bias=False)
         full.wo = torch.nn.Linear(q_rows, dim, bias=False)
         assert full(x, cos, sin).shape == reference.shape
+
+
+def _saved_storages(run) -> dict[int, tuple[tuple[int, ...], int]]:
+    """Every storage autograd saves while ``run()`` runs: data_ptr -> (a shape it was saved with, bytes)."""
+    seen: dict[int, tuple[tuple[int, ...], int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_sdpa_saves_kv_with_their_own_heads(dtype: torch.dtype) -> None:
+    """The sdpa core hands GQA to the kernel (enable_gqa): what it saves for backward is q, k and v as
+    given (k and v with H_kv heads, no H-head copies), its output and the log-sum-exp, byte for byte;
+    its forward equals the repeated-K/V call bit for bit, its gradients to the rounding of dK/dV's
+    group sum."""
+    from fivefold.models.llama import causal_attention
+
+    b, h, h_kv, seq, d = 2, 8, 2, 16, 8
+    s = torch.finfo(dtype).bits // 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, seq, d, generator=g, dtype=dtype).requires_grad_() for n in (h, h_kv, h_kv))
+    saved = _saved_storages(lambda: causal_attention(q, k, v))
+    assert all(t.untyped_storage().data_ptr() in saved for t in (q, k, v))  # the inputs themselves
+    assert sorted(shape for shape, _ in saved.values()) == sorted(
+        [(b, h_kv, seq, d)] * 2 + [(b, h, seq, d)] * 2 + [(b, h, seq)])  # k, v; q, the output; the lse
+    assert sum(n for _, n in saved.values()) == (2 * h + 2 * h_kv) * b * seq * d * s + b * h * seq * 4
+
+    out = causal_attention(q, k, v)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    rep = (k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1))
+    ref = F.scaled_dot_product_attention(q, *rep, is_causal=True)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    assert torch.equal(out, ref)
+    for got, want, name in zip(grads, ref_grads, ("dq", "dk", "dv")):
+        assert_values_close(got, want, h // h_kv * seq, name)  # dK/dV: the group's heads × positions summed
+
+
+def test_gqa_block_keeps_what_the_activation_formula_says() -> None:
+    """A GQA block's activations (fp32, sdpa, no recompute) equal `activation_bytes_per_block` exactly: q, k, v
+    counted with their own heads."""
+    from fivefold.formulas import MicroBatch, activation_bytes_per_block
+    from fivefold.observe.memory import block_activation_bytes
+
+    b, seq, dim, h, h_kv, ffn = 2, 32, 64, 4, 2, 96
+    model = Llama(LlamaConfig(dim=dim, n_layers=2, n_heads=h, n_kv_heads=h_kv, ffn_hidden=ffn, max_seq_len=seq))
+    x = torch.randint(0, 256, (b, seq), generator=torch.Generator().manual_seed(0))
+    measured = block_activation_bytes(model.layers, lambda: model(x))
+    assert measured == [activation_bytes_per_block(MicroBatch(b, seq, dim), h, h_kv, ffn)] * 2
+
+
+
+def test_initial_values_on_the_cpu_are_the_seeded_cpu_stream() -> None:
+    """On the CPU (the default device) `Llama.initial_value` is the stream of a CPU generator seeded by
+    blake2b(seed:name), bit for bit: the values every layout and checkpoint reproduce. An accelerator draws with
+    its own generator instead (not comparable here: no accelerator)."""
+    import hashlib
+
+    model = Llama(tiny(), device="meta")
+    name, seed = "layers.1.attention.wo.weight", 5
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    scale = 0.02 / math.sqrt(2 * model.config.n_layers)
+    want = torch.empty(model.full_shapes()[name]).normal_(0.0, scale, generator=gen)
+    assert torch.equal(model.initial_value(name, seed), want)
+    assert torch.equal(model.initial_value(name, seed, torch.device("cpu")), want)

@@ -273,3 +273,27 @@ def test_config_fuzz_never_raises_anything_but_a_clear_error():
             pass
 
     check()
+
+
+def test_the_gpu_profile_is_a_layer_of_defaults_that_validates_for_one_gpu(tmp_path, capsys):
+    """`--profile gpu` (configs/gpu.toml): bf16 parameters, fp32 reduction, a log every 10 steps, defer_reduce,
+    compiled blocks — under --config and the overrides, which win; the layout validates for a world of one on an
+    accelerator and on this CPU, and `fivefold plan --profile gpu --gpus 1` plans it (in process, on meta)."""
+    from fivefold.cli import main
+    from fivefold.config import PROFILES_DIR, Config
+    from fivefold.run_plan import validate_layout
+
+    cfg = load_config(profile="gpu")
+    assert (cfg.precision.param, cfg.precision.reduce, cfg.precision.tf32) == ("bf16", "fp32", True)
+    assert (cfg.run.log_every, cfg.zero.defer_reduce, cfg.train.compile) == (10, True, True)
+    assert cfg.model == Config().model and cfg.parallel == Config().parallel  # no model, layout or data
+    layered = load_config(PROFILES_DIR / "llama-1b.toml", ["--run.log_every", "5"], profile="gpu")
+    assert (layered.model.preset, layered.run.log_every, layered.train.compile) == ("llama3.2-1b", 5, True)
+    assert load_config(profile=PROFILES_DIR / "gpu.toml") == cfg  # a path works too
+    for device in ("cuda", "cpu"):
+        plan = validate_layout(cfg, 1, device)
+        assert (plan.dims.dp, plan.dims.tp, plan.dims.pp) == (1, 1, 1)
+    with pytest.raises(ConfigError, match=r"--profile tpu: no .*tpu.toml; profiles: .*gpu"):
+        load_config(profile="tpu")
+    assert main(["plan", "--profile", "gpu", "--gpus", "1", "--json"]) == 0
+    assert capsys.readouterr().out.lstrip().startswith("{")

@@ -8,10 +8,11 @@ once DCP's last collective has returned (all data and the metadata are on disk) 
 its final name and then points ``<root>/latest`` at it (written to a temporary file and renamed), so
 a directory without ``.partial`` in its name is complete and ``latest`` never names a half-written
 one. Keep-last-k rotation removes older complete checkpoints after that. With ``async_save`` the
-state is copied to host memory (`Pieces.snapshot`) and the same DCP save runs on a background thread
-over a process group of its own (so its collectives never interleave with training's), as DCP's
-``async_save`` does; at most one save is in flight. ``fivefold.json`` lists every file with its size
-and SHA-256; a load checks them first.
+state is copied to host memory (`fivefold.checkpoint.snapshot`: on an accelerator into pinned
+buffers reused across saves, copies asynchronous and one wait) and the same DCP save runs on a
+background thread over a process group of its own (so its collectives never interleave with
+training's), as DCP's ``async_save`` does; at most one save is in flight. ``fivefold.json`` lists
+every file with its size and SHA-256; a load checks them first.
 
 Loading executes nothing the checkpoint holds: DCP's metadata is read from ``dcp-metadata.json``
 (`fivefold.checkpoint.metadata`), objects with ``torch.load(weights_only=True)``, and every name a
@@ -49,6 +50,7 @@ from fivefold.checkpoint.metadata import (
 )
 from fivefold.checkpoint.pieces import Pieces
 from fivefold.checkpoint.planner import PiecesLoadPlanner, PiecesSavePlanner
+from fivefold.checkpoint.snapshot import HostCopy, Snapshot
 from fivefold.paths import PathOutside, inside
 
 __all__ = [
@@ -156,19 +158,6 @@ def find_checkpoint(where: str | Path, root: Path | None = None) -> Path:
     return done[-1]
 
 
-def _snapshot(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state copied to host memory, so training may change it while a background save writes the
-    copy."""
-    return {
-        k: v.snapshot()
-        if isinstance(v, Pieces)
-        else v.detach().to("cpu", copy=True)
-        if isinstance(v, torch.Tensor)
-        else v
-        for k, v in state_dict.items()
-    }
-
-
 def _file_digest(path: Path) -> dict[str, Any]:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -211,10 +200,19 @@ class Checkpointer:
     """Saves and finds this run's checkpoints under ``root`` (every rank constructs one, in the same
     order: with ``async_save`` it creates the background process group, a collective)."""
 
-    def __init__(self, root: Path, keep: int = 3, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        keep: int = 3,
+        async_save: bool = False,
+        snapshot: Snapshot | None = None,
+    ) -> None:
         self.root = root
         self.keep = keep
         self.async_save = async_save
+        # how a background save's host copy is taken (`snapshot_for(device)`: pinned, reused
+        # buffers on an accelerator)
+        self.snapshot = snapshot if snapshot is not None else HostCopy()
         self.rank = dist.get_rank()
         self._group = dist.new_group(backend="gloo") if async_save else None
         self._writer = (
@@ -253,7 +251,7 @@ class Checkpointer:
         if problem[0] is not None:
             raise CheckpointSaveError(problem[0])
         if self._writer is not None:
-            snapshot = _snapshot(state_dict)
+            snapshot = self.snapshot.take(state_dict)
             self._pending = self._writer.submit(
                 self._write, snapshot, partial, final, step, meta, self._group, need
             )

@@ -120,14 +120,6 @@ class Pieces:
             values = flat[a : a + box.numel].view(box.sizes)
             self.add([o + lo for o, lo in zip(box.offsets, local_offset)], values)
 
-    def snapshot(self) -> Pieces:
-        """A copy on the CPU whose values no longer change with training (for a background save)."""
-        return Pieces(
-            self.size,
-            self.dtype,
-            {k: v.detach().to("cpu", copy=True) for k, v in self.boxes.items()},
-        )
-
     @property
     def numel(self) -> int:
         return sum(v.numel() for v in self.boxes.values())

@@ -238,13 +238,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d],
-    causal."""
-    n_heads, n_kv_heads = q.shape[1], k.shape[1]
-    if n_kv_heads != n_heads:
-        # Explicit, not SDPA's enable_gqa: the same grouping on every backend and torch version.
-        k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
-        v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    causal. GQA goes to SDPA as it is (``enable_gqa``: q head h reads kv head h // (H / H_kv), as
+    `repeat_interleave` would group them), so a fused kernel keeps k and v with their own H_kv heads
+    for backward, not H-head copies (docs/design.md#activation-memory); a backend without a GQA
+    kernel repeats them inside torch (its math path). The forward equals the repeated-K/V call bit
+    for bit on the CPU; dK and dV sum the group's heads in another order (last-bit differences)."""
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -505,33 +505,38 @@ class Llama(nn.Module):
             self._full_shapes
         )  # recorded when the whole model was built; stages and TP slices are copies
 
-    def initial_value(self, name: str, seed: int) -> torch.Tensor:
-        """The seeded initial value of parameter `name`, full shape, fp32, on the CPU: normal(0,
+    def initial_value(
+        self, name: str, seed: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """The seeded initial value of parameter `name`, full shape, fp32, on ``device``: normal(0,
         0.02), residual outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1. Each parameter draws
-        from its own generator, seeded by (seed, name): bitwise identical on any process and device,
-        and a rank draws only what it holds (its stages), in any order, which is what lets it
-        materialise only its share (`ZeroDataParallel(init_value=)`)."""
+        from its own generator, seeded by (seed, name), so a rank draws only what it holds (its
+        stages), in any order, which is what lets it materialise only its share
+        (`ZeroDataParallel(init_value=)`). The generator is ``device``'s: on the CPU (the default)
+        the values are bitwise identical on any process; on an accelerator they are that device
+        type's generator's (CUDA: Philox), drawn in parallel there instead of on one CPU thread —
+        the same on every rank and run on the same kind of device, not the CPU's values."""
         shape = self.full_shapes()[name]
         if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=torch.float32, device="cpu")
+            return torch.ones(shape, dtype=torch.float32, device=device)
         scale = 0.02
         if name.endswith(
             ("attention.wo.weight", "w2.weight")
         ):  # residual outputs (dense, expert, shared)
             scale /= math.sqrt(2 * self.config.n_layers)
         digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-        gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
-        return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(
+        gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.empty(shape, dtype=torch.float32, device=device).normal_(
             0.0, scale, generator=gen
         )
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Every materialised parameter gets its `initial_value` (rounded to the parameter's dtype),
-        then the buffers theirs (`init_buffers`)."""
+        """Every materialised parameter gets its `initial_value` drawn on the parameter's device
+        (rounded to its dtype), then the buffers theirs (`init_buffers`)."""
         for name, param in self.named_parameters():
             if param.device.type != "meta":
-                param.copy_(self.initial_value(name, seed))
+                param.copy_(self.initial_value(name, seed, param.device))
         self.init_buffers()
 
     @torch.no_grad()

@@ -216,7 +216,7 @@ def _engines(
         full = (
             torch.empty(module.full_shapes()[name], device="meta")
             if device.type == "meta"
-            else module.initial_value(name, t.seed)
+            else module.initial_value(name, t.seed, device)  # drawn where it will live
         )
         return tp_placements.get(name, ParamPlacement()).local_part(full, tp)
 

@@ -27,6 +27,7 @@ from fivefold.checkpoint.manager import (
     read_checkpoint_meta,
 )
 from fivefold.checkpoint.metadata import read_safe_metadata
+from fivefold.checkpoint.snapshot import snapshot_for
 from fivefold.config import Config
 from fivefold.distributed.mesh import MESH_DIMS, ParallelMesh
 from fivefold.models.llama import WEIGHT_SIZES
@@ -184,36 +185,58 @@ class TrainCheckpoints:
         self.device = device or torch.device("cpu")
         self.model_config = dataclasses.asdict(model_config)
         self.ckpt = Checkpointer(
-            checkpoint_root(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+            checkpoint_root(cfg),
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+            snapshot=snapshot_for(self.device),
         )
         if self.ckpt._group is not None:
             mesh.own(self.ckpt._group)
         # Flags (SIGTERM agreed by every rank) go over a gloo group of their own: a CPU all-reduce,
-        # no device sync.
+        # no device sync; issued asynchronously and read one step later (`stop_requested`).
         self.control = mesh.own(dist.new_group(backend="gloo"))
+        self._flag: tuple[dist.Work, torch.Tensor] | None = None  # this step's, in flight
         self._pending_reason: str | None = None  # why the background save in flight was started
         self.warnings: list[
             str
         ] = []  # failed saves under checkpoint.on_error=warn, for the trainer to say
         watch_sigterm()
 
-    def stop_requested(self) -> str | None:
-        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one (checked each step:
-        one tiny CPU all-reduce); None otherwise."""
-        seen = _SIGTERM["seen"]
-        code = 0 if seen is None else _STOP_SIGNALS.index(getattr(signal, seen)) + 1
+    def stop_requested(self, last: bool = False) -> str | None:
+        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one, one step late:
+        each call reads the all-reduce (MAX over the gloo control group) the previous call started
+        and starts this step's with ``async_op=True``, so no step waits for the other ranks' hosts
+        (docs/reliability.md#when-things-go-wrong). Every rank reads the same result at the same
+        call, so all stop after the same step. ``last`` (the run's last step): this step's flag is
+        read now too, leaving nothing in flight. None: no signal."""
+        seen = self._read_flag()
+        if seen is not None:  # every rank stops now: nothing more is started
+            return seen
+        here = _SIGTERM["seen"]
+        code = 0 if here is None else _STOP_SIGNALS.index(getattr(signal, here)) + 1
         flag = torch.tensor([code], dtype=torch.int32, device="cpu")  # the gloo control group
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        return _STOP_SIGNALS[int(flag.item()) - 1].name if flag.item() else None
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control, async_op=True)
+        self._flag = (work, flag)
+        return self._read_flag() if last else None
+
+    def _read_flag(self) -> str | None:
+        """The stop signal the all-reduce in flight agreed on (waiting for it), or None."""
+        if self._flag is None:
+            return None
+        (work, flag), self._flag = self._flag, None
+        work.wait()
+        code = int(flag.item())  # a CPU tensor: no device sync
+        return _STOP_SIGNALS[code - 1].name if code else None
 
     def due(self, steps_done: int, steps_this_run: int) -> str | None:
         """Why to save after ``steps_done`` steps (None: not now). Call on every rank after every
-        step."""
+        step (collective: the stop flag)."""
         c, r, t = self.cfg.checkpoint, self.cfg.run, self.cfg.train
-        stop = self.stop_requested()
+        exit_now = bool(r.exit_after) and steps_this_run >= r.exit_after
+        stop = self.stop_requested(last=exit_now or steps_done >= t.steps)
         if stop is not None:
             return stop
-        if r.exit_after and steps_this_run >= r.exit_after and steps_done < t.steps:
+        if exit_now and steps_done < t.steps:
             return "exit_after"
         if c.interval > 0 and (steps_done % c.interval == 0 or steps_done == t.steps):
             return "interval"
