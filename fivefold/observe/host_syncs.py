@@ -128,8 +128,8 @@ class HostSyncs:
             ("item", _scalar),
             ("tolist", _zeros_like_list),
             ("__bool__", lambda t: False),
-            ("cpu", lambda t, *a, **k: torch.zeros(t.shape, dtype=t.dtype)),
-            ("numpy", lambda t, *a, **k: torch.zeros(t.shape, dtype=t.dtype).numpy()),
+            ("cpu", lambda t, *a, **k: torch.zeros(t.shape, dtype=t.dtype, device="cpu")),
+            ("numpy", lambda t, *a, **k: torch.zeros(t.shape, dtype=t.dtype, device="cpu").numpy()),
         ):
             self._patch(T, name, self._counting(f"Tensor.{name}", on_device, placeholder))
 
