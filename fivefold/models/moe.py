@@ -499,8 +499,10 @@ class MoEFeedForward(nn.Module):
         # Each (token, slot) is one row for its expert, sorted by expert (stable: token order
         # within); a dropped row sorts last, under a bucket E of its own, and is never computed.
         flat_experts = experts.reshape(-1)
-        bucket = flat_experts if c.capacity_factor is None else flat_experts.masked_fill(
-            ~kept.reshape(-1), c.experts
+        bucket = (
+            flat_experts
+            if c.capacity_factor is None
+            else flat_experts.masked_fill(~kept.reshape(-1), c.experts)
         )
         order = bucket.argsort(stable=True)
         token_of = torch.div(order, c.top_k, rounding_mode="floor")
