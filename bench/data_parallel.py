@@ -10,6 +10,8 @@
 - both also run "ideal": each rank trains its own batch alone (plain model, torch AdamW, no communication), the
   limit data parallelism approaches; every row reports step time / ideal (paired rounds) and its inverse, the
   DP efficiency.
+- `bench_optimizer`: the optimizer step alone on the CPU, master shards cut into 1 MiB segments or whole; and
+  `optimizer_step_ops`: the operations one step dispatches on the accelerator path (meta device, fake group).
 - `bench_offload`: fivefold ZeRO-2/3 with ZeRO-Offload (fp32 masters, Adam state and step on the host) and with
   ZeRO-R constant buffers against the same stage without: step time, device- and host-resident bytes.
 
@@ -63,9 +65,14 @@ __all__ = [
     "DPSpec",
     "bench_ddp",
     "bench_offload",
+    "bench_optimizer",
     "bench_zero",
     "format_offload_table",
+    "format_optimizer_ops_table",
+    "format_optimizer_table",
     "format_table",
+    "optimizer_ops",
+    "optimizer_step_ops",
     "run_dp_contest",
     "zero_contestants",
     "zero_keep_contestants",
@@ -700,7 +707,7 @@ def bench_optimizer(preset: str = "bench-120m", steps: int = 24, warmup: int = 2
                     threads: int = 1, bucket_mb: float = 25.0, seed: int = 0) -> dict:
     """The optimizer step alone on the CPU (clipping norm, clip, AdamW, write-back) of `preset` on one rank, its
     flat buffers cut into cache-sized segments (the CPU's choice) or whole shards (the accelerator's), each
-    stepped by torch's per-tensor CPU loop, and whole shards by the fused CPU kernel: ms per step per contestant,
+    stepped by torch's per-tensor CPU loop or by its fused CPU kernel: ms per step per contestant,
     in alternating blocks (side by side); ``ratio`` each one's median over the segments' median."""
     import time
 
@@ -711,6 +718,7 @@ def bench_optimizer(preset: str = "bench-120m", steps: int = 24, warmup: int = 2
     torch.set_num_threads(threads)
     contestants = {"segments (1 MiB), per-tensor": (CacheSizedSegments(), {}),
                    "whole shards, per-tensor": (WholeShards(), {}),
+                   "segments (1 MiB), fused": (CacheSizedSegments(), {"fused": True}),
                    "whole shards, fused": (WholeShards(), {"fused": True})}
     runs = {}
     gen = torch.Generator().manual_seed(seed)
@@ -759,3 +767,25 @@ def format_optimizer_table(results: dict) -> str:
             f"{spec['bucket_mb']:g} MiB, fp32 AdamW (2 groups), norm + clip + step + write-back; {spec['threads']} "
             f"thread(s), {spec['steps']} timed steps (+{spec['warmup']} warmup) each in {spec['repeats']} "
             "alternating blocks"])
+
+
+def optimizer_ops(preset: str = "llama3.2-1b", world: int = 8, stages: Sequence[int] = (0, 3), fused: bool = True,
+                  bucket_mb: float = 25.0) -> dict:
+    """`optimizer_step_ops` for each ZeRO stage of `stages` (0: DDP)."""
+    return dict(rows=[optimizer_step_ops(preset, stage=s, world=world, fused=fused, bucket_mb=bucket_mb)
+                      for s in stages])
+
+
+def format_optimizer_ops_table(results: dict) -> str:
+    """`optimizer_ops`'s rows."""
+    rows = [("layout", "flat buffers", "optimizer tensors", "kernels", "ops per step", "per flat buffer",
+             "+ zero_grad")]
+    for r in results["rows"]:
+        layout = "DDP" if r["stage"] == 0 else f"ZeRO-{r['stage']}"
+        rows.append((f"{layout} world {r['world']}", str(r["flats"]), str(r["optimizer_tensors"]), ",".join(r["kernels"]),
+                     str(r["total"]), f"{r['per_flat']:.2f}", str(r["zero_grad"])))
+    first = results["rows"][0]
+    return "\n".join(markdown_table(rows) + ["", f"preset {first['preset']}, rank 0 on the meta device with the fake "
+                                              "process group, bf16 parameters, fp32 reduction, AdamW; the second of "
+                                              "two steps; model.step(1.0) (norm, clip, step, write-back, gathers) "
+                                              "without the engines' zero_grad, counted apart"])
