@@ -213,3 +213,17 @@ def test_host_step_threads_are_the_local_share_unless_the_user_chose():
     with host_step_threads():
         assert torch.get_num_threads() >= before
     assert torch.get_num_threads() == before
+
+
+def test_the_cpu_optimizer_bench_runs_every_contestant():
+    from bench.data_parallel import bench_optimizer, format_optimizer_table
+
+    before = torch.get_num_threads()
+    try:
+        r = bench_optimizer("tiny", steps=2, warmup=1, repeats=2, bucket_mb=1.0)
+    finally:
+        torch.set_num_threads(before)
+    rows = {x["name"]: x for x in r["impls"]}
+    assert len(rows) == 4 and all(x["ms"] > 0 for x in rows.values())
+    assert rows["whole shards, fused"]["tensors"] < rows["segments (1 MiB), fused"]["tensors"]
+    assert "bench-120m" not in format_optimizer_table(r) and "tiny" in format_optimizer_table(r)
