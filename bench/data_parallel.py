@@ -643,13 +643,14 @@ def _fused_on_meta():
 
 
 def optimizer_step_ops(preset: str = "llama3.2-1b", stage: int = 0, world: int = 8, fused: bool = True,
-                       bucket_mb: float = 25.0, steps: int = 2, **model_overrides: Any) -> dict:
+                       bucket_mb: float = 25.0, steps: int = 2, watch: Any = None, **model_overrides: Any) -> dict:
     """Operations one optimizer step dispatches (`model.step(1.0)`: the norm, clipping, the update, the write-back
     and ZeRO-1/2's gathers) on rank 0 of `world`, built by the trainer's `parallelize` on the `meta` device with
     torch's fake process group (bf16 parameters, fp32 reduction, AdamW), after a forward and backward of one
     sequence of 8 tokens. ``fused``: torch's fused kernels admitted on meta, as on CUDA (else the multi-tensor
     ones meta has). In this process: the fake group is created and destroyed here. Returns the last step's
-    ``total``, ``flats``, ``per_flat``, ``ops`` by name and ``optimizer_tensors``."""
+    ``total``, ``flats``, ``per_flat``, ``ops`` by name and ``optimizer_tensors``; ``watch`` (a context manager
+    factory, e.g. a host-sync detector) is entered around each step, and ``watched`` lists what it returned."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -672,10 +673,12 @@ def optimizer_step_ops(preset: str = "llama3.2-1b", stage: int = 0, world: int =
         with _fused_on_meta() if fused else contextlib.nullcontext():
             parts = parallelize(cfg, model, mesh, "meta")
             engines = list(parts.engines.values())
+            watched = []
             for _ in range(steps):
                 parts.forward_backward([batch])
-                with AtenCount() as count:
+                with watch() if watch is not None else contextlib.nullcontext() as seen, AtenCount() as count:
                     parts.step(1.0)
+                watched.append(seen)
                 with AtenCount() as cleared:  # what the step's own zero_grad (the reducer's buffers) adds
                     for e in engines:
                         e.zero_grad()
@@ -686,7 +689,7 @@ def optimizer_step_ops(preset: str = "llama3.2-1b", stage: int = 0, world: int =
         ops = {k: v - cleared.ops.get(k, 0) for k, v in sorted(count.ops.items()) if v - cleared.ops.get(k, 0)}
         return dict(total=optimizer, flats=flats, per_flat=optimizer / flats, ops=ops, zero_grad=cleared.total,
                     optimizer_tensors=sum(len(f.master_params) for e in engines for f in e.flats),
-                    kernels=kernels, preset=preset, stage=stage, world=world)
+                    kernels=kernels, preset=preset, stage=stage, world=world, watched=watched)
     finally:
         dist.destroy_process_group()
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -163,6 +164,17 @@ def test_an_optimizer_step_dispatches_at_most_five_operations_per_flat_buffer():
         assert r["total"] <= 5 * r["flats"], f"ZeRO-{stage}: {r['total']} ops for {r['flats']} flat buffers: {r['ops']}"
         assert r["ops"]["_fused_adamw_"] <= 2, r["ops"]  # one per optimizer group, whatever the buffers
         assert "_local_scalar_dense" not in r["ops"], r["ops"]  # no host read on the way
+
+
+def test_an_optimizer_step_on_the_accelerator_path_makes_no_host_sync():
+    host_syncs = pytest.importorskip("host_syncs")  # (tests/host_syncs.py, from main)
+    from bench.data_parallel import optimizer_step_ops
+
+    for stage in (0, 3):
+        r = optimizer_step_ops("tiny", stage=stage, world=8, bucket_mb=0.05, n_layers=2,
+                               watch=lambda: host_syncs.HostSyncs(devices=("meta",)))
+        for syncs in r["watched"]:
+            assert syncs.count == 0, f"ZeRO-{stage}: " + "\n".join(syncs.where[:3])
 
 
 class _StandInEvent:
