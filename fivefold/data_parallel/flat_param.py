@@ -3,16 +3,16 @@
 ZeRO (docs/design.md#model-state-memory): every rank owns a contiguous 1/N shard of each buffer
 (padded to a multiple of N), keeps fp32 master weights and optimizer state only for it and receives
 only its shard of the averaged gradient. Parameters are ordered by optimizer group (each group
-contiguous in a shard). ``full``: the whole buffer in compute dtype, parameters are views into it; ZeRO-3
-frees its storage between uses (``untyped_storage().resize_(0)``) and gathers into it again, so
-tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view of a
-gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time.
-``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host
-buffer of its own (pinned on an accelerator; never ``local``, even for fp32), updated on the host
-and copied back by `write_back`. The master shard is cut into the optimizer's tensors by a
+contiguous in a shard). ``full``: the whole buffer in compute dtype, parameters are views into it;
+ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and gathers into it again,
+so tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view
+of a gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same
+time. ``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a
+host buffer of its own (pinned on an accelerator; never ``local``, even for fp32), updated on the
+host and copied back by `write_back`. The master shard is cut into the optimizer's tensors by a
 `Segmentation` (docs/design.md#mechanisms, the optimizer on shards): `WholeShards` (one per
-optimizer group, fused kernels) where the master lives on an accelerator, `CacheSizedSegments` of
-1 MiB on the CPU (`segmentation_for`).
+optimizer group, fused kernels) where the master lives on an accelerator, `CacheSizedSegments` of 1
+MiB on the CPU (`segmentation_for`).
 
 ZeRO++ (docs/design.md#zero-qwz-qgz-hpz) changes only how a ZeRO-3 gather travels (`_start_gather`):
 qwZ (``quant_block``) all-gathers every shard as block-wise int8 (`quantize`) and dequantises into
