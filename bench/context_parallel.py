@@ -19,12 +19,21 @@ not a contestant.
 Every cp rank sees the same batch and keeps its positions. Per contestant, one untimed forward measures the
 activations autograd saves (unique storages, MiB per rank): what the backward must keep, which ring attention
 cuts to O(L/C) per layer.
+
+`bench_cp_kernels` is of another kind: no processes, one device, the block kernels side by side
+(`fivefold.context_parallel.kernels`: the device's fused SDPA kernel against the portable fp32
+math) on the attention of one cp rank, cp emulated by blocks — the rank's queries, and the K/V
+shards the ring would bring it, handed over in memory (`_LocalRing`), so the rank computes exactly
+the ring's blocks and merges. At 8k tokens on a GPU (``python bench/run.py cp-kernel``), at a small
+size on CPU (``--dry-run``).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, replace
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -46,14 +55,16 @@ from bench.harness import (
     run_contest,
     time_rows,
 )
-from fivefold.context_parallel import SequenceLayout, apply_context_parallel
+from fivefold.context_parallel import SequenceLayout, apply_context_parallel, ring_attention
+from fivefold.context_parallel.kernels import choose_kernel
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.distributed.comm import Comm, CommLog
 from fivefold.models import build_model
 from fivefold.models.plans import LLAMA_CP_PLAN
 from fivefold.tensor_parallel.comm_ops import gather_from_sp
 
-__all__ = ["CPSpec", "bench_cp", "format_cp_table"]
+__all__ = ["CPKernelSpec", "CPSpec", "bench_cp", "bench_cp_kernels", "format_cp_kernel_table",
+           "format_cp_table"]
 
 
 @dataclass(frozen=True)
@@ -189,4 +200,180 @@ def format_cp_table(results: dict) -> str:
         out += [f"- {note}" for note in r["notes"]]
     out.append("- torch context_parallel: not run — on CPU it fails (no sharding strategy for "
                "aten._scaled_dot_product_flash_attention_for_cpu); see bench/context_parallel.py")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The block kernels side by side, one device, cp emulated by blocks.
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CPKernelSpec:
+    """One cp rank's ring attention (forward + backward) at ``seq_len`` tokens split over ``cp``
+    (zig-zag), per kernel choice (``parallel.cp_kernel``: flash = the device's fused kernel, math).
+    Defaults: a Llama-3-8B attention layer (32 query heads, 8 kv heads, head dim 128) in bf16."""
+
+    seq_len: int = 8192
+    cp: int = 4
+    rank: int = 0  # zig-zag gives every rank the same causal work
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    device: str = "auto"  # the accelerator if there is one, else the CPU
+    kernels: tuple[str, ...] = ("flash", "math")
+    steps: int = 5
+    warmup: int = 1
+    seed: int = 0
+    threads: int | None = None  # CPU: torch threads (None: torch's default)
+
+    @classmethod
+    def dry_run(cls, **overrides: Any) -> CPKernelSpec:
+        """A size that runs in seconds on a CPU: 1k tokens, 4/2 heads of 64, fp32."""
+        small = dict(seq_len=1024, heads=4, kv_heads=2, head_dim=64, dtype="fp32", steps=3, warmup=1)
+        return cls(**{**small, **overrides})
+
+
+@dataclass
+class _LocalRing:
+    """The comm `ring_attention` asks for, without processes: rank `rank` of `size`, whose received
+    K/V shard at ring step i is rank (rank - i - 1)'s, copied from `shards` (every rank's, in this
+    device's memory); a travelling dK/dV accumulator arrives as zeros (this rank's part is computed
+    alike, the other ranks' parts are not). Sends go nowhere."""
+
+    rank: int
+    size: int
+    shards: list[torch.Tensor]  # per rank: stack([k, v]) of its positions
+    _kv_calls: int = field(default=0, init=False)
+
+    def batch_p2p(self, ops: Any, tag: str = "") -> Any:
+        for kind, tensor, _peer in ops:
+            if kind != "recv":
+                continue
+            if tag == "cp_kv":
+                step = self._kv_calls % (self.size - 1)
+                self._kv_calls += 1
+                tensor.copy_(self.shards[(self.rank - step - 1) % self.size])
+            else:
+                tensor.zero_()
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def _device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return torch.device(accelerator or "cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _block_area(layout: SequenceLayout, rank: int, chunk: int) -> float:
+    """Query×key pairs one rank's causal blocks cover (a diagonal block: its lower half)."""
+    area = 0.0
+    for src in range(layout.cp):
+        for qc in layout.chunks_of(rank):
+            for kc in layout.chunks_of(src):
+                area += chunk * chunk if kc < qc else (chunk * chunk / 2 if kc == qc else 0)
+    return area
+
+
+def bench_cp_kernels(spec: CPKernelSpec | None = None, **overrides: Any) -> dict:
+    """Per kernel choice: the median forward and backward time of one cp rank's ring attention,
+    the achieved attention TFLOP/s, the accelerator's peak memory during them (None on CPU), and the
+    output's and dQ's largest difference from the math kernel's (the first choice's without one)."""
+    spec = replace(spec or CPKernelSpec(), **overrides)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    device, dtype = _device(spec.device), _DTYPES[spec.dtype]
+    layout = SequenceLayout("zigzag", spec.cp)
+    layout.check(spec.seq_len)
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def draw(heads: int) -> torch.Tensor:
+        return torch.randn(spec.batch, heads, spec.seq_len, spec.head_dim, generator=g).to(device, dtype)
+
+    q, k, v, grad = draw(spec.heads), draw(spec.kv_heads), draw(spec.kv_heads), draw(spec.heads)
+    shards = [torch.stack([layout.shard(t, r, dim=2) for t in (k, v)]) for r in range(spec.cp)]
+    q_r, grad_r = (layout.shard(t, spec.rank, dim=2) for t in (q, grad))
+    chunk = spec.seq_len // (2 * spec.cp)
+    fwd_flops = 4 * spec.batch * spec.heads * spec.head_dim * _block_area(layout, spec.rank, chunk)
+    accelerator = device.type != "cpu"
+
+    def one_step(kernel: str, measure_peak: bool) -> tuple[float, float, int | None, tuple]:
+        qq = q_r.clone().requires_grad_()
+        kk, vv = (shards[spec.rank][j].clone().requires_grad_() for j in (0, 1))
+        comm = _LocalRing(spec.rank, spec.cp, shards)
+        if measure_peak:
+            torch.accelerator.reset_peak_memory_stats(device)
+            base = torch.accelerator.memory_allocated(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = ring_attention(qq, kk, vv, comm, layout, True, kernel)
+        _sync(device)
+        t1 = time.perf_counter()
+        out.backward(grad_r)
+        _sync(device)
+        t2 = time.perf_counter()
+        peak = torch.accelerator.max_memory_allocated(device) - base if measure_peak else None
+        return t1 - t0, t2 - t1, peak, (out.detach().float(), qq.grad.float())
+
+    # Alternating rounds (A B, B A, ...) so that drift and noise hit every kernel alike.
+    chosen = {c: choose_kernel(c, device.type, dtype, spec.head_dim) for c in spec.kernels}
+    times: dict[str, list[tuple[float, float]]] = {c: [] for c in spec.kernels}
+    peaks: dict[str, int | None] = {c: None for c in spec.kernels}
+    outputs: dict[str, tuple] = {}
+    for i in range(spec.warmup + spec.steps):
+        for choice in spec.kernels if i % 2 == 0 else reversed(spec.kernels):
+            fwd, bwd, peak, outputs[choice] = one_step(chosen[choice], accelerator and i == spec.warmup)
+            if peak is not None:
+                peaks[choice] = peak
+            if i >= spec.warmup:
+                times[choice].append((fwd, bwd))
+    rows = []
+    for choice in spec.kernels:
+        fwd = statistics.median([f for f, _ in times[choice]])
+        bwd = statistics.median([b for _, b in times[choice]])
+        rows.append(dict(choice=choice, kernel=chosen[choice], forward_s=fwd, backward_s=bwd, step_s=fwd + bwd,
+                         tflops=3.5 * fwd_flops / (fwd + bwd) / 1e12, peak_bytes=peaks[choice]))
+    ref = "math" if "math" in outputs else spec.kernels[0]
+    for row in rows:
+        out, dq = outputs[row["choice"]]
+        row["max_abs_diff_out"] = float((out - outputs[ref][0]).abs().max())
+        row["max_abs_diff_dq"] = float((dq - outputs[ref][1]).abs().max())
+        row["step_ratio"] = row["step_s"] / next(r["step_s"] for r in rows if r["choice"] == ref)
+        row["step_ratio_paired"] = statistics.median(
+            [(f + b) / (fr + br) for (f, b), (fr, br) in zip(times[row["choice"]], times[ref])])
+    return dict(kind="cp-kernel", spec=asdict(spec), device=str(device), reference=ref,
+                scale=dict(out=float(outputs[ref][0].abs().max()), dq=float(outputs[ref][1].abs().max())),
+                rows=rows)
+
+
+def format_cp_kernel_table(results: dict) -> str:
+    """One row per kernel choice: forward, backward, ratio to the reference, TFLOP/s, peak memory,
+    the largest differences from the reference."""
+    s, ref = results["spec"], results["reference"]
+    head = ("cp_kernel", "block kernel", "forward ms", "backward ms", f"step / {ref} (paired)", "attention TFLOP/s",
+            "peak MiB", f"max |Δ out| vs {ref}", f"max |Δ dQ| vs {ref}")
+    rows = [head] + [(r["choice"], r["kernel"], f"{1e3 * r['forward_s']:.2f}", f"{1e3 * r['backward_s']:.2f}",
+                      f"{r['step_ratio']:.3f} ({r['step_ratio_paired']:.3f})", f"{r['tflops']:.3g}",
+                      "n/a (CPU)" if r["peak_bytes"] is None else mib(r["peak_bytes"]),
+                      f"{r['max_abs_diff_out']:.2e}", f"{r['max_abs_diff_dq']:.2e}") for r in results["rows"]]
+    out = markdown_table(rows)
+    out.append(f"one cp rank ({s['rank']} of {s['cp']}, zig-zag) of ring attention at {s['seq_len']} tokens on "
+               f"{results['device']}, cp emulated by blocks (the ring's K/V handed over in memory); B={s['batch']}, "
+               f"{s['heads']}/{s['kv_heads']} heads of {s['head_dim']}, {s['dtype']}; median of {s['steps']} steps "
+               f"(+{s['warmup']} warmup) per kernel in alternating rounds; paired: the median of each round's ratio; TFLOP/s = 3.5 × 4·B·H·d·(causal block area) / (forward + backward); "
+               f"peak: memory allocated above the inputs during one forward + backward; |out| ≤ "
+               f"{results['scale']['out']:.2f}, |dQ| ≤ {results['scale']['dq']:.2f} ({ref})")
     return "\n".join(out)

@@ -12,6 +12,9 @@
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
+    python bench/run.py cp-kernel                 # ring attention's block kernels, fused vs fp32 math, one
+                                                  # device (a GPU: 8k tokens, cp 4 emulated by blocks);
+                                                  # --dry-run: a CPU-sized run in seconds
     python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
     python bench/run.py debug                     # what --debug.collectives costs per collective
     python bench/run.py recompute                 # activation recompute none/full/selective (+ torch's): memory
@@ -45,7 +48,14 @@ from typing import Any  # noqa: E402
 
 from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
 from bench.compile import CompileSpec, bench_compile, format_compile_table  # noqa: E402
-from bench.context_parallel import CPSpec, bench_cp, format_cp_table  # noqa: E402
+from bench.context_parallel import (  # noqa: E402
+    CPKernelSpec,
+    CPSpec,
+    bench_cp,
+    bench_cp_kernels,
+    format_cp_kernel_table,
+    format_cp_table,
+)
 from bench.data_parallel import (  # noqa: E402
     DPSpec,
     bench_ddp,
@@ -77,6 +87,7 @@ __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
+    "cp-kernel": ("cp-kernel",),
     "ep": ("ep", "ep-overlap"),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",),
@@ -153,6 +164,19 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
+    ck_ = CPKernelSpec()
+    ckp = sub.add_parser("cp-kernel", parents=[common],
+                         help="ring attention's block kernels side by side on one device (fused vs fp32 math)")
+    ckp.add_argument("--cp", type=int, default=None, help=f"context-parallel degree emulated by blocks ({ck_.cp})")
+    ckp.add_argument("--device", default=None, help="auto (the accelerator, else the CPU), cpu, cuda, ...")
+    ckp.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"), help=f"inputs ({ck_.dtype})")
+    ckp.add_argument("--heads", type=int, default=None, help=f"query heads ({ck_.heads})")
+    ckp.add_argument("--kv-heads", type=int, default=None, help=f"kv heads ({ck_.kv_heads})")
+    ckp.add_argument("--head-dim", type=int, default=None, help=f"head dimension ({ck_.head_dim})")
+    ckp.add_argument("--batch", type=int, default=None, help=f"sequences ({ck_.batch})")
+    ckp.add_argument("--kernels", default=None, help="comma-separated parallel.cp_kernel choices (flash,math)")
+    ckp.add_argument("--dry-run", action="store_true",
+                     help="a CPU-sized run (1k tokens, 4/2 heads of 64, fp32, 3 steps); other options still apply")
     sub.add_parser("ep", parents=[common, micro, ep_opts], help="Llama-MoE: experts over ep vs replicated experts")
     sub.add_parser("parallel", parents=[common, micro, tp_opts, pp_opts, cp_opts, ep_opts], help="tp, pp, cp, ep")
     sub.add_parser("debug", parents=[common], help="what --debug.collectives costs per collective")
@@ -216,6 +240,7 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),
+        "cp-kernel": (lambda: bench_cp_kernels(_cp_kernel_spec(args)), format_cp_kernel_table),
         "ep": (lambda: bench_ep(EPSpec(**common, **_given(ep=opt.get("ep"), micro_batch=opt.get("micro_batch")))),
                format_ep_table),
         "ep-overlap": (lambda: bench_ep_overlap(EPOverlapSpec(**common, **_given(ep=opt.get("ep")))),
@@ -241,6 +266,14 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
     }
     return {name: every[name] for name in WHAT[args.what]}
+
+
+def _cp_kernel_spec(args: argparse.Namespace) -> CPKernelSpec:
+    given = _given(seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, threads=args.threads, cp=args.cp,
+                   device=args.device, dtype=args.dtype, heads=args.heads, kv_heads=args.kv_heads,
+                   head_dim=args.head_dim, batch=args.batch,
+                   kernels=tuple(k.strip() for k in args.kernels.split(",")) if args.kernels else None)
+    return CPKernelSpec.dry_run(**given) if args.dry_run else CPKernelSpec(**given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

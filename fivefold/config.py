@@ -25,6 +25,7 @@ else:  # pragma: no cover
 AttentionCore = Literal["sdpa", "eager"]  # model.attention
 MoEScore = Literal["softmax", "sigmoid"]  # moe.score
 CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
+CpKernel = Literal["auto", "math", "flash"]  # parallel.cp_kernel
 Recompute = Literal["none", "full", "selective"]  # train.recompute
 ZeroStage = Literal[0, 1, 2, 3]  # zero.stage
 P2P = Literal["auto", "buffered", "rendezvous"]  # pipeline.p2p
@@ -89,6 +90,9 @@ class ParallelSection:
     sp: bool = False
     # how cp splits a sequence: zigzag (balanced causal work) or contiguous
     cp_layout: CpLayout = "zigzag"
+    # ring attention's block kernel: auto (the device's fused SDPA kernel, else fp32 math), math
+    # (the portable reference) or flash (the fused kernel; refused on a device without one)
+    cp_kernel: CpKernel = "auto"
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fivefold.config import Config, ConfigError
+from fivefold.context_parallel.kernels import FUSED
 from fivefold.pipeline.actions import Schedule, W
 from fivefold.pipeline.builders import build_schedule
 
@@ -307,6 +308,16 @@ RULES: tuple[Rule, ...] = (
             "is ring attention whatever the core; drop model.attention or use cp 1"
         ),
         ("model.attention", "parallel.cp"),
+    ),
+    Rule(
+        lambda l: (
+            l.cfg.parallel.cp_kernel == "flash" and l.size("cp") > 1 and l.device_type not in FUSED
+        ),
+        lambda l: (
+            f"parallel.cp_kernel=flash: ring attention has no fused block kernel on "
+            f"{l.device_type} (only on {' and '.join(FUSED)}); use auto or math"
+        ),
+        ("parallel.cp_kernel",),
     ),
     # pipelines (docs/design.md#pipeline-schedules)
     Rule(

@@ -1,12 +1,14 @@
 """HSDP (docs/design.md#hsdp): ZeRO-1/2/3 in shard groups, reduced shards all-reduced over replicas.
 
-One spawn of 4 processes (dp_replicate 2 × dp_shard 2; every test `multiprocess`); the parent builds
+One spawn of 4 processes (dp_replicate 2 × dp_shard 2; its tests `multiprocess`); the parent builds
 the single-process references. The engine on the toy model (padding, a tied pair, a frozen layer)
 and a tiny Llama is held to single-process AdamW / SGD, its CommLog per sub-dimension and
 model-state bytes to `formulas.hsdp_expected` (N = N_shard); the Llama through `parallelize` (ZeRO-2
 with accumulation, ZeRO-3, cp 2 inside the shard group, MoE with ep 2) equals single-process
 training; an HSDP checkpoint resumes bitwise and under plain ZeRO. "Equals" is within the bound
-tests/tolerance.py derives."""
+tests/tolerance.py derives. In-process, on torch's fake process group: each replica all-reduce is
+waited only at the end of backward, after the last reduce-scatter was issued, and no buffer a
+collective still reads or writes is reused or read before that collective is waited."""
 
 from __future__ import annotations
 
@@ -16,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import build_toy, lm_loss, run_workers, toy_batch
 from tolerance import KERNELS, WORKERS, reference
 from torch import nn
 
 from fivefold.distributed.comm import CommLog
 from fivefold.formulas import hsdp_expected
-
-pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS, LR, WD, CLIP = 4, 1e-2, 0.1, 0.5
 ROWS = 16  # splits into 4 dp ranks × 2 micro-batches
@@ -245,6 +246,7 @@ def results(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_shard_groups_are_consecutive_ranks_and_replicas_the_same_place_in_each(results):
     for rank, res in enumerate(results):
         assert res["groups"]["dp_shard"] == [rank // 2 * 2, rank // 2 * 2 + 1]
@@ -253,6 +255,7 @@ def test_shard_groups_are_consecutive_ranks_and_replicas_the_same_place_in_each(
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_hsdp_engine_equals_single_process(results, name, kernels):
     cfg = ENGINE_CONFIGS[name]
     (want_losses, want_history), (loss_bounds, history_bounds) = reference(_reference, cfg, kernels=kernels,
@@ -273,6 +276,7 @@ def test_hsdp_engine_equals_single_process(results, name, kernels):
 
 
 @pytest.mark.parametrize("name", list(ENGINE_CONFIGS))
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_comm_per_sub_dimension_equals_the_formula(results, name):
     cfg = ENGINE_CONFIGS[name]
     shard = replicas = 2
@@ -309,6 +313,7 @@ def test_comm_per_sub_dimension_equals_the_formula(results, name):
             assert {r[2] for r in records if r[5] == "grad_norm"} <= {"dp_shard"}
 
 
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_replica_all_reduces_start_during_backward_not_after_it(results):
     """Each bucket's all-reduce starts at the next bucket's launch (the same point on every rank, whatever the
     timing): interleaved with later buckets' reduce-scatters, not all at the end of backward."""
@@ -321,6 +326,7 @@ def test_replica_all_reduces_start_during_backward_not_after_it(results):
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_model_state_bytes_follow_the_stage_formula_with_n_shard(results, stage):
     shard = 2
     frozen = 6 * 6 + 6  # the toy model's frozen layer stays replicated (fp32)
@@ -341,6 +347,7 @@ def test_model_state_bytes_follow_the_stage_formula_with_n_shard(results, stage)
             hsdp_expected(stage, psi, 4, 1)["memory"]["total"]
 
 
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_hsdp_refuses_stage_0_in_the_engine(results):
     assert "zero_stage 1, 2 or 3" in results[0]["stage0_error"]
 
@@ -396,6 +403,7 @@ def _assert_equal_training(runs: list[dict], want, bounds, first_step: int = 0) 
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(PARALLEL_RUNS))
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_parallelized_llama_under_hsdp_equals_single_process(results, name, kernels):
     dims, _, micro = PARALLEL_RUNS[name]
     _assert_equal_training([res["parallel"][name] for res in results],
@@ -403,6 +411,7 @@ def test_parallelized_llama_under_hsdp_equals_single_process(results, name, kern
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_moe_under_hsdp_equals_single_process(results, kernels):
     import test_expert_parallel as moe
 
@@ -419,6 +428,7 @@ def test_moe_under_hsdp_equals_single_process(results, kernels):
                                                          f"rank {rank} step {step} {pname}")
 
 
+@pytest.mark.multiprocess  # (the spawn of `results`)
 def test_checkpoint_saved_under_hsdp_resumes_exactly_and_under_plain_zero(results):
     micro = PARALLEL_RUNS["z3"][2]
     for res in results:
@@ -432,3 +442,130 @@ def test_checkpoint_saved_under_hsdp_resumes_exactly_and_under_plain_zero(result
         # bound covers every step's sums in another order, those before the checkpoint and those after).
         _assert_equal_training([res["resumed-dp4-zero2"]], *_model_training_reference(micro, HSDP["dp"]),
                                first_step=K)
+
+
+# ---------------------------------------------------------------------------------------------
+# When the replica all-reduces are waited, in-process: rank 0 of dp_shard 2 × dp_replicate 2 on torch's fake
+# process group (collectives complete at once and send nothing: the order of calls and the buffers' lives are what
+# is checked here; the values, by the spawned tests above). CPU tensors, so storages can be told apart.
+WAIT_CONFIGS = {  # name: (stage, micro-batches, constant buffers)
+    "z2": (2, 1, False), "z3": (3, 1, False),
+    "z2-acc2": (2, 2, False),  # the second micro-step's shards land in temporaries
+    "z2-acc2-constant": (2, 2, True), "z3-acc2-constant": (3, 2, True),  # pooled full buffers and shards
+    "z1-acc2": (1, 2, False),
+}
+
+
+def _record_waits(stage: int, micro: int, constant: bool, monkeypatch) -> tuple[list[list[tuple]], list[str], list]:
+    """Every collective's issue and wait, per backward; every misuse seen: a pooled buffer handed out, or a reduced
+    shard added to the gradient, while a collective on its storage was not waited yet; and the bytes of the shard
+    outputs alive when a later micro-step's are first added, beside the stage's `transient_bytes` for them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fivefold.data_parallel import ZeroDataParallel
+    from fivefold.data_parallel.buckets import BufferPool
+    from fivefold.data_parallel.flat_param import FlatParam
+    from fivefold.distributed.comm import Comm
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
+
+    events: list[tuple] = []
+    unwaited: dict[int, set[int]] = {}  # id(work) -> storages its collective reads or writes
+    misuse: list[str] = []
+
+    def storages(*tensors: torch.Tensor) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def watched(op: str, tensors_of):
+        plain = getattr(Comm, op)
+
+        def call(self, *args, **kwargs):
+            work = plain(self, *args, **kwargs)
+            tag = kwargs.get("tag", "")
+            events.append(("issue", op, self.dim, tag))
+            return None if work is None else _Watched(work, (op, self.dim, tag), storages(*tensors_of(*args)))
+        monkeypatch.setattr(Comm, op, call)
+
+    class _Watched:
+        """A work handle whose first wait is recorded (and which stops counting its storages as in flight)."""
+
+        def __init__(self, work, what: tuple, held: set[int]) -> None:
+            self.work, self.what = work, what
+            unwaited[id(self)] = held
+
+        def wait(self, *args, **kwargs):
+            out = self.work.wait(*args, **kwargs)
+            if unwaited.pop(id(self), None) is not None:
+                events.append(("wait", *self.what))
+            return out
+
+        def __getattr__(self, name: str):
+            return getattr(self.work, name)
+
+    def in_flight(t: torch.Tensor) -> bool:
+        return any(t.untyped_storage().data_ptr() in s for s in unwaited.values())
+
+    watched("reduce_scatter", lambda out, inp, *a: (out, inp))
+    watched("all_reduce", lambda t, *a: (t,))
+    acquire, accumulate = BufferPool.acquire, FlatParam.accumulate_grad
+
+    def checked_acquire(self, numel):
+        view = acquire(self, numel)
+        if in_flight(view):
+            misuse.append(f"a pooled buffer handed out while a collective on it runs: {events[-3:]}")
+        return view
+
+    held: list[tuple[int, int]] = []  # (shard outputs alive, the formula's) when a later micro-step's are added
+
+    def checked_accumulate(self, shard):
+        if in_flight(shard) or (self.grad_shard is not None and in_flight(self.grad_shard)):
+            misuse.append(f"flat {self.index}: a shard read before its collective was waited")
+        strategy = model.strategy
+        if stage >= 2 and not events_seen_accumulate and all(f.grad_shard is not None for f in strategy.flats):
+            events_seen_accumulate.append(True)  # the first addition of a later micro-step: every output alive
+            alive = {id(b.out): b.out.numel() * b.out.element_size() for b in strategy.buckets if b.out is not None}
+            want = strategy.transient_bytes(param_bytes=4, grad_bytes=4, accumulating=False, reductions=micro)
+            held.append((sum(alive.values()), want["reduce-scatter outputs"]))
+        return accumulate(self, shard)
+    monkeypatch.setattr(BufferPool, "acquire", checked_acquire)
+    monkeypatch.setattr(FlatParam, "accumulate_grad", checked_accumulate)
+
+    dist.init_process_group("cpu:fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = ParallelMesh(ParallelDims(**HSDP), "cpu", CommLog())
+        model = ZeroDataParallel(build_toy(), mesh.comm("dp_shard"), replicate=mesh.comm("dp_replicate"),
+                                 zero_stage=stage, bucket_mb=SMALL_BUCKET_MB, units=[nn.Linear], lr=LR,
+                                 constant_buffers=constant)
+        backwards, events_seen_accumulate = [], []
+        for step in range(2):  # the second: the optimizer state exists, pools are warm
+            x, y = toy_batch(step, batch=4)
+            for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+                events.clear()
+                events_seen_accumulate.clear()
+                model.backward(lm_loss(model(xm), ym) / micro)
+                backwards.append(list(events))
+            model.step()
+        return backwards, misuse, held
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(WAIT_CONFIGS))
+def test_replica_all_reduces_are_waited_at_the_end_of_backward(name, monkeypatch):
+    """FSDP2's order: every bucket's reduce-scatter issued, and its all-reduce started, before any replica
+    all-reduce is waited (none waited when the next bucket is issued, nor by the in-flight bound); every one
+    waited before backward returns; no buffer reused or read while its collective runs."""
+    backwards, misuse, held = _record_waits(*WAIT_CONFIGS[name], monkeypatch)
+    assert not misuse, misuse[:3]
+    stage, micro, _ = WAIT_CONFIGS[name]
+    if stage >= 2 and micro > 1:  # every bucket's shard output alive at the end of backward: the formula exactly
+        assert len(held) == 2 and all(got == want > 0 for got, want in held), held
+    for events in backwards:
+        issued_rs = [i for i, e in enumerate(events) if e[:3] == ("issue", "reduce_scatter", "dp_shard")]
+        issued_ar = [i for i, e in enumerate(events) if e[:3] == ("issue", "all_reduce", "dp_replicate")]
+        waited_ar = [i for i, e in enumerate(events) if e[:3] == ("wait", "all_reduce", "dp_replicate")]
+        assert len(issued_rs) >= 3 and len(issued_ar) == len(waited_ar) == len(issued_rs), events
+        assert min(waited_ar) > max(issued_rs), f"{name}: a replica all-reduce waited before the last " \
+            f"reduce-scatter was issued: {events}"
+        assert min(issued_ar) < max(issued_rs)  # started during backward, interleaved with the reduce-scatters
+        tags = [e[3] for e in events if e[:3] == ("issue", "all_reduce", "dp_replicate")]
+        assert tags == [e[3] for e in events if e[:3] == ("wait", "all_reduce", "dp_replicate")]  # bucket order

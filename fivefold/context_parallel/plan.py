@@ -33,9 +33,11 @@ def apply_context_parallel(
     layout: SequenceLayout,
     seq_len: int,
     plan: CPPlan,
+    kernel: str = "auto",
 ) -> nn.Module:
     """Make `model` (whole or a pipeline stage, tables already filled) run on `comm.rank`'s part of
-    sequences of `seq_len` tokens laid out by `layout`."""
+    sequences of `seq_len` tokens laid out by `layout`; ``kernel``: the ring's block kernel choice
+    (``parallel.cp_kernel``, `kernels.choose_kernel`)."""
     layout.check(seq_len)
     attention = [
         m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, plan.attention)
@@ -45,7 +47,7 @@ def apply_context_parallel(
             raise TypeError(
                 f"context parallel: {type(module).__name__} has no attention core to replace"
             )
-        module.core = RingAttention(comm, layout, seq_len)
+        module.core = RingAttention(comm, layout, seq_len, kernel=kernel)
     for name in plan.position_tables:
         table = getattr(model, name)
         if table.shape[0] < seq_len:

@@ -6,9 +6,10 @@ receives from r-1), the next transfer in flight while the current block is compu
 in all. Blocks of (query chunk, key chunk) are merged with the online-softmax rule — running output
 and log-sum-exp — so no L×L score matrix exists, only one chunk×chunk block at a time. Causal: a key
 chunk after the query chunk is skipped, the diagonal block masked. GQA: keys and values travel with
-their own (fewer) heads, never the expanded copies. Each block is computed by a kernel: torch's
-fused flash-attention on CPU (a block's kv heads expanded for it), portable fp32 math elsewhere
-(each query-head group broadcast against its kv head) — the same merge and the same ring either way.
+their own (fewer) heads, never the expanded copies. Each block is computed by a block kernel
+(`fivefold.context_parallel.kernels`: torch's fused SDPA ops with their log-sum-exp on CPU and
+CUDA, portable fp32 math elsewhere or when asked; `choose_kernel`) — the same merge and the same
+ring whichever runs.
 
 Backward is blockwise from the saved output and log-sum-exp (FlashAttention's rule, no forward
 recomputation beyond each block's scores): keys and values go around the ring again, and each kv
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fivefold.context_parallel.kernels import KERNELS, choose_kernel
 from fivefold.context_parallel.layout import SequenceLayout
 from fivefold.distributed.comm import Comm, eager_region
 
-__all__ = ["KERNELS", "RingAttention", "default_kernel", "ring_attention"]
+__all__ = ["KERNELS", "RingAttention", "choose_kernel", "ring_attention"]
 
 
 def _mode(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
@@ -50,100 +52,6 @@ def _blocks(rank: int, src: int, layout: SequenceLayout, chunk: int, causal: boo
                     slice(j * chunk, (j + 1) * chunk),
                     mode == "diag",
                 )
-
-
-# -- one block -------------------------------------------------------------------------------------
-# q [B, H, Lq, d] against k, v [B, H_kv, Lk, d] (a diagonal block is square and causal): forward ->
-# (out [B, H, Lq, d] fp32, lse [B, H, Lq] fp32); backward(dO, q, k, v, O, lse) with the *final* O
-# and lse -> this block's dq [B, H, Lq, d], dk, dv [B, H_kv, Lk, d] (fp32). Two implementations of
-# the same math.
-
-
-class MathBlocks:
-    """Portable: plain matmuls in fp32, the query heads of one kv head grouped so k and v
-    broadcast."""
-
-    @staticmethod
-    def _scores(q: torch.Tensor, k: torch.Tensor, diag: bool, scale: float) -> torch.Tensor:
-        b, hq, lq, d = q.shape
-        hkv = k.shape[1]
-        s = torch.matmul(
-            q.float().reshape(b, hkv, hq // hkv, lq, d), k.float().unsqueeze(2).transpose(-1, -2)
-        )
-        s.mul_(scale)
-        if diag:
-            above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
-            s.masked_fill_(above, float("-inf"))
-        return s  # [B, H_kv, G, Lq, Lk]
-
-    def forward(self, q, k, v, diag: bool, scale: float):
-        s = self._scores(q, k, diag, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.float().unsqueeze(2))
-        return out.reshape(q.shape), lse.reshape(q.shape[:-1])
-
-    def backward(self, dout, q, k, v, out, lse, diag: bool, scale: float):
-        b, hq, lq, d = q.shape
-        hkv = k.shape[1]
-        grouped = (b, hkv, hq // hkv, lq)
-        do = dout.float().reshape(*grouped, d)
-        delta = (do * out.float().reshape(*grouped, d)).sum(
-            dim=-1
-        )  # rowsum(dO ∘ O): softmax's Jacobian term
-        p = self._scores(q, k, diag, scale).sub_(lse.reshape(grouped).unsqueeze(-1)).exp_()
-        dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-        ds = p.mul_(
-            torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1))
-        )
-        dq = torch.matmul(ds, k.float().unsqueeze(2)).mul_(scale)
-        dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().reshape(*grouped, d)).mul_(scale)
-        return dq.reshape(q.shape), dk, dv
-
-
-class CPUFlashBlocks:
-    """CPU: torch's fused flash-attention kernels (about 9x the math path's speed on a 2k block, and
-    a masked half skipped); GQA by expanding the block's kv heads, whose gradients are summed
-    back."""
-
-    def forward(self, q, k, v, diag: bool, scale: float):
-        k, v = self._expand(k, q), self._expand(v, q)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k, v, 0.0, diag, attn_mask=None, scale=scale
-        )
-        return out.float(), lse
-
-    def backward(self, dout, q, k, v, out, lse, diag: bool, scale: float):
-        hkv = k.shape[1]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(),
-            q.contiguous(),
-            self._expand(k, q),
-            self._expand(v, q),
-            out.contiguous(),
-            lse.contiguous(),
-            0.0,
-            diag,
-            attn_mask=None,
-            scale=scale,
-        )
-        if dk.shape[1] != hkv:
-            b, hq, lk, d = dk.shape
-            dk, dv = (t.float().reshape(b, hkv, hq // hkv, lk, d).sum(dim=2) for t in (dk, dv))
-        return dq.float(), dk.float(), dv.float()
-
-    @staticmethod
-    def _expand(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        group = q.shape[1] // kv.shape[1]
-        return (kv.repeat_interleave(group, dim=1) if group > 1 else kv).contiguous()
-
-
-KERNELS = {"math": MathBlocks(), "cpu_flash": CPUFlashBlocks()}
-
-
-def default_kernel(device: torch.device) -> str:
-    """The fused kernel where fivefold has one (CPU), the portable math elsewhere (CUDA: correct,
-    not fused)."""
-    return "cpu_flash" if device.type == "cpu" else "math"
 
 
 class _RingAttention(torch.autograd.Function):
@@ -252,15 +160,13 @@ def ring_attention(
     comm: Comm,
     layout: SequenceLayout,
     causal: bool = True,
-    kernel: str | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Attention of this rank's queries q [B, H, L/C, d] over the whole sequence, whose keys and
     values k, v [B, H_kv, L/C, d] are spread over `comm` as `layout` says (rank order = ring order).
-    `kernel` computes each block: "math" or "cpu_flash" (default: `default_kernel` of q's
-    device)."""
-    kernel = kernel or default_kernel(q.device)
-    if kernel not in KERNELS:
-        raise ValueError(f"ring attention kernel {kernel!r}: choose {' or '.join(KERNELS)}")
+    `kernel` computes each block: a ``parallel.cp_kernel`` choice (auto, math, flash) resolved by
+    `choose_kernel` for q's device type, dtype and head dim, or a `KERNELS` name."""
+    kernel = choose_kernel(kernel, q.device.type, q.dtype, q.shape[-1])
     chunks = len(layout.chunks_of(comm.rank))
     if layout.cp != comm.size:
         raise ValueError(f"the layout is for cp={layout.cp}, but the group has {comm.size} ranks")
@@ -276,12 +182,13 @@ def ring_attention(
 class RingAttention:
     """An attention core (q, k, v -> out) for `Attention.core`: ring attention over `comm` with
     `layout`, for sequences of `seq_len` tokens (the positions the model's RoPE tables were cut
-    to)."""
+    to). ``kernel``: the block kernel choice (``parallel.cp_kernel``; `ring_attention`)."""
 
     comm: Comm
     layout: SequenceLayout
     seq_len: int
     causal: bool = True
+    kernel: str = "auto"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] * self.comm.size != self.seq_len:
@@ -290,4 +197,4 @@ class RingAttention:
                 f"RoPE positions); this rank got {q.shape[2]} of a "
                 f"{q.shape[2] * self.comm.size}-token sequence: use the configured train.seq_len"
             )
-        return ring_attention(q, k, v, self.comm, self.layout, self.causal)
+        return ring_attention(q, k, v, self.comm, self.layout, self.causal, self.kernel)

@@ -8,7 +8,9 @@ launch in index order so every rank issues the same collectives in the same orde
 does (all-reduce for DDP, reduce-scatter for ZeRO) is the `BucketStrategy` passed in.
 ``max_inflight`` (ZeRO-2/3, whose full gradient buffers are temporary) completes the oldest buckets
 beyond the bound during backward, so the peak holds a few full buffers, not all until backward ends
-(as FSDP does).
+(as FSDP does). A staged handle (`StagedWork`: HSDP's reduce-scatter, then the all-reduce of its
+shard) is waited there only up to its first stage — the full buffer goes, the result's collective
+runs on — and finished at the end of backward, where its result is needed (docs/design.md#hsdp).
 
 ZeRO-R's constant-size buffers C_B (docs/design.md#offload-and-constant-buffers): with a
 `BufferPool` the temporary full gradient buffers of ZeRO-2/3 (and the reduce-scatter outputs that
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -144,6 +147,18 @@ def assign_buckets(
     return buckets
 
 
+@runtime_checkable
+class StagedWork(Protocol):
+    """A bucket's handle in two stages: `wait_input` returns once no collective still in flight
+    reads or writes the bucket's full gradient buffer (it may be freed), `wait` once the result is
+    there (HSDP: the reduce-scatter, then the all-reduce of its shard, `hsdp.StagedThenAllReduce`).
+    """
+
+    def wait_input(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+
 class GradBucket:
     """One bucket: its parameters, the flat gradient buffer laid out by `layout`, and readiness.
 
@@ -216,10 +231,11 @@ class GradBucket:
             self.bind_grad(i)
 
     def release(self) -> None:
-        """Free a copy-mode buffer (give it back to the pool) once its collective is done."""
+        """Free a copy-mode buffer (give it back to the pool) once no collective uses it: its
+        collective is done, or only a later stage of a `StagedWork` runs (``input_done``)."""
         if not self.keep_buffer and self.grad is not None:
             if (
-                self.pool is not None and self.work is not None
+                self.pool is not None and self.work is not None and not self.input_done
             ):  # never finished (a backward raised): not reused
                 self.pool.forget(self.grad)
             elif self.pool is not None:
@@ -230,6 +246,7 @@ class GradBucket:
         self.pending = len(self.params)  # gradients still missing in this backward
         self.launched = False
         self.work = None  # async handle of this step's collective
+        self.input_done = False  # a StagedWork's first stage was waited: the full buffer is free
         self.touched = False  # a gradient arrived in the current backward
 
 
@@ -304,6 +321,8 @@ class BucketedGradReducer:
         self.buckets = buckets
         self._next_to_launch = 0
         self._next_to_complete = 0
+        # launched buckets of this backward whose StagedWork's result is still to be waited
+        self._awaiting: list[GradBucket] = []
         self._callback_queued = False
         self._task = -1  # autograd graph task of the backward whose end callback is queued
         self._ready: dict[int, bool] = {}  # id(param) -> ready in this backward
@@ -379,18 +398,33 @@ class BucketedGradReducer:
             if self.max_inflight is not None:
                 self._complete_through(self._next_to_launch - self.max_inflight)
 
-    def _complete_through(self, end: int) -> None:
-        """Wait for, finish and release launched buckets with index < `end`, oldest first."""
+    def _complete_through(self, end: int, final: bool = False) -> None:
+        """Wait for, finish and release launched buckets with index < `end`, oldest first. A
+        `StagedWork` is waited only through its first stage here and its buffer released; its
+        bucket is finished when ``final`` (the end of backward): every staged bucket's first stage
+        first, in bucket order, then each result in bucket order."""
         while self._next_to_complete < min(end, self._next_to_launch):
             bucket = self.buckets[self._next_to_complete]
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-            self.strategy.on_bucket_done(bucket)
-            bucket.release()  # ZeRO-2/3: the full-size gradient buffer goes here, during backward
-            if self.trace is not None:
-                self.trace.append((self.trace_clock(), "completed", f"bucket{bucket.index}"))
             self._next_to_complete += 1
+            if isinstance(bucket.work, StagedWork):
+                bucket.work.wait_input()
+                bucket.input_done = True
+                bucket.release()  # the full buffer goes; the result's collective runs on
+                self._awaiting.append(bucket)
+            else:
+                self._finish(bucket)
+        if final:
+            while self._awaiting:
+                self._finish(self._awaiting.pop(0))
+
+    def _finish(self, bucket: GradBucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        self.strategy.on_bucket_done(bucket)
+        bucket.release()  # ZeRO-2/3: the full-size gradient buffer goes here, during backward
+        if self.trace is not None:
+            self.trace.append((self.trace_clock(), "completed", f"bucket{bucket.index}"))
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -457,7 +491,7 @@ class BucketedGradReducer:
                         bucket.bind_grad(i)  # zero if it never had a gradient
             bucket.pending = 0
         self._launch_ready_buckets()
-        self._complete_through(len(self.buckets))
+        self._complete_through(len(self.buckets), final=True)
         for bucket in self.buckets:
             bucket.reset()
         self._next_to_launch = 0
@@ -494,5 +528,6 @@ class BucketedGradReducer:
         self._arrived.clear()
         self._next_to_launch = 0
         self._next_to_complete = 0
+        self._awaiting.clear()
         self._callback_queued = False
         self.unsynced = False

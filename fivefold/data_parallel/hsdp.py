@@ -10,11 +10,21 @@ N_s (ZeRO-3: 16Ψ/N_s). `formulas.hsdp_expected` has the numbers.
 The all-reduce of bucket k can start only when its reduce-scatter has finished. `ReplicaReduce`
 starts it at points of the program that are the same on every rank, never on a timing-dependent
 test: when bucket k + 1 is launched (waiting for bucket k's reduce-scatter, issued one launch
-earlier, so usually done), or when bucket k itself is waited for (the reducer's bounded in-flight
-logic, the end of backward). Every rank thus issues the shard and replica collectives in one
-interleaving — which debug mode's fingerprint exchange (a blocking gloo call before each collective)
-and NCCL's communicators (posted in different orders on different ranks, they may deadlock) both
-need.
+earlier, so usually done), or when the reducer frees or finishes bucket k. Every rank thus issues
+the shard and replica collectives in one interleaving — which debug mode's fingerprint exchange (a
+blocking gloo call before each collective) and NCCL's communicators (posted in different orders on
+different ranks, they may deadlock) both need.
+
+Its result is waited where it is needed, as FSDP2 does: the handle is staged
+(`buckets.StagedWork`). The reducer's in-flight bound waits only the first stage (`wait_input`:
+the reduce-scatter done, the all-reduce started), after which the bucket's full gradient buffer is
+no longer read and goes; the all-reduce itself is waited at the end of backward, before its shard is
+added to the flat's gradient (`wait`). So the all-reduce's shard — the one buffer it reads and
+writes — lives until then: under accumulation a later micro-step's shard output of every bucket is
+alive at the end of backward, not only the ``inflight_buckets`` newest
+(`transports.ReplicaAllReduce.outputs_held`). When there was no reduce-scatter (a one-rank shard
+group) the all-reduce runs on a slice of the bucket's buffer, and the handle is not staged: the
+buffer is kept until the all-reduce is waited.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import torch
 
 from fivefold.distributed.comm import Comm
 
-__all__ = ["ReplicaReduce", "ThenAllReduce"]
+__all__ = ["ReplicaReduce", "StagedThenAllReduce", "ThenAllReduce"]
 
 
 class ThenAllReduce:
@@ -53,6 +63,18 @@ class ThenAllReduce:
         self.second.wait()
 
 
+class StagedThenAllReduce(ThenAllReduce):
+    """A bucket with a reduce-scatter (`buckets.StagedWork`): its shard lies apart from the
+    temporary full buffer (ZeRO-2/3) or in the kept one, never freed (ZeRO-1), so once the
+    reduce-scatter is done the reducer may free the full buffer while the all-reduce still runs on
+    the shard."""
+
+    def wait_input(self) -> None:
+        """The reduce-scatter done (so the bucket's full buffer is no longer read) and this
+        bucket's all-reduce started — not waited."""
+        self.queue.start_through(self)
+
+
 class ReplicaReduce:
     """The buckets of one engine whose replicate all-reduce has not started yet, oldest first."""
 
@@ -61,11 +83,13 @@ class ReplicaReduce:
         self._waiting: deque[ThenAllReduce] = deque()
 
     def after(self, first: Any, out: torch.Tensor, tag: str) -> ThenAllReduce:
-        """The handle for a bucket whose reduce-scatter `first` was just launched into `out`; every
+        """The handle for a bucket whose reduce-scatter `first` was just launched into `out` (apart
+        from the bucket's buffer; None: no reduce-scatter, `out` a slice of that buffer); every
         older bucket starts its all-reduce now (in bucket order, whatever the timing)."""
         while self._waiting:
             self._waiting.popleft().start()
-        work = ThenAllReduce(self, first, out, tag)
+        kind = ThenAllReduce if first is None else StagedThenAllReduce
+        work = kind(self, first, out, tag)
         self._waiting.append(work)
         return work
 

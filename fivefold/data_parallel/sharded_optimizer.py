@@ -297,13 +297,35 @@ class ShardedOptimizer:
                 self._grad_shards_from_params()
             self._grads = self._master_grads()
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a step can be skipped on the device, from a flag the host never reads: the inner
+        optimizer is fused (its kernels take ``found_inf``), no loss scaler (its scale is updated
+        on the host) and the masters live on the device (offload's host optimizer would need the
+        flag on the host)."""
+        return (
+            bool(self.optimizer.defaults.get("fused"))
+            and self.loss_scaler is None
+            and all(mp.device == self.comm.device for f in self.flats for mp in f.master_params)
+        )
+
     @torch.no_grad()
     def apply_step(
-        self, norm: torch.Tensor | None, max_norm: float | None = None, found_inf: bool = False
+        self,
+        norm: torch.Tensor | None,
+        max_norm: float | None = None,
+        found_inf: bool | torch.Tensor = False,
     ) -> None:
         """Skip (`found_inf`, agreed by every rank: a loss scaler saw a non-finite norm) or clip to
         `max_norm` by the global `norm` (on the device, as torch's clip_grad_norm_) and step; write
-        back, all-gather."""
+        back, all-gather. A `found_inf` tensor (`NonFiniteWatch`, when `skips_on_device`) is
+        handed to the fused kernels, which skip the update on the device when it is 1."""
+        if isinstance(found_inf, torch.Tensor):
+            self.optimizer.found_inf = found_inf  # read by torch's fused step (GradScaler's way)
+            try:
+                return self.apply_step(norm, max_norm, False)
+            finally:
+                self.optimizer.found_inf = None
         self._prepare_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)

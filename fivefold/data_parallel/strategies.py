@@ -407,8 +407,8 @@ class ReduceScatter(Stage):
     ) -> dict[str, int]:
         """ZeRO-2/3's full gradient buffers (at most ``inflight_buckets`` launched and one filling;
         all of them while gradients accumulate unreduced) and the temporaries later reduce-scatters
-        land in; ZeRO-1/2: the gradient autograd makes before a hook copies it into its bucket.
-        """
+        land in (as many as the transport holds at once: `outputs_held`); ZeRO-1/2: the gradient
+        autograd makes before a hook copies it into its bucket."""
         out: dict[str, int] = {}
         if not self.keep_full and self.comm.size > 1:
             sizes = sorted((f.layout.padded_numel for f in self.flats), reverse=True)
@@ -418,7 +418,8 @@ class ReduceScatter(Stage):
                 reductions > 1
             ):  # a later reduction's reduce-scatter lands in a temporary added to the shard
                 shards = sorted((f.shard_numel for f in self.flats), reverse=True)
-                out["reduce-scatter outputs"] = sum(shards[: self.max_inflight]) * grad_bytes
+                held = self.transport.outputs_held(self.max_inflight, len(shards))
+                out["reduce-scatter outputs"] = sum(shards[:held]) * grad_bytes
         return out | self._param_gradient(param_bytes)
 
     def _param_gradient(self, param_bytes: int) -> dict[str, int]:

@@ -4,7 +4,10 @@ all-to-all in its place (docs/design.md#zero-qwz-qgz-hpz). A transport launches 
 (`launch`: its result in ``bucket.out``), completes it once the handle is waited (`finish`), and
 states what it sends per step (`collectives`, read by `fivefold.plan.traffic`): per gradient
 reduction a reduce-scatter of every bucket (`formulas.zero_grad_reduce_bytes`), qgZ the same shapes
-as quantised chunks, HSDP plus an all-reduce of each shard, Ψ/N_s, over ``dp_replicate``.
+as quantised chunks, HSDP plus an all-reduce of each shard, Ψ/N_s, over ``dp_replicate``; and how
+many buckets' reduced shards are alive at once (`outputs_held`, read by the stage's
+`transient_bytes`): the in-flight bound, or under HSDP every bucket's (its all-reduce is waited at
+the end of backward: `hsdp`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class GradTransport(Protocol):
         self, padded: list[int], grad_bytes: int, reductions: int, phase: str
     ) -> list[Collective]: ...
 
+    def outputs_held(self, inflight: int, buckets: int) -> int: ...
+
 
 class PlainReduceScatter:
     """The bucket pre-divided by ``divisor`` (every rank its mean runs over: the sum of g_i / N is
@@ -90,10 +95,16 @@ class PlainReduceScatter:
         nbytes = reductions * formulas.zero_grad_reduce_bytes(padded, n, grad_bytes)
         return [Collective(self.comm.dim, "reduce_scatter", phase, nbytes, n)]
 
+    def outputs_held(self, inflight: int, buckets: int) -> int:
+        """Buckets whose reduced shard is alive at once, of `buckets` with a bound of `inflight`:
+        a shard is added to the gradient as its bucket completes."""
+        return min(inflight, buckets)
+
 
 class ReplicaAllReduce:
     """HSDP: the `inner` reduce-scatter inside the shard group, then the shard's all-reduce across
-    ``replicate`` (started in bucket order on every rank: `hsdp.ReplicaReduce`)."""
+    ``replicate`` (started in bucket order on every rank, waited at the end of backward:
+    `hsdp.ReplicaReduce`)."""
 
     def __init__(self, inner: PlainReduceScatter, replicate: Comm) -> None:
         self.inner, self.comm, self.replicate = inner, inner.comm, replicate
@@ -116,6 +127,11 @@ class ReplicaAllReduce:
         shard = reductions * sum(padded) // self.comm.size * grad_bytes
         replicas = Collective(self.replicate.dim, "all_reduce", phase, shard, self.replicate.size)
         return [*self.inner.collectives(padded, grad_bytes, reductions, phase), replicas]
+
+    def outputs_held(self, inflight: int, buckets: int) -> int:
+        """Every bucket's: each shard's all-reduce is waited at the end of backward, so the shard
+        (what it reads and writes) lives until then."""
+        return buckets
 
 
 class Int8AllToAll:
@@ -161,3 +177,6 @@ class Int8AllToAll:
         n = self.comm.size
         nbytes = reductions * formulas.zero_grad_reduce_bytes(padded, n, grad_bytes, self.block)
         return [Collective(self.comm.dim, "all_to_all", phase, nbytes, n)]
+
+    def outputs_held(self, inflight: int, buckets: int) -> int:
+        return min(inflight, buckets)

@@ -422,7 +422,9 @@ class Comm:
                 .to(device=self.device, dtype=dtype or value.dtype, copy=True)
                 .reshape(())
             )
-        return torch.tensor(value, dtype=dtype or torch.float32, device=self.device)
+        # a fill kernel with the value as its argument: `torch.tensor(value, device=...)` would be
+        # a blocking host-to-device copy on an accelerator
+        return torch.full((), value, dtype=dtype or torch.float32, device=self.device)
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
         for t in tensors:

@@ -89,8 +89,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     )
     if t.device.type == "cpu" and accelerator is not None and device.type == accelerator.type:
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+        t = t.pin_memory()
+    return t.to(device, non_blocking=t.device.type == "cpu" and device.type != "cpu")
 
 
 def backend_for(device: torch.device) -> str:

@@ -14,6 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from fivefold.data_parallel import ZeroDataParallel
     from fivefold.distributed.comm import Comm
+    from fivefold.optim.clip import NonFiniteWatch
     from fivefold.pipeline.simulator import Timeline
 
 __all__ = ["Batch", "MeasuredPipeline", "ParallelModel"]
@@ -41,6 +42,8 @@ class ParallelModel(Protocol):
         Any, ZeroDataParallel
     ]  # WholeModel: 0 (and 1: experts); PipelinedModel: (stage, 0 / 1)
     loss_comm: Comm  # the group the loss is averaged over: dp, or dp × cp
+    # ``check_finite``'s steps skipped on the device, read on log steps (`optim.clip`)
+    finite_watch: NonFiniteWatch
     timeline: Timeline | None  # after `gather_timeline`, under pp: the last step's measured actions
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,8 @@ class ParallelModel(Protocol):
     def step(self, max_norm: float | None, check_finite: bool = False) -> torch.Tensor | None:
         """Clip by the global norm and step every engine together; returns the norm (0-d, on the
         device) when one was computed. ``check_finite``: raise `NonFiniteGradient` on every rank
-        instead of applying it."""
+        instead of applying it — at once, or, where the optimizers skip the step on the device,
+        when the trainer next reads ``finite_watch``."""
         ...
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:

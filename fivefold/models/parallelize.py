@@ -26,7 +26,7 @@ from fivefold.models.moe import MoEFeedForward
 from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.observe.memory import model_state_bytes
-from fivefold.optim.clip import step_together
+from fivefold.optim.clip import NonFiniteWatch, step_together
 from fivefold.pipeline.actions import Schedule
 from fivefold.pipeline.builders import build_schedule, forward_only
 from fivefold.pipeline.runtime import PipelineRuntime
@@ -278,7 +278,12 @@ def _engines(
     module.init_buffers()
     if mesh.size("cp") > 1:
         apply_context_parallel(
-            module, mesh.comm("cp"), _layout(cfg, mesh), cfg.train.seq_len, LLAMA_CP_PLAN
+            module,
+            mesh.comm("cp"),
+            _layout(cfg, mesh),
+            cfg.train.seq_len,
+            LLAMA_CP_PLAN,
+            kernel=cfg.parallel.cp_kernel,
         )
     return engines
 
@@ -309,6 +314,7 @@ class _Parts:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.loss_comm = _grad_comm(mesh)
         self.layout = _layout(cfg, mesh)
+        self.finite_watch = NonFiniteWatch()
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole sequences [B, L] on the device: its layout's positions under
@@ -341,6 +347,7 @@ class _Parts:
             comms,
             check_finite,
             self.mesh.world if check_finite else None,
+            self.finite_watch,
         )
 
     def gather_timeline(self) -> None:
@@ -621,4 +628,18 @@ def parallelize(
     """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`: a
     `WholeModel` (pp = 1) or a `PipelinedModel`."""
     device = torch.device(device)
+    _groups_of_the_layout(cfg, model_cfg, mesh, device)
     return (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)
+
+
+def _groups_of_the_layout(
+    cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
+) -> None:
+    """The groups only some layouts use (hpZ's, the expert all-to-alls' backward twin), made here on
+    every rank, before any stage is built: making a group is a collective every rank joins (NCCL
+    splits the world's communicator), so it must not wait for the ranks whose stage needs it."""
+    if cfg.zero.hpz > 1:
+        mesh.hpz_comm(cfg.zero.hpz)
+    if model_cfg.moe is not None and mesh.size("pp") > 1 and mesh.size("ep") > 1:
+        if pipeline_overlap(cfg, model_cfg.moe, mesh.size, device.type)[0]:
+            mesh.backward_comm("ep")

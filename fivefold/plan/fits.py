@@ -156,6 +156,7 @@ class _Engine:
     comm: int
     stage: int
     hpz: int = 0
+    replicated: bool = False  # HSDP: each shard all-reduced across replicas, waited at the end
 
 
 def _stage_engines(
@@ -214,7 +215,13 @@ def _stage_engines(
         root = head + (embedding if m.tie_embeddings else [])
         dense += [(_flat(root, world, root=True), 1)] if root else []
     engines = [
-        _Engine(tuple(dense), group, stage, hpz if stage == 3 and hpz > 1 and group > 1 else 0)
+        _Engine(
+            tuple(dense),
+            group,
+            stage,
+            hpz if stage == 3 and hpz > 1 and group > 1 else 0,
+            replicated=dims.dp_replicate > 1,
+        )
     ]
     if m.moe is not None:
         ep_dp = dims.size("ep_dp")
@@ -296,10 +303,9 @@ def _transient(
     if stage >= 2 and e.comm > 1:
         n = sum(c for _, c in sizes) if accumulating else z.inflight_buckets + 1
         out["gradient buckets"] = _top(sizes, n) * gb
-        if reductions > 1:
-            out["reduce-scatter outputs"] = (
-                _top(((f.shard, c) for f, c in e.flats), z.inflight_buckets) * gb
-            )
+        if reductions > 1:  # (`transports.*.outputs_held`: HSDP holds every bucket's)
+            held = sum(c for _, c in sizes) if e.replicated else z.inflight_buckets
+            out["reduce-scatter outputs"] = _top(((f.shard, c) for f, c in e.flats), held) * gb
     if stage in (1, 2) or (stage == 0 and pb != gb):
         out["parameter gradient"] = max(f.largest for f, _ in e.flats) * pb
     if stage == 3 and e.comm > 1:

@@ -321,6 +321,7 @@ class StepResult:
     loss_value: float | None = None  # on log steps: `loss` on the host
     # on log steps: seconds per step since the previous log (`TrainingClock`)
     step_time_s: float | None = None
+    grad_norm_value: float | None = None  # on log steps: `grad_norm` on the host
 
 
 @dataclass(frozen=True)
@@ -468,7 +469,7 @@ class RunRecordLog(TrainObserver):
                 "step": r.step,
                 "loss": r.loss_value,
                 "lr": r.lr,
-                "grad_norm": None if r.grad_norm is None else r.grad_norm.item(),
+                "grad_norm": r.grad_norm_value,
                 "step_time_s": dt,
                 "tokens_per_s": tp.tokens_per_s(dt),
                 "model_state_mb": r.model_state_mb,

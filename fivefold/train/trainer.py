@@ -416,8 +416,10 @@ class Trainer:
         interval: otherwise the host queues the next step while the device runs this one) and the
         step time read."""
         logged = step % self.cfg.run.log_every == 0 or step == self.cfg.train.steps - 1
-        loss_value = loss.item() if logged else None  # waits for this step
-        step_time = self.clock.lap(step) if logged else None
+        loss_value = norm_value = step_time = None
+        if logged:
+            loss_value, norm_value = self._fetch(loss, grad_norm)
+            step_time = self.clock.lap(step)
         return StepResult(
             step,
             lr,
@@ -429,7 +431,23 @@ class Trainer:
             logged,
             loss_value,
             step_time,
+            norm_value,
         )
+
+    def _fetch(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None
+    ) -> tuple[float, float | None]:
+        """A log step's one wait for the device: the loss, the norm and the count of steps skipped
+        for a non-finite gradient since the last log, in one copy to the host; a skipped step stops
+        the run here (`NonFiniteWatch.confirm`)."""
+        watch = self.model.finite_watch
+        skipped = watch.skipped if self.cfg.train.check_finite else None
+        values = torch.stack(
+            [t.detach().reshape(()).float() for t in (loss, grad_norm, skipped) if t is not None]
+        ).tolist()  # waits for this step
+        if skipped is not None:
+            watch.confirm(int(values[-1]))
+        return values[0], values[1] if grad_norm is not None else None
 
     def _announce_eval(self, result: EvalResult) -> None:
         for observer in self.observers:
