@@ -83,7 +83,13 @@ def stepping_trainer(cfg, parts, mesh, steps: int):
     import numpy as np
 
     from fivefold.train.data import TokenDataset
-    from fivefold.train.metrics import RunRecord, RunRecordLog, RunSummary, Throughput, TrainingClock
+    from fivefold.train.metrics import (
+        RunRecord,
+        RunRecordLog,
+        RunSummary,
+        Throughput,
+        TrainingClock,
+    )
     from fivefold.train.trainer import Heartbeat, Trainer
 
     dp = mesh.size("dp")
