@@ -10,6 +10,8 @@
 - both also run "ideal": each rank trains its own batch alone (plain model, torch AdamW, no communication), the
   limit data parallelism approaches; every row reports step time / ideal (paired rounds) and its inverse, the
   DP efficiency.
+- `bench_optimizer`: the optimizer step alone on the CPU, master shards cut into 1 MiB segments or whole; and
+  `optimizer_step_ops`: the operations one step dispatches on the accelerator path (meta device, fake group).
 - `bench_offload`: fivefold ZeRO-2/3 with ZeRO-Offload (fp32 masters, Adam state and step on the host) and with
   ZeRO-R constant buffers against the same stage without: step time, device- and host-resident bytes.
 
@@ -25,6 +27,7 @@ it holds; torch modules are measured with their optimizer; FSDP2 through the loc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Sequence
@@ -33,6 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.harness import (
     CPU_LEGEND,
@@ -61,9 +65,14 @@ __all__ = [
     "DPSpec",
     "bench_ddp",
     "bench_offload",
+    "bench_optimizer",
     "bench_zero",
     "format_offload_table",
+    "format_optimizer_ops_table",
+    "format_optimizer_table",
     "format_table",
+    "optimizer_ops",
+    "optimizer_step_ops",
     "run_dp_contest",
     "zero_contestants",
     "zero_keep_contestants",
@@ -590,3 +599,196 @@ def format_offload_table(results: dict) -> str:
             "are the same memory: the split shows what an accelerator would hold, the time what the extra copies "
             "cost here (no PCIe)"]
     return "\n".join(out)
+
+
+# -- the optimizer step: dispatched operations on the accelerator path, time on the CPU ------------
+
+class _OneRank:
+    """A group of one rank (`Comm`'s attributes the optimizer reads): nothing is ever issued."""
+
+    size, rank, dim = 1, 0, "dp"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class AtenCount(TorchDispatchMode):
+    """Counts every operation dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@contextlib.contextmanager
+def _fused_on_meta():
+    """Admit the meta device to torch's fused optimizer kernels (which have meta implementations), so
+    a meta rank steps as a CUDA one does: what the count is of."""
+    from torch.optim import optimizer as torch_optimizer
+    supported = torch_optimizer._get_fused_kernels_supported_devices
+    torch_optimizer._get_fused_kernels_supported_devices = lambda: [*supported(), "meta"]
+    try:
+        yield
+    finally:
+        torch_optimizer._get_fused_kernels_supported_devices = supported
+
+
+def optimizer_step_ops(preset: str = "llama3.2-1b", stage: int = 0, world: int = 8, fused: bool = True,
+                       bucket_mb: float = 25.0, steps: int = 2, watch: Any = None, **model_overrides: Any) -> dict:
+    """Operations one optimizer step dispatches (`model.step(1.0)`: the norm, clipping, the update, the write-back
+    and ZeRO-1/2's gathers) on rank 0 of `world`, built by the trainer's `parallelize` on the `meta` device with
+    torch's fake process group (bf16 parameters, fp32 reduction, AdamW), after a forward and backward of one
+    sequence of 8 tokens. ``fused``: torch's fused kernels admitted on meta, as on CUDA (else the multi-tensor
+    ones meta has). In this process: the fake group is created and destroyed here. Returns the last step's
+    ``total``, ``flats``, ``per_flat``, ``ops`` by name and ``optimizer_tensors``; ``watch`` (a context manager
+    factory, e.g. a host-sync detector) is entered around each step, and ``watched`` lists what it returned."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fivefold.config import Config
+    from fivefold.distributed import launch
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
+    from fivefold.models import get_config
+    from fivefold.models.parallelize import parallelize
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        cfg = Config()
+        cfg.zero.stage, cfg.zero.bucket_mb = stage, bucket_mb
+        cfg.precision.param, cfg.precision.reduce = "bf16", "fp32"
+        cfg.train.grad_accum, cfg.train.seq_len, cfg.train.micro_batch = 1, 8, 1
+        model = get_config(preset, max_seq_len=8, **model_overrides)
+        mesh = ParallelMesh(ParallelDims(dp=world), "meta", CommLog())
+        x = torch.zeros(1, 8, dtype=torch.long)
+        batch = (launch.to_device(x, mesh.device), launch.to_device(x, mesh.device))
+        with _fused_on_meta() if fused else contextlib.nullcontext():
+            parts = parallelize(cfg, model, mesh, "meta")
+            engines = list(parts.engines.values())
+            watched = []
+            for _ in range(steps):
+                parts.forward_backward([batch])
+                with watch() if watch is not None else contextlib.nullcontext() as seen, AtenCount() as count:
+                    parts.step(1.0)
+                watched.append(seen)
+                with AtenCount() as cleared:  # what the step's own zero_grad (the reducer's buffers) adds
+                    for e in engines:
+                        e.zero_grad()
+        flats = sum(len(e.flats) for e in engines)
+        kernels = sorted({k for e in engines for g in e.optimizer.param_groups for k in ("fused", "foreach")
+                          if g.get(k)})
+        optimizer = count.total - cleared.total
+        ops = {k: v - cleared.ops.get(k, 0) for k, v in sorted(count.ops.items()) if v - cleared.ops.get(k, 0)}
+        return dict(total=optimizer, flats=flats, per_flat=optimizer / flats, ops=ops, zero_grad=cleared.total,
+                    optimizer_tensors=sum(len(f.master_params) for e in engines for f in e.flats),
+                    kernels=kernels, preset=preset, stage=stage, world=world, watched=watched)
+    finally:
+        dist.destroy_process_group()
+
+
+def _flats_of(model: nn.Module, bucket_mb: float, segmentation: Any) -> list:
+    """The model's parameters in `bucket_mb` flat buffers (reverse order, as the reducer's buckets) of one rank
+    holding everything, with AdamW's two groups (decay: matrices), cut by `segmentation`."""
+    from fivefold.data_parallel.buckets import assign_buckets
+    from fivefold.data_parallel.flat_param import FlatParam
+    one = _OneRank(torch.device("cpu"))
+    named = [(n, p) for n, p in model.named_parameters()]
+    return [FlatParam(i, bucket, one, group_of=lambda n, p: int(p.ndim < 2), param_dtype=torch.float32,
+                      sharded=False, segmentation=segmentation)
+            for i, bucket in enumerate(assign_buckets(named, bucket_mb * 2**20))]
+
+
+def bench_optimizer(preset: str = "bench-120m", steps: int = 24, warmup: int = 2, repeats: int = 6,
+                    threads: int = 1, bucket_mb: float = 25.0, seed: int = 0) -> dict:
+    """The optimizer step alone on the CPU (clipping norm, clip, AdamW, write-back) of `preset` on one rank, its
+    flat buffers cut into cache-sized segments (the CPU's choice) or whole shards (the accelerator's), each
+    stepped by torch's per-tensor CPU loop or by its fused CPU kernel: ms per step per contestant,
+    in alternating blocks (side by side); ``ratio`` each one's median over the segments' median."""
+    import time
+
+    from fivefold.data_parallel.flat_param import CacheSizedSegments, WholeShards
+    from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
+    from fivefold.models import get_config
+
+    torch.set_num_threads(threads)
+    contestants = {"segments (1 MiB), per-tensor": (CacheSizedSegments(), {}),
+                   "whole shards, per-tensor": (WholeShards(), {}),
+                   "segments (1 MiB), fused": (CacheSizedSegments(), {"fused": True}),
+                   "whole shards, fused": (WholeShards(), {"fused": True})}
+    runs = {}
+    gen = torch.Generator().manual_seed(seed)
+    for name, (segmentation, options) in contestants.items():
+        model = build_model(get_config(preset), seed=seed)
+        flats = _flats_of(model, bucket_mb, segmentation)
+        opt = ShardedOptimizer.for_flat_params(flats, torch.optim.AdamW, [{"weight_decay": 0.1},
+                                                                          {"weight_decay": 0.0}],
+                                               _OneRank(torch.device("cpu")), lr=1e-4, **options)
+        grads = [torch.randn(f.shard_numel, generator=gen) * 1e-3 for f in flats]
+        runs[name] = dict(opt=opt, flats=flats, grads=grads, times=[],
+                          tensors=sum(len(f.master_params) for f in flats))
+
+    def one_step(run: dict) -> float:
+        for f, g in zip(run["flats"], run["grads"]):
+            f.grad_shard = g.clone()
+        t0 = time.perf_counter()
+        run["opt"].step(max_norm=1.0)
+        return time.perf_counter() - t0
+
+    for run in runs.values():
+        for _ in range(warmup):
+            one_step(run)
+    for block in blocks(steps, repeats):
+        for run in runs.values():
+            run["times"] += [one_step(run) for _ in range(block)]
+    params = sum(f.layout.numel for f in next(iter(runs.values()))["flats"])
+    base = float(torch.tensor(next(iter(runs.values()))["times"]).median())
+    out = []
+    for name, run in runs.items():
+        median = float(torch.tensor(run["times"]).median())
+        out.append(dict(name=name, ms=median * 1e3, ratio=median / base, tensors=run["tensors"],
+                        flats=len(run["flats"])))
+    return dict(impls=out, params=params, spec=dict(preset=preset, steps=steps, warmup=warmup, repeats=repeats,
+                                                    threads=threads, bucket_mb=bucket_mb))
+
+
+def format_optimizer_table(results: dict) -> str:
+    """`bench_optimizer`'s rows."""
+    spec = results["spec"]
+    rows = [("optimizer tensors", "contestant", "ms / step (median)", "/ segments")]
+    rows += [(str(r["tensors"]), r["name"], f"{r['ms']:.1f}", f"{r['ratio']:.2f}") for r in results["impls"]]
+    flats = results["impls"][0]["flats"]
+    return "\n".join(markdown_table(rows) + [
+        "", f"Ψ = {results['params']:,} (preset {spec['preset']}) on one rank in {flats} flat buffers of "
+            f"{spec['bucket_mb']:g} MiB, fp32 AdamW (2 groups), norm + clip + step + write-back; {spec['threads']} "
+            f"thread(s), {spec['steps']} timed steps (+{spec['warmup']} warmup) each in {spec['repeats']} "
+            "alternating blocks"])
+
+
+def optimizer_ops(preset: str = "llama3.2-1b", world: int = 8, stages: Sequence[int] = (0, 3), fused: bool = True,
+                  bucket_mb: float = 25.0) -> dict:
+    """`optimizer_step_ops` for each ZeRO stage of `stages` (0: DDP)."""
+    return dict(rows=[optimizer_step_ops(preset, stage=s, world=world, fused=fused, bucket_mb=bucket_mb)
+                      for s in stages])
+
+
+def format_optimizer_ops_table(results: dict) -> str:
+    """`optimizer_ops`'s rows."""
+    rows = [("layout", "flat buffers", "optimizer tensors", "kernels", "ops per step", "per flat buffer",
+             "+ zero_grad")]
+    for r in results["rows"]:
+        layout = "DDP" if r["stage"] == 0 else f"ZeRO-{r['stage']}"
+        rows.append((f"{layout} world {r['world']}", str(r["flats"]), str(r["optimizer_tensors"]), ",".join(r["kernels"]),
+                     str(r["total"]), f"{r['per_flat']:.2f}", str(r["zero_grad"])))
+    first = results["rows"][0]
+    return "\n".join(markdown_table(rows) + ["", f"preset {first['preset']}, rank 0 on the meta device with the fake "
+                                              "process group, bf16 parameters, fp32 reduction, AdamW; the second of "
+                                              "two steps; model.step(1.0) (norm, clip, step, write-back, gathers) "
+                                              "without the engines' zero_grad, counted apart"])

@@ -7,6 +7,8 @@
     python bench/run.py zero --stages 3 --keep    # + ZeRO-3 with the gathered units kept for backward (2Ψ, not 3Ψ)
     python bench/run.py zeropp                    # ZeRO-3 with qwZ / qgZ / hpZ vs plain ZeRO-3: bytes and time
     python bench/run.py offload                   # ZeRO-2/3 with optimizer offload / constant buffers vs without
+    python bench/run.py optim                     # the optimizer step on the CPU: 1 MiB segments vs whole shards
+    python bench/run.py optim-ops                 # operations one optimizer step dispatches (meta, fake group)
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
@@ -63,9 +65,13 @@ from bench.data_parallel import (  # noqa: E402
     DPSpec,
     bench_ddp,
     bench_offload,
+    bench_optimizer,
     bench_zero,
     format_offload_table,
+    format_optimizer_ops_table,
+    format_optimizer_table,
     format_table,
+    optimizer_ops,
 )
 from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table  # noqa: E402
 from bench.expert_parallel import (  # noqa: E402
@@ -95,6 +101,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "ep": ("ep", "ep-overlap"), "experts": ("experts",),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
+    "optim": ("optim",), "optim-ops": ("optim-ops",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -159,6 +166,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="fivefold ZeRO-3 with ZeRO++ qwZ / qgZ / hpZ vs plain ZeRO-3 (bytes, time, hpZ memory)")
     sub.add_parser("offload", parents=[common, micro, dp_opts, zero_opts],
                    help="fivefold ZeRO-2/3 with the optimizer offloaded / constant buffers vs without")
+    sub.add_parser("optim", parents=[common, dp_opts],
+                   help="the optimizer step alone on the CPU (bench-120m): 1 MiB segments vs whole shards")
+    ops = sub.add_parser("optim-ops", parents=[common, dp_opts, zero_opts],
+                         help="operations one optimizer step dispatches, DDP / ZeRO-3 (meta device, fake group)")
+    ops.add_argument("--foreach", action="store_true", help="the multi-tensor kernels meta has, not fused ones")
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
@@ -234,6 +246,13 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             world=opt.get("world"), micro_batch=opt.get("micro_batch"), dtype=opt.get("dtype"),
             quant_block=opt.get("quant_block"), hpz=opt.get("hpz")))), format_zeropp_table),
         "offload": (lambda: bench_offload(**common, **dp, stages=offload_stages), format_offload_table),
+        "optim": (lambda: bench_optimizer(**_given(preset=args.preset, steps=args.steps, warmup=args.warmup,
+                                                   repeats=args.repeats, threads=args.threads,
+                                                   bucket_mb=opt.get("bucket_mb"))), format_optimizer_table),
+        "optim-ops": (lambda: optimizer_ops(**_given(preset=args.preset, world=opt.get("world"),
+                                                     bucket_mb=opt.get("bucket_mb")),
+                                            stages=tuple(int(s) for s in (opt.get("stages") or "0,3").split(",")),
+                                            fused=not opt.get("foreach")), format_optimizer_ops_table),
         "tp": (lambda: bench_tp(TPSpec(**common, **tp)), format_tp_table),
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),

@@ -84,16 +84,22 @@ def _ensure_optimizer_state(
 ) -> None:
     """Create the optimizer state a load will fill (a torch optimizer allocates it at its first
     step)."""
+    # torch keeps a non-fused optimizer's step count on the CPU, a fused (or capturable) one's
+    # beside its parameter
+    on_param = {
+        id(p)
+        for g in engine.optimizer.param_groups
+        if g.get("fused") or g.get("capturable")
+        for p in g["params"]
+    }
     for flat in engine.flats:
         for mp in flat.master_params:
             state = engine.optimizer.state.setdefault(mp, {})
             for k in elementwise:
                 state.setdefault(k, torch.zeros_like(mp, memory_format=torch.preserve_format))
-            for (
-                k,
-                dtype,
-            ) in scalars.items():  # torch keeps a non-fused optimizer's step count on the CPU
-                state.setdefault(k, torch.zeros((), dtype=dtype, device="cpu"))
+            device = mp.device if id(mp) in on_param else "cpu"
+            for k, dtype in scalars.items():
+                state.setdefault(k, torch.zeros((), dtype=dtype, device=device))
 
 
 @dataclass

@@ -2,14 +2,17 @@
 
 ZeRO (docs/design.md#model-state-memory): every rank owns a contiguous 1/N shard of each buffer
 (padded to a multiple of N), keeps fp32 master weights and optimizer state only for it and receives
-only its shard of the averaged gradient. Parameters are ordered by optimizer group (one segment per
-group in a shard). ``full``: the whole buffer in compute dtype, parameters are views into it; ZeRO-3
-frees its storage between uses (``untyped_storage().resize_(0)``) and gathers into it again, so
-tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view of a
-gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same time.
-``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a host
-buffer of its own (pinned on an accelerator; never ``local``, even for fp32), updated on the host
-and copied back by `write_back`.
+only its shard of the averaged gradient. Parameters are ordered by optimizer group (each group
+contiguous in a shard). ``full``: the whole buffer in compute dtype, parameters are views into it;
+ZeRO-3 frees its storage between uses (``untyped_storage().resize_(0)``) and gathers into it again,
+so tensors autograd saved stay valid — or, with constant buffers (ZeRO-R), ``full`` becomes a view
+of a gather slot it keeps for the run (`use_storage`), shared with units never gathered at the same
+time. ``local`` is this rank's shard, ``master`` its fp32 copy: with ``offload`` (ZeRO-Offload) a
+host buffer of its own (pinned on an accelerator; never ``local``, even for fp32), updated on the
+host and copied back by `write_back`. The master shard is cut into the optimizer's tensors by a
+`Segmentation` (docs/design.md#mechanisms, the optimizer on shards): `WholeShards` (one per
+optimizer group, fused kernels) where the master lives on an accelerator, `CacheSizedSegments` of 1
+MiB on the CPU (`segmentation_for`).
 
 ZeRO++ (docs/design.md#zero-qwz-qgz-hpz) changes only how a ZeRO-3 gather travels (`_start_gather`):
 qwZ (``quant_block``) all-gathers every shard as block-wise int8 (`quantize`) and dequantises into
@@ -20,7 +23,10 @@ backward's weights from those slices inside that group alone.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,10 +41,76 @@ GroupOf = Callable[[str, nn.Parameter], int]
 # the model's init.
 ValueOf = Callable[[str, nn.Parameter], torch.Tensor]
 
-# Optimizer pieces of at most 1 MiB of fp32: an elementwise optimizer makes ~10 passes over (param,
-# grad, m, v), which stay in cache for 1 MiB but stream from memory for a 25 MiB bucket (measured:
-# AdamW 3-4x slower on CPU).
+# Optimizer pieces of at most 1 MiB of fp32 on the CPU (`CacheSizedSegments`): an elementwise
+# optimizer's per-tensor loop makes ~10 passes over (param, grad, m, v), which stay in cache for
+# 1 MiB but stream from memory for a 25 MiB bucket (docs/benchmarks.md#the-optimizer-step).
 OPTIMIZER_CHUNK = 2**18
+
+
+# -- how a shard is cut into optimizer tensors, and the kernels that step them ---------------------
+
+
+class Segmentation(Protocol):
+    """How each optimizer group's part of a shard becomes optimizer tensors (master parameters),
+    and the inner optimizer's kernel options that go with it (docs/design.md#mechanisms)."""
+
+    def cut(self, a: int, b: int) -> list[tuple[int, int]]:
+        """The pieces [a, b) of one group's part of the shard (local coordinates; a < b)."""
+        ...
+
+    def kernel_options(self, optimizer_class: type, device: torch.device) -> dict[str, Any]:
+        """Defaults for the inner optimizer over these pieces on `device` (a user's own win)."""
+        ...
+
+
+def _takes(optimizer_class: type, option: str) -> bool:
+    return option in inspect.signature(optimizer_class).parameters
+
+
+def fused_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on (read at each call)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    supported = getattr(torch_optimizer, "_get_fused_kernels_supported_devices", None)
+    return list(supported()) if supported is not None else ["cuda"]
+
+
+@dataclass(frozen=True)
+class WholeShards:
+    """One optimizer tensor per group per flat buffer, stepped by a fused kernel where the
+    optimizer class and the device have one (AdamW on CUDA: one launch per group for every
+    buffer), else by the multi-tensor (`foreach`) kernels; the CPU keeps the per-tensor loop."""
+
+    def cut(self, a: int, b: int) -> list[tuple[int, int]]:
+        return [(a, b)]
+
+    def kernel_options(self, optimizer_class: type, device: torch.device) -> dict[str, Any]:
+        if device.type == "cpu":
+            return {}
+        if _takes(optimizer_class, "fused") and device.type in fused_devices():
+            return {"fused": True}
+        return {"foreach": True} if _takes(optimizer_class, "foreach") else {}
+
+
+@dataclass(frozen=True)
+class CacheSizedSegments:
+    """Pieces of at most `chunk` elements, stepped one tensor at a time (torch's CPU default):
+    each piece's passes stay in cache."""
+
+    chunk: int = OPTIMIZER_CHUNK
+
+    def cut(self, a: int, b: int) -> list[tuple[int, int]]:
+        return [(c, min(c + self.chunk, b)) for c in range(a, b, self.chunk)]
+
+    def kernel_options(self, optimizer_class: type, device: torch.device) -> dict[str, Any]:
+        return {}
+
+
+def segmentation_for(device: torch.device | str) -> Segmentation:
+    """The segmentation of a master shard on `device`: cache-sized segments on the CPU (host
+    masters under offload included), whole shards elsewhere (an accelerator; `meta`, standing in
+    for one when a rank is planned)."""
+    return CacheSizedSegments() if torch.device(device).type == "cpu" else WholeShards()
 
 
 class FlatParam:
@@ -56,6 +128,7 @@ class FlatParam:
         quant_block: int | None = None,
         secondary: Comm | None = None,
         master_home: host.MasterHome | None = None,
+        segmentation: Segmentation | None = None,
     ) -> None:
         ordered = sorted(
             named_params, key=lambda item: group_of(*item)
@@ -124,8 +197,11 @@ class FlatParam:
                         self._fill_shard(self.master, i, value)
                     del value
                 p.data = self._empty if self.reshard_enabled else self.layout.view(self.full, i)
+        # how the master shard is cut into optimizer tensors: by where it lives
+        self.segmentation = segmentation or segmentation_for(self.master.device)
         self.segments = self._group_segments()
         self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
+        self._split_sizes, self._pieces = self._split_plan()
         self.grad_shard: torch.Tensor | None = None
         # constant buffers: where reduce-scatters land
         self.grad_shard_buffer: torch.Tensor | None = None
@@ -151,8 +227,8 @@ class FlatParam:
         return shard
 
     def _group_segments(self) -> list[tuple[int, int, int]]:
-        """(group, a, b): each group's part [a, b) of this rank's shard (local coordinates), in
-        `OPTIMIZER_CHUNK`s."""
+        """(group, a, b): each group's part [a, b) of this rank's shard (local coordinates), cut by
+        the `segmentation`."""
         segments = []
         for g in sorted(set(self.group_ids)):
             members = [i for i, gid in enumerate(self.group_ids) if gid == g]
@@ -160,9 +236,34 @@ class FlatParam:
             last = self.layout.slots[members[-1]]
             hi = last.offset + last.numel
             a, b = max(lo, self.start), min(hi, self.end)
-            for c in range(a, b, OPTIMIZER_CHUNK):
-                segments.append((g, c - self.start, min(c + OPTIMIZER_CHUNK, b) - self.start))
+            if a < b:
+                for c, d in self.segmentation.cut(a - self.start, b - self.start):
+                    segments.append((g, c, d))
         return segments
+
+    def _split_plan(self) -> tuple[list[int], list[int]]:
+        """The sizes one `split_with_sizes` of a shard-sized tensor cuts (the segments, and the gaps
+        and padding between and after them) and which of its pieces are the segments, in order."""
+        sizes, pieces, at = [], [], 0
+        for _, a, b in self.segments:
+            if a > at:
+                sizes.append(a - at)
+            pieces.append(len(sizes))
+            sizes.append(b - a)
+            at = b
+        if at < self.shard_numel:
+            sizes.append(self.shard_numel - at)
+        return sizes, pieces
+
+    def segment_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """One view of `shard` (a tensor of this rank's shard size) per optimizer segment, cut by a
+        single operation (none when one segment is the whole shard)."""
+        if not self._pieces:
+            return []
+        if len(self._split_sizes) == 1:
+            return [shard]
+        views = shard.split_with_sizes(self._split_sizes)
+        return [views[i] for i in self._pieces]
 
     @property
     def shard_numel(self) -> int:

@@ -7,25 +7,31 @@ Used standalone after DDP (like ZeroRedundancyOptimizer) or by the ZeRO engine. 
 (fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan skip every rank agrees
 on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
 
+The inner optimizer's tensors are each flat's `FlatParam.segmentation` of its master shard: whole
+shards stepped by a fused (else multi-tensor) kernel on an accelerator, cache-sized segments stepped
+one at a time on the CPU; the squared norms come from one `torch._foreach_norm` per placement, so a
+step dispatches a few operations per flat buffer whatever its size.
+
 Offloaded flats (`FlatParam.offload`, docs/design.md#offload-and-constant-buffers): the norm and the
 clipping still run on the device gradient shards (the global-norm collectives stay on the group's
-device); then the clipped fp32 shards are copied to the host (`offload.copy_to_host`), the inner
-optimizer — whose parameters are the host masters — steps there, and `write_back` copies the result
-to the device.
+device); then every flat's clipped fp32 shard starts its copy to the host (`offload.copy_to_host`,
+one arrival event each), and the host steps the flats in order, waiting for each one's arrival
+only before stepping it (so the copies of the next flats overlap the host step of this one), with
+the host's share of the local cores (`offload.host_step_threads`); each flat's update starts back
+to the device (`FlatParam.write_back`) as soon as it is stepped.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from fivefold.data_parallel import offload as host
-from fivefold.data_parallel.flat_param import FlatParam
+from fivefold.data_parallel.flat_param import FlatParam, segmentation_for
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
 from fivefold.distributed.comm import Comm, Placement
 from fivefold.optim.clip import global_grad_sq_norm
@@ -56,24 +62,19 @@ def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
         )
 
 
-def write_back(flats: Iterable[FlatParam]) -> None:
-    """Refresh the compute copies from the fp32 masters (`FlatParam.write_back`), then all-gather
-    the updated shards of the sharded flats that stay gathered (ZeRO-1/2), all launched before any
-    is waited on."""
+def write_back(flats: Iterable[FlatParam], refreshed: Collection[FlatParam] = ()) -> None:
+    """Refresh the compute copies from the fp32 masters (`FlatParam.write_back`; not those in
+    `refreshed`, written back already), then all-gather the updated shards of the sharded flats
+    that stay gathered (ZeRO-1/2), all launched before any is waited on."""
     works = []
+    done = {id(f) for f in refreshed}
     for f in flats:
-        f.write_back()
+        if id(f) not in done:
+            f.write_back()
         if f.sharded and not f.reshard_enabled:
             works.append(f.gather_params())
     for w in works:
         w.wait()
-
-
-def _fused_on(device: torch.device) -> bool:
-    """Whether torch has fused optimizer kernels for this device type."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    return device.type in _get_fused_kernels_supported_devices()
 
 
 class ShardedOptimizer:
@@ -168,15 +169,12 @@ class ShardedOptimizer:
         if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
             empty = nn.Parameter(torch.zeros(0, device=comm.device))
             inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
-        accepts = inspect.signature(optimizer_class).parameters
-        if comm.device.type != "cpu" and "fused" in accepts and _fused_on(comm.device):
-            # one fused kernel per group, which can also skip a step on the device (`found_inf`)
-            defaults.setdefault("fused", not defaults.get("foreach", False))
-        elif comm.device.type != "cpu" and "foreach" in accepts:
-            # one multi-tensor kernel per group over all shard segments, not one launch per segment
-            # (torch picks it only for CUDA tensors it recognises); the CPU keeps the per-tensor
-            # loop the reference runs
-            defaults.setdefault("foreach", True)
+        # the kernels that go with the masters' segmentation (fused AdamW over whole shards on an
+        # accelerator; the CPU's per-tensor loop is the reference's); options the user gave win
+        master_device = flats[0].master.device if flats else comm.device
+        segmentation = flats[0].segmentation if flats else segmentation_for(master_device)
+        if not {"fused", "foreach"} & defaults.keys():
+            defaults.update(segmentation.kernel_options(optimizer_class, master_device))
         self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
         self.last_step_skipped = False
 
@@ -202,39 +200,51 @@ class ShardedOptimizer:
             f.grad_shard = f.shard_of([p.grad for p in f.params], f.param_dtype)
 
     def _master_grads(self) -> list[tuple[torch.Tensor, Placement]]:
-        """(fp32 gradient of each master segment on the device, its placement). Offloaded, the
-        master's own ``.grad`` is its slice of the host buffer, filled by `_grads_to_host` after
-        clipping."""
+        """(fp32 gradient of each master segment on the device, its placement): per flat one cast
+        (16-bit gradients) and one split into the segments; fp16's unscaling one multi-tensor
+        multiply. Offloaded, the master's own ``.grad`` is its view of the host buffer, filled by
+        `_host_step` after clipping."""
         grads = []
-        self._to_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host .grad, device gradient)
-        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # offload: (flat, host gradient buffer, fp32 device gradient shard)
+        self._to_host: list[tuple[FlatParam, torch.Tensor, torch.Tensor]] = []
         for f in self.flats:
-            for (_, a, b), mp in zip(f.segments, f.master_params):
-                if (
-                    f.grad_shard is None
-                ):  # no gradient since the last step: like torch, leave it alone
+            if f.grad_shard is None:  # no gradient since the last step: like torch, leave it alone
+                for mp in f.master_params:
                     mp.grad = None
-                    continue
-                g = f.grad_shard[a:b]
-                g = g.float() if g.dtype != torch.float32 else g
-                if inv_scale != 1.0:
-                    g.mul_(inv_scale)
-                buffer = f.master_grad_buffer()  # offload: the host's copy
-                if buffer is not None:
-                    mp.grad = buffer[a:b]
-                    self._to_host.append((mp.grad, g))
-                else:
-                    mp.grad = g
-                grads.append((g, self._placement[id(mp)]))
+                continue
+            g = f.grad_shard if f.grad_shard.dtype == torch.float32 else f.grad_shard.float()
+            views = f.segment_views(g)
+            buffer = f.master_grad_buffer()  # offload: the host's copy
+            if buffer is not None:
+                self._to_host.append((f, buffer, g))
+            homes = f.segment_views(buffer) if buffer is not None else views
+            for mp, view, home in zip(f.master_params, views, homes):
+                mp.grad = home
+                grads.append((view, self._placement[id(mp)]))
+        if self.loss_scaler is not None and grads:
+            torch._foreach_mul_([g for g, _ in grads], 1.0 / self.loss_scaler.scale)
         return grads
 
-    def _grads_to_host(self) -> None:
-        """Offload: copy the (clipped) device gradients into the host masters' ``.grad`` and wait
-        for them."""
-        for host_grad, g in self._to_host:
-            host.copy_to_host(host_grad, g)
-        if self._to_host:
-            host.wait_for_device(self._to_host[0][1].device)
+    def _host_step(self) -> None:
+        """Offload: start every flat's (clipped) gradient copy to the host, then step the flats in
+        order, each after its own copy arrived, and start its update back to the device; the other
+        flats' copies travel meanwhile. The same arithmetic as one step over all: an elementwise
+        optimizer steps each tensor on its own, and a parameter without ``.grad`` is left alone."""
+        arrivals = [host.copy_to_host(buffer, g) for _, buffer, g in self._to_host]
+        held = {id(mp): mp.grad for f, _, _ in self._to_host for mp in f.master_params}
+        for f, _, _ in self._to_host:
+            for mp in f.master_params:
+                mp.grad = None
+        with host.host_step_threads():
+            for (f, _, _), arrival in zip(self._to_host, arrivals):
+                host.wait_for(arrival)
+                for mp in f.master_params:
+                    mp.grad = held[id(mp)]
+                self.optimizer.step()
+                for mp in f.master_params:
+                    mp.grad = None
+                f.write_back()
+        write_back(self.flats, refreshed=[f for f, _, _ in self._to_host])
 
     @torch.no_grad()
     def step(self, max_norm: float | None = None) -> torch.Tensor | None:
@@ -256,11 +266,14 @@ class ShardedOptimizer:
         """Prepare the fp32 unscaled gradient shards; return this rank's squared sums by placement
         (device tensors)."""
         self._prepare_grads()
-        out: dict[Placement, torch.Tensor] = {}
+        by_placement: dict[Placement, list[torch.Tensor]] = {}
         for g, placement in self._grads:
-            sq = g.float().pow(2).sum()
-            out[placement] = out[placement] + sq if placement in out else sq
-        return out
+            by_placement.setdefault(placement, []).append(g)
+        # one multi-tensor norm per placement (as torch's clip_grad_norm_), squared and summed
+        return {
+            placement: torch.stack(torch._foreach_norm(gs)).square().sum()
+            for placement, gs in by_placement.items()
+        }
 
     @torch.no_grad()
     def first_non_finite_grad(self) -> str | None:
@@ -330,9 +343,11 @@ class ShardedOptimizer:
         if all(f.grad_shard is None for f in self.flats):
             self.zero_grad()
             return
-        self._grads_to_host()
-        self.optimizer.step()
-        write_back(self.flats)
+        if self._to_host:
+            self._host_step()
+        else:
+            self.optimizer.step()
+            write_back(self.flats)
         self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

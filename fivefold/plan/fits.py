@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fivefold import formulas
 from fivefold.config import Config, ConfigError
-from fivefold.data_parallel.flat_param import OPTIMIZER_CHUNK
+from fivefold.data_parallel.flat_param import segmentation_for
 from fivefold.distributed.mesh import ParallelDims
 from fivefold.models.llama import PRESETS, LlamaConfig, check_model_bounds, param_counts
 from fivefold.pipeline.builders import build_schedule
@@ -59,6 +59,8 @@ PROCESS_BASELINE = 300 * 2**20
 # `llama.precompute_rope` builds the tables in fp64 on the CPU at start-up: 24 bytes per (position,
 # channel) beside the fp32 tables themselves (measured: 24.05), freed before the first step.
 ROPE_BUILD_BYTES = 24
+# how `rank_memory`'s meta-device run cuts master shards into optimizer tensors (`FlatParam`)
+_SEGMENTS = segmentation_for("meta")
 
 
 # -- a rank's flat buffers, from the shape ---------------------------------------------------------
@@ -91,7 +93,7 @@ def _key(skip_decay: bool, placement: Iterable[str]) -> tuple:
 def _flat(params: Sequence[_Param], world: int, root: bool = False) -> _Flat:
     """`FlatParam` of `params` over `world` ranks (1: unsharded): groups contiguous (stable sort by
     key), total padded to a multiple of world, rank 0's shard [0, padded / world), each group's part
-    of it in `OPTIMIZER_CHUNK`-element segments."""
+    of it in the optimizer segments `_SEGMENTS` cuts."""
     ordered = sorted(params, key=lambda p: p[1])
     numel = sum(n for n, _ in ordered)
     padded = -(-numel // world) * world
@@ -103,7 +105,7 @@ def _flat(params: Sequence[_Param], world: int, root: bool = False) -> _Flat:
             end += ordered[i][0]
             i += 1
         part = max(0, min(end, shard) - offset)
-        segments += -(-part // OPTIMIZER_CHUNK)
+        segments += len(_SEGMENTS.cut(0, part)) if part > 0 else 0
         offset = end
     return _Flat(padded, shard, min(numel, shard), segments, max(n for n, _ in ordered), root)
 
@@ -128,9 +130,8 @@ def _uniform_flat(n: int, numel: int, world: int) -> _Flat:
     closed form."""
     padded = -(-n * numel // world) * world
     shard = padded // world
-    return _Flat(
-        padded, shard, min(n * numel, shard), -(-min(n * numel, shard) // OPTIMIZER_CHUNK), numel
-    )
+    owned = min(n * numel, shard)
+    return _Flat(padded, shard, owned, len(_SEGMENTS.cut(0, owned)) if owned else 0, numel)
 
 
 def _uniform_buckets(
