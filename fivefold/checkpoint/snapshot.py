@@ -20,9 +20,15 @@ from typing import Any, Protocol
 import torch
 
 from fivefold.checkpoint.pieces import Pieces
-from fivefold.data_parallel.offload import is_accelerator, wait_for_device
+from fivefold.data_parallel.offload import device_event, is_accelerator, wait_for
 
 __all__ = ["HostCopy", "PinnedSnapshot", "Snapshot", "snapshot_for"]
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block the host until every copy queued so far on `device`'s current stream has arrived (an
+    event recorded after them)."""
+    wait_for(device_event(device))
 
 
 class Snapshot(Protocol):
