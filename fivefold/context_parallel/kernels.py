@@ -117,26 +117,10 @@ class MathBlocks:
 # the same mask).
 
 
-class SdpaOps(Protocol):
+class SdpaOps(BlockKernel, Protocol):
+    """A fused SDPA op pair: `BlockKernel`'s calls, with ``diag`` passed as the op's causal flag."""
+
     native_gqa: bool  # the op takes k, v with fewer heads than q and sums their gradients
-
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool: ...
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-        scale: float,
-    ) -> Tensors3: ...
 
 
 _HALF = (torch.float16, torch.bfloat16)
