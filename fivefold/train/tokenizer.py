@@ -1,0 +1,177 @@
+"""Tokenizers a run can name (issue 29's ``data.tokenizer``): the bytes, a Hugging Face
+``tokenizer.json`` (the `tokenizers` library) or a directory holding one (what ``save_pretrained``
+writes: a model directory works), or a tiktoken BPE file. `load_tokenizer` reads one from local
+files only (no download); every tokenizer says its vocabulary size, its end- and beginning-of-
+document ids and a fingerprint of its files, so token shards and checkpoints can name the
+tokenizer they were made with. A name that is none of these, or a library that is not installed,
+is one line saying what to change.
+
+Not yet wired into the trainer or a ``prepare`` command (the next steps of issue 29)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fivefold.train.corpus import ByteTokenizer
+
+__all__ = ["HFTokenizer", "TiktokenBPE", "Tokenizer", "TokenizerError", "load_tokenizer"]
+
+# the names tokenizers give their end-of-document token, most specific first
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|eos|>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>")
+# cl100k's split pattern: the default for a bare tiktoken BPE file
+TIKTOKEN_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be read: the message says which file and what to change."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int | None
+    bos_id: int | None
+    fingerprint: str  # sha256 of the files it was read from ("bytes" for the byte tokenizer)
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+
+def _sha256(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _id_of(names: Iterable[str], vocab: dict[str, int]) -> int | None:
+    return next((vocab[n] for n in names if n in vocab), None)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``; its end/beginning-of-document tokens are those a
+    ``tokenizer_config.json`` beside it names (``eos_token``, ``bos_token``), else the usual names
+    among its special tokens."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError:
+            raise TokenizerError(
+                "data.tokenizer: a Hugging Face tokenizer needs the tokenizers library: "
+                "pip install tokenizers"
+            ) from None
+        try:
+            self._tok = RustTokenizer.from_file(str(path))
+        except Exception as e:  # the library's own message says what is wrong in the file
+            raise TokenizerError(f"data.tokenizer: {path} is not a tokenizer.json ({e})") from None
+        self.name, self.path = str(path), path
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        config = _tokenizer_config(path.parent)
+        self.eos_id = _id_of([*_token_names(config.get("eos_token")), *EOS_NAMES], vocab)
+        self.bos_id = _id_of([*_token_names(config.get("bos_token")), *BOS_NAMES], vocab)
+        self.fingerprint = _sha256(path)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    try:
+        return json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"data.tokenizer: {config} is not JSON ({e})") from None
+
+
+def _token_names(value: Any) -> list[str]:
+    """``eos_token`` as tokenizer_config.json writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return [value["content"]]
+    return []
+
+
+class TiktokenBPE:
+    """A tiktoken BPE file (lines of base64 token and rank), split by cl100k's pattern; the
+    end-of-document token is added after the ranks as ``<|endoftext|>``."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise TokenizerError(
+                "data.tokenizer: a tiktoken BPE file needs the tiktoken library: "
+                "pip install tiktoken"
+            ) from None
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as e:
+            raise TokenizerError(
+                f"data.tokenizer: {path} is not a tiktoken BPE file (lines of base64 token and "
+                f"rank): {e}"
+            ) from None
+        eos = "<|endoftext|>"
+        self._enc = tiktoken.Encoding(
+            name=path.stem,
+            pat_str=TIKTOKEN_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={eos: len(ranks)},
+        )
+        self.name, self.path = str(path), path
+        self.vocab_size = self._enc.n_vocab
+        self.eos_id, self.bos_id = len(ranks), None
+        self.fingerprint = _sha256(path)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.int64)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._enc.decode([int(i) for i in ids], errors="replace")
+
+    def __repr__(self) -> str:
+        return f"TiktokenBPE({self.name}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:
+    """``"bytes"``, a ``tokenizer.json``, a directory holding one, or a tiktoken BPE file."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return HFTokenizer(path / "tokenizer.json")
+        raise TokenizerError(
+            f"data.tokenizer: {path} holds no tokenizer.json; name a tokenizer.json, a directory "
+            "holding one (save_pretrained's), a tiktoken BPE file, or bytes"
+        )
+    if not path.is_file():
+        raise TokenizerError(
+            f"data.tokenizer: {spec} is neither a file nor a directory; name a tokenizer.json, a "
+            "directory holding one, a tiktoken BPE file, or bytes"
+        )
+    head = path.read_bytes()[:1]
+    return HFTokenizer(path) if head == b"{" else TiktokenBPE(path)
