@@ -31,6 +31,7 @@ ZeroStage = Literal[0, 1, 2, 3]  # zero.stage
 P2P = Literal["auto", "buffered", "rendezvous"]  # pipeline.p2p
 Overlap = Literal["off", "on"]  # pipeline.overlap
 OnError = Literal["stop", "warn"]  # checkpoint.on_error
+DocumentsMode = Literal["cross", "mask"]  # data.documents
 
 
 @dataclass
@@ -131,10 +132,22 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    # text file, folder, comma list, or nanoGPT .bin / folder; None = stdlib sources
+    # a directory `fivefold prepare` wrote (index.json + token shards), a text file, folder, comma
+    # list, or nanoGPT .bin / folder; None = stdlib sources
     path: str | None = None
     val_fraction: float = 0.05
     max_bytes: int | None = None
+    # bytes | a tokenizer.json | a directory holding one (a Hugging Face model's) | a tiktoken BPE
+    # file; "" = the prepared data's, else model.init_from's, else bytes
+    # (docs/data.md#tokenizers)
+    tokenizer: str = ""
+    # how packed documents see each other (docs/data.md#documents): cross (attention runs across
+    # the end-of-document token, positions run on) | mask (each token attends to its own document
+    # only, RoPE positions restart at every document)
+    documents: DocumentsMode = "cross"
+    # false: no loss on the token after an end-of-document token (the next document's first token
+    # is not predicted from the previous one); the end-of-document token itself is still predicted
+    loss_across_documents: bool = True
 
 
 @dataclass
@@ -300,6 +313,7 @@ ALIASES = {
     "resume": "run.resume",
     "overwrite": "run.overwrite",
     "init-from": "model.init_from",
+    "tokenizer": "data.tokenizer",
     "trust-checkpoint": "checkpoint.trust",
 }
 # short flags that may stand without a value: their value then

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fivefold import rules
 from fivefold.checkpoint.hf import read_hf_config
@@ -25,6 +26,9 @@ from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
 
+if TYPE_CHECKING:
+    from fivefold.train.data_source import DataPlan
+
 __all__ = ["RunPlan", "validate_layout"]
 
 
@@ -36,17 +40,12 @@ class RunPlan:
     global_batch: int
     micro_batch: int
     grad_accum: int
-    # preset + overrides (+ max_seq_len grown to train.seq_len); vocab may grow with the data
+    # preset + overrides (+ max_seq_len grown to train.seq_len); `validate` sets the vocabulary
+    # from the data's tokenizer (`train.data_source.resolve_data`)
     model: LlamaConfig
     resume_from: Path | None = None  # the checkpoint this run continues (None: a new run)
     notes: tuple[str, ...] = ()  # what the run changed of what it was given, to say at start-up
-
-    def model_for(self, max_token: int) -> LlamaConfig:
-        """The model for data whose largest token id is `max_token` (a larger vocabulary is rounded
-        up to 64·k)."""
-        if max_token < self.model.vocab_size:
-            return self.model
-        return dataclasses.replace(self.model, vocab_size=-(-(max_token + 1) // 64) * 64).validate()
+    data: DataPlan | None = None  # the tokenizer and the source (`validate`; None: layout only)
 
 
 def check_positive(**values: float) -> None:

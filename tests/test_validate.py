@@ -177,7 +177,7 @@ def test_a_good_config_is_resolved_once():
     assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (16, 2, 4)
     assert plan.model.max_seq_len == 512 and plan.model.dim == 128  # grown to the sequence length, and said so
     assert any("max_seq_len raised from 256 to train.seq_len=512" in n for n in plan.notes)
-    assert plan.model_for(255).vocab_size == 256 and plan.model_for(50000).vocab_size == 50048
+    assert plan.model.vocab_size == 256 and plan.data.tokenizer.name == "bytes"  # the default corpus
 
 
 def test_run_validates_in_the_launching_process():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.tensor_parallel.loss import cross_entropy_per_row
+from fivefold.tensor_parallel.loss import row_mean_cross_entropy
 
 __all__ = ["lm_cross_entropy"]
 
@@ -16,7 +16,6 @@ __all__ = ["lm_cross_entropy"]
 def lm_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, chunk_rows: int | None = None
 ) -> torch.Tensor:
-    """Mean cross-entropy of logits [..., V] against target ids [...], computed in fp32."""
-    return cross_entropy_per_row(
-        logits.flatten(0, -2), target.flatten(), chunk_rows=chunk_rows
-    ).mean()
+    """Mean cross-entropy of logits [..., V] against target ids [...], computed in fp32; a target
+    -100 is not predicted and counts 0 in the mean over all rows (`row_mean_cross_entropy`)."""
+    return row_mean_cross_entropy(logits, target, chunk_rows=chunk_rows)

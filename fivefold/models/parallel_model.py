@@ -5,6 +5,7 @@ only names the members and their contracts."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -14,6 +15,7 @@ from torch import nn
 if TYPE_CHECKING:
     from fivefold.data_parallel import ZeroDataParallel
     from fivefold.distributed.comm import Comm
+    from fivefold.models.documents import Documents
     from fivefold.optim.clip import NonFiniteWatch
     from fivefold.pipeline.simulator import Timeline
 
@@ -51,10 +53,20 @@ class ParallelModel(Protocol):
         cp)."""
         ...
 
-    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward over the step's micro-batches, gradients reduced; returns this
-        rank's loss sum (already divided by the number of micro-batches), a 0-d tensor on the
-        device."""
+    def documents_of(self, tokens: torch.Tensor) -> Documents | None:
+        """The documents of whole rows [B, L] of token ids on the CPU (this rank's part, on the
+        device) for `forward_backward` and `evaluate`; None when attention crosses documents."""
+        ...
+
+    def forward_backward(
+        self,
+        micro_batches: list[Batch],
+        documents: Sequence[Documents | None] | None = None,
+        loss_weight: float = 1.0,
+    ) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches (with their `documents_of`),
+        gradients reduced; returns this rank's loss sum (each micro-batch's × `loss_weight`,
+        divided by the number of micro-batches), a 0-d tensor on the device."""
         ...
 
     def step(self, max_norm: float | None, check_finite: bool = False) -> torch.Tensor | None:
@@ -69,9 +81,14 @@ class ParallelModel(Protocol):
         device."""
         ...
 
-    def evaluate(self, batches: list[Batch]) -> float:
-        """The mean loss over ``batches`` (forward only), averaged like `global_loss`; syncs the
-        host."""
+    def evaluate(
+        self,
+        batches: list[Batch],
+        documents: Sequence[Documents | None] | None = None,
+        loss_weight: float = 1.0,
+    ) -> float:
+        """The mean loss over ``batches`` (forward only; × `loss_weight`), averaged like
+        `global_loss`; syncs the host."""
         ...
 
     def param_groups(self) -> list[dict[str, Any]]:

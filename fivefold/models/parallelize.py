@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from fivefold.rules import (  # the rules a model's assembly checks again (`vali
 )
 from fivefold.tensor_parallel.loss import VocabParallelLoss
 from fivefold.tensor_parallel.plan import ParamPlacement, TPPlan, shard_by_plan
+
+if TYPE_CHECKING:
+    from fivefold.models.documents import Documents
 
 __all__ = [
     "PipelinedModel",
@@ -114,13 +117,15 @@ def pipeline_forward_backward(
     engines: dict[Any, ZeroDataParallel],
     inputs: list[torch.Tensor],
     targets: list[torch.Tensor],
+    documents: Sequence[Documents | None] | None = None,
+    loss_weight: float = 1.0,
 ) -> torch.Tensor | None:
     """One pipeline step; each stage's M backwards run unreduced (`no_sync`), then every engine
     reduces over dp once."""
     with contextlib.ExitStack() as unreduced:
         for e in engines.values():
             unreduced.enter_context(e.no_sync())
-        loss = runtime.step(inputs, targets)
+        loss = runtime.step(inputs, targets, documents, loss_weight)
     for e in engines.values():
         e.sync_gradients()
     return loss
@@ -310,11 +315,27 @@ class _Parts:
     timeline: Timeline | None = None
     schedule: Schedule | None = None  # the pipeline's (PipelinedModel)
 
-    def __init__(self, cfg: Config, mesh: MeshLike, device: torch.device) -> None:
+    def __init__(
+        self, cfg: Config, mesh: MeshLike, device: torch.device, documents_eos: int | None
+    ) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.loss_comm = _grad_comm(mesh)
         self.layout = _layout(cfg, mesh)
         self.finite_watch = NonFiniteWatch()
+        self.documents_eos = documents_eos
+
+    def documents_of(self, tokens: torch.Tensor) -> Documents | None:
+        """The documents of whole rows [B, L] of token ids on the CPU, for this rank's part (its
+        cp positions), on the device; None when attention runs across documents
+        (``data.documents`` cross)."""
+        if self.documents_eos is None:
+            return None
+        from fivefold.models.documents import find_documents
+
+        layout = self.layout if self.layout.cp > 1 else None
+        return find_documents(
+            tokens, self.documents_eos, layout, self.mesh.rank("cp"), device=self.device
+        )
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of whole sequences [B, L] on the device: its layout's positions under
@@ -479,9 +500,14 @@ class WholeModel(_Parts):
     """pp = 1: the whole model (TP-sharded if tp > 1) in one engine (two with MoE experts)."""
 
     def __init__(
-        self, cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
+        self,
+        cfg: Config,
+        model_cfg: LlamaConfig,
+        mesh: MeshLike,
+        device: torch.device,
+        documents_eos: int | None = None,
     ) -> None:
-        super().__init__(cfg, mesh, device)
+        super().__init__(cfg, mesh, device, documents_eos)
         check_compile_supported(cfg, device.type)
         model = Llama(
             model_cfg, device="meta"
@@ -492,19 +518,28 @@ class WholeModel(_Parts):
         self.engines = dict(enumerate(_engines(model, cfg, mesh, device)))
         self.engine = self.engines[0]
 
-    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+    def forward_backward(
+        self,
+        micro_batches: list[Batch],
+        documents: Sequence[Documents | None] | None = None,
+        loss_weight: float = 1.0,
+    ) -> torch.Tensor:
         n = len(micro_batches)
+        documents = documents or [None] * n
         set_aux_grad_scale([self.module], 1.0 / n)
         loss_sum = self.loss_comm.scalar(0.0)  # all-reduced for the metrics
-        for i, (x, y) in enumerate(micro_batches):
+        for i, ((x, y), docs) in enumerate(zip(micro_batches, documents, strict=True)):
             defer = self.cfg.zero.defer_reduce and i < n - 1
             with contextlib.ExitStack() as unreduced:
                 for e in self.engines.values() if defer else ():
                     unreduced.enter_context(e.no_sync())
-                loss = self.loss_fn(self.module(self.local(x)), self.local(y)) / n
+                loss = self.loss_fn(self._forward(x, docs), self.local(y)) * loss_weight / n
                 self.engine.backward(loss)  # (scales by the loss scaler, fp16 without MoE only)
             loss_sum += loss.detach()
         return loss_sum
+
+    def _forward(self, x: torch.Tensor, docs: Documents | None) -> torch.Tensor:
+        return self.module(self.local(x)) if docs is None else self.module(self.local(x), docs)
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's mean loss over dp (× cp), a 0-d tensor on the device (no host sync)."""
@@ -513,11 +548,16 @@ class WholeModel(_Parts):
         return local / self.loss_comm.size
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(
+        self,
+        batches: list[Batch],
+        documents: Sequence[Documents | None] | None = None,
+        loss_weight: float = 1.0,
+    ) -> float:
         total = self.loss_comm.scalar(0.0, torch.float64)
-        for x, y in batches:
-            total += self.loss_fn(self.module(self.local(x)), self.local(y))
-        return self.global_loss(total / len(batches)).item()
+        for (x, y), docs in zip(batches, documents or [None] * len(batches), strict=True):
+            total += self.loss_fn(self._forward(x, docs), self.local(y))
+        return self.global_loss(total * loss_weight / len(batches)).item()
 
 
 class PipelinedModel(_Parts):
@@ -525,9 +565,14 @@ class PipelinedModel(_Parts):
     micro-batches."""
 
     def __init__(
-        self, cfg: Config, model_cfg: LlamaConfig, mesh: MeshLike, device: torch.device
+        self,
+        cfg: Config,
+        model_cfg: LlamaConfig,
+        mesh: MeshLike,
+        device: torch.device,
+        documents_eos: int | None = None,
     ) -> None:
-        super().__init__(cfg, mesh, device)
+        super().__init__(cfg, mesh, device, documents_eos)
         check_pipeline_supported(cfg)
         p, pp = cfg.pipeline, mesh.comm("pp")
         self.pp = pp
@@ -572,13 +617,20 @@ class PipelinedModel(_Parts):
             overlap=self.overlap,
         )
 
-    def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+    def forward_backward(
+        self,
+        micro_batches: list[Batch],
+        documents: Sequence[Documents | None] | None = None,
+        loss_weight: float = 1.0,
+    ) -> torch.Tensor:
         set_aux_grad_scale(self.stages.values(), 1.0 / len(micro_batches))
         loss = pipeline_forward_backward(
             self.runtime,
             self.engines,
             [self.local(x) for x, _ in micro_batches],
             [self.local(y) for _, y in micro_batches],
+            documents,
+            loss_weight,
         )
         return loss if loss is not None else self.pp.scalar(0.0)
 
@@ -601,7 +653,12 @@ class PipelinedModel(_Parts):
         self.loss_comm.all_reduce(local, tag="metrics")
         return local / self.loss_comm.size
 
-    def evaluate(self, batches: list[Batch]) -> float:
+    def evaluate(
+        self,
+        batches: list[Batch],
+        documents: Sequence[Documents | None] | None = None,
+        loss_weight: float = 1.0,
+    ) -> float:
         sched = forward_only(self.pp.size, len(batches), self.schedule.stage_to_rank)
         runtime = PipelineRuntime(
             sched,
@@ -614,7 +671,10 @@ class PipelinedModel(_Parts):
             p2p=self.p2p,
         )
         loss = runtime.step(
-            [self.local(x) for x, _ in batches], [self.local(y) for _, y in batches]
+            [self.local(x) for x, _ in batches],
+            [self.local(y) for _, y in batches],
+            documents,
+            loss_weight,
         )
         return self.global_loss(loss if loss is not None else self.pp.scalar(0.0)).item()
 
@@ -624,12 +684,15 @@ def parallelize(
     model_cfg: LlamaConfig,
     mesh: MeshLike,
     device: torch.device | str,
+    documents_eos: int | None = None,
 ) -> ParallelModel:
     """This rank's parts of the model described by `model_cfg`, laid out by `cfg` over `mesh`: a
-    `WholeModel` (pp = 1) or a `PipelinedModel`."""
+    `WholeModel` (pp = 1) or a `PipelinedModel`. ``documents_eos``: the end-of-document id when
+    attention is masked per document (``data.documents`` mask; `documents_of`), else None."""
     device = torch.device(device)
     _groups_of_the_layout(cfg, model_cfg, mesh, device)
-    return (PipelinedModel if mesh.size("pp") > 1 else WholeModel)(cfg, model_cfg, mesh, device)
+    kind = PipelinedModel if mesh.size("pp") > 1 else WholeModel
+    return kind(cfg, model_cfg, mesh, device, documents_eos)
 
 
 def _groups_of_the_layout(

@@ -132,6 +132,8 @@ class _StepState:
 
     inputs: Sequence[torch.Tensor]
     targets: Sequence[torch.Tensor]
+    documents: Sequence[Any]  # each micro-batch's Documents (None: across documents)
+    loss_weight: float
     stage_in: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # requires grad
     stage_out: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # or the loss
     grad_out: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)  # received
@@ -215,17 +217,27 @@ class PipelineRuntime:
         self.lookahead_recv = not rendezvous
 
     def step(
-        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        documents: Sequence[Any] | None = None,
+        loss_weight: float = 1.0,
     ) -> torch.Tensor | None:
         """Run every micro-batch forward and backward; the summed loss/M on the last stage (no_grad
-        if forward-only)."""
+        if forward-only), each micro-batch's loss × `loss_weight`. ``documents``: each
+        micro-batch's `models.documents.Documents` (every stage's forward takes its own), or
+        None."""
         if not any(a.kind != "F" for acts in self.schedule.actions for a in acts if a.is_compute):
             with torch.no_grad():
-                return self._run(inputs, targets)
-        return self._run(inputs, targets)
+                return self._run(inputs, targets, documents, loss_weight)
+        return self._run(inputs, targets, documents, loss_weight)
 
     def _run(
-        self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        documents: Sequence[Any] | None,
+        loss_weight: float,
     ) -> torch.Tensor | None:
         M = self.schedule.n_microbatches
         if len(inputs) != M or len(targets) != M:
@@ -234,7 +246,7 @@ class PipelineRuntime:
                 "targets"
             )
         self.clock.reset()
-        st = _StepState(inputs, targets)
+        st = _StepState(inputs, targets, documents or [None] * M, loss_weight)
         loss_total: torch.Tensor | None = None
         mb_size = inputs[0].shape[0]
         plan = steps(self.schedule.actions[self.rank])
@@ -325,10 +337,12 @@ class PipelineRuntime:
             if self.schedule.split_backward
             else contextlib.nullcontext()
         ):
-            out = stage(x)
+            docs = st.documents[a.microbatch]
+            out = stage(x) if docs is None else stage(x, docs)
         if a.stage == self.n_stages - 1:
-            loss = (
+            loss = (  # (× 1.0 then / M: bit for bit the unweighted loss / M)
                 self.loss_fn(out, st.targets[a.microbatch].to(self.device))
+                * st.loss_weight
                 / self.schedule.n_microbatches
             )
             st.stage_out[key] = loss

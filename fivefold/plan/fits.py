@@ -586,17 +586,20 @@ def _fits(pred: _Prediction, available: int) -> bool:
 
 
 def _variant(
-    cfg: Config, world: int, device_type: str, **sections: dict
+    cfg: Config, world: int, device_type: str, vocab: int, **sections: dict
 ) -> tuple[Config, RunPlan] | None:
-    """`cfg` with some keys changed, and its plan; None when the trainer would refuse that
+    """`cfg` with some keys changed, and its plan, with the run's vocabulary (its tokenizer's:
+    `train.data_source`; rounded up to the variant's tp); None when the trainer would refuse that
     layout."""
     new = dataclasses.replace(
         cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
     )
     try:
-        return new, validate_layout(new, world, device_type=device_type)
+        run = validate_layout(new, world, device_type=device_type)
     except ValueError:
         return None
+    rows = -(-vocab // run.dims.tp) * run.dims.tp
+    return new, dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=rows))
 
 
 def _micro_batches(run: RunPlan) -> list[int]:
@@ -630,9 +633,10 @@ class _Machine:
     baseline: int
     available: int
     device_type: str
+    vocab: int  # the run's vocabulary (the tokenizer's), which a changed layout keeps
 
     def variant(self, cfg: Config, world: int, **sections: dict) -> tuple[Config, RunPlan] | None:
-        return _variant(cfg, world, self.device_type, **sections)
+        return _variant(cfg, world, self.device_type, self.vocab, **sections)
 
     def price(self, variant: tuple[Config, RunPlan]) -> _Prediction:
         return _predict(*variant, self.ranks, self.cpu, self.baseline)
@@ -822,7 +826,8 @@ def check_fits(
         )
     else:
         need = f"about {_fmt(pred.largest)} per rank ({parts})"
-    advice = _advice(cfg, plan, _Machine(ranks, cpu, baseline, have.bytes, device_type))
+    machine = _Machine(ranks, cpu, baseline, have.bytes, device_type, plan.model.vocab_size)
+    advice = _advice(cfg, plan, machine)
     raise ConfigError(
         f"memory: this run needs {need}, more than the {_fmt(have.bytes)} available "
         f"({have.source}); {advice}; or --run.check_memory false to start it anyway"

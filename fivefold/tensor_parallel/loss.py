@@ -22,6 +22,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "VocabParallelLoss",
     "cross_entropy_per_row",
+    "row_mean_cross_entropy",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -111,13 +112,34 @@ def vocab_parallel_cross_entropy(
     return (losses * keep).sum() / keep.sum().clamp(min=1)
 
 
+def row_mean_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int = 0,
+    comm: Comm | None = None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """The training loss: the sum of cross-entropies over the targets but `ignore_index`, divided
+    by ALL rows (an ignored target counts 0). Every micro-batch and rank then divides by the same
+    number, so the trainer's one weight per step (rows / targets counted, over the global batch)
+    makes it the global mean over counted targets in every layout (docs/data.md#the-loss)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    target = target.reshape(-1)
+    keep = target != ignore_index
+    losses = cross_entropy_per_row(
+        logits, target.masked_fill(~keep, 0), vocab_start, comm, chunk_rows
+    )
+    return (losses * keep).sum() / target.numel()
+
+
 @dataclass
 class VocabParallelLoss:
-    """Mean next-token cross-entropy on vocab-parallel logits [B, L, V/T] (this rank's rows from
-    `vocab_start`)."""
+    """Next-token cross-entropy on vocab-parallel logits [B, L, V/T] (this rank's rows from
+    `vocab_start`), as `row_mean_cross_entropy`."""
 
     comm: Comm
     vocab_start: int
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, target, self.vocab_start, self.comm)
+        return row_mean_cross_entropy(logits, target, self.vocab_start, self.comm)

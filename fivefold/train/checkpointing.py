@@ -180,10 +180,13 @@ class TrainCheckpoints:
         parts: ParallelModel,
         model_config: Any,
         device: torch.device | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.cfg, self.mesh, self.parts = cfg, mesh, parts
         self.device = device or torch.device("cpu")
         self.model_config = dataclasses.asdict(model_config)
+        # the run's `TokenizerInfo`: a resume with another is refused (`train.data_source`)
+        self.tokenizer = dataclasses.asdict(tokenizer) if tokenizer is not None else None
         self.ckpt = Checkpointer(
             checkpoint_root(cfg),
             keep=cfg.checkpoint.keep,
@@ -266,6 +269,7 @@ class TrainCheckpoints:
             "reason": reason,
             "layout": layout(self.cfg, self.mesh),
             "model": self.model_config,
+            "tokenizer": self.tokenizer,
             "preset": self.cfg.model.preset,
             "config": self.cfg.to_dict(),
             "saved_at": time.time(),

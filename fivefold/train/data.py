@@ -13,7 +13,9 @@ import torch
 
 from fivefold.train.corpus import ByteTokenizer, load_splits, load_tokens
 
-__all__ = ["ByteTokenizer", "TokenDataset", "load_splits", "load_tokens"]
+__all__ = ["IGNORE", "ByteTokenizer", "TokenDataset", "load_splits", "load_tokens"]
+
+IGNORE = -100  # a target the loss skips (`tensor_parallel.loss.row_mean_cross_entropy`)
 
 
 def _check_positive(**values: int) -> None:
@@ -103,12 +105,69 @@ class TokenDataset:
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.source = source
+        self.boundary_id: int | None = None  # `ignore_targets_after`
+        self._ends: dict[int, np.ndarray] = {}  # per split: where boundary_id sits, sorted
+
+    def ignore_targets_after(self, eos_id: int) -> TokenDataset:
+        """No loss on the token after `eos_id` (``data.loss_across_documents`` false): its target
+        becomes -100 (`IGNORE`), the end-of-document token itself stays a target. `loss_weight`
+        then says how to weigh a step's loss so it is the mean over the targets kept."""
+        self.boundary_id = int(eos_id)
+        self._ends.clear()
+        return self
+
+    def _boundaries(self, data: np.ndarray) -> np.ndarray:
+        """Sorted positions of `boundary_id` in ``data``: a prepared split's document ends (its
+        index says each document ends with one and no other holds it), else one scan."""
+        key = id(data)
+        if key not in self._ends:
+            ends = getattr(data, "document_ends", None)
+            if ends is None:
+                ends = np.concatenate(
+                    [
+                        np.flatnonzero(np.asarray(data[lo : lo + (1 << 24)]) == self.boundary_id)
+                        + lo
+                        for lo in range(0, len(data), 1 << 24)
+                    ]
+                    or [np.zeros(0, np.int64)]
+                )
+            self._ends[key] = np.asarray(ends, dtype=np.int64)
+        return self._ends[key]
+
+    def _kept_targets(self, data: np.ndarray, starts: np.ndarray) -> int:
+        """Targets of the windows at `starts` that count: all but those after a boundary token
+        (the boundary tokens among each window's inputs, counted from their positions)."""
+        ends = self._boundaries(data)
+        lo = np.searchsorted(ends, starts, side="left")
+        hi = np.searchsorted(ends, starts + self.seq_len, side="left")
+        return int(len(starts) * self.seq_len - (hi - lo).sum())
+
+    def loss_weight(self, step: int, global_batch_size: int) -> float:
+        """The step's loss weight: rows / targets kept over the global batch (1.0 unless
+        `ignore_targets_after`), the same number on every rank (from the batch's starts alone)."""
+        if self.boundary_id is None:
+            return 1.0
+        starts = self._train_starts(step, global_batch_size)
+        kept = self._kept_targets(self.train_tokens, starts)
+        return len(starts) * self.seq_len / max(kept, 1)
+
+    def val_loss_weight(self, n_batches: int, batch_size: int) -> float:
+        """`loss_weight` for the validation set of `val_batches`."""
+        if self.boundary_id is None:
+            return 1.0
+        starts = self.val_starts(n_batches, batch_size)
+        kept = self._kept_targets(self.val_tokens, starts)
+        return len(starts) * self.seq_len / max(kept, 1)
 
     def _windows(self, data: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather ``data[s : s + seq_len + 1]`` for each start; split into (x, y) int64 tensors."""
+        """Gather ``data[s : s + seq_len + 1]`` for each start; split into (x, y) int64 tensors
+        (a target after a boundary token -100 with `ignore_targets_after`)."""
         idx = starts.astype(np.int64)[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)
         w = torch.from_numpy(np.asarray(data[idx], dtype=np.int64))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if self.boundary_id is not None:
+            y.masked_fill_(x == self.boundary_id, IGNORE)
+        return x, y
 
     def _train_starts(self, step: int, global_batch_size: int) -> np.ndarray:
         if int(step) != step or step < 0:

@@ -6,13 +6,16 @@ document ids and a fingerprint of its files, so token shards and checkpoints can
 tokenizer they were made with. A name that is none of these, or a library that is not installed,
 is one line saying what to change.
 
-Not yet wired into the trainer or a ``prepare`` command (the next steps of issue 29)."""
+`TokenizerInfo` is what a run, an index and a checkpoint record of one (no file is reopened to
+compare two). Text is encoded as text: a special token's spelling inside a document (say
+``<|endoftext|>``) is not the special token, so an end-of-document id only ever ends a document."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +23,15 @@ import numpy as np
 
 from fivefold.train.corpus import ByteTokenizer
 
-__all__ = ["HFTokenizer", "TiktokenBPE", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = [
+    "HFTokenizer",
+    "TiktokenBPE",
+    "Tokenizer",
+    "TokenizerError",
+    "TokenizerInfo",
+    "load_tokenizer",
+    "tokenizer_info",
+]
 
 # the names tokenizers give their end-of-document token, most specific first
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|eos|>")
@@ -76,6 +87,7 @@ class HFTokenizer:
             self._tok = RustTokenizer.from_file(str(path))
         except Exception as e:  # the library's own message says what is wrong in the file
             raise TokenizerError(f"data.tokenizer: {path} is not a tokenizer.json ({e})") from None
+        self._tok.encode_special_tokens = True  # "<|endoftext|>" in a document is text
         self.name, self.path = str(path), path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -154,6 +166,47 @@ class TiktokenBPE:
 
     def __repr__(self) -> str:
         return f"TiktokenBPE({self.name}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What identifies a tokenizer: the spec it was named by, its file's name, sha256, vocabulary
+    and special ids."""
+
+    spec: str
+    name: str
+    fingerprint: str
+    vocab_size: int
+    eos_id: int | None
+    bos_id: int | None
+
+    def describe(self) -> str:
+        short = "" if self.fingerprint == "bytes" else f", sha256 {self.fingerprint[:12]}"
+        return f"{self.name} (vocabulary {self.vocab_size:,}{short})"
+
+    def same_as(self, other: TokenizerInfo) -> bool:
+        return (self.fingerprint, self.vocab_size) == (other.fingerprint, other.vocab_size)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TokenizerInfo:
+        """From a checkpoint's or an index's record (``dataclasses.asdict`` of one)."""
+        return cls(
+            str(d.get("spec", d.get("name", "?"))),
+            str(d.get("name", "?")),
+            str(d.get("fingerprint", d.get("sha256", "?"))),
+            int(d["vocab_size"]),
+            None if d.get("eos_id") is None else int(d["eos_id"]),
+            None if d.get("bos_id") is None else int(d["bos_id"]),
+        )
+
+
+def tokenizer_info(tok: Tokenizer | ByteTokenizer, spec: str) -> TokenizerInfo:
+    """The record of a loaded tokenizer (the bytes: fingerprint "bytes", no special ids)."""
+    if isinstance(tok, ByteTokenizer):
+        return TokenizerInfo("bytes", "bytes", "bytes", tok.vocab_size, None, None)
+    return TokenizerInfo(
+        spec, Path(tok.name).name, tok.fingerprint, tok.vocab_size, tok.eos_id, tok.bos_id
+    )
 
 
 def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:

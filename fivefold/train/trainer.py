@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ from fivefold.train.checkpointing import (
     run_dir,
     watch_sigterm,
 )
-from fivefold.train.data import TokenDataset
+from fivefold.train.data_source import open_dataset
 from fivefold.train.metrics import (
     EvalResult,
     PipelineTimelineLog,
@@ -71,6 +72,9 @@ from fivefold.train.metrics import (
 )
 from fivefold.train.run_lock import RunDirLocked, RunLock
 from fivefold.train.validate import validate
+
+if TYPE_CHECKING:
+    from fivefold.models.documents import Documents
 
 __all__ = ["Evaluator", "Heartbeat", "TrainResult", "Trainer", "lr_at", "run", "train"]
 
@@ -212,25 +216,17 @@ class Trainer:
             grad_accum=plan.grad_accum,
         )
         self.dp, self.dp_rank = mesh.size("dp"), mesh.rank("dp")
-        self.data = TokenDataset.from_path(
-            cfg.data.path,
-            t.seq_len,
-            val_fraction=cfg.data.val_fraction,
-            seed=t.seed,
-            max_bytes=cfg.data.max_bytes,
-        )
-        self.model_cfg = plan.model_for(
-            int(
-                max(
-                    self.data.train_tokens.max(),
-                    self.data.val_tokens.max() if len(self.data.val_tokens) else 0,
-                )
-            )
-        )
+        self.data = open_dataset(cfg, plan.data)
+        self.model_cfg = plan.model  # its vocabulary the tokenizer's (`validate`)
         self.n_params, active = param_counts(self.model_cfg)
         self.throughput = self._throughput(active)
-        self.model: ParallelModel = parallelize(cfg, self.model_cfg, mesh, device)
-        self.checkpoints = TrainCheckpoints(cfg, mesh, self.model, self.model_cfg, device)
+        masked = plan.data.documents == "mask"
+        self.model: ParallelModel = parallelize(
+            cfg, self.model_cfg, mesh, device, plan.data.eos_id if masked else None
+        )
+        self.checkpoints = TrainCheckpoints(
+            cfg, mesh, self.model, self.model_cfg, device, plan.data.tokenizer
+        )
         self.start = self._restore_or_start()
         dist.barrier()
         self.record = RunRecord(
@@ -292,11 +288,9 @@ class Trainer:
             RunRecordLog(record, model, self.throughput, plot_title),
             self.summary,
         ]
+        n_eval = max(dp, t.eval_batches - t.eval_batches % dp)
         eval_batches = self.data.val_batches(
-            max(dp, t.eval_batches - t.eval_batches % dp),
-            t.micro_batch,
-            dp_rank=self.dp_rank,
-            dp_size=dp,
+            n_eval, t.micro_batch, dp_rank=self.dp_rank, dp_size=dp
         )
         tracer = make_tracer(cfg, model, self.log, self.mesh, self.device)
         if tracer is not None:
@@ -308,7 +302,13 @@ class Trainer:
         if t.eval_every > 0:
             observers.append(
                 Evaluator(
-                    model, eval_batches, t.eval_every, t.steps, self.clock, self._announce_eval
+                    model,
+                    eval_batches,
+                    t.eval_every,
+                    t.steps,
+                    self.clock,
+                    self._announce_eval,
+                    self.data.val_loss_weight(n_eval, t.micro_batch),
                 )
             )
         observers += [Heartbeat(), self.checkpoint_saver]
@@ -362,7 +362,9 @@ class Trainer:
             observer.on_step_start(step)
         set_debug_step(step)
         lr = self._set_lr(step)
-        loss_sum = self.model.forward_backward(self._micro_batches(step))
+        batches, documents = self._micro_batches(step)
+        weight = self.data.loss_weight(step, self.cfg.train.global_batch)
+        loss_sum = self.model.forward_backward(batches, documents, weight)
         self._meter_model_state(step)
         grad_norm = self.model.step(self._max_norm, self.cfg.train.check_finite)
         traffic = self.log.totals(
@@ -383,19 +385,16 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _micro_batches(self, step: int) -> list[Batch]:
+    def _micro_batches(self, step: int) -> tuple[list[Batch], list[Documents | None]]:
         """This rank's rows of the step's global batch, one pair per accumulation micro-step, on the
-        device."""
+        device, and their documents (read from the rows on the host, before they are copied)."""
         t = self.cfg.train
-        return [
-            (to_device(x, self.device), to_device(y, self.device))
-            for x, y in (
-                self.data.micro_batch(
-                    step, t.global_batch, micro, t.grad_accum, self.dp_rank, self.dp
-                )
-                for micro in range(t.grad_accum)
-            )
+        host = [
+            self.data.micro_batch(step, t.global_batch, micro, t.grad_accum, self.dp_rank, self.dp)
+            for micro in range(t.grad_accum)
         ]
+        documents = [self.model.documents_of(x) for x, _ in host]
+        return [(to_device(x, self.device), to_device(y, self.device)) for x, y in host], documents
 
     def _meter_model_state(self, step: int) -> None:
         """The model-state memory, read once the optimizer state is allocated (the second step, or a
@@ -467,16 +466,19 @@ class Evaluator(TrainObserver):
         steps: int,
         clock: TrainingClock,
         announce: Callable[[EvalResult], None],
+        loss_weight: float = 1.0,
     ) -> None:
         self.model, self.batches, self.clock, self.announce = model, batches, clock, announce
-        self.every, self.steps = every, steps
+        self.every, self.steps, self.loss_weight = every, steps, loss_weight
+        self.documents = [model.documents_of(x) for x, _ in batches]  # once: the set is fixed
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == self.every - 1 or step == self.steps - 1)
 
     def on_step_end(self, result: StepResult) -> None:
         if self.due(result.step):
-            self.announce(EvalResult(result.step, self.model.evaluate(self.batches)))
+            loss = self.model.evaluate(self.batches, self.documents, self.loss_weight)
+            self.announce(EvalResult(result.step, loss))
             self.clock.restart(result.step + 1)
 
 

@@ -1,7 +1,7 @@
 """`validate(config, world_size)`: every check needing no process, run before any starts, so a bad
 input gets one error naming what to change instead of a traceback from every worker after loading
-data. Workers use the `RunPlan`, so nothing is resolved twice; only the data's largest token id is
-left to them (it may grow the vocabulary). The rules across keys and dimensions are the table in
+data. Workers use the `RunPlan`, so nothing is resolved twice: the tokenizer and the vocabulary
+too (`train.data_source.resolve_data`). The rules across keys and dimensions are the table in
 `fivefold.rules` (docs/architecture.md#the-rule-table)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fivefold.rules import device_type_of
 from fivefold.run_plan import RunPlan, check_non_negative, check_positive, validate_layout
 from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
 from fivefold.train.corpus import binary_share, check_source
+from fivefold.train.data_source import DataPlan, data_tokens, is_prepared, resolve_data
 
 __all__ = ["ON_ERROR", "RunPlan", "validate", "validate_layout"]
 
@@ -32,8 +33,9 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     plan = validate_layout(cfg, world_size)
     r = cfg.run
     try:
-        _check_data(cfg)
-        share = binary_share(cfg.data.path)
+        if not is_prepared(cfg.data.path):
+            check_source(cfg.data.path, cfg.data.max_bytes)  # it exists, it can be read
+        share = None if is_prepared(cfg.data.path) else binary_share(cfg.data.path)
     except FileNotFoundError as e:  # a ValueError like every other config problem
         raise ConfigError(f"data.path: {e}") from None
     except OSError as e:  # unreadable: a permission, a directory where a file was expected
@@ -42,7 +44,6 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             + (f" ({e.filename})" if e.filename else "")
         ) from None
     notes = list(plan.notes)
-    notes += _check_memory(cfg, plan, world_size)
     if share is not None and share[0] > 0.1:
         notes.append(
             f"data: {share[0]:.0%} of the first bytes of {share[1]!r} are not text (binary or "
@@ -89,16 +90,17 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                 resume_from, c.trust
             )  # its metadata readable without running anything it holds
             check_layout_fields(resume_from, meta)
-            # the model's tensors (the vocabulary may still grow with the data: the workers check
-            # it)
-            check_model_matches(
-                resume_from,
-                meta,
-                {k: v for k, v in dataclasses.asdict(plan.model).items() if k != "vocab_size"},
-            )
+        # the tokenizer, the vocabulary and the source (docs/data.md): before the model is priced
+        data, model, data_notes = resolve_data(cfg, plan.model, plan.dims.tp, meta or None)
+        plan = dataclasses.replace(plan, model=model, data=data)
+        notes += data_notes
+        if resume_from is not None:  # the model's tensors, the vocabulary's rows among them
+            check_model_matches(resume_from, meta, dataclasses.asdict(plan.model))
         done = meta.get("steps_done", 0)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_data(cfg, plan.data)
+    notes += _check_memory(cfg, plan, world_size)
     if done >= cfg.train.steps:
         raise ConfigError(
             f"checkpoint {resume_from} has done {done} steps and train.steps={cfg.train.steps}: "
@@ -143,10 +145,10 @@ def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:
     return notes
 
 
-def _check_data(cfg: Config) -> None:
-    """The corpus exists and is long enough for the windows training and evaluation draw (as
-    `TokenDataset`)."""
-    tokens, own_val = check_source(cfg.data.path, cfg.data.max_bytes)
+def _check_data(cfg: Config, data: DataPlan) -> None:
+    """The corpus is long enough for the windows training and evaluation draw (as
+    `TokenDataset`), counted in the tokenizer's tokens."""
+    tokens, own_val = data_tokens(cfg, data)
     need, where = (
         cfg.train.seq_len + 1,
         f"data.path={cfg.data.path!r}"
