@@ -404,6 +404,14 @@ RULES: tuple[Rule, ...] = (
         "compile",
     ),
     Rule(
+        lambda l: l.cfg.data.documents == "mask",
+        "data.documents=mask slices each packed document by its boundaries, read on the host per "
+        "micro-batch, which a compiled block would specialise on (a recompile per micro-batch): "
+        "use data.documents cross",
+        ("data.documents",),
+        "compile",
+    ),
+    Rule(
         _no_cxx,
         lambda l: (
             f"on the CPU torch's inductor compiles C++ with {os.environ.get('CXX', 'g++')}, which "

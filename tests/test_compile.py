@@ -161,6 +161,7 @@ REFUSED = [
     (["--parallel.pp", "2", "--pipeline.schedule", "zb-h1", "--train.grad_accum", "2"], "pipeline.schedule=zb-h1"),
     (["--parallel.pp", "2", "--pipeline.schedule", "dualpipev", "--train.grad_accum", "4"],
      "pipeline.schedule=dualpipev"),
+    (["--data.documents", "mask"], "data.documents=mask"),
 ]
 
 

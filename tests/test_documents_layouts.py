@@ -1,0 +1,143 @@
+"""``data.documents = mask`` in every layout: packed rows train as the single-process masked model.
+
+One spawn (world 2, `multiprocess`) trains two steps of packed rows (an end-of-document id every
+few tokens, the loss not taken across a boundary: ``loss_across_documents`` false, the step's
+weight rows / targets kept) with attention masked per document under DDP, ZeRO-3 (± full
+recompute), tp 2 with SP, pp 2 (1F1B), cp 2 (zig-zag and contiguous: ring attention skipping and
+masking blocks) and MoE ep 2, each against a single-process reference of the same masked training
+held to the bound tests/tolerance.py derives. tests/test_documents.py shows the single-process
+masked model equals each document run alone, so every layout here does too. The reference with
+attention across documents trains differently (the comparison can fail)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_workers
+from tolerance import KERNELS, reference
+
+from fivefold.config import Config
+from fivefold.distributed.comm import CommLog
+
+SEQ, ROWS, MICRO, STEPS, EOS = 32, 4, 2, 2, 3
+EPS = 1e-4  # as tests/test_compile.py: Adam's division by |g| + eps kept from amplifying reordered sums
+TERMS = 384  # rule 1's n: the longest reordered sum (w2's inner dimension under tp; the batch's tokens)
+LAYOUTS = {  # name: (mesh dims, ZeRO stage, recompute, preset, cp layout)
+    "ddp": (dict(dp=2), 0, "none", "tiny", "zigzag"),
+    "zero3-full-recompute": (dict(dp=2), 3, "full", "tiny", "zigzag"),
+    "tp2-sp": (dict(tp=2), 1, "selective", "tiny", "zigzag"),
+    "pp2": (dict(pp=2), 0, "none", "tiny", "zigzag"),
+    "cp2-zigzag": (dict(cp=2), 0, "none", "tiny", "zigzag"),
+    "cp2-contiguous": (dict(cp=2), 1, "none", "tiny", "contiguous"),
+    "moe-ep2": (dict(dp=2, ep=2), 0, "none", "tiny-moe", "zigzag"),
+}
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids with an end-of-document id at random places (documents of ~1-12 tokens), the targets after
+    each one ignored (-100)."""
+    g = torch.Generator().manual_seed(700 + step)
+    tokens = torch.randint(4, 256, (ROWS, SEQ + 1), generator=g)
+    tokens[torch.rand(ROWS, SEQ + 1, generator=g) < 0.12] = EOS
+    x, y = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    y[x == EOS] = -100
+    return x, y
+
+
+def _weight(y: torch.Tensor) -> float:
+    return y.numel() / int((y != -100).sum())
+
+
+def _reference(preset: str, dp: int, masked: bool = True) -> dict:
+    """Single-process training as every layout trains (tests/dist_utils.trainer_reference's optimizer and
+    micro-batches), attention masked per document (or not), the loss weighted as the trainer weighs it."""
+    from fivefold.models import get_config
+    from fivefold.models.documents import find_documents
+    from fivefold.models.llama import Llama
+    from fivefold.models.parallelize import set_aux_grad_scale
+    from fivefold.tensor_parallel.loss import row_mean_cross_entropy
+
+    t = Config().train
+    net = Llama(get_config(preset), seed=t.seed)
+    decay = [p for n, p in net.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
+    no_decay = [p for p in net.parameters() if all(p is not d for d in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=EPS)
+    set_aux_grad_scale([net], 1.0 / MICRO)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        w = _weight(y)
+        opt.zero_grad()
+        total = 0.0
+        for i in range(MICRO):
+            xi = torch.cat([xr.chunk(MICRO)[i] for xr in x.chunk(dp)])
+            yi = torch.cat([yr.chunk(MICRO)[i] for yr in y.chunk(dp)])
+            out = net(xi, find_documents(xi, EOS)) if masked else net(xi)
+            loss = row_mean_cross_entropy(out, yi) * w / MICRO
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    return dict(losses=losses, state={n: p.detach().clone() for n, p in net.named_parameters()})
+
+
+def _train(name: str) -> dict:
+    from fivefold.distributed.mesh import ParallelDims, ParallelMesh
+    from fivefold.models import get_config
+    from fivefold.models.parallelize import parallelize
+
+    dims, stage, recompute, preset, cp_layout = LAYOUTS[name]
+    cfg = Config()
+    cfg.zero.stage, cfg.train.recompute, cfg.data.documents = stage, recompute, "mask"
+    cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
+    cfg.parallel.cp, cfg.parallel.ep, cfg.pipeline.schedule = dims.get("cp", 1), dims.get("ep", 1), "1f1b"
+    cfg.parallel.cp_layout, cfg.parallel.sp = cp_layout, dims.get("tp", 1) > 1
+    mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
+    parts = parallelize(cfg, get_config(preset), mesh, "cpu", documents_eos=EOS)
+    dp = mesh.comm("dp")
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        w = _weight(y)  # over the global batch: the same on every rank
+        x, y = x.chunk(dp.size)[dp.rank], y.chunk(dp.size)[dp.rank]
+        micro = list(zip(x.chunk(MICRO), y.chunk(MICRO)))
+        loss = parts.forward_backward(micro, [parts.documents_of(xm) for xm, _ in micro], w)
+        parts.step(1.0)
+        losses.append(parts.global_loss(loss).item())
+    sliced_by = "tp" if dims.get("tp", 1) > 1 else "ep"  # whose shards a slice of a parameter is
+    return dict(losses=losses, state=parts.full_state_dict(), shard=mesh.rank(sliced_by))
+
+
+def _worker() -> dict:
+    return {name: _train(name) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_workers(_worker, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_masked_documents_train_like_one_process_in_every_layout(results, name, kernels):
+    dims, _, _, preset, _ = LAYOUTS[name]
+    want, bounds = reference(_reference, preset, dims.get("dp", 1), kernels=kernels, terms=TERMS)
+    for rank, res in enumerate(results):
+        for step, got in enumerate(res[name]["losses"]):
+            bounds["losses"][step].assert_holds(got, want["losses"][step], f"rank {rank} {name} loss {step}")
+        for pname, got in res[name]["state"].items():  # this rank's share of the parameters
+            full = want["state"][pname]
+            if got.shape != full.shape:  # a tp or ep shard: its contiguous part of the reference
+                d = next(i for i, (a, b) in enumerate(zip(got.shape, full.shape)) if a != b)
+                full = full.chunk(full.shape[d] // got.shape[d], dim=d)[res["shard"]]
+            bounds["state"][pname].assert_holds(got, full, f"rank {rank} {name} {pname}")
+
+
+@pytest.mark.multiprocess
+def test_the_reference_across_documents_trains_differently():
+    masked = reference(_reference, "tiny", 1)
+    across = reference(_reference, "tiny", 1, masked=False)
+    assert abs(masked["losses"][1] - across["losses"][1]) > 1e-3
