@@ -29,6 +29,8 @@
     python bench/run.py scaling                   # DDP (world 2, 4), ZeRO-3 (+ kept), TP 2 at ~10M/40M/125M:
                                                   # fivefold/torch, step/ideal, MFU (docs/benchmarks.md)
     python bench/run.py compile                   # train.compile: compiled vs eager blocks in DDP, ZeRO-3, tp 2, pp 2
+    python bench/run.py documents                 # attention inside packed documents: dense-mask SDPA, eager,
+                                                  # per-document SDPA, flex vs causal SDPA; L 2k and 8k
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -74,6 +76,7 @@ from bench.data_parallel import (  # noqa: E402
     optimizer_ops,
 )
 from bench.debug_collectives import DebugSpec, bench_debug, format_debug_table  # noqa: E402
+from bench.documents import DocumentsSpec, bench_documents, format_documents_table  # noqa: E402
 from bench.expert_parallel import (  # noqa: E402
     EPOverlapSpec,
     EPSpec,
@@ -101,7 +104,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "ep": ("ep", "ep-overlap"), "experts": ("experts",),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
-    "optim": ("optim",), "optim-ops": ("optim-ops",),
+    "optim": ("optim",), "optim-ops": ("optim-ops",), "documents": ("documents",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -207,6 +210,10 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--layouts", default=None, help="comma-separated: ddp,zero3,tp2,pp2 (all)")
     co.add_argument("--world", type=int, default=None, help=f"gloo ranks ({CompileSpec().world})")
     co.add_argument("--batch", type=int, default=None, help=f"sequences per step ({CompileSpec().batch})")
+    do = sub.add_parser("documents", parents=[common],
+                        help="attention inside packed documents (one process): masked cores vs causal SDPA")
+    do.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (2048,8192)")
+    do.add_argument("--eager-max-len", type=int, default=None, help="longest L eager runs at (2048)")
     sub.add_parser("init", parents=[common], help="start-up's initial values drawn on the CPU (1 thread) vs an accelerator")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
@@ -280,6 +287,11 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             world=opt.get("world"), batch=opt.get("batch"),
             layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
             format_compile_table),
+        "documents": (lambda: bench_documents(DocumentsSpec(**_given(
+            steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
+            eager_max_len=opt.get("eager_max_len"),
+            seq_lens=tuple(int(n) for n in seq_lens.split(",")) if seq_lens else None))),
+            format_documents_table),
         "syncs": (lambda: bench_syncs(tuple(n.strip() for n in opt["layouts"].split(",")) if opt.get("layouts")
                                       else None), format_syncs_table),
         "init": (lambda: bench_init(InitSpec(**_given(preset=args.preset, repeats=args.repeats,

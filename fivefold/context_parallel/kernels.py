@@ -21,6 +21,10 @@ dk, dv [B, H_kv, Lk, d], fp32.
   An op without GQA of its own (CPU flash, efficient) gets each block's kv heads expanded for the
   call, and dk / dv summed back per kv head; CUDA flash takes the kv heads as they are and sums
   their gradients itself.
+- `MaskedMathBlocks` (`MASKED`): `MathBlocks` with a boolean mask [B, Lq, Lk] (True: the query may
+  read the key) instead of the causal flag, for the blocks packed documents cut
+  (`fivefold.models.documents`). A query that may read no key of the block gets lse = -inf and
+  out = 0: it contributes nothing to the merge.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ __all__ = [
     "CHOICES",
     "FUSED",
     "KERNELS",
+    "MASKED",
     "BlockKernel",
     "CpuFlashOps",
     "CudaEfficientOps",
     "CudaFlashOps",
     "FusedBlocks",
+    "MaskedMathBlocks",
     "MathBlocks",
     "SdpaOps",
     "choose_kernel",
@@ -76,7 +82,13 @@ class MathBlocks:
         return True
 
     @staticmethod
-    def _scores(q: torch.Tensor, k: torch.Tensor, diag: bool, scale: float) -> torch.Tensor:
+    def _scores(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        diag: bool,
+        scale: float,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, hq, lq, d = q.shape
         hkv = k.shape[1]
         s = torch.matmul(
@@ -84,8 +96,9 @@ class MathBlocks:
         )
         s.mul_(scale)
         if diag:
-            above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
-            s.masked_fill_(above, float("-inf"))
+            hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
+        if hidden is not None:  # [Lq, Lk] or [B, 1, 1, Lq, Lk]: True where a key is not read
+            s.masked_fill_(hidden, float("-inf"))
         return s  # [B, H_kv, G, Lq, Lk]
 
     def forward(self, q, k, v, diag: bool, scale: float):
@@ -95,20 +108,60 @@ class MathBlocks:
         return out.reshape(q.shape), lse.reshape(q.shape[:-1])
 
     def backward(self, dout, q, k, v, out, lse, diag: bool, scale: float):
-        b, hq, lq, d = q.shape
-        hkv = k.shape[1]
-        grouped = (b, hkv, hq // hkv, lq)
-        do = dout.float().reshape(*grouped, d)
-        # rowsum(dO ∘ O): softmax's Jacobian term
-        delta = (do * out.float().reshape(*grouped, d)).sum(dim=-1)
-        p = self._scores(q, k, diag, scale).sub_(lse.reshape(grouped).unsqueeze(-1)).exp_()
-        dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-        ds = p.mul_(
-            torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1))
-        )
-        dq = torch.matmul(ds, k.float().unsqueeze(2)).mul_(scale)
-        dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().reshape(*grouped, d)).mul_(scale)
-        return dq.reshape(q.shape), dk, dv
+        return _math_backward(dout, q, k, v, out, lse, self._scores(q, k, diag, scale), scale)
+
+
+def _math_backward(dout, q, k, v, out, lse, s: torch.Tensor, scale: float) -> Tensors3:
+    """Blockwise backward from the block's scores ``s`` [B, H_kv, G, Lq, Lk] (consumed)."""
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    grouped = (b, hkv, hq // hkv, lq)
+    do = dout.float().reshape(*grouped, d)
+    # rowsum(dO ∘ O): softmax's Jacobian term
+    delta = (do * out.float().reshape(*grouped, d)).sum(dim=-1)
+    p = s.sub_(lse.reshape(grouped).unsqueeze(-1)).exp_()
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+    ds = p.mul_(
+        torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1))
+    )
+    dq = torch.matmul(ds, k.float().unsqueeze(2)).mul_(scale)
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().reshape(*grouped, d)).mul_(scale)
+    return dq.reshape(q.shape), dk, dv
+
+
+class MaskedMathBlocks:
+    """`MathBlocks` with a boolean mask [B, Lq, Lk] (True: query i may read key j) for the call's
+    ``mask`` argument, in place of the causal flag (the same for every head: under TP a rank's heads
+    read it alike). A query row with no key to read gets lse = -inf and out = 0."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = MathBlocks._scores(q, k, False, scale, _hidden(mask))
+        lse = torch.logsumexp(s, dim=-1)
+        finite = torch.where(lse.isinf(), 0.0, lse)  # a row of -inf: exp(-inf - 0) = 0, not nan
+        out = torch.matmul(s.sub_(finite.unsqueeze(-1)).exp_(), v.float().unsqueeze(2))
+        return out.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> Tensors3:
+        # The final lse is finite (every query reads itself); the masked scores give P = 0.
+        s = MathBlocks._scores(q, k, False, scale, _hidden(mask))
+        return _math_backward(dout, q, k, v, out, lse, s, scale)
+
+
+def _hidden(mask: torch.Tensor) -> torch.Tensor:
+    """[B, Lq, Lk] "may read" -> [B, 1, 1, Lq, Lk] "hidden", broadcast over kv heads and groups."""
+    return (~mask)[:, None, None]
 
 
 # -- fused SDPA ops --------------------------------------------------------------------------------
@@ -243,6 +296,9 @@ KERNELS: dict[str, BlockKernel] = {
     "cuda_flash": FusedBlocks(CudaFlashOps()),
     "cuda_efficient": FusedBlocks(CudaEfficientOps()),
 }
+
+# the kernel of the blocks a document mask cuts (ring attention with `Documents`)
+MASKED = MaskedMathBlocks()
 
 # device type -> its fused kernels, the first that supports a call's dtype and head dim wins. A
 # test lets another device type (meta) stand in for one by adding it here.

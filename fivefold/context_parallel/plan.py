@@ -1,7 +1,8 @@
 """A context-parallel plan is data (which modules attend, which buffers are indexed by position),
 applied by `apply_context_parallel`: every attention core becomes ring attention over the cp group,
 and each position table keeps the rows of this rank's tokens, so the model's own forward runs
-unchanged on its part of the sequence."""
+unchanged on its part of the sequence. The whole tables stay reachable as ``<name>_whole`` (packed
+documents read RoPE rows at in-document positions, `fivefold.models.documents`)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def apply_context_parallel(
             )
         module.core = RingAttention(comm, layout, seq_len, kernel=kernel)
     for name in plan.position_tables:
-        table = getattr(model, name)
+        table = getattr(model, f"{name}_whole", getattr(model, name))
         if table.shape[0] < seq_len:
             raise ValueError(
                 f"context parallel: {name} covers {table.shape[0]} positions, fewer than "
@@ -60,8 +61,10 @@ def apply_context_parallel(
             table.index_select(0, layout.positions(comm.rank, seq_len, table.device)),
             persistent=False,
         )
+        model.register_buffer(f"{name}_whole", table, persistent=False)
     model.cp_layout = layout
+    # a data-parallel wrapper must not broadcast them (the whole tables: equal everywhere already)
     model.rank_local_buffers = frozenset(
-        plan.position_tables
-    )  # a data-parallel wrapper must not broadcast them
+        name + suffix for name in plan.position_tables for suffix in ("", "_whole")
+    )
     return model

@@ -10,6 +10,7 @@ import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
 from fivefold.ops import Linear, recompute
+
+if TYPE_CHECKING:
+    from fivefold.models.documents import Documents
 
 __all__ = [
     "ATTENTION_CORES",
@@ -236,19 +240,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotated * sin).type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+) -> torch.Tensor:
     """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d],
-    causal. GQA goes to SDPA as it is (``enable_gqa``: q head h reads kv head h // (H / H_kv), as
-    `repeat_interleave` would group them), so a fused kernel keeps k and v with their own H_kv heads
-    for backward, not H-head copies (docs/design.md#activation-memory); a backend without a GQA
-    kernel repeats them inside torch (its math path). The forward equals the repeated-K/V call bit
-    for bit on the CPU; dK and dV sum the group's heads in another order (last-bit differences)."""
+    causal; with ``documents`` each query reads only its own document's keys: causal SDPA on each
+    document's slice (host-side spans; measured 3-6x faster on the CPU than SDPA with a dense
+    [B, 1, L, L] mask, and compiled flex attention has no CPU backward: bench/documents.py). GQA
+    goes to SDPA as it is (``enable_gqa``: q head h reads kv head h // (H / H_kv), as
+    `repeat_interleave` would group them), so a fused kernel keeps k and v with their own H_kv
+    heads for backward, not H-head copies (docs/design.md#activation-memory); a backend without a
+    GQA kernel repeats them inside torch (its math path). The forward equals the repeated-K/V call
+    bit for bit on the CPU; dK and dV sum the group's heads in another order (last-bit
+    differences)."""
     gqa = k.shape[1] != q.shape[1]
+    if documents is not None:
+        _check_single_rank(documents)
+        rows = [
+            torch.cat(
+                [causal_attention(*(t[b : b + 1, :, s:e] for t in (q, k, v))) for s, e in row], 2
+            )
+            for b, row in enumerate(documents.spans)
+        ]
+        return torch.cat(rows, dim=0)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The same attention written out: softmax(q kᵀ / √d + causal mask) v. Its backward keeps the
+def _check_single_rank(documents: Documents) -> None:
+    if documents.layout is not None:
+        raise ValueError(
+            "documents made for context parallel (find_documents with a layout) reached a "
+            "single-rank attention core: make them with layout=None, or apply context parallel"
+        )
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+) -> torch.Tensor:
+    """The same attention written out: softmax(q kᵀ / √d + causal mask) v (with ``documents``: the
+    documents' mask, causal within each document). Its backward keeps the
     [B, H, L, L] probabilities, the quadratic term of the activation formula
     (docs/design.md#activation-memory) that a fused kernel avoids and selective recompute drops; for
     kernels without a fused path, and to measure that term."""
@@ -257,8 +287,12 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
         v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
+    if documents is not None:
+        _check_single_rank(documents)
+        hidden = ~documents.mask
+    else:
+        hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1) @ v
 
 
 # model.attention (`config.AttentionCore`): which core computes attention (context parallelism
@@ -274,7 +308,9 @@ class Attention(nn.Module):
     """Causal GQA. Head counts come from the projections at forward time, so a TP rank holding some
     heads runs this code; q head h uses kv head h // (n_heads / n_kv_heads), so contiguous shards of
     wq and wk/wv line up. ``core`` (q, k, v -> out, k and v with their own heads) is
-    `causal_attention`; context parallelism swaps in ring attention."""
+    `causal_attention`; context parallelism swaps in ring attention. With ``documents`` (packed
+    rows, `fivefold.models.documents`) the core is called ``core(q, k, v, documents)`` and cos / sin
+    are already each token's rows [B, 1, L, hd] (in-document positions)."""
 
     def __init__(
         self,
@@ -304,7 +340,13 @@ class Attention(nn.Module):
     def n_kv_heads(self) -> int:
         return self.wk.weight.shape[0] // self.head_dim
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -314,14 +356,16 @@ class Attention(nn.Module):
             raise ValueError(
                 f"local n_heads={n_heads} is not divisible by local n_kv_heads={n_kv_heads}"
             )
-        if seq > cos.shape[0]:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
-        # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered already;
-        # under CP the tables hold this rank's positions).
-        cos, sin = cos[:seq], sin[:seq]
+        if documents is None:
+            if seq > cos.shape[0]:
+                raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
+            # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered
+            # already; under CP the tables hold this rank's positions).
+            cos, sin = cos[:seq], sin[:seq]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = recompute(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
+        args = (q, k, v) if documents is None else (q, k, v, documents)
+        out = recompute(self.core, *args) if self.recompute_core else self.core(*args)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 
@@ -349,13 +393,26 @@ class TransformerBlock(nn.Module):
         self.recompute_all = False
         self.compiled = False  # `compile_body`: run the torch.compile'd `_forward`
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """x [B, L, D] -> [B, L, D]; ``documents``: attention inside each document (`Attention`)."""
+        if self.compiled and documents is not None:
+            raise NotImplementedError(
+                "train.compile with packed documents: the sdpa core slices each document by its "
+                "host-side boundaries, which a compiled graph would specialise on (a recompile per "
+                "micro-batch); run the blocks eagerly (train.compile false)"
+            )
         body = self._compiled_forward if self.compiled else self._forward
         if (
             self.recompute_all
         ):  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
-            return recompute(body, x, cos, sin)
-        return body(x, cos, sin)
+            return recompute(body, x, cos, sin, documents)
+        return body(x, cos, sin, documents)
 
     def compile_body(self) -> None:
         """Compile the block's computation (`_forward`), not the module call: ``nn.Module.compile``
@@ -375,21 +432,36 @@ class TransformerBlock(nn.Module):
         self.compiled = True
 
     def _compiled_forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         # The unbound methods, compiled once per process and given `self`: a copied block runs its
         # own parameters.
         if isinstance(self.feed_forward, MoEFeedForward):
-            return self._feed_forward_half(_compiled_method("_attention_half")(self, x, cos, sin))
-        return _compiled_method("_forward")(self, x, cos, sin)
+            half = _compiled_method("_attention_half")(self, x, cos, sin, documents)
+            return self._feed_forward_half(half)
+        return _compiled_method("_forward")(self, x, cos, sin, documents)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self._feed_forward_half(self._attention_half(x, cos, sin))
+    def _forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        return self._feed_forward_half(self._attention_half(x, cos, sin, documents))
 
     def _attention_half(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
-        return x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.attention(self.attention_norm(x), cos, sin, documents)
 
     def _feed_forward_half(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
@@ -553,21 +625,33 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """tokens [B, L] -> logits [B, L, vocab]. A pipeline stage (`keep_only`) without
         ``tok_embeddings`` takes the hidden state [B, L, D]; without ``norm``/``output`` it returns
-        it."""
+        it. ``documents`` (`fivefold.models.documents.find_documents` of these rows): attention
+        stays inside each document and RoPE positions restart at 0 at each document's start."""
         if self.tok_embeddings is not None:
             if x.shape[1] > self.config.max_seq_len:
                 raise ValueError(
                     f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}"
                 )
             x = self.tok_embeddings(x)
+        cos, sin = self.rope_cos, self.rope_sin
+        if documents is not None:
+            cos, sin = self._document_rope(documents)
         for layer in self.layers.values() if self.layers is not None else ():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, documents)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
+
+    def _document_rope(self, documents: Documents) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each local token's RoPE rows [B, 1, L_local, hd], read at its in-document position from
+        the whole tables (context parallel cuts ``rope_cos`` / ``rope_sin`` to this rank's rows and
+        keeps the whole ones as ``rope_cos_whole`` / ``rope_sin_whole``)."""
+        rows = documents.positions
+        tables = (getattr(self, f"{n}_whole", getattr(self, n)) for n in ("rope_cos", "rope_sin"))
+        return tuple(t[rows].unsqueeze(1) for t in tables)
 
 
 def build_model(
