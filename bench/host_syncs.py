@@ -29,6 +29,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, int], dict[str, Any]]] = {  # name: (wor
     "dp2-cp2-zero3": (4, dict(dp=2, cp=2), dict(zero=3, cp=2)),
     "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), dict(zero=2, dp_replicate=2)),
     "dp4-zero3-zeropp": (4, dict(dp=4), dict(zero=3, qwz=True, qgz=True, hpz=2)),
+    # packed documents (data.documents mask, id 5 ends a document; no loss across a boundary)
+    "dp2-documents": (2, dict(dp=2), dict(zero=1, documents=5)),
+    "cp2-documents": (2, dict(cp=2), dict(zero=1, cp=2, documents=5)),
 }
 MICRO_BATCHES, SEQ = 4, 8
 
@@ -52,8 +55,8 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
                model: Any = None, seq: int = SEQ, micro_batches: int = MICRO_BATCHES):
     """(config, mesh, parallel model) of this rank of a layout (``LAYOUTS``' mesh dims and config)
     on `device` (meta: the fake process group is initialised); by default a tiny Llama, 4
-    micro-batches of 8 tokens. ``o`` may also name ``param`` / ``reduce`` precisions and
-    ``compile``."""
+    micro-batches of 8 tokens. ``o`` may also name ``param`` / ``reduce`` precisions,
+    ``compile`` and ``documents`` (the end-of-document id: attention masked per document)."""
     from fivefold.config import Config
     from fivefold.distributed.comm import CommLog
     from fivefold.distributed.mesh import ParallelDims, ParallelMesh
@@ -77,7 +80,8 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
         model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                            max_seq_len=seq, vocab_size=16)
     mesh = ParallelMesh(ParallelDims(**dims), device, CommLog())
-    return cfg, mesh, parallelize(cfg, model, mesh, torch.device(device))
+    parts = parallelize(cfg, model, mesh, torch.device(device), o.get("documents"))
+    return cfg, mesh, parts
 
 
 def stepping_trainer(cfg, parts, mesh, steps: int, rows: int = 4, vocab: int = 16,
@@ -106,6 +110,8 @@ def stepping_trainer(cfg, parts, mesh, steps: int, rows: int = 4, vocab: int = 1
     tokens = np.random.default_rng(0).integers(0, vocab, 64 * t.seq_len * max(1, rows), np.int64)
     trainer.data = TokenDataset(tokens.astype(np.uint32 if vocab > 65535 else np.uint16),
                                 t.seq_len, val_fraction=0.0)
+    if getattr(parts, "documents_eos", None) is not None:  # the loss not taken across documents
+        trainer.data.ignore_targets_after(parts.documents_eos)
     trainer.clock = TrainingClock(0)
     trainer.throughput = Throughput(t.global_batch * t.seq_len, flops_per_token, peak_flops,
                                     mesh.world.size)

@@ -132,7 +132,7 @@ def test_masked_documents_train_like_one_process_in_every_layout(results, name, 
             full = want["state"][pname]
             if got.shape != full.shape:  # a tp or ep shard: its contiguous part of the reference
                 d = next(i for i, (a, b) in enumerate(zip(got.shape, full.shape)) if a != b)
-                full = full.chunk(full.shape[d] // got.shape[d], dim=d)[res["shard"]]
+                full = full.chunk(full.shape[d] // got.shape[d], dim=d)[res[name]["shard"]]
             bounds["state"][pname].assert_holds(got, full, f"rank {rank} {name} {pname}")
 
 

@@ -129,6 +129,8 @@ def find_documents(
             "find_documents reads the rows on the host: pass the CPU tokens of the data loader, "
             f"not a {tokens.device.type} tensor (reading it would sync the device)"
         )
+    from fivefold.distributed.launch import to_device  # pinned, copied without a host wait
+
     device = torch.device(device) if device is not None else torch.device("cpu")
     batch, seq = tokens.shape
     starts = torch.zeros(batch, seq, dtype=torch.bool)
@@ -144,7 +146,9 @@ def find_documents(
             begin = row.nonzero().flatten().tolist()  # (host tensors: no device read)
             spans.append(tuple(zip(begin, [*begin[1:], seq])))
         return Documents(
-            positions=positions.to(device), doc_ids=doc_ids.to(device), spans=tuple(spans)
+            positions=to_device(positions, device),
+            doc_ids=to_device(doc_ids, device),
+            spans=tuple(spans),
         )
     layout.check(seq)
     chunk = seq // layout.n_chunks
@@ -154,7 +158,7 @@ def find_documents(
         for qc in range(layout.n_chunks)
         for kc in range(qc + 1)
     }
-    ids = doc_ids.to(device)
+    ids = to_device(doc_ids, device)
     chunk_ids = [ids[:, c * chunk : (c + 1) * chunk] for c in range(layout.n_chunks)]
     block_masks = {
         (qc, kc): document_mask(chunk_ids[qc], chunk_ids[kc], diagonal=qc == kc)
@@ -163,7 +167,7 @@ def find_documents(
     }
     local = layout.positions(cp_rank, seq)
     return Documents(
-        positions=positions[:, local].to(device),
+        positions=to_device(positions[:, local].contiguous(), device),
         doc_ids=ids,
         layout=layout,
         cp_rank=cp_rank,

@@ -244,6 +244,15 @@ class Trainer:
         )
         self.observers: list[TrainObserver] = self._observers()
 
+    def _data_line(self) -> str:
+        """The data as the start-up says it: the dataset, its tokenizer and where that came from,
+        how documents meet."""
+        d = self.plan.data
+        documents = (
+            "attention within documents" if d.documents == "mask" else "attention across documents"
+        ) + ("" if d.loss_across_documents else ", no loss across a boundary")
+        return f"{self.data}, tokenizer {d.tokenizer.describe()} ({d.tokenizer_from}), {documents}"
+
     def _throughput(self, active_params: int) -> Throughput:
         """MFU's terms (docs/design.md#flops-and-mfu): model FLOPs per token, PaLM's 6·N +
         12·n_layers·L·D, against every rank's device peak."""
@@ -326,7 +335,7 @@ class Trainer:
             self.plan.resume_from,
             (*self.plan.notes, *([self.peak_note] if self.peak_note else [])),
             self.model.describe_layout(),
-            str(self.data),
+            self._data_line(),
         )
         for observer in self.observers:
             observer.on_run_start(info)
