@@ -625,6 +625,9 @@ def prepare(
         p.unlink()
     records = _done_records(out, len(units))
     todo = [u for u in range(len(units)) if u not in records]
+    for u in todo:  # a unit stopped between its renames leaves files its re-run may not write
+        for name in (f"{split}-{u:06d}{ext}" for split in ("train", "val") for ext in _OURS):
+            (out / name).unlink(missing_ok=True)
     shared = {"out": str(out), "text_field": text_field, "seed": int(seed), "eos": int(eos),
               "val_fraction": float(val_fraction), "dtype": dtype}  # fmt: skip
     jobs = [(u, units[u], shared) for u in todo]
