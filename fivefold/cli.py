@@ -209,6 +209,12 @@ def _prepare(argv: list[str]) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (0)")
     parser.add_argument(
+        "--unit-mb",
+        type=float,
+        default=64.0,
+        help="MiB of text per unit of work and shard: text files grouped, JSONL cut (64)",
+    )
+    parser.add_argument(
         "--overwrite", action="store_true", help="start over in an --out a former prepare wrote"
     )
     args = parser.parse_args(argv)
@@ -227,6 +233,7 @@ def _prepare(argv: list[str]) -> int:
             val_fraction=DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction,
             seed=args.seed,
             overwrite=args.overwrite,
+            unit_bytes=max(1, int(args.unit_mb * 2**20)),
             progress=sys.stderr.isatty(),
         )
     except KeyboardInterrupt:
