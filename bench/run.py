@@ -31,6 +31,8 @@
     python bench/run.py compile                   # train.compile: compiled vs eager blocks in DDP, ZeRO-3, tp 2, pp 2
     python bench/run.py documents                 # attention inside packed documents: dense-mask SDPA, eager,
                                                   # per-document SDPA, flex vs causal SDPA; L 2k and 8k
+    python bench/run.py prepare                   # fivefold prepare (1, 2 workers) vs a tokenizers encode_batch
+                                                  # loop: tokens/s on a few MiB of stdlib sources
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -91,6 +93,7 @@ from bench.expert_parallel import (  # noqa: E402
 from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
 from bench.init import InitSpec, bench_init, format_init_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
+from bench.prepare import PrepareSpec, bench_prepare, format_prepare_table  # noqa: E402
 from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
 from bench.scaling import ScaleSpec, bench_scaling, format_scaling_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
@@ -105,6 +108,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
     "optim": ("optim",), "optim-ops": ("optim-ops",), "documents": ("documents",),
+    "prepare": ("prepare",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -215,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     do.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (2048,8192)")
     do.add_argument("--eager-max-len", type=int, default=None, help="longest L eager runs at (2048)")
     sub.add_parser("init", parents=[common], help="start-up's initial values drawn on the CPU (1 thread) vs an accelerator")
+    prp = sub.add_parser("prepare", parents=[common],
+                         help="fivefold prepare (1, 2 workers) vs a tokenizers encode_batch loop: tokens/s")
+    prp.add_argument("--mb", type=float, default=None, help=f"MiB of stdlib sources ({PrepareSpec().mb:g})")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
@@ -296,6 +303,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
                                       else None), format_syncs_table),
         "init": (lambda: bench_init(InitSpec(**_given(preset=args.preset, repeats=args.repeats,
                                                       threads=args.threads))), format_init_table),
+        "prepare": (lambda: bench_prepare(PrepareSpec(**_given(repeats=args.repeats, mb=opt.get("mb")))),
+                    format_prepare_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),

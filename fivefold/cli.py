@@ -1,9 +1,9 @@
 """Command line: ``fivefold train [--config run.toml] [--section.key value ...]``,
-``fivefold plan --gpus N ...`` (what a layout costs, before renting GPUs), ``fivefold bench`` and
-``fivefold export``. ``train`` defaults to the small Llama on this Python's stdlib sources, on 2
-local CPU workers (under torchrun: its ranks). Every error is one line; the exit codes are the
-EXIT_* constants below (0 done, 1 failed, 2 refused before starting, 75 stopped early with a
-checkpoint, 143 stopped by a signal without one)."""
+``fivefold plan --gpus N ...`` (what a layout costs, before renting GPUs), ``fivefold bench``,
+``fivefold export`` and ``fivefold prepare`` (text to token shards). ``train`` defaults to the
+small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks).
+Every error is one line; the exit codes are the EXIT_* constants below (0 done, 1 failed, 2 refused
+before starting, 75 stopped early with a checkpoint, 143 stopped by a signal without one)."""
 
 from __future__ import annotations
 
@@ -175,6 +175,89 @@ def _export(argv: list[str]) -> int:
         f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)"
     )
     return 0
+
+
+def _prepare(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fivefold prepare",
+        description="Tokenize text into token shards for data.prepared (one pass; resumable: run "
+        "the same command again after a stop). INPUT: a text file (one document), a folder (its "
+        "text files, one document each, sorted; JSONL / Parquet files in it read as such), a "
+        ".jsonl/.json file (one JSON object per line), a .parquet file, or a directory written by "
+        "datasets' save_to_disk (a DatasetDict: its train split, else every split in sorted "
+        "order). fivefold reads local files only; with network, a hub dataset goes through "
+        'datasets: python -c "import datasets; datasets.load_dataset(NAME).save_to_disk(DIR)", '
+        "then fivefold prepare DIR.",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a tokenizer.json, a directory holding one, or a "
+        "tiktoken BPE file (it needs an end-of-document token)",
+    )
+    parser.add_argument("--out", required=True, help="output directory (created if missing)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (1)")
+    parser.add_argument(
+        "--text-field", default="text", help="JSONL field / Parquet or dataset column (text)"
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="share of documents for validation, by a hash of (seed, document) (0.005)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split (0)")
+    parser.add_argument(
+        "--unit-mb",
+        type=float,
+        default=64.0,
+        help="MiB of text per unit of work and shard: text files grouped, JSONL cut (64)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start over in an --out a former prepare wrote"
+    )
+    args = parser.parse_args(argv)
+    import time
+
+    from fivefold.train.prepare import DEFAULT_VAL_FRACTION, prepare
+
+    t0 = time.perf_counter()
+    try:
+        index = prepare(
+            args.inputs,
+            args.tokenizer,
+            args.out,
+            workers=args.workers,
+            text_field=args.text_field,
+            val_fraction=DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction,
+            seed=args.seed,
+            overwrite=args.overwrite,
+            unit_bytes=max(1, int(args.unit_mb * 2**20)),
+            progress=sys.stderr.isatty(),
+        )
+    except KeyboardInterrupt:
+        print(
+            "fivefold prepare: stopped; the finished units are kept: run the same command again "
+            "to go on",
+            file=sys.stderr,
+        )
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fivefold prepare: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as e:
+        print(f"fivefold prepare: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    took = time.perf_counter() - t0
+    train, val = index.splits["train"], index.splits["val"]
+    print(
+        f"fivefold prepare: {index.documents:,} documents ({train.documents:,} train, "
+        f"{val.documents:,} val; {index.skipped_documents:,} empty skipped), {index.tokens:,} "
+        f"tokens ({train.tokens:,} train, {val.tokens:,} val), {index.dtype}, {index.shards} "
+        f"shards in {args.out}, {took:.1f} s, {index.tokens / max(took, 1e-9):,.0f} tokens/s"
+    )
+    return EXIT_DONE
 
 
 # `fivefold plan`'s own short flags (besides train's): short spellings of the common layout knobs
@@ -361,7 +444,13 @@ EXIT_TERMINATED = (
     128 + 15
 )  # stopped by a signal before the workers could save (the shell's SIGTERM code)
 
-COMMANDS = {"train": _train, "plan": _plan, "bench": _bench, "export": _export}
+COMMANDS = {
+    "train": _train,
+    "plan": _plan,
+    "bench": _bench,
+    "export": _export,
+    "prepare": _prepare,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

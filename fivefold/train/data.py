@@ -8,6 +8,8 @@ single-process training. No ``torch.distributed``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -92,6 +94,22 @@ class TokenDataset:
             return cls.from_splits(train, val, seq_len, seed, source=source)
         return cls(train, seq_len, val_fraction, seed, source=source)
 
+    @classmethod
+    def from_prepared(cls, directory: str | Path, seq_len: int, seed: int = 0) -> TokenDataset:
+        """The train and val splits of a ``fivefold prepare`` directory, each one
+        `ShardedTokens` (memory-mapped shards, read as one array); no val shards: no validation."""
+        from fivefold.train.shards import ShardedTokens, read_index
+
+        index = read_index(directory)
+        val = ShardedTokens(index, "val")
+        return cls.from_splits(
+            ShardedTokens(index, "train"),
+            val if len(val) else None,
+            seq_len,
+            seed,
+            source=repr(str(directory)),
+        )
+
     def _init(
         self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, source: str
     ) -> None:
@@ -121,7 +139,7 @@ class TokenDataset:
         index says each document ends with one and no other holds it), else one scan."""
         key = id(data)
         if key not in self._ends:
-            ends = getattr(data, "document_ends", None)
+            ends = data.document_ends() if hasattr(data, "document_ends") else None
             if ends is None:
                 ends = np.concatenate(
                     [

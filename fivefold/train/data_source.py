@@ -159,7 +159,7 @@ def resolve_data(
             "give data.tokenizer a tokenizer with one and data it prepared (fivefold prepare)"
         )
     if kind == "prepared":
-        max_id = int(index.max_id)
+        max_id = int(index.max_token_id)
     elif kind == "nanogpt":
         max_id = _bin_max_id(d.path, d.max_bytes)
     else:
@@ -255,7 +255,7 @@ def data_tokens(cfg: Config, data: DataPlan) -> tuple[int, int | None]:
         from fivefold.train.shards import read_index
 
         index = read_index(Path(d.path))
-        return index.tokens("train"), index.tokens("val")
+        return index.splits["train"].tokens, index.splits["val"].tokens
     if data.kind in ("text", "default") and data.tokenizer.fingerprint != "bytes":
         docs = _text_documents(d.path, d.max_bytes)
         return len(tokenize_documents(docs, data.tokenizer.spec, int(data.eos_id))), None

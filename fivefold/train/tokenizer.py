@@ -17,11 +17,12 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from fivefold.train.corpus import ByteTokenizer
+if TYPE_CHECKING:  # imported when "bytes" is asked for: corpus imports torch, prepare's workers not
+    from fivefold.train.corpus import ByteTokenizer
 
 __all__ = [
     "HFTokenizer",
@@ -100,6 +101,12 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int64)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode` of each text, in one call into the library."""
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        out = batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in out]
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -161,6 +168,11 @@ class TiktokenBPE:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._enc.encode_ordinary(text), dtype=np.int64)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode` of each text, in one call into the library."""
+        out = self._enc.encode_ordinary_batch(texts, num_threads=1)
+        return [np.asarray(ids, dtype=np.int64) for ids in out]
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 
@@ -202,7 +214,7 @@ class TokenizerInfo:
 
 def tokenizer_info(tok: Tokenizer | ByteTokenizer, spec: str) -> TokenizerInfo:
     """The record of a loaded tokenizer (the bytes: fingerprint "bytes", no special ids)."""
-    if isinstance(tok, ByteTokenizer):
+    if not hasattr(tok, "fingerprint"):  # the bytes (`corpus.ByteTokenizer`)
         return TokenizerInfo("bytes", "bytes", "bytes", tok.vocab_size, None, None)
     return TokenizerInfo(
         spec, Path(tok.name).name, tok.fingerprint, tok.vocab_size, tok.eos_id, tok.bos_id
@@ -212,6 +224,8 @@ def tokenizer_info(tok: Tokenizer | ByteTokenizer, spec: str) -> TokenizerInfo:
 def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:
     """``"bytes"``, a ``tokenizer.json``, a directory holding one, or a tiktoken BPE file."""
     if spec == "bytes":
+        from fivefold.train.corpus import ByteTokenizer
+
         return ByteTokenizer()
     path = Path(spec)
     if path.is_dir():
