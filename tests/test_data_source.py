@@ -158,3 +158,35 @@ def test_targets_after_a_boundary_are_ignored_and_the_weight_is_exact():
     got = row_mean_cross_entropy(logits, y) * ds.loss_weight(5, 12)
     want = F.cross_entropy(logits.reshape(-1, 50), y.reshape(-1), ignore_index=IGNORE)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_prepare_then_train_on_the_shards_as_a_user_does(tmp_path):
+    """The path a user takes: `fivefold prepare` a corpus with a tokenizer trained here, then `fivefold train`
+    on the shards with configs/llama-1b.toml scaled down (documents masked, no loss across a boundary, two
+    workers at tp 2, a checkpoint), a resume of it, and a resume with another tokenizer refused before spawning."""
+    from pathlib import Path
+
+    from fivefold.cli import main
+
+    tok = _bpe(tmp_path / "tok", vocab=400)
+    corpus = _corpus(tmp_path / "corpus", n=60)
+    shards = tmp_path / "shards"
+    assert main(["prepare", str(corpus), "--tokenizer", str(tok), "--out", str(shards), "--val-fraction", "0.2"]) == 0
+    config = Path(__file__).resolve().parent.parent / "configs" / "llama-1b.toml"
+    run = ["train", "--config", str(config), "--data", str(shards), "--preset", "tiny", "--nproc", "2",
+           "--parallel.tp", "2", "--train.global_batch", "4", "--train.micro_batch", "2", "--train.seq_len", "32",
+           "--train.warmup_steps", "1", "--train.eval_every", "2", "--train.eval_batches", "2",
+           "--data.loss_across_documents", "false", "--checkpoint.interval", "2", "--run.out_dir", str(tmp_path),
+           "--name", "mine", "--run.progress", "false", "--run.plot", "false"]
+    assert main([*run, "--steps", "2"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "mine" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "val"] == [1]
+    meta = json.loads((tmp_path / "mine" / "checkpoints" / "step-00000002" / "fivefold.json").read_text())
+    n = load_tokenizer(str(tok)).vocab_size
+    assert meta["model"]["vocab_size"] == -(-n // 64) * 64  # the tokenizer's ids padded to a multiple of 64
+    assert meta["tokenizer"]["fingerprint"] == load_tokenizer(str(tok)).fingerprint
+    assert main([*run, "--steps", "3", "--resume"]) == 0
+    other = _bpe(tmp_path / "other", vocab=380, eos="<|end|>")  # (the same text: its own bytes)
+    with pytest.raises(ConfigError, match="drop data.tokenizer, or prepare the data again"):
+        validate(load_config(config, [*run[3:], "--steps", "4", "--resume", "--data.tokenizer", str(other)]), 2)
