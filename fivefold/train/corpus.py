@@ -10,9 +10,12 @@ import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # (not imported: `fivefold prepare` walks folders with this module, torch-free)
+    import torch
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
@@ -56,7 +59,7 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int] | np.ndarray | torch.Tensor) -> str:
         """Decode token ids to text; invalid UTF-8 (a window cut inside a character) becomes U+FFFD,
         not an error."""
-        if isinstance(ids, torch.Tensor):
+        if hasattr(ids, "detach"):  # a torch.Tensor
             arr = ids.detach().cpu().numpy()
         elif isinstance(ids, np.ndarray):
             arr = ids
