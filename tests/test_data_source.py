@@ -190,3 +190,22 @@ def test_prepare_then_train_on_the_shards_as_a_user_does(tmp_path):
     other = _bpe(tmp_path / "other", vocab=380, eos="<|end|>")  # (the same text: its own bytes)
     with pytest.raises(ConfigError, match="drop data.tokenizer, or prepare the data again"):
         validate(load_config(config, [*run[3:], "--steps", "4", "--resume", "--data.tokenizer", str(other)]), 2)
+
+
+def test_a_prepared_directory_too_small_for_the_sequence_is_named_before_spawning(tmp_path):
+    from fivefold.train.prepare import prepare
+
+    tok = _bpe(tmp_path / "tok")
+    prepare([str(_corpus(tmp_path / "c", n=12))], str(tok), str(tmp_path / "p"), val_fraction=0.1,
+            progress=False)
+    cfg = load_config(None, TINY + ["--data", str(tmp_path / "p"), "--train.seq_len", "4096"])
+    with pytest.raises(ConfigError, match=r"holds \d+ training tokens, too few for train.seq_len=4096"):
+        validate(cfg, 1)
+    from fivefold.train.shards import read_index
+
+    val = read_index(tmp_path / "p").splits["val"].tokens  # (152 tokens in 2 documents)
+    cfg = load_config(None, TINY + ["--data", str(tmp_path / "p"), "--train.seq_len", str(val + 10)])
+    with pytest.raises(ConfigError, match=f"holds {val} validation tokens, .* larger --val-fraction"):
+        validate(cfg, 1)
+    plan = validate(load_config(None, TINY + ["--data", str(tmp_path / "p")]), 1)  # seq 16: fine
+    assert plan.data.kind == "prepared" and plan.data.tokenizer_from.endswith("index.json")

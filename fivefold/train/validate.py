@@ -165,6 +165,13 @@ def _check_data(cfg: Config, data: DataPlan) -> None:
             f"{where} holds {train} training tokens, too few for train.seq_len={cfg.train.seq_len} "
             f"(need at least {need}); use more data or a shorter sequence"
         )
+    short_val = 0 < val < need if own_val is not None else cfg.data.val_fraction > 0 and val < need
+    if data.kind == "prepared" and (short_val or cfg.train.eval_every > 0 and val < need):
+        raise ConfigError(
+            f"{where} holds {val} validation tokens, too few for train.seq_len="
+            f"{cfg.train.seq_len} (need {need}): prepare it again with a larger --val-fraction"
+            + (" or set train.eval_every 0" if cfg.train.eval_every > 0 and not short_val else "")
+        )
     if (own_val is None and cfg.data.val_fraction > 0 or cfg.train.eval_every > 0) and val < need:
         raise ConfigError(
             f"{where} leaves {val} validation tokens (data.val_fraction={cfg.data.val_fraction}), "
