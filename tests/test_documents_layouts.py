@@ -1,11 +1,12 @@
 """``data.documents = mask`` in every layout: packed rows train as the single-process masked model.
 
-One spawn (world 2, `multiprocess`) trains two steps of packed rows (an end-of-document id every
-few tokens, the loss not taken across a boundary: ``loss_across_documents`` false, the step's
-weight rows / targets kept) with attention masked per document under DDP, ZeRO-3 (± full
-recompute), tp 2 with SP, pp 2 (1F1B), cp 2 (zig-zag and contiguous: ring attention skipping and
-masking blocks) and MoE ep 2, each against a single-process reference of the same masked training
-held to the bound tests/tolerance.py derives. tests/test_documents.py shows the single-process
+Two spawns (world 2 and 4, `multiprocess`) train two steps of packed rows (an end-of-document id
+every few tokens, the loss not taken across a boundary: ``loss_across_documents`` false, the step's
+weight rows / targets kept) with attention masked per document under DDP, ZeRO-2, ZeRO-3 with full
+recompute, ZeRO-Offload, tp 2 with SP and selective recompute, pp 2 (1F1B, ZB-H1, interleaved),
+cp 2 (zig-zag and contiguous: ring attention skipping and masking blocks), MoE ep 2, and at world
+4 dp × tp with ZeRO-3, pp × dp, pp × tp with SP, HSDP and dp × cp with ZeRO-3 — each against a
+single-process reference of the same masked training held to the bound tests/tolerance.py derives. tests/test_documents.py shows the single-process
 masked model equals each document run alone, so every layout here does too. The reference with
 attention across documents trains differently (the comparison can fail)."""
 
@@ -19,17 +20,26 @@ from tolerance import KERNELS, reference
 from fivefold.config import Config
 from fivefold.distributed.comm import CommLog
 
-SEQ, ROWS, MICRO, STEPS, EOS = 32, 4, 2, 2, 3
+SEQ, ROWS, MICRO, STEPS, EOS = 32, 8, 2, 2, 3  # (8 rows: a row per micro-batch at dp 4)
 EPS = 1e-4  # as tests/test_compile.py: Adam's division by |g| + eps kept from amplifying reordered sums
 TERMS = 384  # rule 1's n: the longest reordered sum (w2's inner dimension under tp; the batch's tokens)
-LAYOUTS = {  # name: (mesh dims, ZeRO stage, recompute, preset, cp layout)
-    "ddp": (dict(dp=2), 0, "none", "tiny", "zigzag"),
-    "zero3-full-recompute": (dict(dp=2), 3, "full", "tiny", "zigzag"),
-    "tp2-sp": (dict(tp=2), 1, "selective", "tiny", "zigzag"),
-    "pp2": (dict(pp=2), 0, "none", "tiny", "zigzag"),
-    "cp2-zigzag": (dict(cp=2), 0, "none", "tiny", "zigzag"),
-    "cp2-contiguous": (dict(cp=2), 1, "none", "tiny", "contiguous"),
-    "moe-ep2": (dict(dp=2, ep=2), 0, "none", "tiny-moe", "zigzag"),
+LAYOUTS = {  # name: (world, mesh dims, preset, config: zero stage and what else the layout sets)
+    "ddp": (2, dict(dp=2), "tiny", dict(zero=0)),
+    "zero2": (2, dict(dp=2), "tiny", dict(zero=2)),
+    "zero3-full-recompute": (2, dict(dp=2), "tiny", dict(zero=3, recompute="full")),
+    "zero1-offload": (2, dict(dp=2), "tiny", dict(zero=1, offload=True)),
+    "tp2-sp-selective": (2, dict(tp=2), "tiny", dict(zero=1, recompute="selective")),
+    "pp2-1f1b": (2, dict(pp=2), "tiny", dict(zero=0)),
+    "pp2-zb-h1": (2, dict(pp=2), "tiny", dict(zero=0, schedule="zb-h1")),
+    "pp2-interleaved": (2, dict(pp=2), "tiny", dict(zero=1, schedule="interleaved", virtual=2)),
+    "cp2-zigzag": (2, dict(cp=2), "tiny", dict(zero=0)),
+    "cp2-contiguous": (2, dict(cp=2), "tiny", dict(zero=1, cp_layout="contiguous")),
+    "moe-ep2": (2, dict(dp=2, ep=2), "tiny-moe", dict(zero=0)),
+    "dp2-tp2-zero3": (4, dict(dp=2, tp=2), "tiny", dict(zero=3)),
+    "pp2-dp2-zero1": (4, dict(pp=2, dp=2), "tiny", dict(zero=1)),
+    "pp2-tp2-sp": (4, dict(pp=2, tp=2), "tiny", dict(zero=1)),
+    "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), "tiny", dict(zero=2)),
+    "dp2-cp2-zero3": (4, dict(dp=2, cp=2), "tiny", dict(zero=3)),
 }
 
 
@@ -88,12 +98,16 @@ def _train(name: str) -> dict:
     from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 
-    dims, stage, recompute, preset, cp_layout = LAYOUTS[name]
+    _, dims, preset, o = LAYOUTS[name]
     cfg = Config()
-    cfg.zero.stage, cfg.train.recompute, cfg.data.documents = stage, recompute, "mask"
+    cfg.zero.stage, cfg.zero.offload_optimizer = o["zero"], o.get("offload", False)
+    cfg.train.recompute, cfg.data.documents = o.get("recompute", "none"), "mask"
     cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
-    cfg.parallel.cp, cfg.parallel.ep, cfg.pipeline.schedule = dims.get("cp", 1), dims.get("ep", 1), "1f1b"
-    cfg.parallel.cp_layout, cfg.parallel.sp = cp_layout, dims.get("tp", 1) > 1
+    cfg.parallel.cp, cfg.parallel.ep = dims.get("cp", 1), dims.get("ep", 1)
+    cfg.parallel.tp, cfg.parallel.pp = dims.get("tp", 1), dims.get("pp", 1)
+    cfg.parallel.dp_replicate = dims.get("dp_replicate", 1)
+    cfg.parallel.cp_layout, cfg.parallel.sp = o.get("cp_layout", "zigzag"), dims.get("tp", 1) > 1
+    cfg.pipeline.schedule, cfg.pipeline.virtual = o.get("schedule", "1f1b"), o.get("virtual", 1)
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
     parts = parallelize(cfg, get_config(preset), mesh, "cpu", documents_eos=EOS)
     dp = mesh.comm("dp")
@@ -110,29 +124,32 @@ def _train(name: str) -> dict:
     return dict(losses=losses, state=parts.full_state_dict(), shard=mesh.rank(sliced_by))
 
 
-def _worker() -> dict:
-    return {name: _train(name) for name in LAYOUTS}
+def _worker(world: int) -> dict:
+    return {name: _train(name) for name, (w, *_) in LAYOUTS.items() if w == world}
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_workers(_worker, 2)
+    """Every layout's result per rank: one spawn of world 2, one of world 4."""
+    by_world = {w: run_workers(_worker, w, w) for w in sorted({w for w, *_ in LAYOUTS.values()})}
+    return {name: [ranks[name] for ranks in by_world[w]] for name, (w, *_) in LAYOUTS.items()}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_masked_documents_train_like_one_process_in_every_layout(results, name, kernels):
-    dims, _, _, preset, _ = LAYOUTS[name]
+    _, dims, preset, _ = LAYOUTS[name]
     want, bounds = reference(_reference, preset, dims.get("dp", 1), kernels=kernels, terms=TERMS)
-    for rank, res in enumerate(results):
-        for step, got in enumerate(res[name]["losses"]):
+    for rank, res in enumerate(results[name]):
+        for step, got in enumerate(res["losses"]):
             bounds["losses"][step].assert_holds(got, want["losses"][step], f"rank {rank} {name} loss {step}")
-        for pname, got in res[name]["state"].items():  # this rank's share of the parameters
+        assert res["state"], f"rank {rank} {name}: no parameters"
+        for pname, got in res["state"].items():  # this rank's share of the parameters
             full = want["state"][pname]
             if got.shape != full.shape:  # a tp or ep shard: its contiguous part of the reference
                 d = next(i for i, (a, b) in enumerate(zip(got.shape, full.shape)) if a != b)
-                full = full.chunk(full.shape[d] // got.shape[d], dim=d)[res[name]["shard"]]
+                full = full.chunk(full.shape[d] // got.shape[d], dim=d)[res["shard"]]
             bounds["state"][pname].assert_holds(got, full, f"rank {rank} {name} {pname}")
 
 
