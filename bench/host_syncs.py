@@ -76,6 +76,7 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
     cfg.precision.param = o.get("param", cfg.precision.param)
     cfg.precision.reduce = o.get("reduce", cfg.precision.reduce)
     cfg.run.log_every = log_every
+    cfg.data.documents = "mask" if o.get("documents") is not None else "cross"
     if model is None:
         model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                            max_seq_len=seq, vocab_size=16)

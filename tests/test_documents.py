@@ -265,7 +265,7 @@ def _ring_worker() -> dict:
         out.backward(grad)
         res = dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, calls=calls)
         # the whole model, its RoPE tables cut to this rank (the whole ones kept)
-        model = apply_context_parallel(_model(), comm, layout, rows.shape[1], LLAMA_CP_PLAN)
+        model = apply_context_parallel(_model(), comm, layout, rows.shape[1], LLAMA_CP_PLAN, whole_tables=True)
         logits = model(layout.shard(rows, comm.rank), documents)
         (logits * layout.shard(_loss_weights(rows), comm.rank)).sum().backward()
         res["logits"] = logits.detach()

@@ -221,6 +221,7 @@ LAYOUTS = [
       "--train.micro_batch", "1", "--train.seq_len", "64"], 2),
     (["--preset", "tiny", "--parallel.tp", "2", "--parallel.sp", "true", "--zero", "3"], 4),
     (["--preset", "tiny", "--parallel.cp", "2", "--zero", "2", "--model.tie_embeddings", "true"], 4),
+    (["--preset", "tiny", "--parallel.cp", "2", "--zero", "1", "--data.documents", "mask"], 2),  # + whole RoPE
     (["--preset", "small", "--parallel.dp_replicate", "2", "--zero", "3", "--zero.hpz", "2"], 8),
     (["--preset", "small", "--zero", "2", "--zero.offload_optimizer", "true", "--train.recompute", "selective"], 2),
     (["--preset", "small", "--train.recompute", "full", "--model.attention", "eager"], 2),

@@ -1,8 +1,9 @@
 """A context-parallel plan is data (which modules attend, which buffers are indexed by position),
 applied by `apply_context_parallel`: every attention core becomes ring attention over the cp group,
 and each position table keeps the rows of this rank's tokens, so the model's own forward runs
-unchanged on its part of the sequence. The whole tables stay reachable as ``<name>_whole`` (packed
-documents read RoPE rows at in-document positions, `fivefold.models.documents`)."""
+unchanged on its part of the sequence. With ``whole_tables`` the uncut tables stay reachable as
+``<name>_whole`` (packed documents read RoPE rows at in-document positions,
+`fivefold.models.documents`)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ def apply_context_parallel(
     seq_len: int,
     plan: CPPlan,
     kernel: str = "auto",
+    whole_tables: bool = False,
 ) -> nn.Module:
     """Make `model` (whole or a pipeline stage, tables already filled) run on `comm.rank`'s part of
     sequences of `seq_len` tokens laid out by `layout`; ``kernel``: the ring's block kernel choice
-    (``parallel.cp_kernel``, `kernels.choose_kernel`)."""
+    (``parallel.cp_kernel``, `kernels.choose_kernel`). ``whole_tables``: keep the uncut tables
+    too, as ``<name>_whole`` (packed documents read RoPE rows at in-document positions:
+    ``data.documents`` mask; 2 · max_seq_len · head_dim fp32 more per stage)."""
     layout.check(seq_len)
     attention = [
         m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, plan.attention)
@@ -61,10 +65,14 @@ def apply_context_parallel(
             table.index_select(0, layout.positions(comm.rank, seq_len, table.device)),
             persistent=False,
         )
-        model.register_buffer(f"{name}_whole", table, persistent=False)
+        if whole_tables:
+            model.register_buffer(f"{name}_whole", table, persistent=False)
     model.cp_layout = layout
     # a data-parallel wrapper must not broadcast them (the whole tables: equal everywhere already)
     model.rank_local_buffers = frozenset(
-        name + suffix for name in plan.position_tables for suffix in ("", "_whole")
+        name + suffix
+        for name in plan.position_tables
+        for suffix in ("", "_whole")
+        if hasattr(model, name + suffix)
     )
     return model

@@ -133,11 +133,12 @@ def find_documents(
 
     device = torch.device(device) if device is not None else torch.device("cpu")
     batch, seq = tokens.shape
-    starts = torch.zeros(batch, seq, dtype=torch.bool)
+    # on the host, as the rows are: what is read here never waits for a device
+    starts = torch.zeros(batch, seq, dtype=torch.bool, device="cpu")
     starts[:, 0] = True
     starts[:, 1:] = tokens[:, :-1] == eos_id  # the token after an EOS starts a document
     doc_ids = starts.long().cumsum(dim=1) - 1
-    index = torch.arange(seq).expand(batch, seq)
+    index = torch.arange(seq, device="cpu").expand(batch, seq)
     start_of_mine = torch.where(starts, index, 0).cummax(dim=1).values
     positions = index - start_of_mine
     if layout is None:

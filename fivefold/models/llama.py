@@ -650,6 +650,11 @@ class Llama(nn.Module):
         the whole tables (context parallel cuts ``rope_cos`` / ``rope_sin`` to this rank's rows and
         keeps the whole ones as ``rope_cos_whole`` / ``rope_sin_whole``)."""
         rows = documents.positions
+        if documents.layout is not None and not hasattr(self, "rope_cos_whole"):
+            raise ValueError(
+                "packed documents under context parallel need the whole RoPE tables: apply "
+                "context parallel with whole_tables=True (parallelize does for data.documents mask)"
+            )
         tables = (getattr(self, f"{n}_whole", getattr(self, n)) for n in ("rope_cos", "rope_sin"))
         return tuple(t[rows].unsqueeze(1) for t in tables)
 

@@ -289,6 +289,7 @@ def _engines(
             cfg.train.seq_len,
             LLAMA_CP_PLAN,
             kernel=cfg.parallel.cp_kernel,
+            whole_tables=cfg.data.documents == "mask",  # positions restart at each document
         )
     return engines
 

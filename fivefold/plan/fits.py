@@ -363,7 +363,10 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
         n_moe, n_dense = n_moe + moe, n_dense + len(ranges[sid]) - moe
     states["total"] = states["params"] + states["grads"] + states["optimizer"]
     # RoPE tables, fp32 cos and sin per stage: this rank's positions of train.seq_len under cp
+    # (and the whole tables too when documents restart the positions)
     rows = cfg.train.seq_len // dims.cp if dims.cp > 1 else m.max_seq_len
+    if dims.cp > 1 and cfg.data.documents == "mask":
+        rows += m.max_seq_len
     transient["model buffers"] = len(stage_ids) * 2 * rows * m.head_dim * 4
     held = _held(m, dims, stage_ids, n_stages, ranges)
     return RankMemory(
