@@ -134,7 +134,7 @@ def test_a_checkpoint_of_another_tokenizer_and_documents_without_eos_are_refused
     resolve_data(cfg, get_config("tiny"), 1, meta)  # the same tokenizer: fine
     other = load_config(None, TINY + ["--data.path", corpus, "--data.tokenizer", str(b)])
     with pytest.raises(ConfigError, match=r"checkpoint was trained with tokenizer tokenizer.json \(vocabulary "
-                                          r"\d+, sha256 \w+\), this run's .* \(vocabulary \d+"):
+                                          r"\d+, sha256 \w+, end-of-document id 0\), this run's .* \(vocabulary \d+"):
         resolve_data(other, get_config("tiny"), 1, meta)
     for key in (["--data.documents", "mask"], ["--data.loss_across_documents", "false"]):
         with pytest.raises(ConfigError, match="needs an end-of-document token, and the tokenizer bytes"):
@@ -209,3 +209,37 @@ def test_a_prepared_directory_too_small_for_the_sequence_is_named_before_spawnin
         validate(cfg, 1)
     plan = validate(load_config(None, TINY + ["--data", str(tmp_path / "p")]), 1)  # seq 16: fine
     assert plan.data.kind == "prepared" and plan.data.tokenizer_from.endswith("index.json")
+
+
+def test_what_the_review_found_is_refused_in_one_line(tmp_path):
+    """An unfinished prepare directory is not read as text; a text source with a tokenizer without an
+    end-of-document token; bytes beyond a fixed vocabulary; the same tokenizer.json with another
+    end-of-document token (a tokenizer_config.json the fingerprint does not cover)."""
+    from fivefold.checkpoint.hf import read_hf_config
+    from fivefold.train.prepare import prepare
+
+    tok = _bpe(tmp_path / "tok")
+    corpus = _corpus(tmp_path / "c", n=12)
+    prepare([str(corpus)], str(tok), str(tmp_path / "p"), val_fraction=0.2, progress=False)
+    (tmp_path / "p" / "index.json").unlink()  # stopped before the end
+    with pytest.raises(ConfigError, match=r"^data.path: .*index.json"):
+        validate(load_config(None, TINY + ["--data", str(tmp_path / "p")]), 1)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    no_eos = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+    no_eos.pre_tokenizer = pre_tokenizers.Whitespace()
+    no_eos.save(str(tmp_path / "noeos.json"))
+    with pytest.raises(ConfigError, match="tokenized one document per file with an end-of-document token"):
+        validate(load_config(None, TINY + ["--data", str(corpus), "--tokenizer", str(tmp_path / "noeos.json")]), 1)
+    hf = _hf_config_dir(tmp_path / "hf", vocab=128)
+    cfg = load_config(None, TINY[2:] + ["--data", str(corpus), "--model.init_from", str(hf)])
+    with pytest.raises(ConfigError, match="holds token id 255, at or above the model's vocabulary of 128"):
+        resolve_data(cfg, read_hf_config(str(hf)), 1)
+    prepare([str(corpus)], str(tok), str(tmp_path / "p2"), val_fraction=0.2, progress=False)
+    copy = tmp_path / "copy"
+    _bpe(copy, eos="<|eos|>")  # the same file, but a config naming another end-of-document token
+    (copy / "tokenizer_config.json").write_text(json.dumps({"eos_token": "e"}))
+    assert load_tokenizer(str(copy)).fingerprint == load_tokenizer(str(tok)).fingerprint
+    assert load_tokenizer(str(copy)).eos_id != load_tokenizer(str(tok)).eos_id
+    with pytest.raises(ConfigError, match="but .* was prepared with"):
+        validate(load_config(None, TINY + ["--data", str(tmp_path / "p2"), "--tokenizer", str(copy)]), 1)

@@ -225,6 +225,61 @@ def test_at_least_one_val_document(tmp_path, tok_path):
         prepare(files[:1], tok_path, tmp_path / "one", val_fraction=0.5, progress=False)
 
 
+def test_a_run_stopped_while_moving_a_document_into_val_resumes_to_the_same_bytes(tmp_path, tok_path,
+                                                                                 monkeypatch):
+    """The move writes the val shard, then the unit's done record, then cuts the training shard: stopped
+    between the last two (the record says the move, the shard is still whole), a re-run cuts it and ends
+    byte for byte as a run that was never stopped."""
+    import fivefold.train.prepare as prepare_module
+
+    docs = _docs(5)
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i}.txt").write_text(d)
+    files = [str(tmp_path / f"{i}.txt") for i in range(5)]
+    kw = dict(unit_docs=3, val_fraction=1e-12, progress=False)  # the last unit: 2 documents, one moved
+    prepare(files, tok_path, tmp_path / "whole", **kw)
+    real = prepare_module.os.truncate
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed before the cut")
+
+    monkeypatch.setattr(prepare_module.os, "truncate", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(files, tok_path, tmp_path / "stopped", **kw)
+    monkeypatch.setattr(prepare_module.os, "truncate", real)
+    assert not (tmp_path / "stopped" / "index.json").exists()
+    prepare(files, tok_path, tmp_path / "stopped", **kw)
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir() if p.is_file())
+    assert names == sorted(p.name for p in (tmp_path / "stopped").iterdir() if p.is_file())
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "stopped" / name).read_bytes(), name
+    assert read_index(tmp_path / "stopped").splits["val"].documents == 1
+    # a last unit of one document: the move empties its training shard; stopped before removing it
+    kw["unit_docs"] = 2
+    prepare(files, tok_path, tmp_path / "one", **kw)
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if p.is_file()}
+    assert "train-000002.tokens" not in whole and "val-000002.tokens" in whole
+    (tmp_path / "one" / "index.json").unlink()
+    (tmp_path / "one" / "train-000002.tokens").write_bytes(b"\0" * 8)
+    (tmp_path / "one" / "train-000002.offsets").write_bytes(b"\0" * 8)
+    prepare(files, tok_path, tmp_path / "one", **kw)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if p.is_file()} == whole
+
+
+def test_a_document_that_encodes_to_the_end_of_document_id_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens(["<eos>"])  # an added token, not a special one: text spells it
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (tmp_path / "d.txt").write_text("a b <eos> a")
+    with pytest.raises(PrepareError, match="encodes to the end-of-document id 2"):
+        prepare([str(tmp_path / "d.txt")], str(path), tmp_path / "out", progress=False)
+
+
 def test_uint32_above_65536_ids(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

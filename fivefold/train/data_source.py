@@ -61,8 +61,11 @@ class DataPlan:
 
 
 def is_prepared(path: str | None) -> bool:
-    """`path` is a directory `fivefold prepare` wrote (its index.json present)."""
-    return path is not None and (Path(path) / "index.json").is_file()
+    """`path` is a directory `fivefold prepare` wrote (or is writing: its prepare.json present
+    without an index.json, which `shards.read_index` then names), never text to read."""
+    return path is not None and any(
+        (Path(path) / name).is_file() for name in ("index.json", "prepare.json")
+    )
 
 
 def _padded(vocab: int, tp: int) -> int:
@@ -152,6 +155,22 @@ def resolve_data(
                 f"the checkpoint was trained with tokenizer {saved.describe()}, this run's (from "
                 f"{source}) is {tok.describe()}: resume with the same tokenizer and data"
             )
+    if hf_dir is None and init_from:
+        notes.append(
+            f"model.init_from={init_from} holds no tokenizer.json: the data's tokenizer "
+            f"({tok.describe()}) could not be checked against the model's own"
+        )
+    if checkpoint_meta and not checkpoint_meta.get("tokenizer"):
+        notes.append(
+            "the checkpoint records no tokenizer (saved before fivefold recorded one): this run's "
+            f"tokenizer, {tok.describe()}, could not be checked against it"
+        )
+    if kind in ("text", "default") and tok.fingerprint != "bytes" and tok.eos_id is None:
+        raise ConfigError(
+            f"data.path is text, tokenized one document per file with an end-of-document token "
+            f"between them, and the tokenizer {tok.describe()} has none: give one that has (or "
+            "fivefold prepare the text with one)"
+        )
     if (d.documents == "mask" or not d.loss_across_documents) and tok.eos_id is None:
         key = "data.documents=mask" if d.documents == "mask" else "data.loss_across_documents=false"
         raise ConfigError(
@@ -162,6 +181,8 @@ def resolve_data(
         max_id = int(index.max_token_id)
     elif kind == "nanogpt":
         max_id = _bin_max_id(d.path, d.max_bytes)
+    elif tok.fingerprint == "bytes":
+        max_id = tok.vocab_size - 1  # text read as bytes: any byte may come
     else:
         max_id = None  # text tokenized by the tokenizer: its ids lie below its vocabulary
     vocab, fixed = model.vocab_size, bool(init_from) or bool(checkpoint_meta)

@@ -367,6 +367,12 @@ class _ShardWriter:
             return
         if self.fh is None:
             self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish
+        inside = [i for i, d in enumerate(docs) if (d == eos).any()]
+        if inside:  # it would end the document there: masking and the loss's weight would split it
+            raise PrepareError(
+                f"{self.name}: a document's text encodes to the end-of-document id {eos} (an added "
+                "token the tokenizer does not treat as special?): fix the tokenizer or the text"
+            )
         lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
         starts = self.tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         self.offsets.extend(int(s) for s in starts)
@@ -395,14 +401,21 @@ class _ShardWriter:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(spec: str, fingerprint: str) -> None:
+def _worker_init() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from fivefold.train.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(spec)
-    if getattr(tok, "fingerprint", "bytes") != fingerprint:
-        raise PrepareError(f"tokenizer {spec} changed while prepare ran: run it again")
-    _WORKER["tok"] = tok
+
+def _worker_tokenizer(spec: str, fingerprint: str) -> Any:
+    """The tokenizer of this process, loaded by its first unit: an error here comes back through
+    the pool's results (one raised in a pool's initializer would respawn the worker forever)."""
+    if "tok" not in _WORKER:
+        from fivefold.train.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(spec)
+        if getattr(tok, "fingerprint", "bytes") != fingerprint:
+            raise PrepareError(f"tokenizer {spec} changed while prepare ran: run it again")
+        _WORKER["tok"] = tok
+    return _WORKER["tok"]
 
 
 def _encode(tok: Any, texts: list[str]) -> list[np.ndarray]:
@@ -413,7 +426,7 @@ def _encode(tok: Any, texts: list[str]) -> list[np.ndarray]:
 def _run_unit(job: tuple[int, Unit, dict[str, Any]]) -> dict[str, Any]:
     """Tokenize unit ``u`` into its shards; write its done record; return it."""
     u, unit, s = job
-    tok, out = _WORKER["tok"], Path(s["out"])
+    tok, out = _worker_tokenizer(s["spec"], s["fingerprint"]), Path(s["out"])
     dtype = DTYPES[s["dtype"]]
     writers = {split: _ShardWriter(out, split, u, dtype) for split in ("train", "val")}
     seen = skipped = 0
@@ -528,8 +541,9 @@ def _done_records(out: Path, n: int) -> dict[int, dict[str, Any]]:
 
 def _ensure_val(out: Path, records: list[dict], dtype: np.dtype) -> None:
     """No validation document at all: move the last training document (of the last unit with
-    training documents) into that unit's val shard. Idempotent: a run stopped half-way through
-    this ends the same when run again."""
+    training documents) into that unit's val shard. The val shard is written first, then the
+    unit's done record says the move, then the training shard is cut: a run stopped anywhere in
+    this ends the same when run again (`_settle` finishes a cut the record already says)."""
     u = max(r["unit"] for r in records if r["shards"]["train"])
     rec = records[u]
     train = rec["shards"]["train"]
@@ -537,18 +551,15 @@ def _ensure_val(out: Path, records: list[dict], dtype: np.dtype) -> None:
     tokens_path, offsets_path = out / train["file"], out / train["offsets"]
     offsets = np.fromfile(offsets_path, dtype=OFFSET_DTYPE)
     n, length = train["documents"], train["tokens"]
+    if len(offsets) != n or tokens_path.stat().st_size != length * item:
+        raise PrepareError(f"{tokens_path} was changed: start over with --overwrite")
     start = int(offsets[n - 1])
     val_path = out / f"val-{u:06d}.tokens"
     if not val_path.is_file():
-        if tokens_path.stat().st_size != length * item:
-            raise PrepareError(f"{tokens_path} was changed: start over with --overwrite")
         doc = np.fromfile(tokens_path, dtype=dtype, offset=start * item, count=length - start)
         _fsync_write(out / f"val-{u:06d}.offsets", np.zeros(1, dtype=OFFSET_DTYPE).tobytes())
         _fsync_write(val_path, doc.tobytes())
     doc = np.fromfile(val_path, dtype=dtype)
-    if n > 1:
-        os.truncate(tokens_path, start * item)
-        os.truncate(offsets_path, (n - 1) * OFFSET_DTYPE.itemsize)
     rec["shards"]["val"] = {
         "file": val_path.name,
         "offsets": f"val-{u:06d}.offsets",
@@ -558,11 +569,35 @@ def _ensure_val(out: Path, records: list[dict], dtype: np.dtype) -> None:
     }
     if n == 1:
         rec["shards"]["train"] = None
+    else:
+        left = np.fromfile(tokens_path, dtype=dtype, count=start)
+        train.update(tokens=start, documents=n - 1, max_token_id=int(left.max()))
+    _fsync_write(out / DONE / f"{u:06d}.json", json.dumps(rec).encode())
+    _settle(out, [rec], dtype)
+    if n == 1:
         tokens_path.unlink(missing_ok=True)
         offsets_path.unlink(missing_ok=True)
-    else:
-        left = np.fromfile(tokens_path, dtype=dtype)
-        train.update(tokens=start, documents=n - 1, max_token_id=int(left.max()))
+
+
+def _settle(out: Path, records: list[dict], dtype: np.dtype) -> None:
+    """Cut each shard named by a done record to the record's length, and remove one its record
+    says is empty: files are written whole before their record, so a file longer than its record,
+    or one it no longer names, is a training shard `_ensure_val` moved a document out of and was
+    stopped before cutting or removing."""
+    for rec in records:
+        for split, sh in rec["shards"].items():
+            if sh is None:  # a shard the move emptied, stopped before it was removed
+                for ext in _OURS:
+                    (out / f"{split}-{rec['unit']:06d}{ext}").unlink(missing_ok=True)
+                continue
+            sizes = {
+                sh["file"]: sh["tokens"] * dtype.itemsize,
+                sh["offsets"]: sh["documents"] * OFFSET_DTYPE.itemsize,
+            }
+            for name, size in sizes.items():
+                path = out / name
+                if path.is_file() and path.stat().st_size > size:
+                    os.truncate(path, size)
 
 
 def prepare(
@@ -616,6 +651,7 @@ def prepare(
         unit_bytes=int(unit_bytes),
         unit_docs=int(unit_docs),
         dtype=dtype,
+        eos_id=int(eos),  # (from a tokenizer_config.json the fingerprint does not cover)
     )
     out = Path(out_dir)
     _claim(out, settings, overwrite)
@@ -628,11 +664,12 @@ def prepare(
     for u in todo:  # a unit stopped between its renames leaves files its re-run may not write
         for name in (f"{split}-{u:06d}{ext}" for split in ("train", "val") for ext in _OURS):
             (out / name).unlink(missing_ok=True)
+    fingerprint = getattr(tok, "fingerprint", "bytes")
     shared = {"out": str(out), "text_field": text_field, "seed": int(seed), "eos": int(eos),
-              "val_fraction": float(val_fraction), "dtype": dtype}  # fmt: skip
+              "val_fraction": float(val_fraction), "dtype": dtype, "spec": tokenizer_spec,
+              "fingerprint": fingerprint}  # fmt: skip
     jobs = [(u, units[u], shared) for u in todo]
     bar = _Progress(len(units), len(records), progress)
-    fingerprint = getattr(tok, "fingerprint", "bytes")
     stopped = 0
 
     def account(record: dict[str, Any]) -> None:
@@ -649,7 +686,7 @@ def prepare(
             account(_run_unit(job))
     else:
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(min(workers, len(jobs)), _worker_init, (tokenizer_spec, fingerprint)) as pool:
+        with ctx.Pool(min(workers, len(jobs)), _worker_init) as pool:
             for record in pool.imap(_run_unit, jobs):
                 account(record)
     return _finish(out, units, records, tok, tokenizer_spec, settings)
@@ -660,6 +697,7 @@ def _finish(
 ) -> Index:
     records = [by_unit[u] for u in range(len(units))]
     dtype = DTYPES[settings["dtype"]]
+    _settle(out, records, dtype)  # (a move of a document into val stopped half-way)
     docs = {s: sum(r["shards"][s]["documents"] for r in records if r["shards"][s]) for s in
             ("train", "val")}  # fmt: skip
     if docs["train"] + docs["val"] == 0:

@@ -12,6 +12,8 @@ compare two). Text is encoded as text: a special token's spelling inside a docum
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -140,19 +142,12 @@ class TiktokenBPE:
     def __init__(self, path: Path) -> None:
         try:
             import tiktoken
-            from tiktoken.load import load_tiktoken_bpe
         except ImportError:
             raise TokenizerError(
                 "data.tokenizer: a tiktoken BPE file needs the tiktoken library: "
                 "pip install tiktoken"
             ) from None
-        try:
-            ranks = load_tiktoken_bpe(str(path))
-        except Exception as e:
-            raise TokenizerError(
-                f"data.tokenizer: {path} is not a tiktoken BPE file (lines of base64 token and "
-                f"rank): {e}"
-            ) from None
+        ranks = _read_bpe(path)
         eos = "<|endoftext|>"
         self._enc = tiktoken.Encoding(
             name=path.stem,
@@ -180,6 +175,30 @@ class TiktokenBPE:
         return f"TiktokenBPE({self.name}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
+def _read_bpe(path: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file's ranks, read here (tiktoken's own loader caches files by their path in
+    a temporary directory, which the fingerprint would not cover): one base64 token and its rank
+    per line, the ranks 0 .. n-1 (the end-of-document id is n)."""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise TokenizerError(
+                f"data.tokenizer: {path} is not a tiktoken BPE file (lines of base64 token and "
+                f"rank): line {number}"
+            ) from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(
+            f"data.tokenizer: {path}'s ranks are not 0 .. {len(ranks) - 1} (gaps or repeats): the "
+            "end-of-document id after them would collide with a token"
+        )
+    return ranks
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
     """What identifies a tokenizer: the spec it was named by, its file's name, sha256, vocabulary
@@ -192,12 +211,16 @@ class TokenizerInfo:
     eos_id: int | None
     bos_id: int | None
 
+    def same_as(self, other: TokenizerInfo) -> bool:
+        """The same file and the same special ids (the end-of-document id comes from a
+        tokenizer_config.json the fingerprint does not cover)."""
+        mine = (self.fingerprint, self.vocab_size, self.eos_id, self.bos_id)
+        return mine == (other.fingerprint, other.vocab_size, other.eos_id, other.bos_id)
+
     def describe(self) -> str:
         short = "" if self.fingerprint == "bytes" else f", sha256 {self.fingerprint[:12]}"
-        return f"{self.name} (vocabulary {self.vocab_size:,}{short})"
-
-    def same_as(self, other: TokenizerInfo) -> bool:
-        return (self.fingerprint, self.vocab_size) == (other.fingerprint, other.vocab_size)
+        eos = "" if self.eos_id is None else f", end-of-document id {self.eos_id}"
+        return f"{self.name} (vocabulary {self.vocab_size:,}{short}{eos})"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenizerInfo:

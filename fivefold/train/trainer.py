@@ -479,14 +479,16 @@ class Evaluator(TrainObserver):
     ) -> None:
         self.model, self.batches, self.clock, self.announce = model, batches, clock, announce
         self.every, self.steps, self.loss_weight = every, steps, loss_weight
-        self.documents = [model.documents_of(x) for x, _ in batches]  # once: the set is fixed
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == self.every - 1 or step == self.steps - 1)
 
     def on_step_end(self, result: StepResult) -> None:
         if self.due(result.step):
-            loss = self.model.evaluate(self.batches, self.documents, self.loss_weight)
+            # the documents made for this evaluation only: held between them, their masks would
+            # stay on the device for the run
+            documents = [self.model.documents_of(x) for x, _ in self.batches]
+            loss = self.model.evaluate(self.batches, documents, self.loss_weight)
             self.announce(EvalResult(result.step, loss))
             self.clock.restart(result.step + 1)
 
