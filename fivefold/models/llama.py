@@ -412,7 +412,7 @@ class TransformerBlock(nn.Module):
             self.recompute_all
         ):  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
             return recompute(body, x, cos, sin, documents)
-        return body(x, cos, sin, documents)
+        return body(x, cos, sin) if documents is None else body(x, cos, sin, documents)
 
     def compile_body(self) -> None:
         """Compile the block's computation (`_forward`), not the module call: ``nn.Module.compile``
@@ -461,7 +461,12 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         documents: Documents | None = None,
     ) -> torch.Tensor:
-        return x + self.attention(self.attention_norm(x), cos, sin, documents)
+        h = self.attention_norm(x)
+        # (without documents the module call is the plain one: hooks that others put on attention,
+        # such as torch's PrepareModuleInput, see the arguments they were written for)
+        if documents is None:
+            return x + self.attention(h, cos, sin)
+        return x + self.attention(h, cos, sin, documents)
 
     def _feed_forward_half(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
@@ -640,7 +645,7 @@ class Llama(nn.Module):
         if documents is not None:
             cos, sin = self._document_rope(documents)
         for layer in self.layers.values() if self.layers is not None else ():
-            x = layer(x, cos, sin, documents)
+            x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
