@@ -270,7 +270,10 @@ def _model_reference(tie: bool) -> dict:
     model = build_model(_model_config(tie_embeddings=tie), seed=0)
     tokens, target = _model_batch()[0], _model_target()
     logits = model(tokens)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    # the model's loss (`row_mean_cross_entropy`): the kept targets' sum over ALL rows (an ignored one counts 0; the
+    # trainer's step weight makes it the mean over those kept, docs/data.md#the-loss-across-documents)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                           reduction="sum") / target.numel()
     loss.backward()
     return dict(logits=logits.detach(), loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()})
 

@@ -123,7 +123,8 @@ def row_mean_cross_entropy(
     """The training loss: the sum of cross-entropies over the targets but `ignore_index`, divided
     by ALL rows (an ignored target counts 0). Every micro-batch and rank then divides by the same
     number, so the trainer's one weight per step (rows / targets counted, over the global batch)
-    makes it the global mean over counted targets in every layout (docs/data.md#the-loss)."""
+    makes it the global mean over counted targets in every layout
+    (docs/data.md#the-loss-across-documents)."""
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
     keep = target != ignore_index
