@@ -40,6 +40,9 @@ class ModelSection:
     # A Hugging Face Llama directory (config.json + safetensors): the model's shape and initial
     # weights come from it
     init_from: str = ""
+    # true: load what the model has a place for and leave the directory's other tensors unread (a
+    # deliberate partial load); false: a tensor the model does not use is an error naming it
+    init_from_allow_unused: bool = False
     # Any LlamaConfig field overrides the preset; None keeps the preset's value.
     dim: int | None = None
     n_layers: int | None = None
@@ -313,11 +316,17 @@ ALIASES = {
     "resume": "run.resume",
     "overwrite": "run.overwrite",
     "init-from": "model.init_from",
+    "init-from-allow-unused": "model.init_from_allow_unused",
     "tokenizer": "data.tokenizer",
     "trust-checkpoint": "checkpoint.trust",
 }
 # short flags that may stand without a value: their value then
-FLAGS = {"resume": "latest", "overwrite": "true", "trust-checkpoint": "true"}
+FLAGS = {
+    "resume": "latest",
+    "overwrite": "true",
+    "trust-checkpoint": "true",
+    "init-from-allow-unused": "true",
+}
 
 
 class ConfigError(ValueError):

@@ -150,7 +150,7 @@ def _model(cfg: Config) -> tuple[LlamaConfig, list[str]]:
     overrides = {
         k: v
         for k, v in dataclasses.asdict(cfg.model).items()
-        if k not in ("preset", "init_from", "attention") and v is not None
+        if k not in ("preset", "init_from", "init_from_allow_unused", "attention") and v is not None
     }
     try:
         if cfg.model.init_from:  # the shape comes with the weights

@@ -227,3 +227,43 @@ def test_train_init_from_a_hf_model_then_export_gives_its_weights_back(tmp_path)
     from fivefold.train.validate import validate
     with pytest.raises(ValueError, match="takes the model's shape from"):  # the shape comes from the HF config
         validate(load_config(None, ["--model.init_from", str(tmp_path / "hf"), "--model.dim", "64"]), 2)
+
+
+def test_init_from_is_strict_every_tensor_used_or_named(tmp_path):
+    """A Qwen2-style checkpoint (q/k/v biases) whose config.json says llama is refused before anything starts, naming
+    the first tensor the model has no place for; a stray extra tensor too; ``--init-from-allow-unused`` loads the
+    rest on purpose and says what was left. A tied checkpoint that still stores its head loads (the head is the
+    embedding)."""
+    from safetensors.torch import load_file, save_file
+
+    from fivefold.config import load_config
+    from fivefold.train.validate import validate
+
+    torch.manual_seed(0)
+    biased = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_CONFIG, "vocab_size": 256,
+                                                                       "attention_bias": True}))
+    biased.save_pretrained(tmp_path / "qwen-as-llama")
+    config_file = tmp_path / "qwen-as-llama" / "config.json"  # relabelled: a Qwen2 config.json says no biases
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "attention_bias": False}))
+    args = ["--steps", "1", "--train.seq_len", "32", "--train.global_batch", "2", "--run.check_memory", "false"]
+    cfg = load_config(None, ["--init-from", str(tmp_path / "qwen-as-llama"), *args])
+    with pytest.raises(ValueError, match=r"holds 'model.layers.0.self_attn.[kqv]_proj.bias' \(and \d+ more\), which "
+                                         r"this model has no place for.*--init-from-allow-unused"):
+        validate(cfg, 1)
+    plan = validate(load_config(None, ["--init-from", str(tmp_path / "qwen-as-llama"), "--init-from-allow-unused",
+                                       *args]), 1)
+    assert any("left unread (model.init_from_allow_unused)" in n for n in plan.notes)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_CONFIG, "vocab_size": 256}))
+    plain.save_pretrained(tmp_path / "extra")
+    tensors = load_file(tmp_path / "extra" / "model.safetensors")
+    save_file({**tensors, "model.extra_adapter.weight": torch.zeros(2)}, tmp_path / "extra" / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds 'model.extra_adapter.weight', which this model has no place for"):
+        validate(load_config(None, ["--init-from", str(tmp_path / "extra"), *args]), 1)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_CONFIG, "vocab_size": 256,
+                                                                     "tie_word_embeddings": True}))
+    tied.save_pretrained(tmp_path / "tied")
+    tensors = load_file(tmp_path / "tied" / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # some tied checkpoints keep it
+    save_file(tensors, tmp_path / "tied" / "model.safetensors", metadata={"format": "pt"})
+    validate(load_config(None, ["--init-from", str(tmp_path / "tied"), *args]), 1)

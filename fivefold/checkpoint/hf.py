@@ -408,10 +408,18 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-def check_hf_weights(directory: str | Path, config: LlamaConfig) -> None:
+# HF tensors no fivefold parameter reads, and rightly: derived buffers older checkpoints saved
+_DERIVED = ("rotary_emb.inv_freq",)
+
+
+def check_hf_weights(
+    directory: str | Path, config: LlamaConfig, allow_unused: bool = False
+) -> list[str]:
     """Before any worker starts: every tensor of ``config``'s model is in the directory's
-    safetensors files with its shape (only the files' headers are read). Raises `CheckpointError`
-    naming the first problem."""
+    safetensors files with its shape (only the files' headers are read), and — strict — every
+    tensor there is one the model reads (a head the tied model does not use and derived RoPE
+    buffers aside), unless ``allow_unused`` (``model.init_from_allow_unused``: then the notes name
+    what is left unread). Raises `CheckpointError` naming the first problem."""
     from safetensors import safe_open
 
     from fivefold.models.llama import Llama
@@ -437,6 +445,24 @@ def check_hf_weights(directory: str | Path, config: LlamaConfig) -> None:
                     raise CheckpointError(
                         f"{path.name}: {hf} is {have}, but {HF_CONFIG} makes it {shape}"
                     )
+    used = {hf for items in by_file.values() for hf, _ in items}
+    unused = sorted(
+        n
+        for n in where
+        if n not in used
+        and not n.endswith(_DERIVED)
+        and not (config.tie_embeddings and n == "lm_head.weight")
+    )
+    if not unused:
+        return []
+    more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+    if not allow_unused:
+        raise CheckpointError(
+            f"{directory} holds {unused[0]!r}{more}, which this model has no place for: the "
+            f"weights are not a plain Llama's whatever its {HF_CONFIG} says (attention biases: "
+            "Qwen2? per-head q/k norms: Qwen3?); --init-from-allow-unused loads the rest on purpose"
+        )
+    return [f"model.init_from: {unused[0]!r}{more} left unread (model.init_from_allow_unused)"]
 
 
 class _opened:

@@ -51,7 +51,9 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         )
     if cfg.model.init_from:
         try:
-            check_hf_weights(cfg.model.init_from, plan.model)
+            notes += check_hf_weights(
+                cfg.model.init_from, plan.model, cfg.model.init_from_allow_unused
+            )
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
     try:
