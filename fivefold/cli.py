@@ -124,8 +124,10 @@ def _bench(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="fivefold export",
-        description="Write a run's model as Hugging Face Llama safetensors + config.json "
-        "(one parameter at a time, never the whole model in memory).",
+        description="Write a run's model as Hugging Face safetensors + config.json + "
+        "generation_config.json + the run's tokenizer, in the family that expresses it (Llama, "
+        "Mistral, Qwen2/3, Mixtral, Qwen2/3-MoE, GLM-4.5-MoE, dots1), one tensor at a time, never "
+        "the whole model in memory.",
     )
     parser.add_argument(
         "run",
@@ -143,6 +145,18 @@ def _export(argv: list[str]) -> int:
         action="store_true",
         help="read a checkpoint whose metadata only DCP's pickle holds (another DCP program's or "
         "an older fivefold's): a pickle can run code, so only one from a source you trust",
+    )
+    parser.add_argument(
+        "--family",
+        default=None,
+        help="the Hugging Face model_type to write (default: the plainest that expresses the "
+        "model; e.g. qwen3 for a model with q/k norms)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the run's tokenizer.json (or its directory) when the recorded path has moved; "
+        "checked against the sha256 the checkpoint recorded",
     )
     args = parser.parse_args(argv)
     from fivefold.checkpoint.hf import export_checkpoint
@@ -162,6 +176,8 @@ def _export(argv: list[str]) -> int:
             parse_dtype(args.dtype),
             int(args.max_shard_mb * 2**20),
             trust=args.trust_checkpoint,
+            family=args.family,
+            tokenizer=args.tokenizer,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"fivefold export: error: {e}", file=sys.stderr)
@@ -172,8 +188,10 @@ def _export(argv: list[str]) -> int:
     print(
         f"fivefold export: {summary['checkpoint']} (after {summary['steps_done']} steps) -> "
         f"{args.to}: {', '.join(summary['files'])}, {summary['bytes'] / 2**20:.1f} MiB of weights "
-        f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB)"
+        f"(held at most {summary['peak_held_bytes'] / 2**20:.1f} MiB), as {summary['family']}"
     )
+    for note in summary["notes"]:
+        print(f"fivefold export: note: {note}")
     return 0
 
 

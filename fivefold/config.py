@@ -23,6 +23,7 @@ else:  # pragma: no cover
 # The choices (a field typed by one, or ``Annotated[<one>, "how an error lists them"]``, takes only
 # its values)
 AttentionCore = Literal["sdpa", "eager"]  # model.attention
+AttentionBias = Literal["off", "qkv", "all"]  # model.attention_bias
 MoEScore = Literal["softmax", "sigmoid"]  # moe.score
 CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
 CpKernel = Literal["auto", "math", "flash"]  # parallel.cp_kernel
@@ -50,6 +51,13 @@ class ModelSection:
     n_kv_heads: int | None = None
     ffn_hidden: int | None = None
     tie_embeddings: bool | None = None
+    # the model families' options (docs/design.md#model-families): biases on the attention's
+    # projections (off | qkv: Qwen2 | all: with o), per-head q/k RMSNorm (Qwen3), a sliding
+    # window of keys (Mistral; 0: none), the channels RoPE rotates (0: all)
+    attention_bias: AttentionBias | None = None
+    qk_norm: bool | None = None
+    sliding_window: int | None = None
+    rotary_dim: int | None = None
     # the attention core: sdpa (fused where torch has a kernel: no L×L matrix kept) | eager
     # (softmax(qkᵀ)v written out; keeps the B·H·L² probabilities for backward). Context parallelism
     # replaces either with ring attention.
@@ -70,6 +78,7 @@ class MoESection:
     shared_experts: int | None = None
     hidden: int | None = None  # an expert's hidden size (default: model ffn_hidden)
     every: int | None = None  # MoE in every `every`-th block
+    first_dense: int | None = None  # the first blocks stay dense
     aux_loss_coef: float | None = None
     z_loss_coef: float | None = None
     capacity_factor: float | None = None  # 0: dropless

@@ -246,6 +246,7 @@ class ModelShape(Protocol):
 
     n_layers: int
     dim: int
+    head_dim: int
 
 
 def tp_comm_formula(
@@ -266,15 +267,19 @@ def tp_comm_formula(
     gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in
     backward, up to its last kept tensor (torch stops a recomputation there): per block once more
     the attention's exit (AR; SP: RS) and under SP both entries (AG), not the MLP's exit. Selective
-    recomputes only the attention core: no collective."""
+    recomputes only the attention core: no collective. The families' options add all-reduces of
+    replicated weights' gradients: per-head q/k norms 2 of head_dim per block (each rank's heads
+    are a partial sum), and under SP wo's bias (``attention_bias="all"``) one of D per block."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim
     again = n if recompute == "full" else 0  # blocks recomputed
     loss = 3 * bl * 4  # the cross-entropy's row statistics are fp32 whatever the compute dtype
+    head_norms = 2 * n * config.head_dim * dtype_bytes if getattr(config, "qk_norm", False) else 0
     if not sequence_parallel:
-        return {"all_reduce": (4 * n + again + 2) * bld * dtype_bytes + loss}
+        return {"all_reduce": (4 * n + again + 2) * bld * dtype_bytes + loss + head_norms}
+    o_bias = n * d * dtype_bytes if getattr(config, "attention_bias", "off") == "all" else 0
     return {
         "all_gather": (4 * n + 2 * again + 2) * bld * dtype_bytes,
-        "all_reduce": loss + (2 * n + 1) * d * dtype_bytes,
+        "all_reduce": loss + (2 * n + 1) * d * dtype_bytes + head_norms + o_bias,
         "reduce_scatter": (4 * n + again + 2) * bld * dtype_bytes,
     }
 

@@ -28,7 +28,8 @@ from fivefold.context_parallel.kernels import FUSED
 from fivefold.pipeline.actions import Schedule, W
 from fivefold.pipeline.builders import build_schedule
 
-if TYPE_CHECKING:  # the model's experts, read by field (rules sit below the models)
+if TYPE_CHECKING:  # the model's experts and options, read by field (rules sit below the models)
+    from fivefold.models.llama import LlamaConfig
     from fivefold.models.moe import MoEConfig
 
 __all__ = [
@@ -73,6 +74,7 @@ class Layout:
     moe: MoEConfig | None = None
     device: str = "auto"
     schedule: Schedule | None = None
+    model: LlamaConfig | None = None  # the model's options (a sliding window), where known
 
     @functools.cached_property
     def device_type(self) -> str:
@@ -308,6 +310,20 @@ RULES: tuple[Rule, ...] = (
             "is ring attention whatever the core; drop model.attention or use cp 1"
         ),
         ("model.attention", "parallel.cp"),
+    ),
+    Rule(
+        lambda l: (
+            l.model is not None
+            and l.model.sliding_window is not None
+            and l.model.sliding_window < l.cfg.train.seq_len
+            and l.size("cp") > 1
+        ),
+        lambda l: (
+            f"a sliding window of {l.model.sliding_window} keys (Mistral's) under "
+            f"parallel.cp={l.size('cp')}: ring attention attends to the whole prefix; use cp 1 "
+            f"(or train.seq_len ≤ {l.model.sliding_window}, where the window is the whole prefix)"
+        ),
+        ("parallel.cp", "train.seq_len"),
     ),
     Rule(
         lambda l: (

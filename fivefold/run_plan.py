@@ -88,7 +88,9 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
         schedule = build_schedule(cfg.pipeline.schedule, dims.pp, grad_accum, cfg.pipeline.virtual)
         # blocks per stage, tied embeddings
         llama_stage_modules(model, schedule.n_stages, cfg.pipeline.layers())
-    rules.check(rules.Layout(cfg, dims.size, model.moe, device_type or cfg.run.device, schedule))
+    rules.check(
+        rules.Layout(cfg, dims.size, model.moe, device_type or cfg.run.device, schedule, model)
+    )
     if (cfg.zero.qwz or cfg.zero.qgz) and dims.size("dp_shard") == 1:
         notes.insert(0, "zero.qwz / zero.qgz do nothing with one data-parallel rank (dp × cp = 1)")
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model, None, tuple(notes))
@@ -152,6 +154,9 @@ def _model(cfg: Config) -> tuple[LlamaConfig, list[str]]:
         for k, v in dataclasses.asdict(cfg.model).items()
         if k not in ("preset", "init_from", "init_from_allow_unused", "attention") and v is not None
     }
+    for key in ("sliding_window", "rotary_dim"):  # 0: none (the whole prefix, every channel)
+        if overrides.get(key) == 0:
+            overrides[key] = None
     try:
         if cfg.model.init_from:  # the shape comes with the weights
             if overrides:

@@ -66,16 +66,15 @@ def test_config_maps_both_ways_and_refuses_what_llama_cannot_express():
     v5 = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_scaling", "rope_theta")}  # transformers 5's spelling
     v5["rope_parameters"] = {**HF_CONFIG["rope_scaling"], "rope_theta": HF_CONFIG["rope_theta"]}
     assert config_from_hf(v5) == cfg and config_from_hf(back) == cfg
-    for bad, why in ((dict(hidden_act="gelu"), "hidden_act"), (dict(attention_bias=True), "attention_bias"),
-                     (dict(model_type="mistral"), "model_type"),
+    for bad, why in ((dict(hidden_act="gelu"), "hidden_act"), (dict(mlp_bias=True), "mlp_bias"),
+                     (dict(model_type="gpt2"), "model_type"),
                      (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'")):
         with pytest.raises(CheckpointError, match=why):
             config_from_hf({**HF_CONFIG, **bad})
-    from fivefold.models import get_config
-    with pytest.raises(CheckpointError, match="MoE"):
-        config_to_hf(get_config("tiny-moe"), torch.float32)
-    with pytest.raises(CheckpointError, match="no Hugging Face Llama counterpart"):
-        hf_name("layers.0.feed_forward.experts.3.w1.weight")
+    # the other families (tests/test_hf_families.py): a Llama with biases is attention_bias "all"
+    assert config_from_hf({**HF_CONFIG, "attention_bias": True}).attention_bias == "all"
+    with pytest.raises(CheckpointError, match="no Hugging Face llama counterpart"):
+        hf_name("layers.0.feed_forward.expert_gate.weight")
 
 
 def test_llama3_rope_scaling_matches_transformers():
@@ -248,7 +247,7 @@ def test_init_from_is_strict_every_tensor_used_or_named(tmp_path):
     args = ["--steps", "1", "--train.seq_len", "32", "--train.global_batch", "2", "--run.check_memory", "false"]
     cfg = load_config(None, ["--init-from", str(tmp_path / "qwen-as-llama"), *args])
     with pytest.raises(ValueError, match=r"holds 'model.layers.0.self_attn.[kqv]_proj.bias' \(and \d+ more\), which "
-                                         r"this model has no place for.*--init-from-allow-unused"):
+                                         r"this llama model has no place for.*--init-from-allow-unused"):
         validate(cfg, 1)
     plan = validate(load_config(None, ["--init-from", str(tmp_path / "qwen-as-llama"), "--init-from-allow-unused",
                                        *args]), 1)
@@ -258,7 +257,7 @@ def test_init_from_is_strict_every_tensor_used_or_named(tmp_path):
     tensors = load_file(tmp_path / "extra" / "model.safetensors")
     save_file({**tensors, "model.extra_adapter.weight": torch.zeros(2)}, tmp_path / "extra" / "model.safetensors",
               metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="holds 'model.extra_adapter.weight', which this model has no place for"):
+    with pytest.raises(ValueError, match="holds 'model.extra_adapter.weight', which this llama model has no place"):
         validate(load_config(None, ["--init-from", str(tmp_path / "extra"), *args]), 1)
     tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_CONFIG, "vocab_size": 256,
                                                                      "tie_word_embeddings": True}))

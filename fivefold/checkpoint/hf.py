@@ -1,17 +1,17 @@
-"""Hugging Face Llama weights in and out: `export_checkpoint` (a fivefold checkpoint ->
-safetensors + config.json in HF Llama naming, one parameter at a time) and `load_hf_weights` (HF
-safetensors -> this rank's share of any layout, reading only its rectangles from the memory-mapped
-files).
+"""Hugging Face weights in and out, every family of `families`: `export_checkpoint` (a fivefold
+checkpoint -> safetensors + config.json + generation_config.json + the run's tokenizer, in the
+family's naming, one tensor at a time) and `load_hf_weights` (HF safetensors -> this rank's share of
+any layout, reading only its rectangles from the memory-mapped files), checked first and strictly
+by `check_hf_weights` (every tensor used, every parameter found).
 
-fivefold's Llama uses HF's rotate-half RoPE, so weights map one to one, by name only (`HF_NAMES`).
-What HF Llama cannot express is refused with the reason: MoE blocks, biases, another activation,
-another RoPE scaling type.
+fivefold's model uses HF's rotate-half RoPE and keeps experts as separate parameters, so tensors
+map one to one, by name only (`families.hf_tensor_name`). What no family can express is refused
+with the reason.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -19,6 +19,16 @@ from typing import Any
 
 import torch
 
+from fivefold.checkpoint.families import (
+    FAMILIES,
+    Family,
+    FamilyError,
+    family_for,
+    family_of,
+    hf_tensor_name,
+    read_config,
+    write_config,
+)
 from fivefold.checkpoint.manager import (
     CheckpointError,
     find_checkpoint,
@@ -39,175 +49,51 @@ __all__ = [
     "export_checkpoint",
     "hf_name",
     "load_hf_weights",
+    "read_hf_family",
 ]
 
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 INDEX = "model.safetensors.index.json"
-_BLOCK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
-def hf_name(name: str) -> str:
-    """fivefold parameter name -> HF Llama's (``layers.3.attention.wq.weight`` ->
-    ``model.layers.3.self_attn...``)."""
-    if name in _TOP:
-        return _TOP[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
-    raise CheckpointError(
-        f"parameter {name!r} has no Hugging Face Llama counterpart (an MoE expert or router?): "
-        "HF Llama checkpoints hold dense Llama models only"
-    )
-
-
-def config_to_hf(c: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
-    if c.moe is not None:
+def hf_name(name: str, family: Family | None = None) -> str:
+    """fivefold parameter (or persistent buffer) name -> ``family``'s (default Llama's) HF tensor
+    name (``layers.3.attention.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    family = family or FAMILIES["llama"]
+    hf = hf_tensor_name(name, family)
+    if hf is None:
         raise CheckpointError(
-            "an MoE model has no Hugging Face Llama form (LlamaForCausalLM is dense)"
+            f"parameter {name!r} has no Hugging Face {family.model_type} counterpart"
         )
-    out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "intermediate_size": c.ffn_hidden,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-    }
-    if (
-        c.rope_scaling is not None
-    ):  # both spellings: transformers < 5 reads rope_scaling, 5 rope_parameters
-        s = c.rope_scaling
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position,
-        }
-        out["rope_parameters"] = {**out["rope_scaling"], "rope_theta": c.rope_theta}
-    return out
+    return hf
+
+
+def config_to_hf(
+    c: LlamaConfig, dtype: torch.dtype, family: Family | None = None
+) -> dict[str, Any]:
+    """``c`` as a config.json of ``family`` (default: the plainest family that expresses it,
+    `family_for`); a model no family expresses is a `CheckpointError` saying what each lacks."""
+    try:
+        family = family or family_for(c)
+        if family.fits is not None and (lacks := family.fits(c)):
+            raise FamilyError(f"a {family.model_type} model has {lacks[0]}; this one has not")
+    except FamilyError as e:
+        raise CheckpointError(str(e)) from None
+    return {**write_config(c, family), "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
 def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
-    """An HF ``config.json`` (Llama) as a `LlamaConfig`; what fivefold's Llama cannot express is an
-    error, and so is a value of the wrong type (naming its key) or a size beyond
-    `check_model_bounds` (naming config.json's key)."""
-    import math
-
+    """An HF ``config.json`` of any family fivefold reads (`families.FAMILIES`) as a
+    `LlamaConfig`; what fivefold's model cannot express is an error, and so is a value of the
+    wrong type (naming its key) or a size beyond `check_model_bounds` (naming config.json's
+    key)."""
     from fivefold.models.llama import check_model_bounds
 
-    def label(key: str, where: dict[str, Any]) -> str:
-        if where is d:
-            return key
-        return f"{'rope_parameters' if where is d.get('rope_parameters') else 'rope_scaling'}.{key}"
-
-    def integer(key: str, default: Any = None, where: dict[str, Any] = d) -> int:
-        value = where.get(key, default)
-        if value is None:
-            raise CheckpointError(f"no {label(key, where)!r} (a Llama config.json has it)")
-        # JSON integers (4096.0 too); not true/false, which Python would count as 1/0, nor "4096"
-        if isinstance(value, bool) or not (
-            isinstance(value, int) or isinstance(value, float) and value.is_integer()
-        ):
-            raise CheckpointError(f"{label(key, where)}={value!r} is not an integer")
-        return int(value)
-
-    def number(key: str, default: float, where: dict[str, Any] = d) -> float:
-        value = where.get(key, default)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise CheckpointError(f"{label(key, where)}={value!r} is not a finite number")
-        return float(value)
-
-    problems = []
-    if d.get("model_type", "llama") != "llama":
-        problems.append(f"model_type={d.get('model_type')!r} (only llama)")
-    if d.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={d.get('hidden_act')!r} (SwiGLU with silu only)")
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            problems.append(f"{key}=true (no biases)")
-    if d.get("pretraining_tp", 1) != 1:
-        problems.append(f"pretraining_tp={d['pretraining_tp']} (1 only)")
-    # transformers < 5 writes rope_theta and rope_scaling; 5 writes both into rope_parameters
-    scaling = d.get("rope_parameters") or d.get("rope_scaling")
-    if scaling is not None and not isinstance(scaling, dict):
-        raise CheckpointError(f"rope_scaling / rope_parameters={scaling!r} is not an object")
-    theta = number(
-        "rope_theta", number("rope_theta", 10000.0), where=d.get("rope_parameters") or {}
-    )
-    rope = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3":
-            for key in ("factor", "low_freq_factor", "high_freq_factor"):
-                if key not in scaling:
-                    raise CheckpointError(f"no {label(key, scaling)!r} (llama3 scaling needs it)")
-            rope = RopeScaling(
-                number("factor", 0, scaling),
-                number("low_freq_factor", 0, scaling),
-                number("high_freq_factor", 0, scaling),
-                integer("original_max_position_embeddings", where=scaling),
-            )
-        elif kind != "default":
-            problems.append(f"rope_scaling type {kind!r} (llama3 only)")
-    if problems:
-        raise CheckpointError(
-            "this Hugging Face model cannot be expressed by fivefold's Llama: "
-            + "; ".join(problems)
-        )
-    tie = d.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise CheckpointError(f"tie_word_embeddings={tie!r} is not true or false")
-    heads, dim = integer("num_attention_heads"), integer("hidden_size")
-    head_dim = integer("head_dim") if d.get("head_dim") else None
-    config = LlamaConfig(
-        vocab_size=integer("vocab_size"),
-        dim=dim,
-        n_layers=integer("num_hidden_layers"),
-        n_heads=heads,
-        n_kv_heads=integer("num_key_value_heads") if d.get("num_key_value_heads") else heads,
-        ffn_hidden=integer("intermediate_size"),
-        max_seq_len=integer("max_position_embeddings", 2048),
-        rope_theta=theta,
-        norm_eps=number("rms_norm_eps", 1e-6),
-        tie_embeddings=tie,
-        attention_head_dim=head_dim
-        if head_dim and heads > 0 and head_dim != dim // heads
-        else None,
-        rope_scaling=rope,
-    )
+    try:
+        config, _ = read_config(d)
+    except FamilyError as e:
+        raise CheckpointError(str(e)) from None
     # absurd sizes first (a damaged file), named as config.json names them
     check_model_bounds(
         config,
@@ -225,20 +111,17 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
     return config.validate()
 
 
-def read_hf_config(directory: str | Path) -> LlamaConfig:
-    """`config_from_hf` of ``directory``/config.json; every error is a `CheckpointError` naming the
+def _read_json(directory: str | Path, name: str = HF_CONFIG) -> dict[str, Any]:
+    """``directory``/config.json as an object; every error is a `CheckpointError` naming the
     file."""
-    path = Path(directory) / HF_CONFIG
+    path = Path(directory) / name
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise CheckpointError(
-            f"{directory} is not a Hugging Face model directory (no {HF_CONFIG})"
+            f"{directory} is not a Hugging Face model directory (no {name})"
         ) from None
-    except (
-        OSError,
-        UnicodeDecodeError,
-    ) as e:  # a directory named config.json, no permission, not text
+    except (OSError, UnicodeDecodeError) as e:  # a directory named config.json, no permission
         raise CheckpointError(
             f"{path} cannot be read ({getattr(e, 'strerror', None) or e})"
         ) from None
@@ -248,25 +131,45 @@ def read_hf_config(directory: str | Path) -> LlamaConfig:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise CheckpointError(
-            f"{path} is not a Llama config (a JSON object), but a {type(d).__name__}"
+            f"{path} is not a model config (a JSON object), but a {type(d).__name__}"
         )
+    return d
+
+
+def read_hf_family(directory: str | Path) -> Family:
+    """The `Family` of ``directory``'s config.json (by its model_type)."""
+    try:
+        return family_of(_read_json(directory))
+    except FamilyError as e:
+        raise CheckpointError(f"{Path(directory) / HF_CONFIG}: {e}") from None
+
+
+def read_hf_config(directory: str | Path) -> LlamaConfig:
+    """`config_from_hf` of ``directory``/config.json; every error is a `CheckpointError` naming the
+    file."""
+    d = _read_json(directory)
     try:
         return config_from_hf(d)
-    except (
-        ValueError
-    ) as e:  # CheckpointError, ConfigError (sizes), LlamaConfig.validate's ValueError
-        raise CheckpointError(f"{path}: {e}") from None
+    except ValueError as e:  # CheckpointError, ConfigError (sizes), LlamaConfig.validate's
+        raise CheckpointError(f"{Path(directory) / HF_CONFIG}: {e}") from None
 
 
 # -- out -------------------------------------------------------------------------------------------
 
 
-def _model_parameters(meta: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the checkpoint's model, in the single-process order."""
+def model_tensors(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of ``cfg``'s model a checkpoint holds — parameters and
+    persistent buffers (the MoE expert bias), a tied head once — in the single-process order."""
     from fivefold.models.llama import Llama
 
-    cfg = _llama_config(meta["model"])
-    return [(n, tuple(p.shape)) for n, p in Llama(cfg, device="meta").named_parameters()]
+    model = Llama(cfg, device="meta")
+    out = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    out += [
+        (n, tuple(b.shape))
+        for n, b in model.state_dict(keep_vars=True).items()
+        if not isinstance(b, torch.nn.Parameter)
+    ]
+    return out
 
 
 def _llama_config(d: dict[str, Any]) -> LlamaConfig:
@@ -280,19 +183,39 @@ def _llama_config(d: dict[str, Any]) -> LlamaConfig:
     return LlamaConfig(**d)
 
 
+def _zero_expert_bias(cfg: LlamaConfig, family: Family, names: list[str]) -> dict[str, int]:
+    """HF tensor -> experts, for the DeepSeek-V3-style families' ``e_score_correction_bias`` a
+    model without an expert bias does not have: exported as zeros (selection by the scores
+    alone, as this model selects)."""
+    if cfg.moe is None or family.fits is None:
+        return {}
+    out = {}
+    for i in range(cfg.n_layers):
+        name = f"layers.{i}.feed_forward.expert_bias"
+        if cfg.is_moe_block(i) and name not in names and family.model_type in ("glm4_moe", "dots1"):
+            out[hf_name(name, family)] = cfg.moe.experts
+    return out
+
+
 def export_checkpoint(
     source: str | Path,
     out_dir: str | Path,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 2 << 30,
     trust: bool = False,
+    family: str | None = None,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     """Write the model of the fivefold checkpoint ``source`` (a checkpoint, a run's checkpoint
-    folder or a run directory: its latest) as HF Llama safetensors in ``out_dir``: shards of at most
-    ``max_shard_bytes`` (with ``model.safetensors.index.json`` when more than one) and
-    ``config.json``. One process; it holds one shard and one parameter at a time, each read from DCP
-    alone. Returns a summary (files, bytes, peak held bytes). A checkpoint whose metadata only DCP's
-    pickle holds needs ``trust`` (`UntrustedCheckpoint`)."""
+    folder or a run directory: its latest) as Hugging Face safetensors in ``out_dir``: shards of
+    at most ``max_shard_bytes`` (with ``model.safetensors.index.json`` when more than one), named
+    as ``family`` names them (default: the plainest family that expresses the model,
+    `families.family_for`), with ``config.json``, ``generation_config.json`` and the tokenizer the
+    run trained with (`write_tokenizer`; ``tokenizer`` names its file when the recorded path has
+    moved), so ``from_pretrained`` and ``generate`` work. One process; it holds one shard and one
+    tensor at a time, each read from DCP alone. Returns a summary (files, bytes, peak held bytes,
+    family, notes). A checkpoint whose metadata only DCP's pickle holds needs ``trust``
+    (`UntrustedCheckpoint`)."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -308,23 +231,26 @@ def export_checkpoint(
         raise CheckpointError(f"checkpoint {src} is damaged: " + "; ".join(problems[:5]))
     check_loadable(src, trust)
     cfg = _llama_config(meta["model"])
-    hf_config = config_to_hf(cfg, dtype)
+    if family is not None and family not in FAMILIES:
+        raise CheckpointError(f"family {family!r} is not one of {', '.join(FAMILIES)}")
+    fam = FAMILIES[family] if family else None
+    hf_config = config_to_hf(cfg, dtype, fam)
+    fam = FAMILIES[hf_config["model_type"]]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = [
-        (n, s)
-        for n, s in _model_parameters(meta)
-        if not (cfg.tie_embeddings and n == "output.weight")
+        (n, s) for n, s in model_tensors(cfg) if not (cfg.tie_embeddings and n == "output.weight")
     ]
     for n, _ in names:
-        hf_name(n)  # every name maps, before anything is written
+        hf_name(n, fam)  # every name maps, before anything is written
+    zeros = _zero_expert_bias(cfg, fam, [n for n, _ in names])
     reader = SafeReader(src, trust)
     shards: list[dict[str, torch.Tensor]] = [{}]
     held = peak = 0
     files: list[tuple[str, list[str]]] = []
     total = 0
 
-    def flush(final: bool) -> None:
+    def flush() -> None:
         nonlocal held
         if not shards[-1]:
             return
@@ -334,6 +260,16 @@ def export_checkpoint(
         shards[-1] = {}
         held = 0
 
+    def add(hf: str, tensor: torch.Tensor) -> None:
+        nonlocal held, total, peak
+        size = tensor.numel() * tensor.element_size()
+        if held and held + size > max_shard_bytes:
+            flush()
+        shards[-1][hf] = tensor
+        held += size
+        total += size
+        peak = max(peak, held)
+
     for n, shape in names:
         buf = {
             f"model.{n}": torch.empty(shape, dtype=torch.float32, device="cpu")
@@ -342,18 +278,13 @@ def export_checkpoint(
             warnings.catch_warnings()
         ):  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            load(
-                buf, storage_reader=reader, no_dist=True
-            )  # DCP reads this parameter's chunks alone
-        tensor = buf[f"model.{n}"].to(dtype)
-        size = tensor.numel() * tensor.element_size()
-        if held and held + size > max_shard_bytes:
-            flush(False)
-        shards[-1][hf_name(n)] = tensor
-        held += size
-        total += size
-        peak = max(peak, held)
-    flush(True)
+            load(buf, storage_reader=reader, no_dist=True)  # DCP reads this tensor's chunks alone
+        # an expert bias stays fp32 (HF keeps e_score_correction_bias in fp32 too)
+        cast = torch.float32 if n.endswith("expert_bias") else dtype
+        add(hf_name(n, fam), buf[f"model.{n}"].to(cast))
+    for hf, experts in zeros.items():
+        add(hf, torch.zeros(experts, dtype=torch.float32))
+    flush()
     if len(files) == 1:  # one file: HF's plain name, no index
         (out / files[0][0]).rename(out / "model.safetensors")
         files = [("model.safetensors", files[0][1])]
@@ -369,14 +300,103 @@ def export_checkpoint(
             "weight_map": {k: f for f, keys in files for k in keys},
         }
         (out / INDEX).write_text(json.dumps(index, indent=1))
+    notes, ids = write_tokenizer(meta.get("tokenizer"), out, tokenizer)
+    hf_config.update(ids)
     (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=1))
+    generation = {k: v for k, v in ids.items() if v is not None}
+    (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=1))
     return {
         "checkpoint": str(src),
         "files": [f for f, _ in files],
         "bytes": total,
         "peak_held_bytes": peak,
         "steps_done": meta.get("steps_done"),
+        "family": fam.model_type,
+        "notes": notes,
     }
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_tokenizer(
+    record: dict[str, Any] | None, out: Path, given: str | None = None
+) -> tuple[list[str], dict[str, int | None]]:
+    """Write the tokenizer a checkpoint records (``record``: its spec, sha256, special ids) into
+    ``out`` as Hugging Face files: a ``tokenizer.json`` (with ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` where they lie beside it) copied when its sha256 is still the
+    recorded one, or for the byte tokenizer one made here (id i is byte i). ``given`` names the
+    file instead of the recorded path. Returns (notes on what was not written, the token ids for
+    config.json: bos_token_id, eos_token_id)."""
+    import hashlib
+    import shutil
+
+    if record is None or record.get("fingerprint") == "bytes":
+        made = _byte_tokenizer(out)
+        ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+        return ([] if made else ["tokenizer not written: pip install tokenizers"]), ids
+    ids = {"bos_token_id": record.get("bos_id"), "eos_token_id": record.get("eos_id")}
+    spec = Path(given or record.get("spec", ""))
+    path = spec / "tokenizer.json" if spec.is_dir() else spec
+    if not path.is_file():
+        return [f"tokenizer not written: {path} is gone (export --tokenizer FILE names it)"], ids
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != record.get("fingerprint"):
+        return [
+            f"tokenizer not written: {path} is not the file the run trained with (its "
+            "sha256 differs)"
+        ], ids
+    if data[:1] != b"{":
+        return [
+            f"tokenizer not written: {path} is a tiktoken file, which Hugging Face's "
+            "tokenizers do not read"
+        ], ids
+    for name in _TOKENIZER_FILES:
+        if (path.parent / name).is_file() and (name != "tokenizer.json" or path.name == name):
+            shutil.copyfile(path.parent / name, out / name)
+    if path.name != "tokenizer.json":
+        shutil.copyfile(path, out / "tokenizer.json")
+    return [], ids
+
+
+def _byte_tokenizer(out: Path) -> bool:
+    """A ``tokenizer.json`` whose id i is byte i (fivefold's byte tokenizer), with a
+    tokenizer_config.json that `AutoTokenizer` reads; False without the tokenizers library."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        return False
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 characters standing for bytes
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    chars = _bytes_to_unicode()
+    assert sorted(chars.values()) == sorted(alphabet)
+    vocab = {chars[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30})
+    )
+    return True
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
 
 
 # -- in --------------------------------------------------------------------------------------------
@@ -415,26 +435,28 @@ _DERIVED = ("rotary_emb.inv_freq",)
 def check_hf_weights(
     directory: str | Path, config: LlamaConfig, allow_unused: bool = False
 ) -> list[str]:
-    """Before any worker starts: every tensor of ``config``'s model is in the directory's
-    safetensors files with its shape (only the files' headers are read), and — strict — every
-    tensor there is one the model reads (a head the tied model does not use and derived RoPE
-    buffers aside), unless ``allow_unused`` (``model.init_from_allow_unused``: then the notes name
-    what is left unread). Raises `CheckpointError` naming the first problem."""
+    """Before any worker starts: every tensor of ``config``'s model (`model_tensors`) is in the
+    directory's safetensors files under its family's name (`families`) with its shape (only the
+    files' headers are read), and — strict — every tensor there is one the model reads (a head the
+    tied model does not use and derived RoPE buffers aside), unless ``allow_unused``
+    (``model.init_from_allow_unused``: then the notes name what is left unread). Raises
+    `CheckpointError` naming the first problem."""
     from safetensors import safe_open
 
-    from fivefold.models.llama import Llama
-
     directory = Path(directory)
+    family = read_hf_family(directory)
     where = _weight_files(directory)
     by_file: dict[Path, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, p in Llama(config, device="meta").named_parameters():
-        hf = hf_name(name)
+    for name, shape in model_tensors(config):
+        if config.tie_embeddings and name == "output.weight":
+            continue
+        hf = hf_name(name, family)
         if hf not in where:
             raise CheckpointError(
                 f"{directory} has no tensor {hf!r} (for {name}): the weights are not those of its "
-                f"{HF_CONFIG}"
+                f"{HF_CONFIG} ({family.model_type})"
             )
-        by_file.setdefault(where[hf], []).append((hf, tuple(p.shape)))
+        by_file.setdefault(where[hf], []).append((hf, shape))
     for path, items in by_file.items():
         if not path.is_file():
             raise CheckpointError(f"{path} is missing ({INDEX} names it)")
@@ -458,9 +480,10 @@ def check_hf_weights(
     more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
     if not allow_unused:
         raise CheckpointError(
-            f"{directory} holds {unused[0]!r}{more}, which this model has no place for: the "
-            f"weights are not a plain Llama's whatever its {HF_CONFIG} says (attention biases: "
-            "Qwen2? per-head q/k norms: Qwen3?); --init-from-allow-unused loads the rest on purpose"
+            f"{directory} holds {unused[0]!r}{more}, which this {family.model_type} model has no "
+            f"place for: the weights are not those its {HF_CONFIG} describes (another family "
+            "relabelled? attention biases: Qwen2; per-head q/k norms: Qwen3; extra layers: a "
+            "multi-token-prediction head); --init-from-allow-unused loads the rest on purpose"
         )
     return [f"model.init_from: {unused[0]!r}{more} left unread (model.init_from_allow_unused)"]
 
@@ -487,12 +510,14 @@ class _opened:
 def load_hf_weights(
     directory: str | Path, engines: Iterable[ZeroDataParallel], tp: Comm | None
 ) -> int:
-    """Fill every engine's fp32 master shard from the HF Llama safetensors in ``directory``, each
-    rank reading only the rectangles its layout holds (`training_state`'s `Pieces`), then refresh
-    the compute copies. Returns the number of elements read on this rank."""
+    """Fill every engine's fp32 master shard from the Hugging Face safetensors in ``directory``
+    (named as its config.json's family names them), each rank reading only the rectangles its
+    layout holds (`training_state`'s `Pieces`), and the persistent buffers (an MoE expert bias)
+    whole, then refresh the compute copies. Returns the number of elements read on this rank."""
     from safetensors import safe_open
 
     directory = Path(directory)
+    family = read_hf_family(directory)
     engines = list(engines)
     where = _weight_files(directory)
     ts = training_state(engines, tp)
@@ -500,7 +525,7 @@ def load_hf_weights(
     for key, pieces in ts.state_dict.items():
         if not key.startswith("model."):
             continue
-        name = hf_name(key[len("model.") :])
+        name = hf_name(key[len("model.") :], family)
         if name not in where:
             raise CheckpointError(
                 f"{directory} has no tensor {name!r} (for {key[len('model.') :]})"
@@ -512,10 +537,16 @@ def load_hf_weights(
             for name, pieces in items:
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
-                if shape != tuple(pieces.size):
+                whole = isinstance(pieces, torch.Tensor)  # a buffer, the same on every rank
+                size = tuple(pieces.shape) if whole else tuple(pieces.size)
+                if shape != size:
                     raise CheckpointError(
-                        f"{path.name}: {name} is {shape}, but this model's is {tuple(pieces.size)}"
+                        f"{path.name}: {name} is {shape}, but this model's is {size}"
                     )
+                if whole:
+                    pieces.copy_(f.get_tensor(name).to(pieces.dtype))
+                    read += pieces.numel()
+                    continue
                 for offsets, values in pieces.boxes.items():
                     index = tuple(slice(o, o + s) for o, s in zip(offsets, values.shape))
                     values.copy_(sl[index].to(values.dtype))

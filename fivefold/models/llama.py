@@ -1,10 +1,14 @@
-"""Llama-style decoder (GQA + RoPE, SwiGLU, RMSNorm, no biases) as plain single-process PyTorch:
-config, presets, deterministic init, parameter count. No parallel code: the parallel wrappers
-address sub-modules by name (``layers.3.attention.wq``), so the names are a public contract."""
+"""Llama-style decoder (GQA + RoPE, SwiGLU, RMSNorm) as plain single-process PyTorch: config,
+presets, deterministic init, parameter count. The model families are options of this one model
+(docs/design.md#model-families): attention biases (Qwen2), per-head q/k norms (Qwen3), a sliding
+window (Mistral), partial rotary (GLM-4.5), and `MoEConfig`'s routers (Mixtral, Qwen-MoE,
+DeepSeek-V3). No parallel code: the parallel wrappers address sub-modules by name
+(``layers.3.attention.wq``), so the names are a public contract."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import typing
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import AttentionCore, ConfigError, Recompute, check_choice
+from fivefold.config import AttentionBias, AttentionCore, ConfigError, Recompute, check_choice
 from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward
@@ -98,10 +102,24 @@ class LlamaConfig:
     # a head's width when it is not dim / n_heads (HF ``head_dim``)
     attention_head_dim: int | None = None
     rope_scaling: RopeScaling | None = None  # Llama-3 long-context RoPE scaling (None: plain RoPE)
+    # Options the model families need (docs/design.md#model-families), all off for Llama:
+    # biases on the attention's projections: off | qkv (Qwen2) | all (q, k, v and o: HF Llama's
+    # attention_bias)
+    attention_bias: AttentionBias = "off"
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    # each query reads at most this many keys, itself included (Mistral); None: the whole prefix
+    sliding_window: int | None = None
+    # channels of each head RoPE rotates (the first ones; GLM-4.5 rotates half); None: all
+    rotary_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels of a head RoPE rotates (the tables' width)."""
+        return self.rotary_dim or self.head_dim
 
     def validate(self) -> LlamaConfig:
         """Raise ValueError naming the offending numbers; return self for chaining."""
@@ -121,6 +139,20 @@ class LlamaConfig:
             raise ValueError(
                 f"head_dim={self.head_dim} (dim={self.dim} / n_heads={self.n_heads}) must be even"
             )
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
+        check_choice("attention_bias", self.attention_bias, AttentionBias)
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window={self.sliding_window!r} must be a positive number of keys "
+                "(or unset: the whole prefix)"
+            )
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
         if not self.norm_eps > 0:
@@ -131,8 +163,9 @@ class LlamaConfig:
 
     def is_moe_block(self, index: int) -> bool:
         """Block `index` has an MoE feed-forward (every `moe.every`-th block, the first at every -
-        1)."""
-        return self.moe is not None and index % self.moe.every == self.moe.every - 1
+        1, none of the first `moe.first_dense`)."""
+        m = self.moe
+        return m is not None and index >= m.first_dense and index % m.every == m.every - 1
 
 
 # The small shapes (byte-level vocabulary), for tests, examples and the benchmarks' scaling table
@@ -233,15 +266,30 @@ def precompute_rope(
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, H, L, hd] by position, rotate-half as HF / NeoX (Meta checkpoints need wq/wk
-    rows permuted)."""
+    rows permuted); tables narrower than hd rotate the first channels only (HF's partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary: the first channels turn, the rest pass
+        width = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1)
     half = x.shape[-1] // 2
     xf = x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).type_as(x)
 
 
+def window_mask(seq: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[seq, seq] bool, True where query i reads key j: j ≤ i and i − j < ``window`` (a sliding
+    window of ``window`` keys, the query's own included: Mistral's, HF's ``sliding_window``)."""
+    i = torch.arange(seq, device=device)
+    offset = i[:, None] - i[None, :]
+    return (offset >= 0) & (offset < window)
+
+
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: Documents | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The single-process attention core: q [B, H, L, d], k and v [B, H_kv, L, d] -> [B, H, L, d],
     causal; with ``documents`` each query reads only its own document's keys: causal SDPA on each
@@ -252,17 +300,25 @@ def causal_attention(
     heads for backward, not H-head copies (docs/design.md#activation-memory); a backend without a
     GQA kernel repeats them inside torch (its math path). The forward equals the repeated-K/V call
     bit for bit on the CPU; dK and dV sum the group's heads in another order (last-bit
-    differences)."""
+    differences). ``window``: each query reads at most that many keys (`window_mask`, an explicit
+    mask to SDPA; a window as long as the sequence is the plain causal call)."""
     gqa = k.shape[1] != q.shape[1]
     if documents is not None:
         _check_single_rank(documents)
         rows = [
             torch.cat(
-                [causal_attention(*(t[b : b + 1, :, s:e] for t in (q, k, v))) for s, e in row], 2
+                [
+                    causal_attention(*(t[b : b + 1, :, s:e] for t in (q, k, v)), window=window)
+                    for s, e in row
+                ],
+                2,
             )
             for b, row in enumerate(documents.spans)
         ]
         return torch.cat(rows, dim=0)
+    if window is not None and window < q.shape[2]:
+        mask = window_mask(q.shape[2], window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
@@ -275,13 +331,17 @@ def _check_single_rank(documents: Documents) -> None:
 
 
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: Documents | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The same attention written out: softmax(q kᵀ / √d + causal mask) v (with ``documents``: the
     documents' mask, causal within each document). Its backward keeps the
     [B, H, L, L] probabilities, the quadratic term of the activation formula
     (docs/design.md#activation-memory) that a fused kernel avoids and selective recompute drops; for
-    kernels without a fused path, and to measure that term."""
+    kernels without a fused path, and to measure that term. ``window``: as `causal_attention`'s."""
     n_heads, n_kv_heads, seq = q.shape[1], k.shape[1], q.shape[2]
     if n_kv_heads != n_heads:
         k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)
@@ -292,6 +352,8 @@ def eager_attention(
         hidden = ~documents.mask
     else:
         hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    if window is not None and window < seq:
+        hidden = hidden | ~window_mask(seq, window, q.device)
     return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1) @ v
 
 
@@ -320,14 +382,23 @@ class Attention(nn.Module):
         head_dim: int | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        bias: AttentionBias = "off",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
-        kw = {"bias": False, "device": device, "dtype": dtype}
-        self.wq = Linear(dim, n_heads * self.head_dim, **kw)
-        self.wk = Linear(dim, n_kv_heads * self.head_dim, **kw)
-        self.wv = Linear(dim, n_kv_heads * self.head_dim, **kw)
-        self.wo = Linear(n_heads * self.head_dim, dim, **kw)
+        kw = {"device": device, "dtype": dtype}
+        qkv_bias = bias != "off"
+        self.wq = Linear(dim, n_heads * self.head_dim, bias=qkv_bias, **kw)
+        self.wk = Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias, **kw)
+        self.wv = Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias, **kw)
+        self.wo = Linear(n_heads * self.head_dim, dim, bias=bias == "all", **kw)
+        # Qwen3: one RMSNorm weight per channel of a head, shared by every head of q (and of k)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps, **kw) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps, **kw) if qk_norm else None
+        self.window = window
         self.core = causal_attention
         # selective recompute: keep q, k, v only; the core runs again in backward
         self.recompute_core = False
@@ -351,6 +422,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         n_heads, n_kv_heads = q.shape[1], k.shape[1]
         if n_heads % n_kv_heads != 0:
             raise ValueError(
@@ -365,7 +438,10 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         args = (q, k, v) if documents is None else (q, k, v, documents)
-        out = recompute(self.core, *args) if self.recompute_core else self.core(*args)
+        core = (
+            self.core if self.window is None else functools.partial(self.core, window=self.window)
+        )
+        out = recompute(core, *args) if self.recompute_core else core(*args)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 
@@ -381,7 +457,16 @@ class TransformerBlock(nn.Module):
         c = config
         self.attention_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
         self.attention = Attention(
-            c.dim, c.n_heads, c.n_kv_heads, c.head_dim, device=device, dtype=dtype
+            c.dim,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            device=device,
+            dtype=dtype,
+            bias=c.attention_bias,
+            qk_norm=c.qk_norm,
+            norm_eps=c.norm_eps,
+            window=c.sliding_window,
         )
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps, device=device, dtype=dtype)
         self.feed_forward = (
@@ -533,7 +618,7 @@ class Llama(nn.Module):
         self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
         # One fp32 table for all layers whatever the dtype (far positions need it); derived, so not
         # persistent.
-        table_shape = (c.max_seq_len, c.head_dim)
+        table_shape = (c.max_seq_len, c.rope_dim)
         self.register_buffer("rope_cos", torch.empty(table_shape, device=meta), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table_shape, device=meta), persistent=False)
         if device.type != "meta":
@@ -586,9 +671,9 @@ class Llama(nn.Module):
         self, name: str, seed: int, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
         """The seeded initial value of parameter `name`, full shape, fp32, on ``device``: normal(0,
-        0.02), residual outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1. Each parameter draws
-        from its own generator, seeded by (seed, name), so a rank draws only what it holds (its
-        stages), in any order, which is what lets it materialise only its share
+        0.02), residual outputs (wo, w2) × 1/sqrt(2·n_layers) (GPT-2), norms 1, biases 0. Each
+        parameter draws from its own generator, seeded by (seed, name), so a rank draws only what it
+        holds (its stages), in any order, which is what lets it materialise only its share
         (`ZeroDataParallel(init_value=)`). The generator is ``device``'s: on the CPU (the default)
         the values are bitwise identical on any process; on an accelerator they are that device
         type's generator's (CUDA: Philox), drawn in parallel there instead of on one CPU thread —
@@ -596,6 +681,8 @@ class Llama(nn.Module):
         shape = self.full_shapes()[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device=device)
+        if name.endswith(".bias"):  # the attention's biases start at zero (as HF's init)
+            return torch.zeros(shape, dtype=torch.float32, device=device)
         scale = 0.02
         if name.endswith(
             ("attention.wo.weight", "w2.weight")
@@ -622,7 +709,7 @@ class Llama(nn.Module):
         CPU."""
         if self.rope_cos.device.type != "meta":
             cos, sin = precompute_rope(
-                self.config.head_dim,
+                self.config.rope_dim,
                 self.config.max_seq_len,
                 self.config.rope_theta,
                 scaling=self.config.rope_scaling,
@@ -683,11 +770,16 @@ def param_counts(config: LlamaConfig) -> tuple[int, int]:
     c = config
     d, hd = c.dim, c.head_dim
     attention = 2 * d * c.n_heads * hd + 2 * d * c.n_kv_heads * hd  # wq and wo; wk and wv
+    if c.attention_bias != "off":
+        attention += (c.n_heads + 2 * c.n_kv_heads) * hd + (d if c.attention_bias == "all" else 0)
+    attention += 2 * hd if c.qk_norm else 0  # q_norm, k_norm
     block = attention + 2 * d  # + attention_norm, ffn_norm
     dense_ffn = 3 * d * c.ffn_hidden  # SwiGLU: w1, w3, w2
-    n_moe = (
-        c.n_layers // c.moe.every if c.moe is not None else 0
-    )  # blocks every - 1, 2·every - 1, ... (is_moe_block)
+    n_moe = 0  # blocks every - 1, 2·every - 1, ... from first_dense on (is_moe_block)
+    if c.moe is not None:
+        first = max(c.moe.first_dense, c.moe.every - 1)
+        first += (c.moe.every - 1 - first) % c.moe.every
+        n_moe = max(0, (c.n_layers - 1 - first) // c.moe.every + 1) if first < c.n_layers else 0
     embedding = c.vocab_size * d
     total = (
         embedding + c.n_layers * block + (c.n_layers - n_moe) * dense_ffn + d
@@ -701,9 +793,14 @@ def param_counts(config: LlamaConfig) -> tuple[int, int]:
     if c.moe is not None:
         expert = 3 * d * (c.moe.hidden or c.ffn_hidden)  # one expert's SwiGLU
         router = d * c.moe.experts
+        # one SwiGLU of shared_hidden (default shared_experts × hidden), every token through it,
+        # and its gate (Qwen2-MoE)
+        shared_hidden = getattr(c.moe, "shared_hidden", None)
         shared = (
-            expert * c.moe.shared_experts
-        )  # one SwiGLU of shared_experts × hidden, every token through it
+            3 * d * shared_hidden
+            if shared_hidden and c.moe.shared_experts
+            else expert * c.moe.shared_experts
+        ) + (d if getattr(c.moe, "shared_gate", False) else 0)
         total += n_moe * (router + c.moe.experts * expert + shared)
         # a token goes through top_k of the experts (E experts × top_k / E: an integer, no float sum
         # to round)

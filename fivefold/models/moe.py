@@ -76,6 +76,7 @@ class MoEConfig:
     shared_experts: int = 0
     hidden: int | None = None  # an expert's hidden size (default: the model's ffn_hidden)
     every: int = 1  # MoE in every `every`-th block (the others dense), counting from the first
+    first_dense: int = 0  # the first blocks stay dense (DeepSeek-V3's first_k_dense_replace: 3)
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None  # None: dropless
@@ -86,6 +87,8 @@ class MoEConfig:
     group_limit: int | None = None
 
     def validate(self) -> MoEConfig:
+        if self.first_dense < 0:
+            raise ValueError(f"moe.first_dense={self.first_dense} must not be negative")
         if self.experts < 1 or self.top_k < 1 or self.every < 1 or self.shared_experts < 0:
             raise ValueError(
                 f"moe: experts={self.experts}, top_k={self.top_k}, every={self.every} must be "

@@ -1,8 +1,9 @@
 """Where each part of fivefold's Llama goes under each dimension, as data applied by
 `models.parallelize`: `LLAMA_TP_PLAN` (heads split, wo and w2 row-parallel, embedding and head
-vocab-parallel, norms replicated), `LLAMA_CP_PLAN` (ring attention in every block, RoPE tables by
-position) and `llama_stage_modules` (contiguous blocks, the embedding first, the norm and head last)
-— docs/design.md#tensor-and-sequence-parallelism, #context-parallelism and #pipeline-schedules."""
+vocab-parallel, norms replicated, per-head q/k norms' gradients summed over tp), `LLAMA_CP_PLAN`
+(ring attention in every block, RoPE tables by position) and `llama_stage_modules` (contiguous
+blocks, the embedding first, the norm and head last) —
+docs/design.md#tensor-and-sequence-parallelism, #context-parallelism and #pipeline-schedules."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fivefold.models.llama import LlamaConfig
 from fivefold.pipeline.split import split_layers
 from fivefold.tensor_parallel.plan import (
     Colwise,
+    HeadNorm,
     Norm,
     RegionEntry,
     Rowwise,
@@ -31,6 +33,8 @@ LLAMA_TP_PLAN: TPPlan = {
     "layers.*.attention.wk": Colwise("n_kv_heads"),
     "layers.*.attention.wv": Colwise("n_kv_heads"),
     "layers.*.attention.wo": Rowwise(),
+    "layers.*.attention.q_norm": HeadNorm(),
+    "layers.*.attention.k_norm": HeadNorm(),
     "layers.*.ffn_norm": Norm(),
     "layers.*.feed_forward": RegionEntry(),
     "layers.*.feed_forward.w1": Colwise("ffn_hidden"),

@@ -63,7 +63,7 @@ def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> 
             )
     except ValueError:
         return False
-    layout = rules.Layout(trial, dims.size, model.moe, TARGET_DEVICE, schedule)
+    layout = rules.Layout(trial, dims.size, model.moe, TARGET_DEVICE, schedule, model)
     return rules.first_error(layout) is None
 
 

@@ -3,8 +3,9 @@
 `Colwise` splits output features; `Rowwise` input features (its bias, added once after the exit, is
 replicated); `VocabEmbedding` / `VocabHead` the vocabulary; `RegionEntry` is one entry operator
 shared by a region's column layers (2 entries + 2 exits per block); `Norm` stays replicated, its
-weight gradient all-reduced under SP (a partial sum). ``divides`` names the config field tp must
-divide, checked before anything is sharded."""
+weight gradient all-reduced under SP (a partial sum); `HeadNorm` (per-head q/k norms) too, its
+gradient always all-reduced (each rank holds other heads). ``divides`` names the config field tp
+must divide, checked before anything is sharded."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from fivefold.tensor_parallel.layers import (
 
 __all__ = [
     "Colwise",
+    "HeadNorm",
     "Norm",
     "ParamPlacement",
     "RegionEntry",
@@ -84,7 +86,15 @@ class Norm:
     divides: None = None
 
 
-Style = Colwise | Rowwise | VocabEmbedding | VocabHead | RegionEntry | Norm
+@dataclass(frozen=True)
+class HeadNorm:
+    """A norm over each head's channels (Qwen3's q/k norms), one weight for every head: replicated,
+    and its gradient always a partial sum (each rank normalises its own heads), all-reduced."""
+
+    divides: None = None
+
+
+Style = Colwise | Rowwise | VocabEmbedding | VocabHead | RegionEntry | Norm | HeadNorm
 TPPlan = Mapping[str, Style]
 
 
@@ -143,6 +153,8 @@ def shard_by_plan(
         elif isinstance(style, Norm):
             if sequence_parallel:
                 module.weight.register_hook(all_reduce_grad_hook(comm, "sp_norm_grad"))
+        elif isinstance(style, HeadNorm):
+            module.weight.register_hook(all_reduce_grad_hook(comm, "head_norm_grad"))
         else:
             raise TypeError(f"unknown tensor-parallel style {style!r} for module '{name}'")
     for tied in (
