@@ -206,12 +206,16 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda l: (
-            l.moe is not None and l.moe.group_limit is not None and l.moe.groups % l.size("ep") != 0
+            l.moe is not None
+            and l.moe.group_limit is not None
+            and l.moe.groups % l.size("ep") != 0
+            and not (l.moe.groups > 1 and l.size("ep") % l.moe.groups == 0)
         ),
         lambda l: (
-            f"moe.groups={l.moe.groups} is not a multiple of parallel.ep={l.size('ep')}: "
-            "device-limited routing bounds the ranks a token reaches only when every expert group "
-            "lives on one rank"
+            f"moe.groups={l.moe.groups} is not a multiple of parallel.ep={l.size('ep')} (every "
+            "expert group on one rank: device-limited) nor a divisor > 1 of it (every group on "
+            "ep / groups ranks, a node: DeepSeek-V3's node-limited routing): group-limited routing "
+            "bounds the ranks a token reaches only then"
         ),
         ("model.moe.groups", "parallel.ep"),
     ),

@@ -248,3 +248,84 @@ def test_each_family_in_a_sharded_layout_equals_transformers_then_exports_back(t
         for name, value in initial.items():
             if name.endswith("e_score_correction_bias"):  # the aux-loss-free bias moved with the load
                 assert not torch.equal(trained[name], value), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The export carries the run's tokenizer: from_pretrained + the tokenizer + generate, no hand decoding.
+
+TEXT = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs",
+        "sphinx of black quartz, judge my vow"] * 20
+
+
+def _bpe(folder):
+    """A byte-level BPE trained here with an end-of-document token named in a tokenizer_config.json beside it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|eos|>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>",
+                                                             "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def _greedy(directory, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy continuation by fivefold's own model of `directory` (the whole sequence each token)."""
+    for _ in range(new):
+        ids = torch.cat([ids, fivefold_logits(directory, ids)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.multiprocess
+def test_export_carries_the_runs_tokenizer_so_transformers_generates(tmp_path):
+    from fivefold.cli import main
+
+    tok = _bpe(tmp_path / "tok")
+    (tmp_path / "corpus.txt").write_text("\n".join(TEXT))
+    args = ["train", "--preset", "tiny", "--model.qk_norm", "true", "--tokenizer", str(tok), "--data",
+            str(tmp_path / "corpus.txt"), "--steps", "2", "--nproc", "2", "--train.seq_len", "32",
+            "--train.global_batch", "4", "--train.eval_every", "0", "--checkpoint.interval", "2", "--run.out_dir",
+            str(tmp_path), "--run.name", "run", "--run.progress", "false", "--run.plot", "false",
+            "--run.check_memory", "false"]
+    assert main(args) == 0
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    config = json.loads((out / "config.json").read_text())
+    eos = json.loads((tok / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+    assert config["model_type"] == "qwen3" and config["eos_token_id"] == eos
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = hf_tok("the quick brown", return_tensors="pt").input_ids
+    from fivefold.train.tokenizer import load_tokenizer
+
+    assert ids[0].tolist() == load_tokenizer(str(tok)).encode("the quick brown").tolist()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    generated = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 6)
+    assert torch.equal(generated, _greedy(out, ids, 6))  # transformers' greedy decoding = fivefold's
+    assert hf_tok.decode(generated[0]).startswith("the quick brown")
+    # the tokenizer moved: the export says so and --tokenizer names it (checked against the recorded sha256)
+    (tok / "tokenizer.json").rename(tmp_path / "moved.json")
+    from fivefold.checkpoint.hf import export_checkpoint
+
+    assert "is gone" in export_checkpoint(tmp_path / "run", tmp_path / "again")["notes"][0]
+    assert export_checkpoint(tmp_path / "run", tmp_path / "again", tokenizer=str(tmp_path / "moved.json"))[
+        "notes"] == []
+    (tmp_path / "other.json").write_text((tmp_path / "moved.json").read_text() + "\n")  # another file
+    assert "sha256 differs" in export_checkpoint(tmp_path / "run", tmp_path / "again",
+                                                 tokenizer=str(tmp_path / "other.json"))["notes"][0]
+
+
+def test_the_byte_tokenizer_is_exported_as_one_transformers_reads(tmp_path):
+    from fivefold.checkpoint.hf import write_tokenizer
+
+    notes, ids = write_tokenizer(None, tmp_path)
+    assert notes == [] and ids == {"bos_token_id": None, "eos_token_id": None}
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "héllo, wörld\n\t ~"
+    assert hf_tok(text).input_ids == list(text.encode())  # id i is byte i
+    assert hf_tok.decode(list(text.encode())) == text
