@@ -10,7 +10,8 @@ GLM-4-MoE / DeepSeek-V3 need of `MoEFeedForward`, against Hugging Face's own cod
   sigmoid scores, groups and a bias, which that function ignores).
 - Auxiliary-loss-free balancing: the bias after every step of 5 equals a hand-written reference
   (route by scores + bias, count, b += rate·sign(mean − c)), bitwise; a capacity's dropped
-  assignments are counted, a recomputation is not, rate 0 keeps the bias. One spawn of 4 ranks
+  assignments are counted, a recomputation is not, rate 0 keeps the bias; every option at once adds
+  no host sync (forward, backward, recompute, the update). One spawn of 4 ranks
   (`multiprocess`): dp 4 × ep 2 with hf's pooled loss, the same under full recompute, and
   pp 2 × dp 2 × ep 2 have the bias and loads of single-process training on the global batch on every
   rank, bitwise (losses and parameters within rule 2's bound), and dp 4 × ep 2 resumed from a
@@ -335,6 +336,24 @@ def test_expert_load_counts_dropped_assignments_once_and_rate_zero_keeps_the_bia
     fixed(x).sum().backward()
     update_expert_bias([fixed])
     assert fixed.expert_load is None and torch.equal(fixed.expert_bias, torch.linspace(-1, 1, E))
+
+
+def test_the_families_add_no_host_sync_forward_backward_or_in_the_update():
+    """Every option at once (gated shared experts of their own width, routed scaling, the bias with
+    groups, hf's pooled loss) under full recompute, two micro-batches and the bias update: still one
+    sync per MoE layer and micro-batch (the exchange's sizes)."""
+    from host_syncs import HostSyncs
+
+    moe = BIAS_MOE.replace(shared_experts=1, shared_hidden=20, shared_gate=True, routed_scaling=2.5,
+                           aux_convention="hf", z_loss_coef=1e-3)
+    model = Llama(get_config("tiny", moe=moe, **BIAS_MODEL), seed=0).set_recompute("full")
+    x, y = _bias_batch(0)
+    with HostSyncs(devices=("cpu",)) as syncs:
+        for xi, yi in zip(x.chunk(2), y.chunk(2)):
+            F.cross_entropy(model(xi).flatten(0, 1), yi.flatten()).backward()
+        update_expert_bias(_moe_layers(model))
+    assert syncs.count == BIAS_MODEL["n_layers"] * 2, "\n".join(syncs.where)
+    assert all(int(m.step_load.sum()) == ROWS * SEQ * K for m in _moe_layers(model))
 
 
 # ---------------------------------------------------------------------------------------------
