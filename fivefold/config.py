@@ -25,6 +25,7 @@ else:  # pragma: no cover
 AttentionCore = Literal["sdpa", "eager"]  # model.attention
 AttentionBias = Literal["off", "qkv", "all"]  # model.attention_bias
 MoEScore = Literal["softmax", "sigmoid"]  # moe.score
+MoEAuxConvention = Literal["switch", "hf"]  # moe.aux_convention
 CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
 CpKernel = Literal["auto", "math", "flash"]  # parallel.cp_kernel
 Recompute = Literal["none", "full", "selective"]  # train.recompute
@@ -86,6 +87,16 @@ class MoESection:
     groups: int | None = None
     # ... and how many of them one token's experts may come from (0: no limit)
     group_limit: int | None = None
+    # the shared experts' hidden width in total (default: hidden × shared_experts)
+    shared_hidden: int | None = None
+    shared_gate: bool | None = None  # Qwen2-MoE: the shared output × sigmoid(x · g)
+    routed_scaling: float | None = None  # DeepSeek-V3: the k weights × this (default 1)
+    # DeepSeek-V3's auxiliary-loss-free balancing: a bias on the scores for the choice, moved by
+    # expert_bias_rate · sign(mean load − load) after every step (rate 0: fixed)
+    expert_bias: bool | None = None
+    expert_bias_rate: float | None = None
+    # load-balancing loss: switch (per layer, summed) | hf (Hugging Face's, the layers pooled)
+    aux_convention: MoEAuxConvention | None = None
 
 
 @dataclass

@@ -5,7 +5,7 @@ db to autograd, so accumulation and DP hooks fire then. `recompute(fn, *args)`: 
 checkpointing (docs/design.md#activation-memory) that keeps the same recording state, and tells a
 watcher (`watch_recompute`: the tracer) when a recomputation runs; `host_values(fetch)` inside it
 reads values on the host once, in the forward, and hands the recomputation the same ones (no second
-host sync). Backward markers shared by
+host sync); `recomputing()` says whether a recomputation is running. Backward markers shared by
 ZeRO-3's unit hooks and the tracer: `call_in_backward` (an identity whose backward calls a hook
 first), `in_backward`."""
 
@@ -32,6 +32,7 @@ __all__ = [
     "in_backward",
     "linear",
     "recompute",
+    "recomputing",
     "recording_weight_grads",
     "unwatch_recompute",
     "watch_recompute",
@@ -232,6 +233,14 @@ def host_values(fetch: Callable[[], Any]) -> Any:
     value = fetch()
     memo.values.append(value)
     return value
+
+
+def recomputing() -> bool:
+    """True while `recompute` runs a region again in backward (its recomputation, which replays the
+    forward's `host_values`): for state a forward accumulates once per real forward (an MoE layer's
+    expert loads, its share of a pooled loss), which a recomputation must not add again."""
+    memo = _host_memo.get()
+    return memo is not None and memo.replaying
 
 
 def _remembering(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -228,6 +228,15 @@ RULES: tuple[Rule, ...] = (
         ("parallel.tp", "parallel.ep"),
     ),
     Rule(
+        lambda l: l.moe is not None and l.moe.aux_convention == "hf" and l.size("pp") > 1,
+        lambda l: (
+            f"moe.aux_convention=hf with parallel.pp={l.size('pp')}: Hugging Face's load-balancing "
+            "loss pools every MoE layer of the model, which would span the pipeline stages; use "
+            "moe.aux_convention switch (per layer) or parallel.pp 1"
+        ),
+        ("model.moe.aux_convention", "parallel.pp"),
+    ),
+    Rule(
         lambda l: l.moe is not None and l.cfg.precision.param == "fp16",
         "precision.param=fp16 with an MoE model is not supported (the auxiliary loss's gradient is "
         "not loss-scaled); use bf16",

@@ -5,8 +5,12 @@ Per parameter ``name`` (the single-process name, whatever the layout): ``model.<
 master values — and ``optim.<key>.<name>`` for every elementwise optimizer state (AdamW: exp_avg,
 exp_avg_sq), each a `Pieces` of what this rank's ZeRO shard holds of the TP-local tensor, in global
 coordinates: a flat shard is saved as the pieces of the parameters it covers. Per-parameter
-optimizer scalars (AdamW's step) are plain 0-d tensors ``optim.<key>.<name>``. Everything else a
-resume needs (step, loss scaler, RNG states, layout) is the caller's.
+optimizer scalars (AdamW's step) are plain 0-d tensors ``optim.<key>.<name>``. Per persistent module
+buffer ``name`` (an MoE layer's ``expert_bias``): ``model.<name>``, a plain tensor — a copy of the
+buffer, equal on every rank that holds its module (DCP writes replicas once; under pp each stage
+its own), put back by `TrainingState.after_load`. So a consumer of the ``model.`` keys tells a
+buffer (a `torch.Tensor`) from a parameter (`Pieces`) by its type. Everything else a resume needs
+(step, loss scaler, RNG states, layout) is the caller's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from fivefold.data_parallel.flat_param import FlatParam
 from fivefold.data_parallel.sharded_optimizer import write_back
 from fivefold.distributed.comm import Comm
 
-__all__ = ["ParamShare", "TrainingState", "optimizer_state_keys", "param_shares", "training_state"]
+__all__ = [
+    "ParamShare",
+    "TrainingState",
+    "optimizer_state_keys",
+    "param_shares",
+    "persistent_buffers",
+    "training_state",
+]
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,19 @@ def param_shares(engine: ZeroDataParallel, tp: Comm | None) -> dict[str, ParamSh
                 offset[dim] = local[dim] * tp.rank
             out[slot.name] = ParamShare(slot.name, torch.Size(size), local, tuple(offset))
     return out
+
+
+def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer of `module` that its ``state_dict`` would hold (not the
+    non-persistent ones: RoPE tables), meta ones left out."""
+    for prefix, m in module.named_modules():
+        for name, buf in m._buffers.items():
+            if (
+                buf is not None
+                and name not in m._non_persistent_buffers_set
+                and buf.device.type != "meta"
+            ):
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 def _segment_ranges(flat: FlatParam) -> Iterator[tuple[int, int, int, Any, int]]:
@@ -104,16 +128,17 @@ def _ensure_optimizer_state(
 
 @dataclass
 class TrainingState:
-    """What `training_state` returns: the DCP state dict, and for a load the optimizer scalars to
-    hand on (one loaded value per parameter, copied into every optimizer segment holding a part of
-    it)."""
+    """What `training_state` returns: the DCP state dict, and for a load the plain tensors to hand
+    on: the optimizer scalars (one loaded value per parameter, copied into every optimizer segment
+    holding a part of it) and the persistent buffers (copied into the module's)."""
 
     state_dict: dict[str, Any]
     scalar_targets: list[tuple[str, torch.Tensor]]
 
     def after_load(self, engines: Iterable[ZeroDataParallel]) -> None:
-        """The fp32 masters and optimizer state were loaded: set the segments' scalars, refresh the
-        compute copies (16-bit shards; ZeRO-1/2's full buffers)."""
+        """The fp32 masters and optimizer state were loaded: set the segments' scalars and the
+        modules' persistent buffers, refresh the compute copies (16-bit shards; ZeRO-1/2's full
+        buffers)."""
         for fqn, target in self.scalar_targets:
             target.copy_(self.state_dict[fqn])
         write_back(flat for engine in engines for flat in engine.flats)
@@ -126,7 +151,8 @@ def training_state(
     optimizer_elementwise: Iterable[str] | None = None,
 ) -> TrainingState:
     """This rank's model and optimizer state keyed by global names, as `Pieces` viewing the live
-    tensors (save: what is written; load: where it lands). For a load give the optimizer keys the
+    tensors (save: what is written; load: where it lands), and the engines' modules' persistent
+    buffers as copies (`after_load` puts a loaded one back). For a load give the optimizer keys the
     checkpoint has: the state is created (zeros) where the optimizer has none yet."""
     engines = list(engines)
     state: dict[str, Any] = {}
@@ -163,4 +189,9 @@ def training_state(
                     fqn = f"optim.{k}.{slot.name}"
                     state.setdefault(fqn, opt[k].detach().clone())
                     targets.append((fqn, opt[k]))
+        for name, buf in persistent_buffers(engine.module):  # (the engines may share a module)
+            fqn = f"model.{name}"
+            if fqn not in state:
+                state[fqn] = buf.detach().clone()
+                targets.append((fqn, buf))
     return TrainingState(state, targets)

@@ -23,7 +23,7 @@ from torch import nn
 from fivefold.config import AttentionBias, AttentionCore, ConfigError, Recompute, check_choice
 from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
-from fivefold.models.moe import MoEConfig, MoEFeedForward
+from fivefold.models.moe import MoEConfig, MoEFeedForward, share_aux_pool
 from fivefold.ops import Linear, recompute
 
 if TYPE_CHECKING:
@@ -616,6 +616,7 @@ class Llama(nn.Module):
         )
         self.norm = RMSNorm(c.dim, c.norm_eps, device=meta, dtype=dtype)
         self.output = Linear(c.dim, c.vocab_size, bias=False, device=meta, dtype=dtype)
+        share_aux_pool(self)  # moe.aux_convention hf: one loss over all the MoE layers
         # One fp32 table for all layers whatever the dtype (far positions need it); derived, so not
         # persistent.
         table_shape = (c.max_seq_len, c.rope_dim)
@@ -706,7 +707,10 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """The RoPE tables (derived from the config, not checkpointed), computed in fp32 on the
-        CPU."""
+        CPU; the MoE layers' (their expert bias: zeros)."""
+        for m in self.modules():
+            if isinstance(m, MoEFeedForward):
+                m.init_buffers()
         if self.rope_cos.device.type != "meta":
             cos, sin = precompute_rope(
                 self.config.rope_dim,

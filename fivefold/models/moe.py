@@ -22,20 +22,28 @@ assignments, first by slot (every token's first choice before any second choice)
 — deterministic; the dropped ones contribute nothing (the residual carries the token): they sort
 after every kept row and are never sent. Without it, dropless.
 
-Auxiliary losses (Switch/GShard load balancing E·Σ_e f_e·P_e with f_e the fraction of assignments
-routed to e and P_e the mean routing probability; router z-loss mean(logsumexp(logits)²)) are not
-returned: their gradient is injected in backward (`_AuxGrad`), scaled like the main loss, so they
-work inside pipeline stages unchanged. Two hooks keep this file free of parallel code: ``exchange``
-applies the experts to expert-sorted tokens (here: all experts are local; expert parallelism swaps
-in an all-to-all), ``balance`` says over which tokens f and P are counted (here: this micro-batch;
-under data parallelism: the global micro-batch, so the loss equals single-process).
+Auxiliary losses (load balancing; router z-loss mean(logsumexp(logits)²)) are not returned: their
+gradient is injected in backward (`_AuxGrad`), scaled like the main loss, so they work inside
+pipeline stages unchanged. Load balancing by ``aux_convention`` (docs/design.md#expert-parallelism):
+``switch``, Switch/GShard's E·Σ_e f_e·P_e per layer (f_e the fraction of assignments routed to e,
+P_e the mean routing probability), summed over the layers; ``hf``, Hugging Face's
+``load_balancing_loss_func``, one loss over all the model's layers pooled (`AuxPool`,
+`_PooledAux`). Two hooks keep this file free of parallel code: ``exchange`` applies the experts to
+expert-sorted tokens (here: all experts are local; expert parallelism swaps in an all-to-all),
+``balance`` says over which tokens f and P are counted (here: this micro-batch; under data
+parallelism: the global micro-batch, so the loss equals single-process).
+
+Model families: the shared experts' width (``shared_hidden``) and Qwen2-MoE's sigmoid gate on them
+(``shared_gate``); DeepSeek-V3's ``routed_scaling`` of the k weights, and its auxiliary-loss-free
+balancing (``expert_bias``): a per-expert bias added to the scores for the choice of the top k (and
+of the groups) only, moved after every optimizer step by `update_expert_bias` from the step's loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +56,7 @@ from fivefold.models.layers import FeedForward
 from fivefold.ops import Linear
 
 __all__ = [
+    "AuxPool",
     "ExpertGroups",
     "ExpertsStrategy",
     "GroupedExperts",
@@ -60,10 +69,14 @@ __all__ = [
     "PaddedBatchedExperts",
     "RunExperts",
     "default_experts",
+    "reset_expert_load",
     "run_experts",
+    "share_aux_pool",
+    "update_expert_bias",
 ]
 
 SCORES = ("softmax", "sigmoid")
+AUX_CONVENTIONS = ("switch", "hf")
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,8 @@ class MoEConfig:
     top_k: int = 2
     score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
     norm_topk: bool = True  # renormalise the k weights to sum to 1
-    # experts every token goes through (one SwiGLU of shared_experts × hidden)
+    # experts every token goes through (one SwiGLU of shared_hidden, by default shared_experts ×
+    # hidden); they exist when shared_experts > 0
     shared_experts: int = 0
     hidden: int | None = None  # an expert's hidden size (default: the model's ffn_hidden)
     every: int = 1  # MoE in every `every`-th block (the others dense), counting from the first
@@ -82,9 +96,25 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: dropless
     # Device-limited routing (DeepSeek-V3): experts form `groups` contiguous groups (set it to ep,
     # or a multiple, and a group lives on one ep rank); a token's top k come from at most
-    # `group_limit` groups, the groups ranked by the sum of their two best scores.
+    # `group_limit` groups, the groups ranked by the sum of their two best scores (+ expert bias).
     groups: int = 1
     group_limit: int | None = None
+    # the shared SwiGLU's hidden width in total (Qwen2-MoE's shared_expert_intermediate_size, not a
+    # multiple of hidden); None: hidden × shared_experts
+    shared_hidden: int | None = None
+    # Qwen2-MoE: the shared experts' output × sigmoid(x · g) per token, g the layer's `shared_gate`
+    shared_gate: bool = False
+    # DeepSeek-V3's routed_scaling_factor: the k weights × this, after the (optional)
+    # renormalisation
+    routed_scaling: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias (`MoEFeedForward.expert_bias`)
+    # added to the scores to choose the experts (not to weight them), moved after every step by
+    # expert_bias_rate · sign(mean load − load) (`update_expert_bias`; rate 0: a fixed bias)
+    expert_bias: bool = False
+    expert_bias_rate: float = 1e-3
+    # the load-balancing loss: switch (E·Σ f·P per layer, the layers summed) | hf (Hugging Face's
+    # load_balancing_loss_func: all layers' routing pooled into one loss)
+    aux_convention: str = "switch"
 
     def validate(self) -> MoEConfig:
         if self.first_dense < 0:
@@ -107,6 +137,29 @@ class MoEConfig:
             )
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError("moe.aux_loss_coef and moe.z_loss_coef must not be negative")
+        if self.shared_hidden is not None and (self.shared_hidden < 1 or self.shared_experts == 0):
+            raise ValueError(
+                f"moe.shared_hidden={self.shared_hidden} needs moe.shared_experts > 0 (it is "
+                f"{self.shared_experts}) and must be positive: set shared_experts or unset it"
+            )
+        if self.shared_gate and self.shared_experts == 0:
+            raise ValueError(
+                "moe.shared_gate=true gates the shared experts, but moe.shared_experts=0: set "
+                "shared_experts > 0 or shared_gate false"
+            )
+        if not (self.routed_scaling > 0 and math.isfinite(self.routed_scaling)):
+            raise ValueError(
+                f"moe.routed_scaling={self.routed_scaling} must be a positive number (1: unscaled)"
+            )
+        if not (self.expert_bias_rate >= 0 and math.isfinite(self.expert_bias_rate)):
+            raise ValueError(
+                f"moe.expert_bias_rate={self.expert_bias_rate} must not be negative (0: a fixed "
+                "bias)"
+            )
+        if self.aux_convention not in AUX_CONVENTIONS:
+            raise ValueError(
+                f"moe.aux_convention={self.aux_convention!r}: choose {' or '.join(AUX_CONVENTIONS)}"
+            )
         if self.groups < 1 or self.experts % self.groups:
             raise ValueError(f"moe.groups={self.groups} must divide moe.experts={self.experts}")
         if self.group_limit is not None:
@@ -401,10 +454,115 @@ class _AuxGrad(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
+class _PoolRecord:
+    """One micro-batch's pooled routing: the layers that added to it, their summed selection counts
+    C [E] and token counts N (each layer's as `balance` summed them)."""
+
+    def __init__(self) -> None:
+        self.layers: set[int] = set()
+        self.counts: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
+
+
+class AuxPool:
+    """What Hugging Face's pooled load-balancing loss (``aux_convention`` hf) needs from all of a
+    model's MoE layers, per micro-batch: every layer's forward adds its selection counts and tokens
+    (`add`), and every layer's backward, which runs after all of that micro-batch's forwards, reads
+    the totals. A layer that adds again starts the next micro-batch's record; a recomputation and a
+    forward without autograd add nothing. One model's layers share one (`share_aux_pool`; `Llama`
+    does), so the loss spans one model or one pipeline stage, never several."""
+
+    def __init__(self) -> None:
+        self.record = _PoolRecord()
+
+    def add(self, layer: nn.Module, counts: torch.Tensor, tokens: torch.Tensor) -> _PoolRecord:
+        record = self.record
+        if id(layer) in record.layers:  # this layer's second forward: the next micro-batch
+            record = self.record = _PoolRecord()
+        record.layers.add(id(layer))
+        counts, tokens = counts.detach(), tokens.detach()
+        record.counts = counts if record.counts is None else record.counts + counts
+        record.tokens = tokens if record.tokens is None else record.tokens + tokens
+        return record
+
+
+def share_aux_pool(module: nn.Module) -> None:
+    """Every MoE layer of `module` (a model, or a stage of one) shares one `AuxPool`."""
+    pool = AuxPool()
+    for m in module.modules():
+        if isinstance(m, MoEFeedForward):
+            m.aux_pool = pool
+
+
+class _PooledAux(torch.autograd.Function):
+    """Hugging Face's pooled load-balancing loss as seen by one layer. The pooled loss is
+    A = E·Σ_e (C_e/N)·(S_e/N) with C_e the assignments to e and N the tokens, both summed over the
+    layers (and the ranks `balance` covers), S_e the softmax probabilities of e summed over the same
+    tokens; C is a constant under autograd, so dA/dS_{l,e} = E·C_e/N² for every layer l. Forward:
+    a 0-d zero (the value is `MoEStats`'); backward hands this layer's probability sums [E] that
+    gradient, × ``ranks`` (the ranks' mean gradient is the global loss's), read from the
+    micro-batch's record once every layer has added to it."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, prob_sum: torch.Tensor, record: _PoolRecord, ranks: int
+    ) -> torch.Tensor:
+        ctx.record, ctx.ranks = record, ranks
+        return prob_sum.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        r = ctx.record
+        n_experts = r.counts.numel()
+        return grad * (ctx.ranks * n_experts) * r.counts / (r.tokens * r.tokens), None, None
+
+
+@torch.no_grad()
+def update_expert_bias(
+    layers: Iterable[MoEFeedForward],
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664; DeepSeek-V3
+    §2.1.2), after an optimizer step: every layer with an expert bias and a positive rate takes its
+    load c — the assignments its router chose per expert in every forward since the last update
+    (all of the step's micro-batches; the capacity-dropped ones too: the selection is counted;
+    recomputations not) — summed over the ranks by ``all_reduce`` (one call for all the layers'
+    loads, int64, in place; None: this process alone), and moves its bias by
+    b_e += rate · sign(mean(c) − c_e), the sign computed exactly as sign(Σc − E·c_e). Device ops
+    only (no host sync); every rank computes the same update from the same sums. The loads start
+    again from zero; the summed ones stay in ``step_load``."""
+    moving = [m for m in layers if m.expert_bias is not None and m.config.expert_bias_rate > 0]
+    if not moving:
+        return
+    loads = torch.cat(
+        [
+            m.expert_load
+            if m.expert_load is not None
+            else torch.zeros(m.config.experts, dtype=torch.long, device=m.expert_bias.device)
+            for m in moving
+        ]
+    )
+    if all_reduce is not None:
+        all_reduce(loads)
+    for m, load in zip(moving, loads.split([m.config.experts for m in moving])):
+        direction = torch.sign(load.sum() - m.config.experts * load)
+        m.expert_bias.add_(direction.to(m.expert_bias.dtype) * m.config.expert_bias_rate)
+        m.step_load, m.expert_load = load, None
+
+
+def reset_expert_load(layers: Iterable[MoEFeedForward]) -> None:
+    """Forget the loads counted since the last `update_expert_bias` (a step starts: evaluation
+    forwards or an unfinished step are not its load)."""
+    for m in layers:
+        m.expert_load = None
+
+
 class MoEFeedForward(nn.Module):
     """Router + experts (+ shared experts); see the module doc. Expert ``e`` is ``experts[str(e)]``:
     expert parallelism keeps only this rank's, and the parameter names stay the single-process
-    ones."""
+    ones. With ``shared_gate`` the layer has ``shared_gate`` (a bias-free [1, dim] linear); with
+    ``expert_bias`` a persistent fp32 buffer ``expert_bias`` [E] (zeros at init: `init_buffers`),
+    checkpointed with the parameters."""
 
     def __init__(
         self,
@@ -425,10 +583,30 @@ class MoEFeedForward(nn.Module):
             }
         )
         self.shared = (
-            FeedForward(dim, hidden * config.shared_experts, device=device, dtype=dtype)
+            FeedForward(
+                dim,
+                config.shared_hidden or hidden * config.shared_experts,
+                device=device,
+                dtype=dtype,
+            )
             if config.shared_experts
             else None
         )
+        self.shared_gate = (
+            Linear(dim, 1, bias=False, device=device, dtype=dtype) if config.shared_gate else None
+        )
+        self.register_buffer(
+            "expert_bias",
+            torch.zeros(config.experts, dtype=torch.float32, device=device)
+            if config.expert_bias
+            else None,
+        )
+        # assignments chosen per expert (int64 [E]) since the last `update_expert_bias`, and the
+        # sums (over the ranks) that update read
+        self.expert_load: torch.Tensor | None = None
+        self.step_load: torch.Tensor | None = None
+        # aux_convention hf: the pool this layer's model shares (`share_aux_pool`); its own alone
+        self.aux_pool = AuxPool()
         self.exchange: Callable[[RunExperts, torch.Tensor, torch.Tensor], torch.Tensor] = (
             LocalExperts()
         )
@@ -440,6 +618,13 @@ class MoEFeedForward(nn.Module):
         self.stats: MoEStats | None = None
         # how the experts run on their groups; None: `default_experts` for their device and dtype
         self.strategy: ExpertsStrategy | None = None
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The expert bias starts at zero (a checkpoint or a Hugging Face directory may load
+        another)."""
+        if self.expert_bias is not None and self.expert_bias.device.type != "meta":
+            self.expert_bias.zero_()
 
     def run_experts(
         self, tokens: torch.Tensor, sizes: list[int], counts: torch.Tensor, first: int
@@ -459,19 +644,25 @@ class MoEFeedForward(nn.Module):
         balancing)."""
         c = self.config
         scores = logits.softmax(dim=-1) if c.score == "softmax" else logits.sigmoid()
-        choosable = scores
+        # auxiliary-loss-free balancing: the bias moves the choice; the weights stay the scores'
+        choosable = scores if self.expert_bias is None else scores + self.expert_bias
         if (
             c.group_limit is not None and c.group_limit < c.groups
         ):  # device-limited: the best groups only
-            grouped = scores.view(scores.shape[0], c.groups, -1)
+            grouped = choosable.view(scores.shape[0], c.groups, -1)
             group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
             keep = torch.zeros_like(group_score, dtype=torch.bool)
             keep.scatter_(1, group_score.topk(c.group_limit, dim=-1).indices, True)
+            # The other groups' experts at -inf: never chosen. Hugging Face's DeepSeek-V3 fills
+            # 0.0 (its GLM-4-MoE -inf), which differs only when a kept expert's biased score is
+            # negative: a masked expert would then outrank it.
             choosable = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
         experts = choosable.topk(c.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if c.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.routed_scaling != 1.0:
+            weights = weights * c.routed_scaling
         probs = scores if c.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return weights, experts, probs
 
@@ -518,18 +709,61 @@ class MoEFeedForward(nn.Module):
         weighted = y * flat_weights[:rows].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(t).index_add(0, token_of[:rows], weighted)
         if self.shared is not None:
-            out = out + self.shared(t)
+            shared = self.shared(t)
+            if self.shared_gate is not None:  # Qwen2-MoE: gated per token
+                shared = torch.sigmoid(self.shared_gate(t)) * shared
+            out = out + shared
 
-        # Load balancing over the tokens `balance` covers: f from (all-reduced) routing counts, P
-        # from this rank's probabilities; scaled by the number of ranks so that the mean over ranks
-        # of their aux is the global aux.
-        chosen = torch.zeros(c.experts, device=t.device).scatter_add_(
-            0, flat_experts, ones.to(torch.float32)
-        )
-        chosen, total, ranks = self.balance(chosen, chosen.new_full((), float(n_tokens)))
-        f = chosen / (total * c.top_k)
-        aux = c.experts * (f * probs.sum(dim=0)).sum() / total * ranks
+        # a forward of training, not its recomputation: what it counts, it counts once
+        first_run = torch.is_grad_enabled() and not ops.recomputing()
+        if first_run and self.expert_bias is not None and c.expert_bias_rate > 0:
+            load = torch.zeros(c.experts, dtype=torch.long, device=t.device)
+            load = load.scatter_add_(0, flat_experts, ones)  # the selection, dropped ones too
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
+        if c.aux_convention == "hf":
+            aux, own, total, ranks = self._hf_aux(logits, experts, probs, n_tokens, first_run)
+        else:
+            # Load balancing over the tokens `balance` covers: f from (all-reduced) routing counts,
+            # P from this rank's probabilities; scaled by the number of ranks so that the mean over
+            # ranks of their aux is the global aux.
+            chosen = torch.zeros(c.experts, device=t.device).scatter_add_(
+                0, flat_experts, ones.to(torch.float32)
+            )
+            chosen, total, ranks = self.balance(chosen, chosen.new_full((), float(n_tokens)))
+            f = chosen / (total * c.top_k)
+            aux = own = c.experts * (f * probs.sum(dim=0)).sum() / total * ranks
         z = logits.logsumexp(dim=-1).pow(2).sum() / total * ranks
         out = _AuxGrad.apply(out, c.aux_loss_coef * aux + c.z_loss_coef * z, self.aux_grad_scale)
-        self.stats = MoEStats(counts.detach(), (~kept).sum().detach(), aux.detach(), z.detach())
+        self.stats = MoEStats(counts.detach(), (~kept).sum().detach(), own.detach(), z.detach())
         return out.view(shape)
+
+    def _hf_aux(
+        self,
+        logits: torch.Tensor,
+        experts: torch.Tensor,
+        probs: torch.Tensor,
+        n_tokens: int,
+        first_run: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Hugging Face's load-balancing loss (``aux_convention`` hf; `_PooledAux`): the top k of
+        the softmax of the logits counted (whatever the score function, groups or bias), P the
+        softmax, both over the tokens `balance` covers; pooled over the model's layers through
+        `aux_pool`. Returns (the loss's differentiable stand-in, this layer's own loss
+        E·Σ_e (c_e/T)·(S_e/T) for the metrics, the tokens T, the ranks)."""
+        c = self.config
+        soft = probs if c.score == "softmax" else logits.softmax(dim=-1)
+        plain = (
+            c.score == "softmax" and self.expert_bias is None and c.group_limit in (None, c.groups)
+        )
+        picked = experts if plain else soft.topk(c.top_k, dim=-1).indices  # routing's if the same
+        chosen = torch.zeros(c.experts, device=logits.device).scatter_add_(
+            0, picked.reshape(-1), torch.ones(picked.numel(), device=logits.device)
+        )
+        chosen, total, ranks = self.balance(chosen, chosen.new_full((), float(n_tokens)))
+        prob_sum = soft.sum(dim=0)
+        own = c.experts * (chosen / total * prob_sum / total).sum() * ranks
+        if not torch.is_grad_enabled():
+            return own, own, total, ranks
+        # (a recomputation's stand-in is never backwarded: the forward's carries the gradient)
+        record = self.aux_pool.add(self, chosen, total) if first_run else self.aux_pool.record
+        return _PooledAux.apply(prob_sum, record, ranks), own, total, ranks

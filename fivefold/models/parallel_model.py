@@ -70,10 +70,11 @@ class ParallelModel(Protocol):
         ...
 
     def step(self, max_norm: float | None, check_finite: bool = False) -> torch.Tensor | None:
-        """Clip by the global norm and step every engine together; returns the norm (0-d, on the
-        device) when one was computed. ``check_finite``: raise `NonFiniteGradient` on every rank
-        instead of applying it — at once, or, where the optimizers skip the step on the device,
-        when the trainer next reads ``finite_watch``."""
+        """Clip by the global norm and step every engine together, then update the MoE layers'
+        expert bias from the step's loads (`moe.update_expert_bias`, summed over `loss_comm`);
+        returns the norm (0-d, on the device) when one was computed. ``check_finite``: raise
+        `NonFiniteGradient` on every rank instead of applying it — at once, or, where the
+        optimizers skip the step on the device, when the trainer next reads ``finite_watch``."""
         ...
 
     def global_loss(self, local: torch.Tensor) -> torch.Tensor:

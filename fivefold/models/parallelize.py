@@ -22,7 +22,7 @@ from fivefold.formulas import bubble_formula
 from fivefold.materialize import materialize
 from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
-from fivefold.models.moe import MoEFeedForward
+from fivefold.models.moe import MoEFeedForward, reset_expert_load, update_expert_bias
 from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
 from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
 from fivefold.observe.memory import model_state_bytes
@@ -356,14 +356,15 @@ class _Parts:
         return [g for e in self.engines.values() for g in e.param_groups]
 
     def step(self, max_norm: float | None, check_finite: bool = False) -> torch.Tensor | None:
-        """Clip and step every engine together; ``check_finite``: stop (`NonFiniteGradient`, on
-        every rank) instead of applying a non-finite gradient."""
+        """Clip and step every engine together, then move the MoE layers' expert bias (auxiliary-
+        loss-free balancing, `_update_expert_bias`); ``check_finite``: stop (`NonFiniteGradient`,
+        on every rank) instead of applying a non-finite gradient."""
         comms = {
             d: self.mesh.comm(d)
             for d in ("tp", "pp", "ep")
             if d != "ep" or self.mesh.size("ep") > 1
         }
-        return step_together(
+        norm = step_together(
             list(self.engines.values()),
             max_norm,
             comms,
@@ -371,6 +372,21 @@ class _Parts:
             self.mesh.world if check_finite else None,
             self.finite_watch,
         )
+        self._update_expert_bias()
+        return norm
+
+    def _update_expert_bias(self) -> None:
+        """Auxiliary-loss-free balancing after the optimizer step (`moe.update_expert_bias`): this
+        rank's MoE layers (its stages' under pp) move their expert bias by the step's loads summed
+        over dp × cp (`loss_comm`, the group `GlobalBalance` sums over; it contains the ep group),
+        in one all-reduce for all of them: the same update on every rank of the group."""
+        layers = [m for module in self.modules() for m in _moe_layers(module)]
+        comm = self.loss_comm
+
+        def all_reduce(loads: torch.Tensor) -> None:
+            comm.all_reduce(loads, tag="moe_expert_bias")
+
+        update_expert_bias(layers, all_reduce if comm.size > 1 else None)
 
     def gather_timeline(self) -> None:
         """Only a pipeline has a timeline to gather."""
@@ -528,6 +544,7 @@ class WholeModel(_Parts):
         n = len(micro_batches)
         documents = documents or [None] * n
         set_aux_grad_scale([self.module], 1.0 / n)
+        reset_expert_load(_moe_layers(self.module))  # the step's load: its micro-batches
         loss_sum = self.loss_comm.scalar(0.0)  # all-reduced for the metrics
         for i, ((x, y), docs) in enumerate(zip(micro_batches, documents, strict=True)):
             defer = self.cfg.zero.defer_reduce and i < n - 1
@@ -625,6 +642,7 @@ class PipelinedModel(_Parts):
         loss_weight: float = 1.0,
     ) -> torch.Tensor:
         set_aux_grad_scale(self.stages.values(), 1.0 / len(micro_batches))
+        reset_expert_load(m for stage in self.stages.values() for m in _moe_layers(stage))
         loss = pipeline_forward_backward(
             self.runtime,
             self.engines,

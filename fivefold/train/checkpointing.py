@@ -414,9 +414,20 @@ def _set_accelerator_rng(device: torch.device, state: Any) -> None:
 
 
 # What the weights' shapes depend on: a checkpoint is of this model when these agree (max_seq_len,
-# which grows with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor).
+# which grows with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor;
+# the shared experts' width and gate and the expert bias do: a checkpoint from before they existed
+# has none of them, and is not compared on them).
 SHAPE_FIELDS = (*WEIGHT_SIZES, "tie_embeddings", "attention_head_dim")
-MOE_SHAPE_FIELDS = ("experts", "top_k", "shared_experts", "hidden", "every")
+MOE_SHAPE_FIELDS = (
+    "experts",
+    "top_k",
+    "shared_experts",
+    "hidden",
+    "every",
+    "shared_hidden",
+    "shared_gate",
+    "expert_bias",
+)
 
 
 def check_model_matches(path: Path, meta: dict[str, Any], model: dict[str, Any]) -> None:
