@@ -96,21 +96,21 @@ def _meta_counts(config) -> tuple[int, int]:
     return total, int(active)
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "deepseek-v3-like"])
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "deepseek-v3"])
 def test_param_counts_equal_the_meta_model_for_every_preset(name):
     config = get_config(name)
     assert param_counts(config) == _meta_counts(config)
 
 
-def test_param_counts_of_deepseek_v3_like_by_its_blocks():
-    """61 blocks of 256 experts take seconds on meta: 2 and 3 blocks are counted there, and the count is affine in
-    the blocks (every block alike), so 61 follows."""
-    c2, c3 = (get_config("deepseek-v3-like", n_layers=n) for n in (2, 3))
-    assert param_counts(c2) == _meta_counts(c2) and param_counts(c3) == _meta_counts(c3)
-    per_block = [b - a for a, b in zip(param_counts(c2), param_counts(c3))]
-    assert param_counts(get_config("deepseek-v3-like")) == tuple(a + 59 * d for a, d in zip(param_counts(c2),
-                                                                                             per_block))
-    assert param_counts(get_config("deepseek-v3-like"))[0] == 699_548_136_448  # the preset's 699.5B
+def test_param_counts_of_deepseek_v3_by_its_blocks():
+    """61 blocks of 256 experts take seconds on meta: 4 and 5 blocks (3 dense, then MoE) are counted there, and the
+    count is affine in the MoE blocks (every one alike), so 61 follows."""
+    c4, c5 = (get_config("deepseek-v3", n_layers=n) for n in (4, 5))
+    assert param_counts(c4) == _meta_counts(c4) and param_counts(c5) == _meta_counts(c5)
+    per_block = [b - a for a, b in zip(param_counts(c4), param_counts(c5))]
+    assert param_counts(get_config("deepseek-v3")) == tuple(a + 57 * d for a, d in zip(param_counts(c4),
+                                                                                        per_block))
+    assert param_counts(get_config("deepseek-v3"))[0] == 666_776_728_576  # the preset's 666.8B
 
 
 @pytest.mark.parametrize("overrides", [
@@ -217,9 +217,12 @@ LAYOUTS = [
     (["--preset", "small", "--precision.param", "bf16", "--precision.reduce", "fp32"], 2),
     (["--preset", "tiny-moe", "--parallel.ep", "2", "--zero", "3"], 4),
     (["--preset", "small-moe", "--parallel.ep", "2", "--zero", "2", "--model.moe.shared_experts", "1"], 2),
-    (["--preset", "deepseek-v3-like", "--model.n_layers", "2", "--parallel.ep", "2", "--zero", "1",
+    (["--preset", "deepseek-v3", "--model.n_layers", "2", "--model.moe.first_dense", "0", "--parallel.ep", "2",
+      "--zero", "1",
       "--train.micro_batch", "1", "--train.seq_len", "64"], 2),
     (["--preset", "tiny", "--parallel.tp", "2", "--parallel.sp", "true", "--zero", "3"], 4),
+    (["--preset", "tiny-qwen3", "--parallel.tp", "2", "--model.attention_bias", "all", "--zero", "3"], 2),
+    (["--preset", "tiny-deepseek-v3", "--parallel.ep", "2", "--zero", "1", "--model.rotary_dim", "16"], 2),
     (["--preset", "tiny", "--parallel.cp", "2", "--zero", "2", "--model.tie_embeddings", "true"], 4),
     (["--preset", "tiny", "--parallel.cp", "2", "--zero", "1", "--data.documents", "mask"], 2),  # + whole RoPE
     (["--preset", "small", "--parallel.dp_replicate", "2", "--zero", "3", "--zero.hpz", "2"], 8),
@@ -256,7 +259,7 @@ def test_in_flight_beyond_the_simulated_micro_batches(schedule, virtual):
 
 
 def test_prediction_of_huge_shapes_takes_no_time():
-    for args in (["--preset", "llama3-405b"], ["--preset", "deepseek-v3-like"], ["--model.n_layers", "10000"],
+    for args in (["--preset", "llama3-405b"], ["--preset", "deepseek-v3"], ["--model.n_layers", "10000"],
                  ["--preset", "llama3-405b", "--parallel.pp", "2", "--train.grad_accum", "512", "--zero", "3"]):
         cfg, plan = _plan(args)
         fits._ENGINES.clear()

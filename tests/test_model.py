@@ -21,14 +21,21 @@ from fivefold.models.llama import Attention, Llama, precompute_rope
 
 def expected_params(c: LlamaConfig) -> int:
     """Parameter count from the shapes alone (independent of the module code)."""
-    hd = c.dim // c.n_heads
+    hd = c.head_dim
     attention = c.dim * hd * (2 * c.n_heads + 2 * c.n_kv_heads)  # wq, wo + wk, wv
+    attention += {"off": 0, "qkv": hd * (c.n_heads + 2 * c.n_kv_heads)}.get(
+        c.attention_bias, hd * (c.n_heads + 2 * c.n_kv_heads) + c.dim)  # biases (all: wo's too)
+    attention += 2 * hd if c.qk_norm else 0  # q_norm, k_norm
     dense_ffn = 3 * c.dim * c.ffn_hidden
     ffn = [dense_ffn] * c.n_layers
     if c.moe is not None:  # MoE blocks: router + experts (+ shared experts), each a SwiGLU of the expert hidden size
-        hidden = c.moe.hidden or c.ffn_hidden
-        moe_ffn = c.dim * c.moe.experts + (c.moe.experts + c.moe.shared_experts) * 3 * c.dim * hidden
-        ffn = [moe_ffn if i % c.moe.every == c.moe.every - 1 else dense_ffn for i in range(c.n_layers)]
+        m = c.moe
+        hidden = m.hidden or c.ffn_hidden
+        shared = (m.shared_hidden or m.shared_experts * hidden) if m.shared_experts else 0
+        moe_ffn = c.dim * m.experts + m.experts * 3 * c.dim * hidden + 3 * c.dim * shared
+        moe_ffn += c.dim if m.shared_gate else 0
+        ffn = [moe_ffn if i >= m.first_dense and i % m.every == m.every - 1 else dense_ffn
+               for i in range(c.n_layers)]
     per_layer = attention + 2 * c.dim  # + two RMSNorm weights
     embeddings = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
     return c.n_layers * per_layer + sum(ffn) + embeddings + c.dim  # + final norm

@@ -697,10 +697,10 @@ def write_config(c: LlamaConfig, family: Family) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
         **family.write(c),
     }
-    if c.rotary_dim is not None:
-        fraction = c.rotary_dim / c.head_dim
-        out["partial_rotary_factor"] = fraction
-        out["rope_parameters"]["partial_rotary_factor"] = fraction
+    # always written: a family's own default may be partial (GLM-4.5's is 0.5)
+    fraction = c.rope_dim / c.head_dim
+    out["partial_rotary_factor"] = fraction
+    out["rope_parameters"]["partial_rotary_factor"] = fraction
     if (
         c.rope_scaling is not None
     ):  # both spellings: transformers < 5 reads rope_scaling, 5 the other
@@ -712,7 +712,11 @@ def write_config(c: LlamaConfig, family: Family) -> dict[str, Any]:
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position,
         }
-        out["rope_parameters"] = {**out["rope_scaling"], "rope_theta": c.rope_theta}
+        out["rope_parameters"] = {
+            **out["rope_scaling"],
+            "rope_theta": c.rope_theta,
+            "partial_rotary_factor": fraction,
+        }
     return out
 
 

@@ -195,13 +195,13 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-405b": LlamaConfig(
         dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_L3
     ),  # 405.85B
-    # DeepSeek-V3's shape (arXiv 2412.19437) with this file's blocks: 61 blocks of width 7168, 256
-    # routed experts of hidden 2048 (top 8, sigmoid scores) + 1 shared, vocabulary 129280. Not V3
-    # itself: GQA (56 heads of 128, 8 kv heads) instead of MLA, every block MoE (V3's first 3 are
-    # dense), no MTP, no node-limited routing (fivefold's device-limited routing needs a group per
-    # rank: set --model.moe.groups / group_limit with ep). 699.5B parameters, ~37B active per token:
-    # for planning (`fivefold plan`).
-    "deepseek-v3-like": LlamaConfig(
+    # DeepSeek-V3 (arXiv 2412.19437) with this file's blocks: 61 blocks of width 7168, the first 3
+    # dense (hidden 18432), then 256 routed experts of hidden 2048 (top 8 of sigmoid scores,
+    # renormalised, × 2.5) + 1 shared, node-limited routing (8 groups, a token's experts from the
+    # best 4), the aux-loss-free expert bias, a 1e-4 balance loss (V3's is per sequence, this one
+    # per batch), vocabulary 129280. Not V3 itself: GQA (56 heads of 128, 8 kv heads) instead of
+    # MLA, no MTP. 666.7B parameters, ~37B active per token: for planning (`fivefold plan`).
+    "deepseek-v3": LlamaConfig(
         vocab_size=129280,
         dim=7168,
         n_layers=61,
@@ -209,11 +209,101 @@ PRESETS: dict[str, LlamaConfig] = {
         n_kv_heads=8,
         ffn_hidden=18432,
         max_seq_len=4096,
+        norm_eps=1e-6,
         moe=MoEConfig(
-            experts=256, top_k=8, score="sigmoid", shared_experts=1, hidden=2048, aux_loss_coef=1e-4
+            experts=256,
+            top_k=8,
+            score="sigmoid",
+            shared_experts=1,
+            hidden=2048,
+            aux_loss_coef=1e-4,
+            first_dense=3,
+            groups=8,
+            group_limit=4,
+            routed_scaling=2.5,
+            expert_bias=True,
         ),
     ),
+    # Published shapes of the other families (their config.json on the Hugging Face hub), for
+    # planning; `fivefold export` writes each as its own family.
+    "qwen2.5-7b": LlamaConfig(  # 7.62B: q/k/v biases
+        vocab_size=152064,
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_hidden=18944,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        attention_bias="qkv",
+    ),
+    "qwen3-30b-a3b": LlamaConfig(  # 30.5B, 3.3B active: q/k norms, 128 experts of 768, top 8
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        attention_head_dim=128,
+        ffn_hidden=6144,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        qk_norm=True,
+        moe=MoEConfig(experts=128, top_k=8, hidden=768, aux_loss_coef=0.001),
+    ),
+    "mixtral-8x7b": LlamaConfig(  # 46.7B, 12.9B active: 8 experts of 14336, top 2
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        moe=MoEConfig(experts=8, top_k=2, aux_loss_coef=0.02),
+    ),
 }
+# Small versions of each family (byte vocabulary), for tests and examples: tiny's shape with the
+# family's options
+_TINY = dict(zip(_SMALL_COLUMNS[:-1], _SMALL_SHAPES["tiny"][:-1]))
+_TINY_MOE = dict(zip(_SMALL_COLUMNS[:-1], _SMALL_SHAPES["tiny-moe"][:-1]))
+PRESETS.update(
+    {
+        "tiny-qwen2": LlamaConfig(**_TINY, attention_bias="qkv"),
+        "tiny-qwen3": LlamaConfig(**_TINY, qk_norm=True),
+        "tiny-mistral": LlamaConfig(**_TINY, sliding_window=64),
+        "tiny-mixtral": LlamaConfig(**_TINY_MOE, moe=MoEConfig(experts=8, top_k=2)),
+        "tiny-qwen2-moe": LlamaConfig(
+            **_TINY_MOE,
+            attention_bias="qkv",
+            moe=MoEConfig(
+                experts=8,
+                top_k=2,
+                norm_topk=False,
+                shared_experts=1,
+                shared_hidden=384,
+                shared_gate=True,
+            ),
+        ),
+        "tiny-qwen3-moe": LlamaConfig(**_TINY_MOE, qk_norm=True, moe=MoEConfig(experts=8, top_k=2)),
+        "tiny-deepseek-v3": LlamaConfig(
+            **_TINY_MOE,
+            moe=MoEConfig(
+                experts=8,
+                top_k=2,
+                score="sigmoid",
+                shared_experts=1,
+                first_dense=1,
+                groups=4,
+                group_limit=2,
+                routed_scaling=2.5,
+                expert_bias=True,
+                aux_loss_coef=0.0,
+            ),
+        ),
+    }
+)
 
 
 def get_config(name: str, **overrides: object) -> LlamaConfig:

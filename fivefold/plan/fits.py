@@ -170,12 +170,19 @@ def _stage_engines(
     tp_dims = pp | ({"tp"} if tp > 1 else set())  # a TP-sliced parameter's placement
     weight, norm = _key(False, tp_dims), _key(True, pp)
     hd = m.head_dim
+    bias = _key(True, tp_dims)  # a column layer's bias: sliced, not decayed
+    qkv_bias = m.attention_bias != "off"
     attention = [
         (m.dim, norm),
         (m.n_heads * hd // tp * m.dim, weight),
+        *([(m.n_heads * hd // tp, bias)] if qkv_bias else []),
         (m.n_kv_heads * hd // tp * m.dim, weight),
+        *([(m.n_kv_heads * hd // tp, bias)] if qkv_bias else []),
         (m.n_kv_heads * hd // tp * m.dim, weight),
+        *([(m.n_kv_heads * hd // tp, bias)] if qkv_bias else []),
         (m.dim * m.n_heads * hd // tp, weight),
+        *([(m.dim, norm)] if m.attention_bias == "all" else []),  # wo's: replicated
+        *([(hd, norm), (hd, norm)] if m.qk_norm else []),  # q_norm, k_norm: replicated
         (m.dim, norm),
     ]
     dense_block = attention + [(m.ffn_hidden // tp * m.dim, weight)] * 3
@@ -184,9 +191,9 @@ def _stage_engines(
     if m.moe is not None:  # tp is 1 with MoE (validate)
         hidden = m.moe.hidden or m.ffn_hidden
         moe_block = attention + [(m.moe.experts * m.dim, weight)]  # + the router
-        moe_block += [(hidden * m.moe.shared_experts * m.dim, weight)] * (
-            3 if m.moe.shared_experts else 0
-        )
+        shared = m.moe.shared_hidden or hidden * m.moe.shared_experts
+        moe_block += [(shared * m.dim, weight)] * (3 if m.moe.shared_experts else 0)
+        moe_block += [(m.dim, weight)] if m.moe.shared_gate else []  # [1, D]: decayed
         experts_per_rank, expert_numel = m.moe.experts // dims.ep, m.dim * hidden
     first, last = stage_id == 0, stage_id == n_stages - 1
     embedding = [(m.vocab_size // tp * m.dim, _key(True, tp_dims))] if first else []
@@ -367,7 +374,9 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     rows = cfg.train.seq_len // dims.cp if dims.cp > 1 else m.max_seq_len
     if dims.cp > 1 and cfg.data.documents == "mask":
         rows += m.max_seq_len
-    transient["model buffers"] = len(stage_ids) * 2 * rows * m.head_dim * 4
+    transient["model buffers"] = len(stage_ids) * 2 * rows * m.rope_dim * 4
+    if m.moe is not None and m.moe.expert_bias:  # the aux-loss-free bias: E fp32 per MoE layer
+        transient["model buffers"] += n_moe * m.moe.experts * 4
     held = _held(m, dims, stage_ids, n_stages, ranges)
     return RankMemory(
         pp_rank,
@@ -387,13 +396,21 @@ def _held(
     sum."""
     tp, hd = dims.tp, m.head_dim
     attention = 2 * m.dim + 2 * m.n_heads * hd // tp * m.dim + 2 * m.n_kv_heads * hd // tp * m.dim
+    if m.attention_bias != "off":  # q, k, v's sliced with their layers; wo's replicated
+        attention += (m.n_heads + 2 * m.n_kv_heads) * hd // tp
+        attention += m.dim if m.attention_bias == "all" else 0
+    attention += 2 * hd if m.qk_norm else 0
     dense = attention + 3 * m.ffn_hidden // tp * m.dim
     moe = 0
     if m.moe is not None:
         hidden = m.moe.hidden or m.ffn_hidden
-        moe = attention + m.dim * (
-            m.moe.experts + 3 * hidden * (m.moe.shared_experts + m.moe.experts // dims.ep)
+        shared = (
+            (m.moe.shared_hidden or hidden * m.moe.shared_experts) if m.moe.shared_experts else 0
         )
+        moe = attention + m.dim * (
+            m.moe.experts + 3 * shared + 3 * hidden * (m.moe.experts // dims.ep)
+        )
+        moe += m.dim if m.moe.shared_gate else 0
     total = 0
     for sid in stage_ids:
         n_moe = sum(1 for i in ranges[sid] if m.is_moe_block(i))
@@ -577,7 +594,7 @@ def _predict(
     )  # global rank = pp · (dp · cp · tp) + ...: pp outermost
     pps = tuple(r // per_pp for r in ranks)
     rope = (
-        ROPE_BUILD_BYTES * run.model.max_seq_len * run.model.head_dim
+        ROPE_BUILD_BYTES * run.model.max_seq_len * run.model.rope_dim
     )  # all positions, then cp's are kept
     return _Prediction(
         {p: predict_rank(cfg, run, p) for p in set(pps)}, pps, cpu, rope, baseline if cpu else 0
