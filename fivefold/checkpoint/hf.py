@@ -283,7 +283,7 @@ def export_checkpoint(
         cast = torch.float32 if n.endswith("expert_bias") else dtype
         add(hf_name(n, fam), buf[f"model.{n}"].to(cast))
     for hf, experts in zeros.items():
-        add(hf, torch.zeros(experts, dtype=torch.float32))
+        add(hf, torch.zeros(experts, dtype=torch.float32, device="cpu"))
     flush()
     if len(files) == 1:  # one file: HF's plain name, no index
         (out / files[0][0]).rename(out / "model.safetensors")
