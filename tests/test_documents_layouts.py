@@ -5,7 +5,9 @@ every few tokens, the loss not taken across a boundary: ``loss_across_documents`
 weight rows / targets kept) with attention masked per document under DDP, ZeRO-2, ZeRO-3 with full
 recompute, ZeRO-Offload, tp 2 with SP and selective recompute, pp 2 (1F1B, ZB-H1, interleaved),
 cp 2 (zig-zag and contiguous: ring attention skipping and masking blocks), MoE ep 2, and at world
-4 dp × tp with ZeRO-3, pp × dp, pp × tp with SP, HSDP and dp × cp with ZeRO-3 — each against a
+4 dp × tp with ZeRO-3, pp × dp, pp × tp with SP, HSDP and dp × cp with ZeRO-3, and the model families' options
+where they meet a dimension (q/k norms under cp and tp + SP, wo's bias under SP, a sliding window under pp, a gated
+shared expert with q/k/v biases under ep + ZeRO-3) — each against a
 single-process reference of the same masked training held to the bound tests/tolerance.py derives. tests/test_documents.py shows the single-process
 masked model equals each document run alone, so every layout here does too. The reference with
 attention across documents trains differently (the comparison can fail)."""
@@ -40,7 +42,23 @@ LAYOUTS = {  # name: (world, mesh dims, preset, config: zero stage and what else
     "pp2-tp2-sp": (4, dict(pp=2, tp=2), "tiny", dict(zero=1)),
     "hsdp-dp4-replicate2-zero2": (4, dict(dp=4, dp_replicate=2), "tiny", dict(zero=2)),
     "dp2-cp2-zero3": (4, dict(dp=2, cp=2), "tiny", dict(zero=3)),
+    # the model families' options (docs/design.md#model-families) in the layouts they touch: per-head q/k norms
+    # beside ring attention and under tp with SP (their gradient summed over tp; wo's bias too), a sliding window
+    # shorter than the documents through the pipeline, a gated shared expert and q/k/v biases under ep with ZeRO-3
+    "qwen3-cp2": (2, dict(cp=2), "tiny-qwen3", dict(zero=1)),
+    "qwen3-biased-tp2-sp": (2, dict(tp=2), "tiny-qwen3+bias", dict(zero=2)),
+    "mistral-window-pp2": (2, dict(pp=2), "tiny-mistral+w6", dict(zero=1)),
+    "qwen2-moe-ep2-zero3": (2, dict(dp=2, ep=2), "tiny-qwen2-moe", dict(zero=3)),
 }
+# a preset with options laid over it: "preset+name"
+VARIANTS = {"bias": dict(attention_bias="all"), "w6": dict(sliding_window=6)}
+
+
+def _model(preset: str):
+    from fivefold.models import get_config
+
+    name, _, variant = preset.partition("+")
+    return get_config(name, **VARIANTS.get(variant, {}))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,14 +79,13 @@ def _weight(y: torch.Tensor) -> float:
 def _reference(preset: str, dp: int, masked: bool = True) -> dict:
     """Single-process training as every layout trains (tests/dist_utils.trainer_reference's optimizer and
     micro-batches), attention masked per document (or not), the loss weighted as the trainer weighs it."""
-    from fivefold.models import get_config
     from fivefold.models.documents import find_documents
     from fivefold.models.llama import Llama
     from fivefold.models.parallelize import set_aux_grad_scale
     from fivefold.tensor_parallel.loss import row_mean_cross_entropy
 
     t = Config().train
-    net = Llama(get_config(preset), seed=t.seed)
+    net = Llama(_model(preset), seed=t.seed)
     decay = [p for n, p in net.named_parameters() if p.ndim >= 2 and n != "tok_embeddings.weight"]
     no_decay = [p for p in net.parameters() if all(p is not d for d in decay)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
@@ -95,7 +112,6 @@ def _reference(preset: str, dp: int, masked: bool = True) -> dict:
 
 def _train(name: str) -> dict:
     from fivefold.distributed.mesh import ParallelDims, ParallelMesh
-    from fivefold.models import get_config
     from fivefold.models.parallelize import parallelize
 
     _, dims, preset, o = LAYOUTS[name]
@@ -109,7 +125,7 @@ def _train(name: str) -> dict:
     cfg.parallel.cp_layout, cfg.parallel.sp = o.get("cp_layout", "zigzag"), dims.get("tp", 1) > 1
     cfg.pipeline.schedule, cfg.pipeline.virtual = o.get("schedule", "1f1b"), o.get("virtual", 1)
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
-    parts = parallelize(cfg, get_config(preset), mesh, "cpu", documents_eos=EOS)
+    parts = parallelize(cfg, _model(preset), mesh, "cpu", documents_eos=EOS)
     dp = mesh.comm("dp")
     losses = []
     for step in range(STEPS):
