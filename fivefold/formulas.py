@@ -284,6 +284,13 @@ def tp_comm_formula(
     }
 
 
+def window_mask_bytes(seq_len: int, window: int | None, dtype_bytes: int) -> int:
+    """The sliding window's additive mask SDPA keeps for backward: one [L, L] in the compute dtype
+    shared by every layer (`models.llama.window_bias`); none when the window covers the sequence
+    (docs/design.md#model-families)."""
+    return seq_len * seq_len * dtype_bytes if window is not None and window < seq_len else 0
+
+
 def tp_comm_formula_text(sequence_parallel: bool) -> str:
     """`tp_comm_formula` in words, for tables."""
     if not sequence_parallel:

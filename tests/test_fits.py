@@ -222,6 +222,7 @@ LAYOUTS = [
       "--train.micro_batch", "1", "--train.seq_len", "64"], 2),
     (["--preset", "tiny", "--parallel.tp", "2", "--parallel.sp", "true", "--zero", "3"], 4),
     (["--preset", "tiny-qwen3", "--parallel.tp", "2", "--model.attention_bias", "all", "--zero", "3"], 2),
+    (["--preset", "tiny-mistral", "--train.seq_len", "128", "--zero", "1"], 2),  # + the window's mask
     (["--preset", "tiny-deepseek-v3", "--parallel.ep", "2", "--zero", "1", "--model.rotary_dim", "16"], 2),
     (["--preset", "tiny", "--parallel.cp", "2", "--zero", "2", "--model.tie_embeddings", "true"], 4),
     (["--preset", "tiny", "--parallel.cp", "2", "--zero", "1", "--data.documents", "mask"], 2),  # + whole RoPE

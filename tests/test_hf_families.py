@@ -137,7 +137,8 @@ def test_what_no_family_expresses_is_refused_naming_it():
                      (dict(model_type="gpt2"), "model_type='gpt2' is not a family"),
                      (dict(model_type="deepseek_v3"), "multi-head latent attention"),
                      (dict(layer_types=["full_attention", "sliding_attention", "full_attention"],
-                           sliding_window=8), "a sliding window on 1 of 3 layers"),
+                           sliding_window=8, use_sliding_window=True), "a sliding window on 1 of 3 layers"),
+                     (dict(layer_types=["full_attention"], sliding_window=8), "layer_types has 1 entries"),
                      (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                            router_jitter_noise=0.1), "router_jitter_noise")):
         with pytest.raises(CheckpointError, match=why):
@@ -334,3 +335,78 @@ def test_the_byte_tokenizer_is_exported_as_one_transformers_reads(tmp_path):
     text = "héllo, wörld\n\t ~"
     assert hf_tok(text).input_ids == list(text.encode())  # id i is byte i
     assert hf_tok.decode(list(text.encode())) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# What a config.json leaves out, and the windows, read as transformers reads them.
+
+def _hf_windows(family: str, config) -> list:
+    """transformers' window per layer for `config` (its config class's post-init): the families with layer_types
+    read them, the others put config.sliding_window on every layer."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if family in ("qwen2", "qwen3", "qwen2_moe", "dots1") and types is not None:
+        return [config.sliding_window if t == "sliding_attention" else None for t in types]
+    return [getattr(config, "sliding_window", None) or None] * n
+
+
+# every family's default kv heads (4 to 32) divide 32 heads
+MINIMAL = dict(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=32)
+TOP2 = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+MINIMAL_MOE = {"mixtral": dict(num_experts_per_tok=2), "qwen2_moe": dict(num_experts=4, **TOP2),
+               "qwen3_moe": dict(num_experts=4, **TOP2), "glm4_moe": dict(n_routed_experts=4, head_dim=8, **TOP2),
+               "dots1": dict(n_routed_experts=4, n_shared_experts=1, **TOP2)}
+WINDOWS = [dict(sliding_window=6), dict(sliding_window=6, use_sliding_window=True),
+           dict(sliding_window=6, use_sliding_window=True, max_window_layers=0),
+           dict(sliding_window=6, max_window_layers=2), dict(sliding_window=None)]
+
+
+@pytest.mark.parametrize("family", SPECS)
+def test_a_minimal_config_is_read_with_transformers_defaults_and_windows(family):
+    """A config.json with only the sizes (and the keys each window case sets): fivefold's model is the one
+    transformers' config class makes of it — its defaults for what is left out, its window on every layer or none
+    (a window on some layers only is refused, as fivefold's is one for the model)."""
+    config_cls = getattr(transformers, SPECS[family][0])
+    for window in [{}] + ([] if family in ("llama", "glm4_moe") else WINDOWS):  # (no window there)
+        d = {"model_type": family, **MINIMAL, **MINIMAL_MOE.get(family, {}), **window}
+        full = json.loads(config_cls(**d).to_json_string())
+        windows = _hf_windows(family, config_cls(**d))
+        if len(set(windows)) > 1:  # transformers slides on some layers only
+            with pytest.raises(CheckpointError, match="a sliding window on"):
+                config_from_hf(d)
+            continue
+        got = config_from_hf(d)
+        assert got == config_from_hf(full), (family, window)  # the defaults are transformers' own
+        assert got.sliding_window == windows[0], (family, window, windows)
+
+
+def test_the_review_findings_stay_fixed(tmp_path):
+    """A Mixtral whose experts are narrower than ffn_hidden exports its experts' width; DeepSeek-V3 (read only) is
+    never written; decoder_sparse_step 0 is one line; a resumed checkpoint must have the families' options; a tensor
+    in a shard the index does not name is unused."""
+    import dataclasses
+
+    from fivefold.models.llama import get_config
+    from fivefold.models.moe import MoEConfig
+    from fivefold.train.checkpointing import check_model_matches
+
+    narrow = dataclasses.replace(get_config("tiny"), moe=MoEConfig(experts=4, top_k=2, hidden=16))
+    d = config_to_hf(narrow, torch.float32)
+    assert (d["model_type"], d["intermediate_size"]) == ("mixtral", 16)
+    back = config_from_hf(d)  # no dense block: the experts' width is Mixtral's intermediate_size
+    assert (back.moe.hidden or back.ffn_hidden) == 16 and back.moe.experts == 4
+    with pytest.raises(CheckpointError, match="deepseek_v3 is read, never written"):
+        config_to_hf(get_config("tiny-deepseek-v3"), torch.float32, FAMILIES["deepseek_v3"])
+    with pytest.raises(CheckpointError, match="decoder_sparse_step=0 must be at least 1"):
+        config_from_hf({"model_type": "qwen3_moe", **MINIMAL, "num_experts": 4, "decoder_sparse_step": 0})
+    saved = dataclasses.asdict(get_config("tiny-qwen2"))
+    with pytest.raises(CheckpointError, match="attention_bias='qkv' there, attention_bias='off' here"):
+        check_model_matches(tmp_path, {"model": saved}, dataclasses.asdict(get_config("tiny")))
+    from safetensors.torch import load_file, save_file
+
+    hf_model("qwen3").save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shard = tmp_path / "hf" / sorted(set(index["weight_map"].values()))[0]
+    save_file({**load_file(shard), "model.stray.weight": torch.zeros(2)}, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds 'model.stray.weight'"):
+        check_hf_weights(tmp_path / "hf", read_hf_config(tmp_path / "hf"))

@@ -338,3 +338,25 @@ def test_initial_values_on_the_cpu_are_the_seeded_cpu_stream() -> None:
     want = torch.empty(model.full_shapes()[name]).normal_(0.0, scale, generator=gen)
     assert torch.equal(model.initial_value(name, seed), want)
     assert torch.equal(model.initial_value(name, seed, torch.device("cpu")), want)
+
+
+def test_a_sliding_window_keeps_one_mask_for_all_layers():
+    """SDPA keeps its mask for backward: with a window the saved tensors grow by one [L, L] mask in the compute
+    dtype (`formulas.window_mask_bytes`), not one per layer, and a window covering the sequence costs nothing."""
+    from fivefold.formulas import window_mask_bytes
+
+    def saved_bytes(window):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        model = Llama(tiny(max_seq_len=512, sliding_window=window))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, 256, (1, 512))).sum()
+        return sum(storages.values())
+
+    plain = saved_bytes(None)
+    assert saved_bytes(64) - plain == window_mask_bytes(512, 64, 4) == 512 * 512 * 4
+    assert saved_bytes(512) == plain and window_mask_bytes(512, 512, 4) == 0

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fivefold.models.llama import LlamaConfig, RopeScaling
@@ -49,16 +49,20 @@ class Family:
     (down), ``shared_name`` the shared experts' module. ``read`` turns the family's own keys into
     `LlamaConfig` / `MoEConfig` fields (the keys every family shares are read by `read_config`),
     ``write`` the reverse; ``fits`` says what a model lacks to be written as this family (empty:
-    nothing; None: the family is read, never written)."""
+    nothing; None: the family is read, never written); ``defaults`` are its transformers config
+    class's values for the keys read, applied where a config.json leaves one out."""
 
     model_type: str
     architecture: str
     read: Callable[[_Keys], dict[str, Any]]
     write: Callable[[LlamaConfig], dict[str, Any]]
     fits: Callable[[LlamaConfig], list[str]] | None = None
+    # what transformers' config class assumes of a key a config.json leaves out (those read here)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
     moe_prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_name: str = "shared_experts"
+    router_bias: bool = False  # the router always holds e_score_correction_bias (DeepSeek-V3's)
 
 
 # -- reading config.json ---------------------------------------------------------------------------
@@ -150,32 +154,79 @@ def _rope(k: _Keys) -> dict[str, Any]:
     return out
 
 
-def _sliding(k: _Keys, n_layers: int) -> int | None:
-    """The window every layer uses, or None; a window on some layers only is refused (fivefold's
-    window is one for the model). Read from ``layer_types`` (transformers 5), else from Qwen2's
-    ``use_sliding_window`` / ``max_window_layers`` (layers from max_window_layers on slide), else
-    from ``sliding_window`` itself (Mistral, Mixtral)."""
-    window = k.get("sliding_window")
+# Each family's window per layer, as its transformers config derives it (None: full attention)
+
+
+def _windows_every_layer(k: _Keys, n: int) -> list[int | None]:
+    """Mistral, Mixtral: ``sliding_window`` on every layer (``layer_types`` ignored)."""
+    return [k.get("sliding_window")] * n
+
+
+def _windows_qwen(k: _Keys, n: int) -> list[int | None]:
+    """Qwen2, Qwen3: the window only with ``use_sliding_window``, on the layers ``layer_types``
+    names or else on those from ``max_window_layers`` on."""
+    window = k.get("sliding_window") if k.get("use_sliding_window") else None
+    start = k.integer("max_window_layers", n)
+    default = ["sliding_attention" if window is not None and i >= start else "" for i in range(n)]
+    return _by_types(k, n, window, default)
+
+
+def _windows_qwen2_moe(k: _Keys, n: int) -> list[int | None]:
+    """Qwen2-MoE: with ``use_sliding_window``, every other layer below ``max_window_layers``."""
+    use = bool(k.get("use_sliding_window"))
+    start = k.integer("max_window_layers", n)
+    default = ["sliding_attention" if use and (i + 1) % 2 and i < start else "" for i in range(n)]
+    return _by_types(k, n, k.get("sliding_window") if use else 0, default)
+
+
+def _windows_qwen3_moe(k: _Keys, n: int) -> list[int | None]:
+    """Qwen3-MoE: with ``use_sliding_window``, every layer."""
+    return [k.get("sliding_window") if k.get("use_sliding_window") else None] * n
+
+
+def _windows_dots1(k: _Keys, n: int) -> list[int | None]:
+    """dots.llm1: the layers ``layer_types`` names, or else those from ``max_window_layers`` on."""
+    window, start = k.get("sliding_window"), k.integer("max_window_layers", n)
+    default = ["sliding_attention" if window is not None and i >= start else "" for i in range(n)]
+    return _by_types(k, n, window, default)
+
+
+def _by_types(k: _Keys, n: int, window: Any, default: list[str]) -> list[int | None]:
     types = k.get("layer_types")
-    if types is not None:
-        sliding = [t == "sliding_attention" for t in types]
-        unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-        if unknown:
-            k.refuse(f"layer_types {unknown} (full_attention / sliding_attention only)")
-    elif "use_sliding_window" in k.d:
-        start = k.integer("max_window_layers", n_layers)
-        sliding = [bool(k.get("use_sliding_window")) and i >= start for i in range(n_layers)]
-    else:
-        sliding = [bool(window)] * n_layers
-    if not any(sliding):
-        return None
-    if not all(sliding):
+    if types is None:
+        types = default
+    elif not isinstance(types, list) or len(types) != n:
         k.refuse(
-            f"a sliding window on {sum(sliding)} of {len(sliding)} layers (fivefold's window is "
-            "the same in every layer)"
+            f"layer_types has {len(types) if isinstance(types, list) else types!r} entries "
+            f"for {n} layers"
+        )
+        return [None] * n
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "")})
+    if unknown:
+        k.refuse(f"layer_types {unknown} (full_attention / sliding_attention only)")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def _sliding(k: _Keys, windows: list[int | None]) -> int | None:
+    """The one window of every layer, or None; a window on some layers only (or differing) is
+    refused: fivefold's window is the same in every layer."""
+    if all(w is None for w in windows):
+        return None
+    if any(w != windows[0] for w in windows):
+        sliding = sum(w is not None for w in windows)
+        k.refuse(
+            f"a sliding window on {sliding} of {len(windows)} layers (fivefold's window is the "
+            "same in every layer)"
         )
         return None
-    return k.integer("sliding_window")
+    if isinstance(windows[0], bool) or not isinstance(windows[0], int) or windows[0] < 1:
+        k.refuse(f"sliding_window={windows[0]!r} on a sliding layer (a positive integer)")
+        return None
+    return windows[0]
+
+
+def _window(k: _Keys, rule: Any) -> int | None:
+    return _sliding(k, rule(k, k.integer("num_hidden_layers")))
 
 
 def _bias(k: _Keys, key: str, when_true: str) -> str:
@@ -189,19 +240,19 @@ def _read_llama(k: _Keys) -> dict[str, Any]:
 
 
 def _read_mistral(k: _Keys) -> dict[str, Any]:
-    return {"sliding_window": _sliding(k, k.integer("num_hidden_layers"))}
+    return {"sliding_window": _window(k, _windows_every_layer)}
 
 
 def _read_qwen2(k: _Keys) -> dict[str, Any]:
-    return {"attention_bias": "qkv", "sliding_window": _sliding(k, k.integer("num_hidden_layers"))}
+    return {"attention_bias": "qkv", "sliding_window": _window(k, _windows_qwen)}
+
+
+def _qwen3_attention(k: _Keys) -> dict[str, Any]:
+    return {"attention_bias": _bias(k, "attention_bias", "all"), "qk_norm": True}
 
 
 def _read_qwen3(k: _Keys) -> dict[str, Any]:
-    return {
-        "attention_bias": _bias(k, "attention_bias", "all"),
-        "qk_norm": True,
-        "sliding_window": _sliding(k, k.integer("num_hidden_layers")),
-    }
+    return {**_qwen3_attention(k), "sliding_window": _window(k, _windows_qwen)}
 
 
 def _aux(k: _Keys) -> dict[str, Any]:
@@ -213,7 +264,10 @@ def _aux(k: _Keys) -> dict[str, Any]:
 def _sparse_layers(k: _Keys) -> dict[str, Any]:
     if k.get("mlp_only_layers"):
         k.refuse(f"mlp_only_layers={k.get('mlp_only_layers')} (use decoder_sparse_step only)")
-    return {"every": k.integer("decoder_sparse_step", 1)}
+    step = k.integer("decoder_sparse_step", 1)
+    if step < 1:
+        raise FamilyError(f"decoder_sparse_step={step} must be at least 1")
+    return {"every": step}
 
 
 def _read_mixtral(k: _Keys) -> dict[str, Any]:
@@ -226,7 +280,7 @@ def _read_mixtral(k: _Keys) -> dict[str, Any]:
         norm_topk=True,
         **_aux(k),
     )
-    return {"moe": moe, "sliding_window": _sliding(k, k.integer("num_hidden_layers"))}
+    return {"moe": moe, "sliding_window": _window(k, _windows_every_layer)}
 
 
 def _read_qwen2_moe(k: _Keys) -> dict[str, Any]:
@@ -244,22 +298,23 @@ def _read_qwen2_moe(k: _Keys) -> dict[str, Any]:
     )
     return {
         "moe": moe,
-        "attention_bias": _bias(k, "qkv_bias", "qkv") if "qkv_bias" in k.d else "qkv",
-        "sliding_window": _sliding(k, k.integer("num_hidden_layers")),
+        "attention_bias": _bias(k, "qkv_bias", "qkv"),
+        "sliding_window": _window(k, _windows_qwen2_moe),
     }
 
 
 def _read_qwen3_moe(k: _Keys) -> dict[str, Any]:
-    experts = k.get("num_experts") if k.get("num_experts") is not None else None
+    # transformers 5 writes num_local_experts, 4 num_experts
+    key = "num_experts" if k.get("num_experts") is not None else "num_local_experts"
     moe = MoEConfig(
-        experts=experts if experts is not None else k.integer("num_local_experts"),
+        experts=k.integer(key),
         top_k=k.integer("num_experts_per_tok"),
         hidden=k.integer("moe_intermediate_size"),
         norm_topk=k.flag("norm_topk_prob", False),
         **_sparse_layers(k),
         **_aux(k),
     )
-    return {**_read_qwen3(k), "moe": moe}
+    return {**_qwen3_attention(k), "sliding_window": _window(k, _windows_qwen3_moe), "moe": moe}
 
 
 def _deepseek_moe(k: _Keys) -> MoEConfig:
@@ -294,7 +349,11 @@ def _read_glm4_moe(k: _Keys) -> dict[str, Any]:
 
 
 def _read_dots1(k: _Keys) -> dict[str, Any]:
-    return {**_read_qwen3(k), "moe": _deepseek_moe(k)}
+    return {
+        **_qwen3_attention(k),
+        "sliding_window": _window(k, _windows_dots1),
+        "moe": _deepseek_moe(k),
+    }
 
 
 def _read_deepseek_v3(k: _Keys) -> dict[str, Any]:
@@ -341,6 +400,7 @@ def _write_mixtral(c: LlamaConfig) -> dict[str, Any]:
     m = c.moe
     assert m is not None
     return {
+        "intermediate_size": m.hidden or c.ffn_hidden,  # Mixtral's experts' width (no dense block)
         "num_local_experts": m.experts,
         "num_experts_per_tok": m.top_k,
         "router_jitter_noise": 0.0,
@@ -455,8 +515,10 @@ def _fits_dense(c: LlamaConfig, bias: tuple[str, ...], qk_norm: bool, window: bo
 
 
 def _fits_router(
-    c: LlamaConfig, sigmoid: bool, shared: bool, qk_norm: bool | None, bias: tuple[str, ...]
+    c: LlamaConfig, sigmoid: bool, shared: str, qk_norm: bool | None, bias: tuple[str, ...]
 ) -> list[str]:
+    """What ``c``'s MoE lacks for a router family: ``shared`` "none", "plain" (ungated shared
+    experts of the experts' width) or "gated" (Qwen2-MoE's one gated shared expert)."""
     m = c.moe
     if m is None:
         return [_OTHER_KIND]
@@ -477,7 +539,7 @@ def _fits_router(
         lacks += _want(
             (m.shared_experts == 1 and m.shared_gate, "one gated shared expert"),
         )
-    elif shared:
+    elif shared == "plain":
         lacks += _want(
             (m.shared_experts >= 1, "shared experts"),
             (not m.shared_gate, "an ungated shared expert"),
@@ -502,6 +564,17 @@ def _fits(fn: Callable[..., list[str]], **kw: Any) -> Callable[[LlamaConfig], li
     return fits
 
 
+def _SEQ(positions: int, eps: float = 1e-6) -> dict[str, Any]:  # noqa: N802 - a table's row
+    return {"max_position_embeddings": positions, "rms_norm_eps": eps}
+
+
+_QWEN_WINDOW = {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28}
+_DEEPSEEK_ROUTER = {
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+}
 _NONE_ALL = ("off", "all")
 _NONE_QKV = ("off", "qkv")
 FAMILIES: dict[str, Family] = {
@@ -513,6 +586,7 @@ FAMILIES: dict[str, Family] = {
             _read_llama,
             lambda c: {"attention_bias": c.attention_bias == "all", "mlp_bias": False},
             _fits(_fits_dense, bias=_NONE_ALL, qk_norm=False, window=False, llama3=True),
+            defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
         ),
         Family(
             "mistral",
@@ -520,6 +594,7 @@ FAMILIES: dict[str, Family] = {
             _read_mistral,
             _write_sliding,
             _fits(_fits_dense, bias=("off",), qk_norm=False, window=True),
+            defaults={**_SEQ(131072), "num_key_value_heads": 8, "sliding_window": 4096},
         ),
         Family(
             "qwen2",
@@ -527,6 +602,7 @@ FAMILIES: dict[str, Family] = {
             _read_qwen2,
             _write_layer_types,
             _fits(_fits_dense, bias=("qkv",), qk_norm=False, window=True),
+            defaults={**_SEQ(32768), "num_key_value_heads": 32, **_QWEN_WINDOW},
         ),
         Family(
             "qwen3",
@@ -534,6 +610,7 @@ FAMILIES: dict[str, Family] = {
             _read_qwen3,
             lambda c: {"attention_bias": c.attention_bias == "all", **_write_layer_types(c)},
             _fits(_fits_dense, bias=_NONE_ALL, qk_norm=True, window=True),
+            defaults={**_SEQ(32768), "num_key_value_heads": 32, "head_dim": 128, **_QWEN_WINDOW},
         ),
         Family(
             "mixtral",
@@ -543,7 +620,7 @@ FAMILIES: dict[str, Family] = {
             _fits(
                 _fits_router,
                 sigmoid=False,
-                shared=False,
+                shared="none",
                 qk_norm=False,
                 bias=("off",),
                 extra=lambda c: _want(
@@ -551,6 +628,13 @@ FAMILIES: dict[str, Family] = {
                     (c.moe.every == 1, "every block MoE"),
                 ),
             ),
+            defaults={
+                **_SEQ(131072, eps=1e-5),
+                "rope_theta": 1e6,
+                "num_key_value_heads": 8,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+            },
             moe_prefix="block_sparse_moe",
             expert_names=("w1", "w3", "w2"),
         ),
@@ -559,7 +643,15 @@ FAMILIES: dict[str, Family] = {
             "Qwen3MoeForCausalLM",
             _read_qwen3_moe,
             _write_qwen3_moe,
-            _fits(_fits_router, sigmoid=False, shared=False, qk_norm=True, bias=_NONE_ALL),
+            _fits(_fits_router, sigmoid=False, shared="none", qk_norm=True, bias=_NONE_ALL),
+            defaults={
+                **_SEQ(32768),
+                "num_key_value_heads": 4,
+                "sliding_window": 4096,
+                "num_local_experts": 128,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768,
+            },
         ),
         Family(
             "qwen2_moe",
@@ -574,6 +666,16 @@ FAMILIES: dict[str, Family] = {
                 bias=_NONE_QKV,
                 extra=lambda c: _want((c.sliding_window is None, "no sliding window")),
             ),
+            defaults={
+                **_SEQ(32768),
+                "num_key_value_heads": 16,
+                **_QWEN_WINDOW,
+                "num_experts": 60,
+                "num_experts_per_tok": 4,
+                "moe_intermediate_size": 1408,
+                "shared_expert_intermediate_size": 5632,
+                "qkv_bias": True,
+            },
             shared_name="shared_expert",
         ),
         Family(
@@ -584,19 +686,41 @@ FAMILIES: dict[str, Family] = {
             _fits(
                 _fits_router,
                 sigmoid=True,
-                shared=True,
+                shared="plain",
                 qk_norm=None,
                 bias=_NONE_QKV,
                 rotary=True,
                 extra=lambda c: _want((c.sliding_window is None, "no sliding window")),
             ),
+            defaults={
+                **_SEQ(131072, eps=1e-5),
+                "num_key_value_heads": 8,
+                "partial_rotary_factor": 0.5,
+                "n_routed_experts": 128,
+                "num_experts_per_tok": 8,
+                **_DEEPSEEK_ROUTER,
+                "n_shared_experts": 1,
+                "first_k_dense_replace": 1,
+                "norm_topk_prob": True,
+            },
+            router_bias=True,
         ),
         Family(
             "dots1",
             "Dots1ForCausalLM",
             _read_dots1,
             _write_dots1,
-            _fits(_fits_router, sigmoid=True, shared=True, qk_norm=True, bias=_NONE_ALL),
+            _fits(_fits_router, sigmoid=True, shared="plain", qk_norm=True, bias=_NONE_ALL),
+            defaults={
+                **_SEQ(2048),
+                "num_key_value_heads": 32,
+                "sliding_window": 4096,
+                "max_window_layers": 62,
+                **_DEEPSEEK_ROUTER,
+                "first_k_dense_replace": 0,
+                "norm_topk_prob": False,
+            },
+            router_bias=True,
         ),
         Family("deepseek_v3", "DeepseekV3ForCausalLM", _read_deepseek_v3, _nothing),
     )
@@ -618,6 +742,7 @@ def read_config(d: dict[str, Any]) -> tuple[LlamaConfig, Family]:
     one `FamilyError` naming every such key, and a value of the wrong type names its key. (Sizes
     are checked by the caller, `check_model_bounds`.)"""
     family = family_of(d)
+    d = {**family.defaults, **d}
     k = _Keys(d)
     if d.get("hidden_act", "silu") != "silu":
         k.refuse(f"hidden_act={d.get('hidden_act')!r} (SwiGLU with silu only)")

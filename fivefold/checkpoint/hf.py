@@ -6,7 +6,7 @@ by `check_hf_weights` (every tensor used, every parameter found).
 
 fivefold's model uses HF's rotate-half RoPE and keeps experts as separate parameters, so tensors
 map one to one, by name only (`families.hf_tensor_name`). What no family can express is refused
-with the reason.
+with the reason (docs/design.md#model-families).
 """
 
 from __future__ import annotations
@@ -76,7 +76,11 @@ def config_to_hf(
     `family_for`); a model no family expresses is a `CheckpointError` saying what each lacks."""
     try:
         family = family or family_for(c)
-        if family.fits is not None and (lacks := family.fits(c)):
+        if family.fits is None:
+            raise FamilyError(
+                f"{family.model_type} is read, never written (its attention is not fivefold's)"
+            )
+        if lacks := family.fits(c):
             raise FamilyError(f"a {family.model_type} model has {lacks[0]}; this one has not")
     except FamilyError as e:
         raise CheckpointError(str(e)) from None
@@ -92,7 +96,9 @@ def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
 
     try:
         config, _ = read_config(d)
-    except FamilyError as e:
+        if config.moe is not None:
+            config.moe.validate()  # before the sizes: param_counts divides by its every
+    except (FamilyError, ValueError) as e:
         raise CheckpointError(str(e)) from None
     # absurd sizes first (a damaged file), named as config.json names them
     check_model_bounds(
@@ -187,12 +193,12 @@ def _zero_expert_bias(cfg: LlamaConfig, family: Family, names: list[str]) -> dic
     """HF tensor -> experts, for the DeepSeek-V3-style families' ``e_score_correction_bias`` a
     model without an expert bias does not have: exported as zeros (selection by the scores
     alone, as this model selects)."""
-    if cfg.moe is None or family.fits is None:
+    if cfg.moe is None or not family.router_bias:
         return {}
     out = {}
     for i in range(cfg.n_layers):
         name = f"layers.{i}.feed_forward.expert_bias"
-        if cfg.is_moe_block(i) and name not in names and family.model_type in ("glm4_moe", "dots1"):
+        if cfg.is_moe_block(i) and name not in names:
             out[hf_name(name, family)] = cfg.moe.experts
     return out
 
@@ -468,9 +474,15 @@ def check_hf_weights(
                         f"{path.name}: {hf} is {have}, but {HF_CONFIG} makes it {shape}"
                     )
     used = {hf for items in by_file.values() for hf, _ in items}
+    for path in {p for p in where.values() if p.is_file()} - set(by_file):
+        by_file[path] = []  # a file the model reads nothing from: its tensors are unused too
+    stored = set(where)
+    for path in by_file:  # every tensor in the files, the index's weight_map or not
+        with _opened(safe_open, path) as f:
+            stored.update(f.keys())
     unused = sorted(
         n
-        for n in where
+        for n in stored
         if n not in used
         and not n.endswith(_DERIVED)
         and not (config.tie_embeddings and n == "lm_head.weight")

@@ -250,7 +250,8 @@ PRESETS: dict[str, LlamaConfig] = {
         rope_theta=1e6,
         norm_eps=1e-6,
         qk_norm=True,
-        moe=MoEConfig(experts=128, top_k=8, hidden=768, aux_loss_coef=0.001),
+        # its recipe's loss: HF's router_aux_loss_coef under HF's pooled convention
+        moe=MoEConfig(experts=128, top_k=8, hidden=768, aux_loss_coef=0.001, aux_convention="hf"),
     ),
     "mixtral-8x7b": LlamaConfig(  # 46.7B, 12.9B active: 8 experts of 14336, top 2
         vocab_size=32000,
@@ -261,7 +262,7 @@ PRESETS: dict[str, LlamaConfig] = {
         ffn_hidden=14336,
         max_seq_len=32768,
         rope_theta=1e6,
-        moe=MoEConfig(experts=8, top_k=2, aux_loss_coef=0.02),
+        moe=MoEConfig(experts=8, top_k=2, aux_loss_coef=0.02, aux_convention="hf"),
     ),
 }
 # Small versions of each family (byte vocabulary), for tests and examples: tiny's shape with the
@@ -374,6 +375,17 @@ def window_mask(seq: int, window: int, device: torch.device | str | None = None)
     return (offset >= 0) & (offset < window)
 
 
+@functools.lru_cache(maxsize=8)
+def window_bias(seq: int, window: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`window_mask` as SDPA's additive mask (0 where read, -inf elsewhere) in the attention's
+    dtype, made once per (length, window, device, dtype) and shared by every layer: SDPA keeps its
+    mask for backward, so one [L, L] tensor is kept, not one per layer (a bool mask would be
+    converted, and kept, in every call)."""
+    keep = window_mask(seq, window, device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(keep, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -407,7 +419,7 @@ def causal_attention(
         ]
         return torch.cat(rows, dim=0)
     if window is not None and window < q.shape[2]:
-        mask = window_mask(q.shape[2], window, q.device)
+        mask = window_bias(q.shape[2], window, q.device, q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 

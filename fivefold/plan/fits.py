@@ -377,6 +377,9 @@ def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     transient["model buffers"] = len(stage_ids) * 2 * rows * m.rope_dim * 4
     if m.moe is not None and m.moe.expert_bias:  # the aux-loss-free bias: E fp32 per MoE layer
         transient["model buffers"] += n_moe * m.moe.experts * 4
+    mask = formulas.window_mask_bytes(cfg.train.seq_len, m.sliding_window, precision_bytes(cfg)[0])
+    if mask:
+        transient["attention mask"] = mask
     held = _held(m, dims, stage_ids, n_stages, ranges)
     return RankMemory(
         pp_rank,

@@ -304,5 +304,10 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
     transient["model buffers"] = sum(
         b.numel() * b.element_size() for m in parts.modules() for b in m.buffers()
     )
+    mask = formulas.window_mask_bytes(
+        cfg.train.seq_len, run.model.sliding_window, precision_bytes(cfg)[0]
+    )
+    if mask:
+        transient["attention mask"] = mask
     held = sum(sum(n.values()) for n in local_numels(parts).values())
     return RankMemory(pp_rank, held, states, transient, _activations(cfg, run, parts, pp_rank))

@@ -417,13 +417,23 @@ def _set_accelerator_rng(device: torch.device, state: Any) -> None:
 # which grows with train.seq_len, and the MoE loss coefficients or capacity do not change a tensor;
 # the shared experts' width and gate and the expert bias do: a checkpoint from before they existed
 # has none of them, and is not compared on them).
-SHAPE_FIELDS = (*WEIGHT_SIZES, "tie_embeddings", "attention_head_dim")
+SHAPE_FIELDS = (
+    *WEIGHT_SIZES,
+    "tie_embeddings",
+    "attention_head_dim",
+    # the families' options: parameters (biases, q/k norms) or the attention's math
+    "attention_bias",
+    "qk_norm",
+    "sliding_window",
+    "rotary_dim",
+)
 MOE_SHAPE_FIELDS = (
     "experts",
     "top_k",
     "shared_experts",
     "hidden",
     "every",
+    "first_dense",
     "shared_hidden",
     "shared_gate",
     "expert_bias",
