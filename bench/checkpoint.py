@@ -117,9 +117,9 @@ from fivefold.checkpoint.hf import export_checkpoint
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load
 import safetensors.torch
-from fivefold.checkpoint.hf import _model_parameters
+from fivefold.checkpoint.hf import _llama_config, model_tensors
 from fivefold.checkpoint.manager import read_checkpoint_meta
-_model_parameters(read_checkpoint_meta(pathlib.Path(sys.argv[1])))  # imports the model code (~30 MiB, once)
+model_tensors(_llama_config(read_checkpoint_meta(pathlib.Path(sys.argv[1]))["model"]))  # imports the model code (~30 MiB, once)
 with warnings.catch_warnings():  # and DCP's first load: both before the baseline
     warnings.simplefilter("ignore")
     probe = FileSystemReader(sys.argv[1]).read_metadata().state_dict_metadata["model.norm.weight"]
