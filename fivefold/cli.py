@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import functools
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import fivefold
@@ -23,9 +25,14 @@ def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="fivefold train",
         add_help=True,
-        description="Train a Llama-style model (dp / ZeRO / tp / sp / pp). Every config key can be "
-        "overridden as --section.key value (e.g. --train.steps 50 --parallel.dp 2); short flags: "
-        + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Train a transformer (dp / ZeRO / tp / sp / pp / cp / ep). Every config key can be "
+            "set in a TOML file (--config) or overridden as --section.key value (e.g. "
+            "--train.steps 50 --parallel.dp 2); short flags: "
+            + ", ".join(f"--{a} (= {k})" for a, k in ALIASES.items()),
+            width=100,
+        ),
     )
     parser.add_argument(
         "--config",
@@ -33,10 +40,7 @@ def _train(argv: list[str]) -> int:
         "[precision] [pipeline] [run] [checkpoint]",
     )
     parser.add_argument("--profile", help=PROFILE_HELP)
-    parser.epilog = (
-        "--resume [PATH]: continue the run from its latest complete checkpoint, or from the "
-        "checkpoint PATH; --overwrite: start over in a run directory that already holds a run"
-    )
+    parser.epilog = train_epilog()
     args, overrides = parser.parse_known_args(argv)
     import logging
 
@@ -76,6 +80,33 @@ def _train(argv: list[str]) -> int:
     # under torchrun every rank returns a result; a rank that stopped early with a checkpoint says
     # so in its code
     return EXIT_STOPPED if getattr(result, "stopped", None) else EXIT_DONE
+
+
+def train_epilog() -> str:
+    """`fivefold train --help`'s tail: resume / overwrite, the presets, every key with its default
+    (from the schema) and where each is documented."""
+    from fivefold.config import describe_keys
+    from fivefold.models import PRESETS
+
+    fill = functools.partial(textwrap.fill, width=100, break_on_hyphens=False)
+    return "\n\n".join(
+        [
+            fill(
+                "--resume [PATH]: continue the run from its latest complete checkpoint, or from "
+                "the checkpoint PATH; --overwrite: start over in a run directory that already "
+                "holds a run"
+            ),
+            fill("model presets (--preset NAME): " + ", ".join(PRESETS)),
+            "keys (--section.key VALUE) and their defaults (None: the preset's, or derived):\n"
+            + describe_keys(),
+            fill(
+                "Each key is documented in docs/training.md (the run, data, batch, optimizer), "
+                "docs/layouts.md (parallel, zero, pipeline, model.moe), docs/checkpoints.md "
+                "(checkpoint, model.init_from), docs/reliability.md (run's timeouts and restarts) "
+                "and docs/tracing.md (run.trace); the schema is fivefold/config.py."
+            ),
+        ]
+    )
 
 
 PROFILE_HELP = (
@@ -298,7 +329,15 @@ PLAN_FLAGS = {
 
 
 def _plan(argv: list[str]) -> int:
-    from fivefold.plan import HARDWARE, SEARCHED, format_plan, format_search, plan_layout, search
+    from fivefold.plan import (
+        HARDWARE,
+        SEARCHED,
+        SearchProgress,
+        format_plan,
+        format_search,
+        plan_layout,
+        search,
+    )
 
     parser = argparse.ArgumentParser(
         prog="fivefold plan",
@@ -391,25 +430,20 @@ def _plan(argv: list[str]) -> int:
         )
         notes = [] if args.config else _plan_defaults(cfg, given)
         if args.search:
-
-            def progress(done: int, total: int) -> None:
-                if not args.json and sys.stderr.isatty():
-                    print(
-                        f"\rplanning layout {done}/{total}",
-                        end="" if done < total else "\n",
-                        file=sys.stderr,
-                    )
-
-            plans, valid, fitting = search(
-                cfg, args.gpus, hw, args.top, progress, fixed=given & set(SEARCHED)
-            )
-            for p in plans:
+            progress = SearchProgress(sys.stderr)
+            try:
+                found = search(cfg, args.gpus, hw, args.top, progress, fixed=given & set(SEARCHED))
+            finally:
+                progress.close()
+            for p in found.plans:
                 p.notes[:0] = notes
             print(
-                json.dumps([p.to_dict() for p in plans], indent=1)
+                json.dumps([p.to_dict() for p in found.plans], indent=1)
                 if args.json
-                else format_search(plans, valid, fitting, args.gpus, hw)
+                else format_search(found, args.gpus, hw)
             )
+            if found.stopped:
+                return 130
         else:
             plan = plan_layout(cfg, args.gpus, hw)
             plan.notes[:0] = notes
@@ -471,16 +505,42 @@ COMMANDS = {
 }
 
 
+# `fivefold --help`: what each command does, in one line
+COMMAND_HELP = {
+    "train": "train on local CPU workers or under torchrun (--help: the presets, every key)",
+    "plan": "what a layout costs per GPU before renting GPUs; --search ranks every layout",
+    "prepare": "tokenize text (files, JSONL, Parquet, datasets) into token shards for training",
+    "export": "write a run's model as a Hugging Face model (safetensors, config, tokenizer)",
+    "bench": "fivefold side by side with torch / DeepSpeed on this machine (a source checkout)",
+}
+
+
+def usage() -> str:
+    """`fivefold --help`: the commands, one line each, and where to read more."""
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: fivefold COMMAND [options]   (fivefold COMMAND --help for its options)",
+        "",
+        "commands:",
+        *(f"  {name:{width}s}  {COMMAND_HELP.get(name, '')}" for name in COMMANDS),
+        "",
+        "The README's set-up is `make run` and `make test`; docs/ holds training.md (keys), "
+        "layouts.md,",
+        "checkpoints.md, data.md, plan.md, gpus.md and reliability.md (exit codes).",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        if argv and argv[0] not in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        if argv:
             print(f"fivefold: unknown command '{argv[0]}'", file=sys.stderr)
-        print(
-            "usage: fivefold {" + ",".join(COMMANDS) + "} [options]   (fivefold COMMAND --help)",
-            file=sys.stderr,
-        )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        print(usage(), file=sys.stderr)
+        return 2
     return COMMANDS[argv[0]](argv[1:])
 
 

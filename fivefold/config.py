@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -486,6 +487,32 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     if key not in types_:
         raise ConfigError(f"unknown key '{dotted}'; valid keys in [{section}]: {', '.join(types_)}")
     setattr(getattr(cfg, section), key, _convert(dotted, value, types_[key]))
+
+
+def describe_keys(width: int = 100) -> str:
+    """Every section's keys with their defaults, one block per section (``fivefold train
+    --help``): read from the schema, so it lists what `apply_overrides` accepts."""
+    defaults = Config()
+    blocks = []
+    for section in _sections():
+        part = getattr(defaults, section)
+        keys = [
+            f"{key}={getattr(part, key)!r}"
+            if isinstance(getattr(part, key), str)
+            else f"{key}={getattr(part, key)}"
+            for key in _field_types(type(part))
+        ]
+        name = section if section != "moe" else "model.moe"
+        blocks.append(
+            textwrap.fill(
+                f"[{name}] " + ", ".join(keys),
+                width=width,
+                initial_indent="  ",
+                subsequent_indent="      ",
+                break_on_hyphens=False,
+            )
+        )
+    return "\n".join(blocks)
 
 
 def apply_overrides(cfg: Config, args: list[str]) -> Config:

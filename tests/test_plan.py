@@ -290,3 +290,49 @@ def test_keeping_zero3_units_gathered_is_recommended_when_it_fits():
     assert kept.time["step"] < plan.time["step"]
     big = _plan(64, "--preset", "llama3-70b", *common, "--train.recompute", "full")
     assert big.fits and not any("reshard_after_forward false fits" in n for n in big.notes)
+
+
+def test_search_shows_progress_and_ctrl_c_prints_the_best_so_far(capsys, monkeypatch):
+    """A batch job's log (stderr not a terminal) gets a line once the candidates are listed and lines of
+    layouts planned / total with the best so far; a Ctrl-C mid-search (raised here from the progress call
+    after the 5th candidate, where `search` would see the user's) ends it with the best of the 5 planned,
+    said, and exit code 130."""
+    from fivefold.plan import search as plan_search
+
+    cfg = load_config(None, ["--model.preset", "small", "--train.seq_len", "256", "--train.micro_batch", "4",
+                             "--train.global_batch", "16", "--precision.param", "bf16"])
+    calls = []
+    full = plan_search(cfg, 4, HARDWARE["h100"], top=50, progress=lambda d, t, b: calls.append((d, t, b)))
+    assert calls[0] == (0, 0, None) and calls[-1][:2] == (full.total, full.total) and not full.stopped
+    assert [d for d, _, _ in calls[1:]] == list(range(1, full.total + 1)) and full.tried == full.total
+    assert calls[-1][2].layout == full.plans[0].layout  # the best so far at the end is the winner
+
+    def interrupt(done, total, best):
+        if done == 5:
+            raise KeyboardInterrupt
+
+    part = plan_search(cfg, 4, HARDWARE["h100"], top=50, progress=interrupt)
+    assert part.stopped and part.tried == 5 and part.total == full.total and len(part.plans) <= 5
+
+    import fivefold.plan.report as report
+
+    def interrupting_progress(stream):
+        shown = report.SearchProgress(stream, every_s=0.0)
+
+        def call(done, total, best):
+            shown(done, total, best)
+            interrupt(done, total, best)
+
+        call.close = shown.close
+        return call
+
+    common = ["plan", "--model", "small", "--gpus", "4", "--search", "--seq", "256", "--micro-batch", "4",
+              "--global-batch", "16"]
+    assert cli(common) == 0
+    captured = capsys.readouterr()
+    assert "listing the layouts" in captured.err and f"{full.total}/{full.total} layouts planned" in captured.err
+    monkeypatch.setattr("fivefold.plan.SearchProgress", interrupting_progress)
+    assert cli(common) == 130
+    captured = capsys.readouterr()
+    assert "5/" in captured.err and "best " in captured.err
+    assert f"stopped after 5 of {full.total} candidates (Ctrl-C): the best so far" in captured.out

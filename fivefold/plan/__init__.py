@@ -14,7 +14,7 @@ from fivefold.plan.assembly import PlanningMesh, local_numels, rank_parts
 from fivefold.plan.hardware import GB, HARDWARE, Hardware
 from fivefold.plan.layout import LayoutPlan, plan_layout
 from fivefold.plan.memory import BACKWARD_ALLOCATED, RankMemory, rank_memory
-from fivefold.plan.report import format_plan, format_search
+from fivefold.plan.report import SearchProgress, format_plan, format_search
 from fivefold.plan.search import SEARCHED, candidate_layouts, search
 from fivefold.plan.traffic import rank_traffic, rank_transfers
 
@@ -23,6 +23,7 @@ __all__ = [
     "GB",
     "HARDWARE",
     "SEARCHED",
+    "SearchProgress",
     "Hardware",
     "LayoutPlan",
     "PlanningMesh",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any, TextIO
+
 from fivefold import formulas
 from fivefold.plan.hardware import GB, Hardware
 from fivefold.plan.layout import LayoutPlan
+from fivefold.plan.search import SearchResult
 
-__all__ = ["format_plan", "format_search"]
+__all__ = ["SearchProgress", "format_plan", "format_search"]
 
 
 def _bytes(nbytes: float) -> str:
@@ -105,13 +109,17 @@ def format_plan(plan: LayoutPlan) -> str:
     return "\n".join(lines)
 
 
-def format_search(
-    plans: list[LayoutPlan], valid: int, fitting: int, world: int, hardware: Hardware
-) -> str:
-    """`search`'s ranking: one line per layout."""
+def format_search(result: SearchResult, world: int, hardware: Hardware) -> str:
+    """`search`'s ranking: one line per layout (after a Ctrl-C: the best of those planned)."""
+    plans, valid, fitting = result.plans, result.valid, result.fitting
+    scope = (
+        f"stopped after {result.tried} of {result.total} candidates (Ctrl-C): the best so far; "
+        if result.stopped
+        else ""
+    )
     lines = [
-        f"fivefold plan --search: {valid} valid layouts for {world} × {hardware.name}, {fitting} "
-        f"fit in {hardware.memory_gb:g} GB; the fastest by estimated step time:",
+        f"fivefold plan --search: {scope}{valid} valid layouts for {world} × {hardware.name}, "
+        f"{fitting} fit in {hardware.memory_gb:g} GB; the fastest by estimated step time:",
         "",
     ]
     head = (
@@ -130,3 +138,49 @@ def format_search(
             "  none fits: more GPUs, a smaller micro-batch or sequence, or a GPU with more memory"
         )
     return "\n".join(lines)
+
+
+class SearchProgress:
+    """`search`'s progress on stderr: a bar of layouts planned / total on a terminal; elsewhere (a
+    batch job's log) a line when the candidates are known and then every ``every_s`` seconds, each
+    with the best layout so far. Ctrl-C stops the search with that best (`search`)."""
+
+    def __init__(self, stream: TextIO, every_s: float = 15.0) -> None:
+        self.stream, self.every_s = stream, every_s
+        self.tty = stream.isatty()
+        self.bar: Any = None
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int, best: LayoutPlan | None) -> None:
+        now = time.perf_counter()
+        if total == 0:  # the candidates are being enumerated
+            print(
+                "fivefold plan --search: listing the layouts the rules allow ... (Ctrl-C stops "
+                "with the best so far)",
+                file=self.stream,
+                flush=True,
+            )
+            return
+        lead = best and f"best {best.layout.strip()}, {_seconds(best.time['step']).strip()}"
+        if self.tty:
+            if self.bar is None:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc="layouts", file=self.stream, leave=False)
+            self.bar.set_postfix_str(lead or "none fits yet", refresh=False)
+            self.bar.update(done - self.bar.n)
+            if done == total:
+                self.bar.close()
+            return
+        if done == 1 or done == total or now - self.last >= self.every_s:
+            self.last = now
+            print(
+                f"fivefold plan --search: {done}/{total} layouts planned in {now - self.t0:.0f} s"
+                + (f"; {lead}" if lead else "; none fits yet"),
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

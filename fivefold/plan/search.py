@@ -17,7 +17,7 @@ from fivefold.plan.hardware import HARDWARE, Hardware
 from fivefold.plan.layout import TARGET_DEVICE, LayoutPlan, plan_layout
 from fivefold.run_plan import validate_layout
 
-__all__ = ["SEARCHED", "candidate_layouts", "search"]
+__all__ = ["SEARCHED", "SearchResult", "candidate_layouts", "search"]
 
 # The keys `search` chooses; a user's own value of one of them (`fixed`) holds it there
 SEARCHED = (
@@ -145,34 +145,64 @@ def candidate_layouts(
     return out
 
 
+@dataclasses.dataclass
+class SearchResult:
+    """What `search` found: the best layouts that fit, ranked; how many candidates were valid and
+    fit; how many of the ``total`` were planned (fewer when ``stopped``: by Ctrl-C, the best so
+    far)."""
+
+    plans: list[LayoutPlan]
+    valid: int
+    fitting: int
+    tried: int
+    total: int
+    stopped: bool = False
+
+
 def search(
     cfg: Config,
     world: int,
     hardware: Hardware = HARDWARE["h100"],
     top: int = 10,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, LayoutPlan | None], None] | None = None,
     fixed: Collection[str] = (),
-) -> tuple[list[LayoutPlan], int, int]:
+) -> SearchResult:
     """Every candidate (`candidate_layouts`) planned on its first and last pipeline rank (which hold
     the most; the stages between are costed as the heavier end, so a full `plan_layout` may differ
     slightly), those that fit ranked by estimated step time, less memory first on a tie; returns
-    (the best `top`, how many were valid, how many fit)."""
+    the best `top` and the counts. ``progress(done, total, best)`` is told after each candidate
+    (``total`` 0 while the candidates are enumerated). A KeyboardInterrupt during the search ends it
+    with the best so far (``stopped``)."""
     if top < 1:
         raise ValueError(f"top={top}: show at least one layout")
     hardware.check()
-    plans, valid, cache = [], 0, {}
-    candidates = candidate_layouts(cfg, world, hardware, fixed)
-    for i, overrides in enumerate(candidates):
-        trial = apply_overrides(copy.deepcopy(cfg), overrides)
-        try:
-            plan = plan_layout(trial, world, hardware, pp_ranks=(0, -1), parts_cache=cache)
-        except (ConfigError, ValueError):
-            continue
-        finally:
+    plans: list[LayoutPlan] = []
+    valid, cache, tried, candidates = 0, {}, 0, []
+    stopped = False
+
+    def rank(p: LayoutPlan) -> tuple[float, int]:
+        return (round(p.time["step"], 6), p.peak_bytes)
+
+    try:
+        if progress is not None:
+            progress(0, 0, None)
+        candidates = candidate_layouts(cfg, world, hardware, fixed)
+        best = None
+        for overrides in candidates:
+            trial = apply_overrides(copy.deepcopy(cfg), overrides)
+            try:
+                plan = plan_layout(trial, world, hardware, pp_ranks=(0, -1), parts_cache=cache)
+            except (ConfigError, ValueError):
+                plan = None
+            tried += 1
+            if plan is not None:
+                valid += 1
+                if plan.fits:
+                    plans.append(plan)
+                    best = plan if best is None or rank(plan) < rank(best) else best
             if progress is not None:
-                progress(i + 1, len(candidates))
-        valid += 1
-        if plan.fits:
-            plans.append(plan)
-    plans.sort(key=lambda p: (round(p.time["step"], 6), p.peak_bytes))
-    return plans[:top], valid, len(plans)
+                progress(tried, len(candidates), best)
+    except KeyboardInterrupt:
+        stopped = True
+    plans.sort(key=rank)
+    return SearchResult(plans[:top], valid, len(plans), tried, len(candidates), stopped)
