@@ -14,6 +14,7 @@ from pathlib import Path
 from fivefold.checkpoint.hf import check_hf_weights
 from fivefold.checkpoint.manager import check_loadable, read_checkpoint_meta
 from fivefold.config import Config, ConfigError, OnError
+from fivefold.observe.profile import profile_window
 from fivefold.paths import PathOutside, one_component
 from fivefold.plan.fits import check_fits
 from fivefold.rules import device_type_of
@@ -76,8 +77,14 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             "run.exit_after": r.exit_after,
             "run.max_restarts": r.max_restarts,
             "run.stall_timeout_s": r.stall_timeout_s,
+            "run.profile": r.profile,
+            "run.flight_recorder": r.flight_recorder,
         }
     )
+    if r.memory_snapshot and (device := device_type_of(r.device)) != "cuda":
+        raise ConfigError(
+            f"run.memory_snapshot records CUDA's caching allocator: this run is on {device}"
+        )
     check_positive(
         **{
             "run.heartbeat_timeout_s": r.heartbeat_timeout_s,
@@ -102,6 +109,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_data(cfg, plan.data)
+    _check_profile(cfg, done)
     notes += _check_memory(cfg, plan, world_size)
     if done >= cfg.train.steps:
         raise ConfigError(
@@ -109,6 +117,26 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             "nothing left to train; raise train.steps to continue it"
         )
     return dataclasses.replace(plan, resume_from=resume_from, notes=tuple(notes))
+
+
+def _check_profile(cfg: Config, done: int) -> None:
+    """``run.profile``'s steps are this invocation's last ones and must leave out its first (which
+    compiles and allocates: not the steady state)."""
+    r, steps = cfg.run, cfg.train.steps
+    window = profile_window(done, steps, r.profile, r.exit_after)
+    if not window or window.start > done:
+        return
+    needed = r.profile + 1
+    if r.exit_after > 0 and done + r.exit_after < steps:
+        fix = f"raise run.exit_after to {needed}"
+    else:
+        fix = f"raise train.steps to {done + needed}"
+    lower = f"lower run.profile to {len(window) - 1} or " if len(window) > 1 else ""
+    raise ConfigError(
+        f"run.profile={r.profile} would profile steps {window.start + 1}-{window.stop}, this run's "
+        f"steps {done + 1}-{window.stop} (its first among them: it compiles and allocates, not the "
+        f"steady state); {lower}{fix}"
+    )
 
 
 def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:
