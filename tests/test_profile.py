@@ -286,6 +286,9 @@ def test_a_stall_has_every_rank_dump_its_flight_recorder_before_the_kill(tmp_pat
              for r, d in dumps.items()}
     assert calls[0] == [("gloo:all_reduce", 1, [[4]]), ("gloo:all_reduce", 2, [[3]])], calls
     assert calls[1] == [("gloo:all_reduce", 1, [[4]])], calls  # rank 0 is one collective ahead
+    status = {r: d["pg_status"]["0"] for r, d in dumps.items()}  # the world group's
+    assert (status[0]["last_enqueued_collective"], status[0]["last_completed_collective"]) == (2, 1), status
+    assert (status[1]["last_enqueued_collective"], status[1]["last_completed_collective"]) == (1, 1), status
 
 
 def test_the_flight_recorder_sets_torchs_variables_and_dumps_on_sigusr1(tmp_path, monkeypatch):
@@ -297,10 +300,8 @@ def test_the_flight_recorder_sets_torchs_variables_and_dumps_on_sigusr1(tmp_path
     recorder.arm()
     assert {k: os.environ[k] for k in recorder.env()} == {
         "TORCH_FR_BUFFER_SIZE": "7",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "7",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank"),
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "fr" / "rank"),
     }
     assert (tmp_path / "fr").is_dir()
     previous = signal.getsignal(signal.SIGUSR1)

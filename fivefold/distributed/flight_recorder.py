@@ -3,10 +3,10 @@
 when a job hangs.
 
 - `FlightRecorder.arm`, in each worker before its process group exists: torch's variables
-  (TORCH_FR_BUFFER_SIZE and its older name TORCH_NCCL_TRACE_BUFFER_SIZE: the entries kept;
-  TORCH_NCCL_DUMP_ON_TIMEOUT: NCCL's own watchdog dumps when a collective times out;
-  TORCH_FR_DUMP_TEMP_FILE and its older name TORCH_NCCL_DEBUG_INFO_TEMP_FILE: the files' prefix,
-  ``<dir>/rank``, torch appending the global rank), and the directory made.
+  (TORCH_FR_BUFFER_SIZE: the entries kept; TORCH_NCCL_DUMP_ON_TIMEOUT: NCCL's own watchdog dumps
+  when a collective times out; TORCH_FR_DUMP_TEMP_FILE: the files' prefix, ``<dir>/rank``, torch
+  appending the global rank; torch 2.13's names: the older TORCH_NCCL_TRACE_BUFFER_SIZE and
+  TORCH_NCCL_DEBUG_INFO_TEMP_FILE still work but warn), and the directory made.
 - `FlightRecorder.install`: SIGUSR1 makes the worker write its dump ``<dir>/rank<R>``. A Python
   signal handler runs only when the main thread is back in the interpreter, never while it is
   blocked inside a collective (the case that matters), so the signal only wakes a thread (the
@@ -14,9 +14,10 @@ when a job hangs.
 - `FlightRecorder.request_dumps`: the launcher's watchdog, on a stall, signals the live workers and
   waits up to ``grace_s`` for their dumps before it kills them.
 
-The files are torch's pickles, as its own dump on a timeout writes them: ``python -m
-torch.distributed.flight_recorder.fr_trace <dir>`` reads the directory. Only torch and the standard
-library here.
+The files are torch's pickles, as its own dump on a timeout writes them (``python -m
+torch.distributed.flight_recorder.fr_trace <dir>`` analyses NCCL's; torch 2.13's analyser fails on
+gloo's, whose entries and ``pg_status`` read as they are). Only torch and the standard library
+here.
 """
 
 from __future__ import annotations
@@ -62,10 +63,8 @@ class FlightRecorder:
         prefix = os.path.join(self.directory, PREFIX)
         return {
             "TORCH_FR_BUFFER_SIZE": str(self.entries),
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": str(self.entries),
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": prefix,
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
         }
 
     def arm(self) -> None:
@@ -137,8 +136,7 @@ class FlightRecorder:
         missing = sorted(set(pids) - set(done))
         line = (
             f"flight recorder: rank(s) {', '.join(map(str, sorted(done))) or 'none'} dumped to "
-            f"{self.directory} (python -m torch.distributed.flight_recorder.fr_trace "
-            f"{self.directory})"
+            f"{self.directory} (docs/reliability.md#the-flight-recorder)"
         )
         if missing:
             line += (

@@ -38,7 +38,7 @@ PYEOF
 
 LIMIT=150  # per part on the GPU; a CPU rehearsal is slower (compiling, every layout simulated)
 [ -n "$DRY" ] && LIMIT=900
-for p in syncs moe profile compile cp-kernel; do
+for p in syncs moe profile compile cp-kernel watch flight-recorder; do
   part "$p" "$LIMIT" "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
 done
 # a short run of the trainer under the GPU profile (bf16, compile, log_every 10) on the embedded data
