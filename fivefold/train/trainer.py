@@ -195,9 +195,10 @@ class Trainer:
     `ParallelModel`, the checkpoints, the `TrainingClock` and the observers, which see the run at
     fixed points (`metrics.TrainObserver`), in this order: the run record (`RunRecordLog`), the
     summary (`RunSummary`), the step trace (`StepTraceLog`, with ``run.trace``), the pipeline
-    timeline (`PipelineTimelineLog`), the `Evaluator`, the watchdog's `Heartbeat` and the
-    `CheckpointSaver`. Building it builds the model and restores a checkpoint (collective); `run`
-    trains, one `train_step` per step."""
+    timeline (`PipelineTimelineLog`), the profiler and allocator history (`ProfileLog`,
+    `MemorySnapshotLog`, with ``run.profile`` / ``run.memory_snapshot``), the `Evaluator`, the
+    watchdog's `Heartbeat` and the `CheckpointSaver`. Building it builds the model and restores a
+    checkpoint (collective); `run` trains, one `train_step` per step."""
 
     def __init__(self, cfg: Config, plan: RunPlan) -> None:
         # from the start: a SIGTERM while the model is built still stops at the first step's end
