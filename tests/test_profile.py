@@ -165,8 +165,10 @@ class _FakeCudaMemory:
 @pytest.fixture
 def fake_cuda_memory(monkeypatch):
     fake = _FakeCudaMemory()
+    fake.observers = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", fake.dump)
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", fake.observers.append, raising=False)
     return fake
 
 
@@ -221,10 +223,24 @@ def test_memory_snapshot_over_the_profiled_steps_and_on_abort(tmp_path, fake_cud
     log.on_step_end(_Step(3))  # the window's end: dumped, stopped
     assert [c[:2] for c in fake_cuda_memory.calls] == [
         ("record", "all"), ("dump", str(tmp_path / "memory_snapshot" / "rank0.pickle")), ("record", None)]
+    assert len(fake_cuda_memory.observers) == 1  # attached once
+    fake_cuda_memory.observers[0](0, 2**30, 0, 0)  # an out-of-memory error after the window: nothing
+    assert len(fake_cuda_memory.calls) == 3
     aborted = MemorySnapshotLog(tmp_path / "b", 1, _Record())
     aborted.on_run_start(None)
     aborted.on_run_abort(1, RuntimeError("non-finite"))
     assert fake_cuda_memory.calls[-2][0] == "dump" and (tmp_path / "b" / "memory_snapshot" / "rank1.pickle").exists()
+
+
+def test_an_out_of_memory_error_writes_the_snapshot_at_once(tmp_path, fake_cuda_memory):
+    from fivefold.train.profiling import MemorySnapshotLog
+
+    log = MemorySnapshotLog(tmp_path, 2, _Record())
+    log.on_run_start(None)
+    path = str(tmp_path / "memory_snapshot" / "rank2.pickle")
+    (on_oom,) = fake_cuda_memory.observers
+    on_oom(0, 2**40, 2**30, 2**20)  # torch's allocator: device, size asked, allocated, free
+    assert fake_cuda_memory.calls[-1] == ("dump", path) and Path(path).exists()
 
 
 def test_torch_cuda_only_in_the_memory_history():

@@ -100,22 +100,38 @@ class MemoryHistory:
     """CUDA's caching allocator recording every allocation and free with its stack
     (``torch.cuda.memory._record_memory_history``), from `start` to `dump`, which writes the
     snapshot (the blocks and segments alive then, the recorded events) to ``path`` and stops the
-    recording. Only for a CUDA device (`validate` refuses it elsewhere)."""
+    recording. An out-of-memory error while recording writes the snapshot at once (torch's
+    allocator observer: the run then fails before any observer hears of it). Only for a CUDA
+    device (`validate` refuses it elsewhere)."""
 
     def __init__(self, path: Path, max_entries: int = MAX_ENTRIES) -> None:
         self.path, self.max_entries = path, max_entries
         self.recording = False
+        self._observing = False
 
     def start(self) -> None:
-        if not self.recording:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
-            self.recording = True
+        if self.recording:
+            return
+        torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        self.recording = True
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is not None and not self._observing:  # once: torch keeps observers for good
+            attach(self._on_out_of_memory)
+            self._observing = True
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(self.path))
+
+    def _on_out_of_memory(self, device: int, size: int, allocated: int, free: int) -> None:
+        # the allocator calls this with its lock released (torch's own recipe dumps here)
+        if self.recording:
+            self._write()
 
     def dump(self) -> None:
         """Write the snapshot and stop recording (a no-op when not recording)."""
         if not self.recording:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(self.path))
+        self._write()
         torch.cuda.memory._record_memory_history(enabled=None)
         self.recording = False

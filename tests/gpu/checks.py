@@ -17,7 +17,8 @@ Parts (one accelerator, world 1 on NCCL; ``--dry-run``: the same code on the CPU
   blocks (`python bench/run.py cp-kernel`).
 - ``watch``: a short torchrun run with ``run.profile 2``, ``run.memory_snapshot`` and
   ``run.flight_recorder``: the profile holds the last two steps and CUDA kernels, the snapshot
-  segments and allocator events; dry run: the CPU (no snapshot: refused there).
+  segments and allocator events; an out-of-memory error writes a snapshot at once; dry run: the
+  CPU (no snapshot: refused there).
 - ``flight-recorder``: NCCL's flight recorder armed, two all-reduces, SIGUSR1 -> this rank's dump
   holding them (``_dump_nccl_trace``); dry run: gloo's (``_dump_fr_trace``).
 
@@ -272,6 +273,18 @@ def part_watch(dry: bool) -> dict[str, Any]:
                       allocator_events=sum(len(t) for t in snapshot["device_traces"]))
         ok = ok and result["kernels"] > 0 and result["segments"] > 0
         ok = ok and result["allocator_events"] > 0
+        # an out-of-memory error while recording writes the snapshot at once
+        from fivefold.observe.profile import MemoryHistory
+
+        history = MemoryHistory(out / "oom.pickle")
+        history.start()
+        try:
+            torch.empty(2**50, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+        result["oom_snapshot"] = history.path.exists()
+        history.dump()
+        ok = ok and result["oom_snapshot"]
     return dict(result, ok=ok)
 
 
