@@ -80,6 +80,8 @@ def test_the_profile_window_is_the_last_steps_of_this_invocation():
     assert profile_window(0, 10, 2) == range(8, 10)
     assert profile_window(0, 10, 2, exit_after=4) == range(2, 4)
     assert profile_window(6, 10, 3) == range(7, 10)  # a resumed run: its own last steps
+    assert profile_window(8, 10, 3) == range(9, 10)  # ... never its first
+    assert profile_window(9, 10, 1) == range(10, 10)
     assert profile_window(0, 10, 0) == range(0)
 
 
@@ -139,6 +141,17 @@ def test_profile_refusals(tmp_path):
         "run.flight_recorder=-5 must not be negative")
     from fivefold.train.validate import validate
     validate(load_config(None, _args(tmp_path, "--steps", "3", "--run.profile", "2")), 2)  # steps 2-3: fits
+
+
+def test_a_resumed_invocation_profiles_what_it_has_left_and_says_so():
+    from fivefold.train.validate import _check_profile
+
+    cfg = load_config(None, ["--steps", "10", "--run.profile", "3"])
+    assert _check_profile(cfg, 0) == [] and _check_profile(cfg, 6) == []  # steps 8-10 after step 7
+    assert _check_profile(cfg, 8) == [
+        "run.profile=3: this invocation resumes after step 8, so it profiles step 10 (its first step left out)"]
+    assert _check_profile(cfg, 9) == [
+        "run.profile=3: this invocation resumes after step 9, so it profiles no step (its first step left out)"]
 
 
 def test_a_memory_snapshot_on_the_cpu_is_refused(tmp_path):

@@ -24,6 +24,7 @@ __all__ = [
     "SNAPSHOT_DIR",
     "MemoryHistory",
     "StepProfiler",
+    "describe_steps",
     "profile_window",
     "step_label",
 ]
@@ -35,9 +36,20 @@ MAX_ENTRIES = 100_000  # allocator events kept (torch's own default)
 
 def profile_window(start: int, steps: int, profile_steps: int, exit_after: int = 0) -> range:
     """The steps `run.profile` profiles (0-based): this invocation's last ``profile_steps``, where
-    it stops (``run.exit_after``, as `trace_window`); `validate` refuses a window holding the
-    invocation's first step ``start``."""
-    return trace_window(start, steps, profile_steps, exit_after) if profile_steps > 0 else range(0)
+    it stops (``run.exit_after``, as `trace_window`), less its first, ``start`` (`validate` refuses
+    a new run whose window would hold it; a resumed one profiles fewer)."""
+    if profile_steps <= 0:
+        return range(0)
+    window = trace_window(start, steps, profile_steps, exit_after)
+    return range(max(window.start, start + 1), window.stop)
+
+
+def describe_steps(window: range) -> str:
+    """``window``'s steps as the progress bar counts them: "step 4", "steps 4-5", "no step"."""
+    if not window:
+        return "no step"
+    first, last = window.start + 1, window.stop
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def step_label(step: int) -> str:

@@ -17,6 +17,7 @@ from fivefold.observe.profile import (
     SNAPSHOT_DIR,
     MemoryHistory,
     StepProfiler,
+    describe_steps,
     profile_window,
 )
 from fivefold.train.metrics import RunInfo, RunRecord, StepResult, TrainObserver, TrainResult
@@ -24,11 +25,6 @@ from fivefold.train.metrics import RunInfo, RunRecord, StepResult, TrainObserver
 __all__ = ["FLIGHT_RECORDER_DIR", "MemorySnapshotLog", "ProfileLog", "flight_recorder_for"]
 
 FLIGHT_RECORDER_DIR = "flight_recorder"
-
-
-def _steps(window: range) -> str:
-    first, last = window.start + 1, window.stop
-    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def flight_recorder_for(cfg: Config) -> FlightRecorder | None:
@@ -62,9 +58,10 @@ class ProfileLog(TrainObserver):
         return cls(window, Path(r.out_dir) / r.name, rank, device, record)
 
     def on_run_start(self, info: RunInfo) -> None:
+        steps = describe_steps(self.profiler.window)
         self.record.say(
-            f"fivefold: profile: {_steps(self.profiler.window)} -> {self.directory}/rank<R>.json "
-            "(one per rank; chrome://tracing or ui.perfetto.dev)"
+            f"fivefold: profile: {steps} -> {self.directory}/rank<R>.json (one per rank; "
+            "chrome://tracing or ui.perfetto.dev)"
         )
 
     def on_step_start(self, step: int) -> None:
@@ -92,7 +89,11 @@ class MemorySnapshotLog(TrainObserver):
         self.window, self.record = window or None, record
 
     def on_run_start(self, info: RunInfo) -> None:
-        when = f"over {_steps(self.window)}" if self.window else "from the run's start to its end"
+        when = (
+            f"over {describe_steps(self.window)}"
+            if self.window
+            else "from the run's start to its end"
+        )
         self.record.say(
             f"fivefold: memory snapshot {when} -> {self.directory}/rank<R>.pickle (one per rank; "
             "open it at pytorch.org/memory_viz)"
