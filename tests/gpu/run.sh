@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 28 in one go, for a machine with one GPU (H200-class), in under 10 minutes;
-# with 2+ GPUs the two-process smoke tests run too. Results: OUT/<part>.json and OUT/summary.txt.
+# The GPU checks of issues 28 and 31 (watch, flight-recorder) in one go, for a machine with one GPU
+# (H200-class), in under 10 minutes; with 2+ GPUs the two-process smoke tests run too. Results: OUT/<part>.json and OUT/summary.txt.
 #
 #   tests/gpu/run.sh [--dry-run] [OUT]      # OUT defaults to runs/gpu-checks
 #
