@@ -77,6 +77,7 @@ class FlightRecorder:
         """Write this rank's recorder to ``<dir>/rank<R>`` (whole or not at all)."""
         data = (dump or dump_function(device_type))()
         path = self.path(rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.partial")
         tmp.write_bytes(data)
         os.replace(tmp, path)
