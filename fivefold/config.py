@@ -280,6 +280,17 @@ class RunSection:
     # no hooks, no timing.
     trace: bool = False
     trace_steps: int = 2
+    # torch.profiler over this invocation's last N steps (never its first: it compiles and
+    # allocates) -> <run dir>/profile/rank<R>.json per rank (Chrome / Perfetto; CPU and CUDA
+    # activity, memory, shapes); 0: off
+    profile: int = 0
+    # CUDA only: the caching allocator's history (from the run's start, or over the profile's
+    # steps) -> <run dir>/memory_snapshot/rank<R>.pickle per rank (pytorch.org/memory_viz)
+    memory_snapshot: bool = False
+    # torch's flight recorder: the last N collectives of each rank (0: off), dumped to <run
+    # dir>/flight_recorder/rank<R> on a stall (the local watchdog), on NCCL's collective timeout
+    # and on SIGUSR1
+    flight_recorder: int = 0
     # before spawning, the planner's memory model predicts every local rank's peak: a run that would
     # not fit in this machine's free memory (host RAM on the CPU, device memory on accelerators) is
     # refused; false: start it anyway

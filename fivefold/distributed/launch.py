@@ -16,11 +16,14 @@ import struct
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from fivefold.distributed.flight_recorder import FlightRecorder
 
 __all__ = [
     "backend_for",
@@ -102,13 +105,20 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(
-    device: torch.device | str | None = None, backend: str | None = None, timeout_s: float = 600.0
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    flight_recorder: FlightRecorder | None = None,
 ) -> torch.device:
     """Initialise the default process group from a torchrun-style environment for `device` (default:
     `resolve_device`) with its backend (gloo for the CPU, NCCL for CUDA). An accelerator is bound as
     ``device_id``: communicators are created at once (errors surface here, not at the first
-    collective) and sub-groups split from them."""
+    collective) and sub-groups split from them. ``flight_recorder``: armed first (torch reads its
+    variables when the group is made), its SIGUSR1 dump installed."""
     device = resolve_device() if device is None else torch.device(device)
+    if flight_recorder is not None and not dist.is_initialized():
+        flight_recorder.arm()
+        flight_recorder.install(int(os.environ.get("RANK", "0")), device.type)
     if not dist.is_initialized():
         dist.init_process_group(
             backend or backend_for(device),
@@ -120,11 +130,13 @@ def init_distributed(
 
 @contextlib.contextmanager
 def distributed(
-    device: torch.device | str | None = None, timeout_s: float = 600.0
+    device: torch.device | str | None = None,
+    timeout_s: float = 600.0,
+    flight_recorder: FlightRecorder | None = None,
 ) -> Iterator[torch.device]:
     """`init_distributed` for the body, then the group torn down (the engines' reference cycles
     collected first)."""
-    device = init_distributed(device, timeout_s=timeout_s)
+    device = init_distributed(device, timeout_s=timeout_s, flight_recorder=flight_recorder)
     try:
         yield device
     finally:
@@ -225,6 +237,7 @@ def _local_worker(
     args: tuple,
     device: str = "cpu",
     heartbeat_dir: str = "",
+    flight_recorder: FlightRecorder | None = None,
 ) -> None:
     torch.set_num_threads(threads)
     if heartbeat_dir:  # the launcher watches for stalls
@@ -245,6 +258,9 @@ def _local_worker(
     )
     timeout = datetime.timedelta(seconds=timeout_s)
     where = resolve_device(device)
+    if flight_recorder is not None:  # before the process group: torch reads its variables then
+        flight_recorder.arm()
+        flight_recorder.install(rank, where.type)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend_for(where),
@@ -390,6 +406,7 @@ def launch_local(
     start_method: str = "spawn",
     device: str = "cpu",
     watch: tuple[float, float] | None = None,
+    flight_recorder: FlightRecorder | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` (module-level, result saved by torch.save) in `nproc` local processes;
     return the results. ``device="cpu"``: gloo CPU workers; an accelerator type (``"cuda"``): one
@@ -400,7 +417,9 @@ def launch_local(
     directory ``fivefold-<pid>-*`` in the temporary directory, removed at the end; those of
     launchers that died first are removed at the next launch's start. ``watch`` = (heartbeat_s,
     stall_s): watch the workers' heartbeats and, on a stall, kill them and raise
-    `fivefold.distributed.watchdog.Stalled` (`fivefold.distributed.watchdog`)."""
+    `fivefold.distributed.watchdog.Stalled` (`fivefold.distributed.watchdog`). ``flight_recorder``:
+    every worker records its collectives (`fivefold.distributed.flight_recorder`), and a stall has
+    them dump their records (a bounded wait) before they are killed."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc}: need at least one process")
     _record_launch_start()
@@ -415,7 +434,18 @@ def launch_local(
             os.mkdir(heartbeat_dir)
         context = mp.start_processes(
             _local_worker,
-            args=(fn, nproc, store.port, threads, timeout_s, out_dir, args, device, heartbeat_dir),
+            args=(
+                fn,
+                nproc,
+                store.port,
+                threads,
+                timeout_s,
+                out_dir,
+                args,
+                device,
+                heartbeat_dir,
+                flight_recorder,
+            ),
             nprocs=nproc,
             join=False,
             start_method=start_method,
@@ -434,6 +464,11 @@ def launch_local(
                     if problem is not None:
                         from fivefold.distributed.watchdog import Stalled
 
+                        if flight_recorder is not None:  # their records first, then the kill
+                            alive = {
+                                r: p.pid for r, p in enumerate(context.processes) if p.is_alive()
+                            }
+                            problem += "; " + flight_recorder.request_dumps(alive)
                         for p in context.processes:
                             if p.is_alive():
                                 p.kill()

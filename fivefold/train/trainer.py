@@ -70,6 +70,7 @@ from fivefold.train.metrics import (
     TrainObserver,
     TrainResult,
 )
+from fivefold.train.profiling import MemorySnapshotLog, ProfileLog, flight_recorder_for
 from fivefold.train.run_lock import RunDirLocked, RunLock
 from fivefold.train.validate import validate
 
@@ -83,7 +84,11 @@ def run(cfg: Config) -> TrainResult:
     """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo). The
     run directory is locked for the run's life (`RunLock`: under torchrun by rank 0)."""
     if is_torchrun_env():
-        with distributed(resolve_device(cfg.run.device), timeout_s=cfg.run.collective_timeout_s):
+        with distributed(
+            resolve_device(cfg.run.device),
+            timeout_s=cfg.run.collective_timeout_s,
+            flight_recorder=flight_recorder_for(cfg),
+        ):
             lock = _lock_on_rank0(cfg)
             try:
                 return train(cfg, validate(cfg, dist.get_world_size()))
@@ -145,6 +150,7 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
                 threads=threads,
                 timeout_s=cfg.run.collective_timeout_s,
                 watch=(cfg.run.heartbeat_timeout_s, cfg.run.stall_timeout_s),
+                flight_recorder=flight_recorder_for(cfg),
             )[0]
         except Terminated:  # the launcher itself was told to stop
             raise
@@ -189,9 +195,10 @@ class Trainer:
     `ParallelModel`, the checkpoints, the `TrainingClock` and the observers, which see the run at
     fixed points (`metrics.TrainObserver`), in this order: the run record (`RunRecordLog`), the
     summary (`RunSummary`), the step trace (`StepTraceLog`, with ``run.trace``), the pipeline
-    timeline (`PipelineTimelineLog`), the `Evaluator`, the watchdog's `Heartbeat` and the
-    `CheckpointSaver`. Building it builds the model and restores a checkpoint (collective); `run`
-    trains, one `train_step` per step."""
+    timeline (`PipelineTimelineLog`), the profiler and allocator history (`ProfileLog`,
+    `MemorySnapshotLog`, with ``run.profile`` / ``run.memory_snapshot``), the `Evaluator`, the
+    watchdog's `Heartbeat` and the `CheckpointSaver`. Building it builds the model and restores a
+    checkpoint (collective); `run` trains, one `train_step` per step."""
 
     def __init__(self, cfg: Config, plan: RunPlan) -> None:
         # from the start: a SIGTERM while the model is built still stops at the first step's end
@@ -308,6 +315,7 @@ class Trainer:
             observers.append(StepTraceLog(tracer, window, model, self.mesh.world, record, title))
         # with run.trace, trace.json is the step trace (the pipeline's actions in it)
         observers.append(PipelineTimelineLog(model, record, chrome_trace=tracer is None))
+        observers += self._profilers()
         if t.eval_every > 0:
             observers.append(
                 Evaluator(
@@ -321,6 +329,17 @@ class Trainer:
                 )
             )
         observers += [Heartbeat(), self.checkpoint_saver]
+        return observers
+
+    def _profilers(self) -> list[TrainObserver]:
+        """``run.profile``'s `ProfileLog` and ``run.memory_snapshot``'s `MemorySnapshotLog` (CUDA;
+        over the profiled steps when both are on)."""
+        cfg, rank = self.cfg, dist.get_rank()
+        profile = ProfileLog.for_run(cfg, self.start, rank, self.device, self.record)
+        observers: list[TrainObserver] = [profile] if profile is not None else []
+        if cfg.run.memory_snapshot and self.device.type == "cuda":
+            window = profile.profiler.window if profile is not None else None
+            observers.append(MemorySnapshotLog(run_dir(cfg), rank, self.record, window))
         return observers
 
     def run(self) -> TrainResult:

@@ -14,6 +14,8 @@ from pathlib import Path
 from fivefold.checkpoint.hf import check_hf_weights
 from fivefold.checkpoint.manager import check_loadable, read_checkpoint_meta
 from fivefold.config import Config, ConfigError, OnError
+from fivefold.observe.profile import describe_steps, profile_window
+from fivefold.observe.trace import trace_window
 from fivefold.paths import PathOutside, one_component
 from fivefold.plan.fits import check_fits
 from fivefold.rules import device_type_of
@@ -76,8 +78,14 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             "run.exit_after": r.exit_after,
             "run.max_restarts": r.max_restarts,
             "run.stall_timeout_s": r.stall_timeout_s,
+            "run.profile": r.profile,
+            "run.flight_recorder": r.flight_recorder,
         }
     )
+    if r.memory_snapshot and (device := device_type_of(r.device)) != "cuda":
+        raise ConfigError(
+            f"run.memory_snapshot records CUDA's caching allocator: this run is on {device}"
+        )
     check_positive(
         **{
             "run.heartbeat_timeout_s": r.heartbeat_timeout_s,
@@ -102,6 +110,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_data(cfg, plan.data)
+    notes += _check_profile(cfg, done)
     notes += _check_memory(cfg, plan, world_size)
     if done >= cfg.train.steps:
         raise ConfigError(
@@ -109,6 +118,36 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
             "nothing left to train; raise train.steps to continue it"
         )
     return dataclasses.replace(plan, resume_from=resume_from, notes=tuple(notes))
+
+
+def _check_profile(cfg: Config, done: int) -> list[str]:
+    """``run.profile``'s steps are an invocation's last ones, leaving out its first (which compiles
+    and allocates: not the steady state): a config whose new run cannot hold them is refused. A
+    resumed invocation (``--resume``, a restart after a lost worker) profiles those it has left
+    after its first, said in a note: a restart must not fail on it."""
+    r, steps = cfg.run, cfg.train.steps
+    if r.profile <= 0:
+        return []
+    fresh = trace_window(0, steps, r.profile, r.exit_after)  # what a new run would profile
+    if fresh.start == 0:
+        needed = r.profile + 1
+        if r.exit_after > 0 and r.exit_after < steps:
+            fix = f"raise run.exit_after to {needed}"
+        else:
+            fix = f"raise train.steps to {needed}"
+        lower = f"lower run.profile to {len(fresh) - 1} or " if len(fresh) > 1 else ""
+        raise ConfigError(
+            f"run.profile={r.profile} would profile steps {fresh.start + 1}-{fresh.stop}, this "
+            f"run's steps 1-{fresh.stop} (its first among them: it compiles and allocates, not the "
+            f"steady state); {lower}{fix}"
+        )
+    window = profile_window(done, steps, r.profile, r.exit_after)
+    if done == 0 or len(window) == r.profile or done >= steps:
+        return []
+    return [
+        f"run.profile={r.profile}: this invocation resumes after step {done}, so it profiles "
+        f"{describe_steps(window)} (its first step left out)"
+    ]
 
 
 def _check_memory(cfg: Config, plan: RunPlan, world_size: int) -> list[str]:

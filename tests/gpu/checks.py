@@ -15,6 +15,12 @@ Parts (one accelerator, world 1 on NCCL; ``--dry-run``: the same code on the CPU
   the loss equals eager's first-step loss to bf16 rounding.
 - ``cp-kernel``: ring attention's block kernels, flash vs math at 8k tokens, cp 4 emulated by
   blocks (`python bench/run.py cp-kernel`).
+- ``watch``: a short torchrun run with ``run.profile 2``, ``run.memory_snapshot`` and
+  ``run.flight_recorder``: the profile holds the last two steps and CUDA kernels, the snapshot
+  segments and allocator events; an out-of-memory error writes a snapshot at once; dry run: the
+  CPU (no snapshot: refused there).
+- ``flight-recorder``: NCCL's flight recorder armed, two all-reduces, SIGUSR1 -> this rank's dump
+  holding them (``_dump_nccl_trace``); dry run: gloo's (``_dump_fr_trace``).
 
 A part that fails writes its error to its json and exits 1; run.sh goes on with the next."""
 
@@ -232,7 +238,90 @@ def part_cp_kernel(dry: bool) -> dict[str, Any]:
     return dict(result=result, table=format_cp_kernel_table(result), ok=True)
 
 
+def part_watch(dry: bool) -> dict[str, Any]:
+    """run.profile, run.memory_snapshot and run.flight_recorder through the trainer: their files."""
+    import pickle
+    import subprocess
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="fivefold-watch-"))
+    args = ["-m", "fivefold.train", "--preset", "tiny", "--steps", "4", "--name", "watch",
+            "--run.out_dir", str(out), "--run.progress", "false", "--run.plot", "false",
+            "--train.eval_every", "0", "--run.profile", "2", "--run.flight_recorder", "100"]
+    if dry:
+        cmd = [sys.executable, *args, "--nproc", "1", "--device", "cpu", "--train.seq_len", "64",
+               "--train.global_batch", "4", "--train.micro_batch", "2"]
+    else:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node",
+               "1", *args, "--run.memory_snapshot", "true"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if done.returncode != 0:
+        return dict(ok=False, error=done.stderr[-3000:])
+    run = out / "watch"
+    events = json.loads((run / "profile" / "rank0.json").read_text())["traceEvents"]
+    marks = sorted({e["name"] for e in events if e.get("name", "").startswith("fivefold step")})
+    result: dict[str, Any] = dict(
+        marks=marks, kernels=sum(e.get("cat") == "kernel" for e in events),
+        memory_events=sum(e.get("name") == "[memory]" for e in events),
+        flight_recorder_dir=(run / "flight_recorder").is_dir(), stdout=done.stdout[-1500:])
+    ok = marks == ["fivefold step 3", "fivefold step 4"] and result["memory_events"] > 0
+    ok = ok and result["flight_recorder_dir"]
+    if not dry:
+        with open(run / "memory_snapshot" / "rank0.pickle", "rb") as f:
+            snapshot = pickle.load(f)
+        result.update(segments=len(snapshot["segments"]),
+                      allocator_events=sum(len(t) for t in snapshot["device_traces"]))
+        ok = ok and result["kernels"] > 0 and result["segments"] > 0
+        ok = ok and result["allocator_events"] > 0
+        # an out-of-memory error while recording writes the snapshot at once
+        from fivefold.observe.profile import MemoryHistory
+
+        history = MemoryHistory(out / "oom.pickle")
+        history.start()
+        try:
+            torch.empty(2**50, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+        result["oom_snapshot"] = history.path.exists()
+        history.dump()
+        ok = ok and result["oom_snapshot"]
+    return dict(result, ok=ok)
+
+
+def part_flight_recorder(dry: bool) -> dict[str, Any]:
+    """SIGUSR1 -> this rank's flight recorder dump, holding the collectives it ran."""
+    import os
+    import pickle
+    import signal
+    import tempfile
+
+    import torch.distributed as dist
+
+    from fivefold.distributed.flight_recorder import FlightRecorder
+
+    device = _device(dry)
+    recorder = FlightRecorder(tempfile.mkdtemp(prefix="fivefold-fr-"), entries=100)
+    recorder.arm()
+    recorder.install(0, device.type)
+    _init(device)
+    try:
+        for _ in range(2):
+            dist.all_reduce(torch.ones(1024, device=device))
+        _sync(device)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.time() + 30
+        while not recorder.path(0).exists() and time.time() < deadline:
+            time.sleep(0.1)
+        entries = pickle.loads(recorder.path(0).read_bytes())["entries"]
+    finally:
+        _done()
+    names = [e["profiling_name"] for e in entries]
+    want = "gloo:all_reduce" if dry else "nccl:all_reduce"
+    return dict(names=names, ok=names.count(want) >= 2)
+
+
 PARTS = {"syncs": part_syncs, "moe": part_moe, "profile": part_profile, "compile": part_compile,
+         "watch": part_watch, "flight-recorder": part_flight_recorder,
          "cp-kernel": part_cp_kernel}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 28 in one go, for a machine with one GPU (H200-class), in under 10 minutes;
-# with 2+ GPUs the two-process smoke tests run too. Results: OUT/<part>.json and OUT/summary.txt.
+# The GPU checks of issues 28 and 31 (watch, flight-recorder) in one go, for a machine with one GPU
+# (H200-class), in under 10 minutes; with 2+ GPUs the two-process smoke tests run too. Results: OUT/<part>.json and OUT/summary.txt.
 #
 #   tests/gpu/run.sh [--dry-run] [OUT]      # OUT defaults to runs/gpu-checks
 #
@@ -38,7 +38,7 @@ PYEOF
 
 LIMIT=150  # per part on the GPU; a CPU rehearsal is slower (compiling, every layout simulated)
 [ -n "$DRY" ] && LIMIT=900
-for p in syncs moe profile compile cp-kernel; do
+for p in syncs moe profile compile cp-kernel watch flight-recorder; do
   part "$p" "$LIMIT" "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
 done
 # a short run of the trainer under the GPU profile (bf16, compile, log_every 10) on the embedded data
