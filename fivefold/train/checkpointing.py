@@ -363,7 +363,12 @@ class CheckpointSaver(TrainObserver):
             warning
         ) in self.checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
             self.record.write(
-                {"kind": "error", "step": step, "error": "checkpoint not saved", "message": warning}
+                {
+                    "kind": "error",
+                    "step": step + 1,
+                    "error": "checkpoint not saved",
+                    "message": warning,
+                }
             )
             self.record.say(warning)
         self.checkpoints.warnings.clear()
@@ -372,7 +377,7 @@ class CheckpointSaver(TrainObserver):
         self.record.write(
             {
                 "kind": "checkpoint",
-                "step": step,
+                "step": step + 1,
                 "steps_done": step + 1,
                 "reason": reason,
                 "seconds": waited,
