@@ -32,6 +32,7 @@ from fivefold.observe.report import (
     write_step_trace,
 )
 from fivefold.observe.trace import StepTracer, hidden_summary
+from fivefold.optim.clip import NonFiniteGradient
 from fivefold.pipeline.simulator import Timeline
 
 if TYPE_CHECKING:
@@ -560,8 +561,6 @@ class RunRecordLog(TrainObserver):
         self.record.close(dataclasses.asdict(result), self.plot_title)
 
     def on_run_abort(self, step: int, error: BaseException) -> None:
-        from fivefold.optim.clip import NonFiniteGradient
-
         what = (
             "non-finite gradient" if isinstance(error, NonFiniteGradient) else type(error).__name__
         )
