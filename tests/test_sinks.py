@@ -106,7 +106,9 @@ def crashed(tmp_path_factory):
     plan = validate(cfg, 2)
     capture = out / "stdout.txt"
     saved = os.dup(1)
-    with open(capture, "w") as f:
+    with pytest.MonkeyPatch.context() as env, open(capture, "w") as f:
+        for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not the user's
+            env.setenv(name, str(out / "wandb-home"))
         os.dup2(f.fileno(), 1)  # the workers inherit this process's stdout
         try:
             with pytest.raises(mp.ProcessRaisedException) as error:
