@@ -4,8 +4,9 @@ One spawn (`multiprocess`): 2 gloo ranks train a tiny MoE model with every sink,
 raising in both workers (the trainer patched inside the spawned function); TensorBoard's event
 files, the W&B offline run file and the MLflow file store then hold steps 1..3 with metrics.jsonl's
 values, closed as failed, and stdout one line per log step. In-process: the sink names and the
-missing-package line before any spawn, `SinkLog` with fake sinks (values, flushes, closes), and
-TensorBoard + MLflow closed at a run's normal end."""
+missing-package line before any spawn, `SinkLog` with fake sinks (values, flushes, closes),
+TensorBoard + MLflow closed at a run's normal end, every line above the progress bar, and a resume
+keeping the records of the steps done."""
 
 from __future__ import annotations
 
@@ -321,3 +322,32 @@ def test_tensorboard_and_mlflow_at_a_normal_end(tmp_path, monkeypatch):
     lines = (meta.parent / "metrics" / "comm_wire_bytes" / "tp").read_text().split("\n")
     assert [line.split()[1:] for line in lines if line] == [["10.0", "1"], ["10.0", "2"], ["10.0", "3"]]
     assert not math.isnan(float(lines[0].split()[1]))
+
+
+def test_with_the_bar_every_line_goes_above_it(tmp_path, capsys):
+    import inspect
+
+    from fivefold.train.metrics import RunRecord
+
+    record = RunRecord(tmp_path, 3, progress=True, name="r")
+    written: list[str] = []
+    record.progress.bar.write = written.append
+    record.say("hello")
+    assert written == ["hello"] and capsys.readouterr().out == ""
+    assert inspect.getsource(RunRecord).count("print(") == 1  # say's own, for a run without the bar
+    record.abort()
+    record.say("after the bar")
+    assert capsys.readouterr().out == "after the bar\n"
+
+
+def test_a_resume_keeps_the_records_of_the_steps_done(tmp_path):
+    from fivefold.train.metrics import RunRecord, read_metrics
+
+    lines = [{"kind": "config"}] + [{"kind": "train", "step": s} for s in range(1, 6)]
+    lines += [{"kind": "checkpoint", "step": 3, "steps_done": 3}, {"kind": "error", "step": 4}, {"kind": "summary"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    record = RunRecord(tmp_path, 6, progress=False, name="r", resume_at=3)
+    record.abort()
+    kept = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["kind"], r.get("step")) for r in kept] == [("config", None), ("train", 1), ("train", 2),
+                                                          ("train", 3), ("checkpoint", 3)]
