@@ -35,6 +35,7 @@ P2P = Literal["auto", "buffered", "rendezvous"]  # pipeline.p2p
 Overlap = Literal["off", "on"]  # pipeline.overlap
 OnError = Literal["stop", "warn"]  # checkpoint.on_error
 DocumentsMode = Literal["cross", "mask"]  # data.documents
+WandbMode = Literal["online", "offline", "disabled"]  # logging.wandb_mode
 
 
 @dataclass
@@ -320,6 +321,35 @@ class DebugSection:
 
 
 @dataclass
+class LoggingSection:
+    """Where rank 0's scalars go besides ``metrics.jsonl``, which is always written
+    (`fivefold.train.sinks`, docs/training.md#watching-a-run)."""
+
+    # a comma list of jsonl, tensorboard (<run dir>/tensorboard/), wandb, mlflow
+    sinks: str = "jsonl"
+    wandb_project: str = "fivefold"
+    # None: the environment's WANDB_MODE, else offline (no network: `wandb sync` uploads later)
+    wandb_mode: WandbMode | None = None
+    # "": a local file store <run dir>/mlruns (MLFLOW_ALLOW_FILE_STORE=true is set for it)
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "fivefold"
+
+    def sink_names(self) -> tuple[str, ...]:
+        """The sinks asked for, metrics.jsonl's own left out; an unknown name is a `ConfigError`."""
+        names = [n.strip() for n in self.sinks.split(",") if n.strip()]
+        unknown = [n for n in names if n not in SINKS]
+        if unknown:
+            raise ConfigError(
+                f"logging.sinks={self.sinks!r}: unknown sink {', '.join(map(repr, unknown))}; "
+                f"choose a comma list of {', '.join(SINKS)}"
+            )
+        return tuple(dict.fromkeys(n for n in names if n != "jsonl"))
+
+
+SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")  # logging.sinks
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -332,6 +362,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     debug: DebugSection = field(default_factory=DebugSection)
     moe: MoESection = field(default_factory=MoESection)  # written [model.moe] / --model.moe.* too
+    logging: LoggingSection = field(default_factory=LoggingSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

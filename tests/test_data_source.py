@@ -181,7 +181,7 @@ def test_prepare_then_train_on_the_shards_as_a_user_does(tmp_path):
            "--name", "mine", "--run.progress", "false", "--run.plot", "false"]
     assert main([*run, "--steps", "2"]) == 0
     records = [json.loads(line) for line in (tmp_path / "mine" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "val"] == [1]
+    assert [r["step"] for r in records if r["kind"] == "val"] == [2]
     meta = json.loads((tmp_path / "mine" / "checkpoints" / "step-00000002" / "fivefold.json").read_text())
     n = load_tokenizer(str(tok)).vocab_size
     assert meta["model"]["vocab_size"] == -(-n // 64) * 64  # the tokenizer's ids padded to a multiple of 64

@@ -85,9 +85,10 @@ def test_a_diverging_run_exits_non_zero_with_valid_metrics_and_its_last_checkpoi
     records = [_strict(line) for line in (tmp_path / "boom" / "metrics.jsonl").read_text().splitlines()]
     (error,) = [r for r in records if r["kind"] == "error"]
     trained = [r["step"] for r in records if r["kind"] == "train"]
-    assert error["step"] == len(trained) < 8  # the failing step wrote no train record
+    assert trained == list(range(1, len(trained) + 1))
+    assert error["step"] == len(trained) + 1 <= 8  # the failing step (1-based) wrote no train record
     last = complete_checkpoints(tmp_path / "boom" / "checkpoints")[-1]
-    assert read_checkpoint_meta(last)["steps_done"] == error["step"]  # saved after the last good step
+    assert read_checkpoint_meta(last)["steps_done"] == len(trained)  # saved after the last good step
     assert verify_files(last, read_checkpoint_meta(last)) == []
     assert not math.isnan(records[-2].get("loss") or 0.0)
 

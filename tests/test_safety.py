@@ -267,7 +267,7 @@ def test_a_second_run_or_resume_on_a_running_directory_is_refused_naming_the_hol
         out, _ = first.communicate(timeout=300)
     assert first.returncode == 0, out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(12))
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 13))
 
 
 @pytest.mark.multiprocess
@@ -319,7 +319,7 @@ def test_a_save_onto_a_full_disk_stops_in_one_line_or_warns_and_trains_on(tiny_d
     assert warn.returncode == 0, warn.stderr
     assert warn.stdout.count("training goes on (checkpoint.on_error=warn)") == 2, warn.stdout
     records = [json.loads(line) for line in (tmp_path / "warn" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "train"] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
     assert [r["error"] for r in records if r["kind"] == "error"] == ["checkpoint not saved"] * 2
 
 

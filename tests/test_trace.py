@@ -130,7 +130,8 @@ def _spans(trace: dict, rank: int, step: int, cat: str) -> dict[str, list[tuple[
 
 
 def _traced_steps() -> list[int]:
-    return list(range(STEPS - TRACED, STEPS))
+    """Numbered as in metrics.jsonl (steps done, 1-based)."""
+    return list(range(STEPS - TRACED + 1, STEPS + 1))
 
 
 def _blocks_of(name: str, rank: int) -> list[str]:
@@ -169,7 +170,7 @@ def test_off_means_no_hooks_and_no_timing(traced):
         assert steps and all(not timed for step in steps for *_, timed in step), "a record timed with tracing off"
         # on: exactly the traced steps' records are timed
         ddp = res["runs"]["ddp"]["steps"]
-        assert [any(r[-1] for r in step) for step in ddp] == [s in _traced_steps() for s in range(STEPS)]
+        assert [any(r[-1] for r in step) for step in ddp] == [s in _traced_steps() for s in range(1, STEPS + 1)]
 
 
 @pytest.mark.multiprocess
@@ -232,7 +233,7 @@ def test_every_collective_of_the_traced_steps(traced, name):
         steps = res["runs"][name]["steps"]
         assert len(steps) == STEPS
         for step in _traced_steps():
-            logged = Counter((op, dim, nbytes, tag, seq) for op, dim, nbytes, tag, seq, _ in steps[step])
+            logged = Counter((op, dim, nbytes, tag, seq) for op, dim, nbytes, tag, seq, _ in steps[step - 1])
             events = _x_events(traces[name], rank, step, "collective")
             got = Counter((e["args"]["op"], e["args"]["dim"], e["args"]["bytes"], e["args"]["tag"], e["args"]["seq"])
                           for e in events)

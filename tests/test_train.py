@@ -30,8 +30,8 @@ def test_trainer_end_to_end_two_workers(tmp_path, monkeypatch):
     assert 5.0 < result.first_loss < 6.0  # ≈ ln(256) for a fresh byte-level model
     records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(20))
-    assert [r["step"] for r in records if r["kind"] == "val"] == [9, 19]
+    assert [r["step"] for r in train] == list(range(1, 21))  # steps done, 1-based
+    assert [r["step"] for r in records if r["kind"] == "val"] == [10, 20]
     assert records[0]["kind"] == "config" and records[0]["dp"] == 2
     # DDP traffic per step: all-reduce of every gradient element once (fp32), one call per bucket.
     psi = records[0]["params"]

@@ -273,6 +273,17 @@ class CommLog:
                 t.wire_bytes += r.wire_bytes
         return t
 
+    def by_dim(self) -> dict[str, CommTotals]:
+        """Totals keyed by mesh dim, in the order the dims were first used."""
+        out: dict[str, CommTotals] = {}
+        for r in self.records:
+            t = out.setdefault(r.dim, CommTotals())
+            t.calls += 1
+            t.numel += r.numel
+            t.payload_bytes += r.payload_bytes
+            t.wire_bytes += r.wire_bytes
+        return out
+
     def summary(self) -> dict[tuple[str, str], CommTotals]:
         """Totals keyed by (op, dim)."""
         out: dict[tuple[str, str], CommTotals] = defaultdict(CommTotals)

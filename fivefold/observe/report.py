@@ -199,15 +199,14 @@ def plot_loss(records: list[dict], out_png: str | Path, title: str = "") -> Path
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # x = steps done (a record's 0-based step + 1), as the console counts them ("step 50: val loss
-    # ...")
+    # x = steps done (a record's step), as the console counts them ("step 50: val loss ...")
     train = [
-        (r["step"] + 1, r["loss"])
+        (r["step"], r["loss"])
         for r in records
         if r.get("kind") == "train" and r.get("loss") is not None
     ]
     val = [
-        (r["step"] + 1, r["val_loss"])
+        (r["step"], r["val_loss"])
         for r in records
         if r.get("kind") == "val" and r.get("val_loss") is not None
     ]

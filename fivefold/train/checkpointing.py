@@ -93,11 +93,12 @@ def check_run_dir(cfg: Config) -> Path | None:
 
 
 def clear_run_dir(cfg: Config) -> None:
-    """``run.overwrite``: remove what an earlier run left (its metrics, pictures and
-    checkpoints)."""
+    """``run.overwrite``: remove what an earlier run left (its metrics, pictures, TensorBoard
+    events and checkpoints; W&B and MLflow keep it as an earlier run of theirs)."""
     where = run_dir(cfg)
     for name in RUN_FILES:
         (where / name).unlink(missing_ok=True)
+    shutil.rmtree(where / "tensorboard", ignore_errors=True)  # its steps would mix with the new
     root = checkpoint_root(cfg)
     for path in complete_checkpoints(root):
         shutil.rmtree(path)
@@ -363,7 +364,12 @@ class CheckpointSaver(TrainObserver):
             warning
         ) in self.checkpoints.warnings:  # checkpoint.on_error=warn: a failed save, said once
             self.record.write(
-                {"kind": "error", "step": step, "error": "checkpoint not saved", "message": warning}
+                {
+                    "kind": "error",
+                    "step": step + 1,
+                    "error": "checkpoint not saved",
+                    "message": warning,
+                }
             )
             self.record.say(warning)
         self.checkpoints.warnings.clear()
@@ -372,7 +378,7 @@ class CheckpointSaver(TrainObserver):
         self.record.write(
             {
                 "kind": "checkpoint",
-                "step": step,
+                "step": step + 1,
                 "steps_done": step + 1,
                 "reason": reason,
                 "seconds": waited,

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from fivefold.observe.report import (
     write_step_trace,
 )
 from fivefold.observe.trace import StepTracer, hidden_summary
+from fivefold.optim.clip import NonFiniteGradient
 from fivefold.pipeline.simulator import Timeline
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EvalResult",
+    "MoELoad",
     "PipelineTimelineLog",
     "Progress",
     "RunInfo",
@@ -52,6 +55,7 @@ __all__ = [
     "TrainObserver",
     "TrainResult",
     "TrainingClock",
+    "moe_imbalance",
     "read_metrics",
 ]
 
@@ -107,6 +111,7 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None  # what is said after it is printed
 
 
 class RunRecord:
@@ -122,8 +127,8 @@ class RunRecord:
     ) -> None:
         """``resume_at``: the run continues after that many steps: the records of later steps
         (written after the checkpoint, by the attempt that stopped) and its summary are dropped, the
-        rest kept, new ones appended."""
-        self.run_dir = run_dir
+        rest kept, new ones appended. Every record's ``step`` counts steps done (1-based)."""
+        self.run_dir, self.steps = run_dir, steps
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self._f = None
         if self.path is not None:
@@ -132,7 +137,7 @@ class RunRecord:
                 kept = [
                     r
                     for r in _read_lenient(self.path)
-                    if r.get("kind") != "summary" and r.get("step", -1) < resume_at
+                    if r.get("kind") != "summary" and r.get("step", -1) <= resume_at
                 ]
                 tmp = self.path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -182,7 +187,7 @@ class RunRecord:
             }
         )
         also = f" and {self.run_dir / 'trace.json'}" if chrome_trace else ""
-        print(
+        self.say(
             "fivefold: last step's pipeline timeline: measured bubble "
             f"{timeline.bubble_fraction:.1%} ({versus}); wrote "
             f"{self.run_dir / 'timeline.png'}{also}"
@@ -219,13 +224,13 @@ class RunRecord:
             }
         )
         if summary is None:
-            print(
+            self.say(
                 "fivefold: no communication in the traced steps; wrote "
                 f"{self.run_dir / 'trace.json'} and {self.run_dir / 'step_trace.png'} (step {step} "
                 "as numbered in metrics.jsonl)"
             )
         else:
-            print(
+            self.say(
                 "fivefold: communication hidden behind compute: "
                 f"{summary['comm_hidden_fraction']:.0%} (ranks "
                 f"{summary['comm_hidden_min']:.0%}-{summary['comm_hidden_max']:.0%}; exposed "
@@ -250,12 +255,12 @@ class RunRecord:
             if any(
                 r.get("kind") == "moe" for r in records
             ):  # the loss plot's companion: how the experts were used
-                print(
+                self.say(
                     "fivefold: expert load in "
                     f"{plot_moe_load(records, self.run_dir / 'moe_load.png')}"
                 )
             val = summary.get("final_val_loss")
-            print(
+            self.say(
                 f"fivefold: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
                 + (f" (val {val:.3f})" if val is not None else "")
                 + f", {summary['tokens_per_s']:,.0f} tokens/s; wrote {self.path} and {png}"
@@ -322,6 +327,13 @@ class StepResult:
     # on log steps: seconds per step since the previous log (`TrainingClock`)
     step_time_s: float | None = None
     grad_norm_value: float | None = None  # on log steps: `grad_norm` on the host
+    # every mesh dim's traffic in the step (`CommLog.by_dim`), before the metrics' collectives
+    traffic_by_dim: Mapping[str, CommTotals] = dataclasses.field(default_factory=dict)
+
+    @property
+    def steps_done(self) -> int:
+        """The step's number as every record, line and picture shows it (1-based)."""
+        return self.step + 1
 
 
 @dataclass(frozen=True)
@@ -330,6 +342,10 @@ class EvalResult:
 
     step: int
     val_loss: float
+
+    @property
+    def steps_done(self) -> int:
+        return self.step + 1
 
 
 class TrainObserver:
@@ -344,8 +360,8 @@ class TrainObserver:
     - ``on_eval(result)``: after an evaluation (inside the evaluator's ``on_step_end``);
     - ``on_run_end(result)``: once after the last step (``result`` may be completed, e.g. by the
       step trace);
-    - ``on_run_abort(step, error)``: the run fails in ``step`` (a non-finite gradient) and ``error``
-      is raised."""
+    - ``on_run_abort(step, error)``: the run fails in ``step`` (0-based; any exception raised in
+      it, a non-finite gradient among them) and ``error`` is raised."""
 
     def on_run_start(self, info: RunInfo) -> None:
         pass
@@ -413,16 +429,39 @@ class Throughput:
         return self.tokens_per_step * self.flops_per_token / step_s / self.peak_flops
 
 
+class MoELoad(TrainObserver):
+    """`ParallelModel.moe_load` read once per step for every observer that shows it (it is a
+    collective: every rank reads it, through the first observer asking, `RunRecordLog`)."""
+
+    def __init__(self, model: ParallelModel) -> None:
+        self.model, self._read, self._load = model, False, None
+
+    def on_step_start(self, step: int) -> None:
+        self._read, self._load = False, None
+
+    def moe_load(self) -> dict[str, dict[str, Any]] | None:
+        if not self._read:
+            self._load, self._read = self.model.moe_load(), True
+        return self._load
+
+
+def moe_imbalance(layer: Mapping[str, Any]) -> float:
+    """One MoE layer's load as a number: max / mean assignments per expert (1: balanced)."""
+    counts = layer["tokens_per_expert"]
+    return max(counts) / max(sum(counts) / len(counts), 1e-9)
+
+
 class RunRecordLog(TrainObserver):
     """The run record's side of the run (rank 0 writes, `RunRecord`): the config record and the
-    start-up lines, a train record (and an MoE record) with the progress bar per log step, a val
-    record per evaluation, an error record when the run fails, the summary and the loss curve at the
-    end."""
+    start-up lines, a train record (and an MoE record) with the progress bar, or without one a
+    console line, per log step, a val record per evaluation, an error record when the run fails, the
+    summary and the loss curve at the end. ``model``: what `moe_load` is read from (a `MoELoad`
+    shares one read with other observers)."""
 
     def __init__(
         self,
         record: RunRecord,
-        model: ParallelModel,
+        model: ParallelModel | MoELoad,
         throughput: Throughput,
         plot_title: str | None,
     ) -> None:
@@ -463,10 +502,11 @@ class RunRecordLog(TrainObserver):
         if not result.logged:
             return
         r, tp, dt = result, self.throughput, result.step_time_s
+        mfu = tp.mfu(dt)
         self.record.write(
             {
                 "kind": "train",
-                "step": r.step,
+                "step": r.steps_done,
                 "loss": r.loss_value,
                 "lr": r.lr,
                 "grad_norm": r.grad_norm_value,
@@ -479,32 +519,53 @@ class RunRecordLog(TrainObserver):
                 "comm_calls": r.traffic.calls,
                 "comm_payload_bytes": r.traffic.payload_bytes,
                 "comm_wire_bytes": r.traffic.wire_bytes,
+                # every mesh dim's traffic of the step (the figures above: the data-parallel dims')
+                "comm_by_dim": {
+                    dim: {
+                        "calls": t.calls,
+                        "payload_bytes": t.payload_bytes,
+                        "wire_bytes": t.wire_bytes,
+                    }
+                    for dim, t in r.traffic_by_dim.items()
+                },
             }
         )
         moe = self.model.moe_load()  # expert load of the step's last micro-batch (MoE models)
         if moe is not None:
-            self.record.write({"kind": "moe", "step": r.step, "layers": moe})
+            self.record.write({"kind": "moe", "step": r.steps_done, "layers": moe})
         progress = self.record.progress
+        mfu_text = "n/a" if mfu is None else f"{mfu:.1%}"
+        if progress.bar is None:  # no bar (run.progress false): a line per log step
+            progress.done = r.steps_done
+            loss = "n/a" if r.loss_value is None else f"{r.loss_value:.3f}"
+            self.record.say(
+                f"step {r.steps_done}/{self.record.steps}: loss {loss}, "
+                f"{tp.tokens_per_s(dt):,.0f} tokens/s, {dt * 1e3:.0f} ms/step, MFU {mfu_text}, "
+                f"model state {r.model_state_mb:.1f} MB"
+            )
+            return
         progress.update(
-            r.step + 1 - progress.done,
+            r.steps_done - progress.done,
             loss=f"{r.loss_value:.3f}",
             tok_s=f"{tp.tokens_per_s(dt):,.0f}",
             step_ms=f"{dt * 1e3:.0f}",
-            mfu="n/a" if (mfu := tp.mfu(dt)) is None else f"{mfu:.1%}",
+            mfu=mfu_text,
             state_MB=f"{r.model_state_mb:.1f}",
         )
 
     def on_eval(self, result: EvalResult) -> None:
-        self.record.write({"kind": "val", "step": result.step, "val_loss": result.val_loss})
-        self.record.say(f"step {result.step + 1}: val loss {result.val_loss:.3f}")
+        self.record.write({"kind": "val", "step": result.steps_done, "val_loss": result.val_loss})
+        self.record.say(f"step {result.steps_done}: val loss {result.val_loss:.3f}")
 
     def on_run_end(self, result: TrainResult) -> None:
         self.record.close(dataclasses.asdict(result), self.plot_title)
 
     def on_run_abort(self, step: int, error: BaseException) -> None:
-        self.record.write(
-            {"kind": "error", "step": step, "error": "non-finite gradient", "message": str(error)}
+        what = (
+            "non-finite gradient" if isinstance(error, NonFiniteGradient) else type(error).__name__
         )
+        # the failing step's number (1-based): the steps done before it, plus one
+        self.record.write({"kind": "error", "step": step + 1, "error": what, "message": str(error)})
         self.record.abort()
 
 
@@ -574,8 +635,8 @@ class StepTraceLog(TrainObserver):
         self.world, self.record, self.title = world, record, title
 
     def on_step_start(self, step: int) -> None:
-        if step in self.window:
-            self.tracer.begin_step(step)
+        if step in self.window:  # traced as numbered in metrics.jsonl (1-based)
+            self.tracer.begin_step(step + 1)
 
     def on_step_end(self, result: StepResult) -> None:
         if result.step in self.window:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,7 @@ from fivefold.train.checkpointing import (
 from fivefold.train.data_source import open_dataset
 from fivefold.train.metrics import (
     EvalResult,
+    MoELoad,
     PipelineTimelineLog,
     RunInfo,
     RunRecord,
@@ -72,6 +74,7 @@ from fivefold.train.metrics import (
 )
 from fivefold.train.profiling import MemorySnapshotLog, ProfileLog, flight_recorder_for
 from fivefold.train.run_lock import RunDirLocked, RunLock
+from fivefold.train.sinks import SinkLog
 from fivefold.train.validate import validate
 
 if TYPE_CHECKING:
@@ -193,12 +196,14 @@ def train(cfg: Config, plan: RunPlan) -> TrainResult:
 class Trainer:
     """One rank's training run. It owns the mesh and its `CommLog`, the data, this rank's
     `ParallelModel`, the checkpoints, the `TrainingClock` and the observers, which see the run at
-    fixed points (`metrics.TrainObserver`), in this order: the run record (`RunRecordLog`), the
-    summary (`RunSummary`), the step trace (`StepTraceLog`, with ``run.trace``), the pipeline
-    timeline (`PipelineTimelineLog`), the profiler and allocator history (`ProfileLog`,
-    `MemorySnapshotLog`, with ``run.profile`` / ``run.memory_snapshot``), the `Evaluator`, the
-    watchdog's `Heartbeat` and the `CheckpointSaver`. Building it builds the model and restores a
-    checkpoint (collective); `run` trains, one `train_step` per step."""
+    fixed points (`metrics.TrainObserver`), in this order: the MoE load read once per step
+    (`MoELoad`), the run record (`RunRecordLog`), rank 0's metric sinks (`sinks.SinkLog`, with
+    ``logging.sinks``), the summary (`RunSummary`), the step trace (`StepTraceLog`, with
+    ``run.trace``), the pipeline timeline (`PipelineTimelineLog`), the profiler and allocator
+    history (`ProfileLog`, `MemorySnapshotLog`, with ``run.profile`` / ``run.memory_snapshot``),
+    the `Evaluator`, the watchdog's `Heartbeat` and the `CheckpointSaver`. Building it builds the
+    model and restores a checkpoint (collective); `run` trains, one `train_step` per step; an
+    exception in a step is every observer's ``on_run_abort``, then raised."""
 
     def __init__(self, cfg: Config, plan: RunPlan) -> None:
         # from the start: a SIGTERM while the model is built still stops at the first step's end
@@ -300,10 +305,14 @@ class Trainer:
             if cfg.run.plot
             else None
         )
+        moe = MoELoad(model)
         observers: list[TrainObserver] = [
-            RunRecordLog(record, model, self.throughput, plot_title),
-            self.summary,
+            moe,
+            RunRecordLog(record, moe, self.throughput, plot_title),
         ]
+        if record.run_dir is not None and cfg.logging.sink_names():  # rank 0
+            observers.append(SinkLog(record.run_dir, self.throughput, moe))
+        observers.append(self.summary)
         n_eval = max(dp, t.eval_batches - t.eval_batches % dp)
         eval_batches = self.data.val_batches(
             n_eval, t.micro_batch, dp_rank=self.dp_rank, dp_size=dp
@@ -363,10 +372,11 @@ class Trainer:
         for step in range(self.start, steps):
             try:
                 self.train_step(step)
-            except NonFiniteGradient as e:
-                for observer in reversed(self.observers):
-                    observer.on_run_abort(step, e)
-                raise NonFiniteGradient(f"step {step + 1}: {e}") from None
+            except Exception as e:  # any: every observer closes what it holds (files, sinks)
+                self._abort(step, e)
+                if isinstance(e, NonFiniteGradient):
+                    raise NonFiniteGradient(f"step {step + 1}: {e}") from None
+                raise
             if self.checkpoint_saver.stopped is not None:
                 break
         stopped = self.checkpoint_saver.stopped
@@ -380,6 +390,19 @@ class Trainer:
         for observer in reversed(self.observers):
             observer.on_run_end(result)
         return result
+
+    def _abort(self, step: int, error: Exception) -> None:
+        """Every observer's ``on_run_abort``, the last built first; one failing does not keep the
+        others from theirs (the run's own error is the one raised)."""
+        for observer in reversed(self.observers):
+            try:
+                observer.on_run_abort(step, error)
+            except Exception as e:
+                print(
+                    f"fivefold: {type(observer).__name__} failed while the run stopped: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def train_step(self, step: int) -> StepResult:
         """One step: this rank's micro-batches forward and backward (gradients reduced), the
@@ -395,10 +418,12 @@ class Trainer:
         loss_sum = self.model.forward_backward(batches, documents, weight)
         self._meter_model_state(step)
         grad_norm = self.model.step(self._max_norm, self.cfg.train.check_finite)
-        traffic = self.log.totals(
-            dims=self.model.step_traffic_dims
-        )  # before the metrics' collectives
-        result = self._result(step, lr, self.model.global_loss(loss_sum), grad_norm, traffic)
+        # before the metrics' collectives
+        traffic = self.log.totals(dims=self.model.step_traffic_dims)
+        by_dim = self.log.by_dim()
+        result = self._result(
+            step, lr, self.model.global_loss(loss_sum), grad_norm, traffic, by_dim
+        )
         for observer in self.observers:
             observer.on_step_end(result)
         return result
@@ -438,6 +463,7 @@ class Trainer:
         loss: torch.Tensor,
         grad_norm: torch.Tensor | None,
         traffic: CommTotals,
+        traffic_by_dim: dict[str, CommTotals] | None = None,
     ) -> StepResult:
         """The step's `StepResult`; on a log step the loss is fetched (the one wait per log
         interval: otherwise the host queues the next step while the device runs this one) and the
@@ -459,6 +485,7 @@ class Trainer:
             loss_value,
             step_time,
             norm_value,
+            traffic_by_dim or {},
         )
 
     def _fetch(

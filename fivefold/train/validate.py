@@ -23,6 +23,7 @@ from fivefold.run_plan import RunPlan, check_non_negative, check_positive, valid
 from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
 from fivefold.train.corpus import binary_share, check_source
 from fivefold.train.data_source import DataPlan, data_tokens, is_prepared, resolve_data
+from fivefold.train.sinks import check_sink_packages
 
 __all__ = ["ON_ERROR", "RunPlan", "validate", "validate_layout"]
 
@@ -33,6 +34,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
     """Raise a `ValueError` naming the first problem of `cfg` on `world_size` processes; return the
     resolved plan."""
     plan = validate_layout(cfg, world_size)
+    check_sink_packages(cfg)  # logging.sinks: known names, their packages installed
     r = cfg.run
     try:
         if not is_prepared(cfg.data.path):
