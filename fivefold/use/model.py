@@ -87,12 +87,15 @@ def run_tokenizer(meta: dict[str, Any], given: str | None = None) -> tuple[Any, 
         tok = _load(spec)
         return tok, tokenizer_info(tok, spec)
     spec = given or saved.spec
-    if spec != "bytes" and not Path(spec).exists():
+    try:
+        tok = _load(spec)
+    except TokenizerError:
+        if given is not None:
+            raise
         raise TokenizerError(
-            f"the run's tokenizer {spec} is gone: --tokenizer FILE names it (checked against the "
-            "sha256 its checkpoint recorded)"
-        )
-    tok = _load(spec)
+            f"the run's tokenizer {spec} is gone (or unreadable): --tokenizer FILE names it "
+            "(checked against the sha256 its checkpoint recorded)"
+        ) from None
     info = tokenizer_info(tok, spec)
     if not info.same_as(saved):
         raise TokenizerError(
