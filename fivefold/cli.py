@@ -1,6 +1,7 @@
 """Command line: ``fivefold train [--config run.toml] [--section.key value ...]``,
 ``fivefold plan --gpus N ...`` (what a layout costs, before renting GPUs), ``fivefold bench``,
-``fivefold export`` and ``fivefold prepare`` (text to token shards). ``train`` defaults to the
+``fivefold export``, ``fivefold prepare`` (text to token shards), ``fivefold generate`` and
+``fivefold eval`` (use the model). ``train`` defaults to the
 small Llama on this Python's stdlib sources, on 2 local CPU workers (under torchrun: its ranks).
 Every error is one line; the exit codes are the EXIT_* constants below (0 done, 1 failed, 2 refused
 before starting, 75 stopped early with a checkpoint, 143 stopped by a signal without one)."""
@@ -224,6 +225,160 @@ def _export(argv: list[str]) -> int:
     for note in summary["notes"]:
         print(f"fivefold export: note: {note}")
     return 0
+
+
+MODEL_HELP = (
+    "a run directory (its latest checkpoint), its checkpoints folder, a checkpoint, or a Hugging "
+    "Face model directory (config.json + safetensors of a family fivefold reads)"
+)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments `generate` and `eval` share: which model, its tokenizer, device and dtype."""
+    parser.add_argument("model", metavar="RUN|HF_DIR", help=MODEL_HELP)
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer (a tokenizer.json, its directory, a tiktoken file, bytes) when the "
+        "run's recorded path has moved (checked against the sha256 its checkpoint recorded) or "
+        "an HF directory holds none",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (the accelerator if any, else the CPU), cpu, cuda"
+    )
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights' dtype (fp32)"
+    )
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="read a checkpoint whose metadata only DCP's pickle holds (as export's)",
+    )
+
+
+def _used_model(args: argparse.Namespace):  # noqa: ANN202 - a fivefold.use.model.UsedModel
+    from fivefold.data_parallel.mixed_precision import parse_dtype
+    from fivefold.distributed.launch import resolve_device
+    from fivefold.use.model import load_model
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise ValueError(str(e).replace("run.device", "--device")) from None
+    if not Path(args.model).exists():
+        raise ValueError(f"{args.model} does not exist: give a run directory or an HF directory")
+    return load_model(
+        args.model,
+        device=device,
+        dtype=parse_dtype(args.dtype),
+        tokenizer=args.tokenizer,
+        trust=args.trust_checkpoint,
+    )
+
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fivefold generate",
+        description="Continue a prompt with a trained model (any layout it trained in: read whole "
+        "into this one process) or a Hugging Face model; decoded with a KV cache, greedy at "
+        "temperature 0, else sampled (temperature, top-p) from a seeded generator. Prints the "
+        "prompt and its continuation.",
+    )
+    _model_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new", type=int, default=64, help="new tokens at most (64)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sampled"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (1: all)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed (0)")
+    parser.add_argument(
+        "--bos", action="store_true", help="put the tokenizer's beginning-of-document id first"
+    )
+    args = parser.parse_args(argv)
+    from fivefold.use.generate import Sampling, generate
+
+    try:
+        sampling = Sampling(args.temperature, args.top_p, args.seed).check()
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give some text to continue")
+        if args.max_new < 0:
+            raise ValueError(f"--max-new {args.max_new}: give a number of tokens (0 or more)")
+        used = _used_model(args)
+        out = generate(used, args.prompt, args.max_new, sampling, add_bos=args.bos)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fivefold generate: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as e:
+        print(f"fivefold generate: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    print(out.text)
+    if out.stopped == "context":
+        print(
+            f"fivefold generate: note: stopped after {out.new_tokens} new tokens, at the model's "
+            f"context of {used.config.max_seq_len} tokens",
+            file=sys.stderr,
+        )
+    return EXIT_DONE
+
+
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fivefold eval",
+        description="A model's loss (mean cross-entropy, as the trainer computes its validation "
+        "loss) and perplexity on a prepared token directory's split or on text (tokenized with "
+        "the run's tokenizer, an end-of-document id per document; its last data.val_fraction is "
+        "the validation split), in the trainer's windows; the defaults are the run's.",
+    )
+    _model_arguments(parser)
+    parser.add_argument(
+        "--data", required=True, help="a fivefold prepare directory, a text file or folder"
+    )
+    parser.add_argument(
+        "--split", default="val", choices=["train", "val"], help="which split (val)"
+    )
+    parser.add_argument(
+        "--batches", type=int, default=None, help="batches (the run's train.eval_batches)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per window (the run's train.seq_len)"
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="windows per batch (the run's train.micro_batch)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    args = parser.parse_args(argv)
+    from fivefold.use.evaluate import evaluate
+
+    try:
+        for flag in ("batches", "seq_len", "micro_batch"):
+            value = getattr(args, flag)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {value}: give a positive integer")
+        if not Path(args.data).exists():
+            raise ValueError(f"--data {args.data} does not exist")
+        used = _used_model(args)
+        report = evaluate(used, args.data, args.split, args.batches, args.seq_len, args.micro_batch)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fivefold eval: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as e:
+        print(f"fivefold eval: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(
+            f"fivefold eval: {report.source} on {report.data} ({report.split}, {report.batches} "
+            f"batches x {report.micro_batch} x {report.seq_len} tokens): loss {report.loss:.4f}, "
+            f"perplexity {report.perplexity:.3f}"
+        )
+    return EXIT_DONE
 
 
 def _prepare(argv: list[str]) -> int:
@@ -502,6 +657,8 @@ COMMANDS = {
     "bench": _bench,
     "export": _export,
     "prepare": _prepare,
+    "generate": _generate,
+    "eval": _eval,
 }
 
 

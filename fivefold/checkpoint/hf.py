@@ -49,7 +49,10 @@ __all__ = [
     "export_checkpoint",
     "hf_name",
     "load_hf_weights",
+    "open_checkpoint",
+    "read_checkpoint_tensors",
     "read_hf_family",
+    "read_hf_tensors",
 ]
 
 HF_CONFIG = "config.json"
@@ -203,6 +206,45 @@ def _zero_expert_bias(cfg: LlamaConfig, family: Family, names: list[str]) -> dic
     return out
 
 
+def open_checkpoint(
+    source: str | Path, trust: bool = False
+) -> tuple[Path, dict[str, Any], LlamaConfig]:
+    """The checkpoint ``source`` names (a checkpoint, a run's checkpoint folder or a run directory:
+    its latest), its metadata (``fivefold.json``) and its model's config, once every file's size and
+    SHA-256 match the manifest and its DCP metadata is readable (without ``trust``: no pickle,
+    `UntrustedCheckpoint`)."""
+    from fivefold.checkpoint.manager import check_loadable
+
+    src = find_checkpoint(source)
+    meta = read_checkpoint_meta(src)
+    problems = verify_files(src, meta)  # before anything is read
+    if problems:
+        raise CheckpointError(f"checkpoint {src} is damaged: " + "; ".join(problems[:5]))
+    check_loadable(src, trust)
+    return src, meta, _llama_config(meta["model"])
+
+
+def read_checkpoint_tensors(
+    src: Path, names: Iterable[tuple[str, tuple[int, ...]]], trust: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each named tensor of the checkpoint ``src`` (`open_checkpoint`'s) whole, fp32 on the CPU,
+    whatever layout saved it: DCP reads that tensor's chunks (the rectangles every rank wrote)
+    alone, so one tensor is held at a time. ``names``: (name, full shape), `model_tensors`'."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    from fivefold.checkpoint.metadata import SafeReader
+
+    reader = SafeReader(src, trust)
+    for n, shape in names:
+        buf = {f"model.{n}": torch.empty(shape, dtype=torch.float32, device="cpu")}
+        with (
+            warnings.catch_warnings()
+        ):  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            load(buf, storage_reader=reader, no_dist=True)
+        yield n, buf[f"model.{n}"]
+
+
 def export_checkpoint(
     source: str | Path,
     out_dir: str | Path,
@@ -223,20 +265,8 @@ def export_checkpoint(
     family, notes). A checkpoint whose metadata only DCP's pickle holds needs ``trust``
     (`UntrustedCheckpoint`)."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    from fivefold.checkpoint.manager import check_loadable
-    from fivefold.checkpoint.metadata import SafeReader
-
-    src = find_checkpoint(source)
-    meta = read_checkpoint_meta(src)
-    problems = verify_files(
-        src, meta
-    )  # sizes and SHA-256 of every file, before anything is exported
-    if problems:
-        raise CheckpointError(f"checkpoint {src} is damaged: " + "; ".join(problems[:5]))
-    check_loadable(src, trust)
-    cfg = _llama_config(meta["model"])
+    src, meta, cfg = open_checkpoint(source, trust)
     if family is not None and family not in FAMILIES:
         raise CheckpointError(f"family {family!r} is not one of {', '.join(FAMILIES)}")
     fam = FAMILIES[family] if family else None
@@ -250,7 +280,6 @@ def export_checkpoint(
     for n, _ in names:
         hf_name(n, fam)  # every name maps, before anything is written
     zeros = _zero_expert_bias(cfg, fam, [n for n, _ in names])
-    reader = SafeReader(src, trust)
     shards: list[dict[str, torch.Tensor]] = [{}]
     held = peak = 0
     files: list[tuple[str, list[str]]] = []
@@ -276,18 +305,10 @@ def export_checkpoint(
         total += size
         peak = max(peak, held)
 
-    for n, shape in names:
-        buf = {
-            f"model.{n}": torch.empty(shape, dtype=torch.float32, device="cpu")
-        }  # export is a CPU process
-        with (
-            warnings.catch_warnings()
-        ):  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            load(buf, storage_reader=reader, no_dist=True)  # DCP reads this tensor's chunks alone
+    for n, tensor in read_checkpoint_tensors(src, names, trust):  # export is a CPU process
         # an expert bias stays fp32 (HF keeps e_score_correction_bias in fp32 too)
         cast = torch.float32 if n.endswith("expert_bias") else dtype
-        add(hf_name(n, fam), buf[f"model.{n}"].to(cast))
+        add(hf_name(n, fam), tensor.to(cast))
     for hf, experts in zeros.items():
         add(hf, torch.zeros(experts, dtype=torch.float32, device="cpu"))
     flush()
@@ -565,6 +586,25 @@ def load_hf_weights(
                     read += values.numel()
     ts.after_load(engines)
     return read
+
+
+def read_hf_tensors(
+    directory: str | Path, config: LlamaConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``config``'s model (`model_tensors`, a tied head once) whole from the
+    Hugging Face directory, by its family's name, as stored (dtype, CPU), one at a time; call
+    `check_hf_weights` first (it names what is missing or unused)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    family = read_hf_family(directory)
+    where = _weight_files(directory)
+    for name, _ in model_tensors(config):
+        if config.tie_embeddings and name == "output.weight":
+            continue
+        hf = hf_name(name, family)
+        with _opened(safe_open, where[hf]) as f:
+            yield name, f.get_tensor(hf)
 
 
 def iter_hf_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -28,6 +28,7 @@ from fivefold.ops import Linear, recompute
 
 if TYPE_CHECKING:
     from fivefold.models.documents import Documents
+    from fivefold.models.kv_cache import KVCache, LayerCache
 
 __all__ = [
     "ATTENTION_CORES",
@@ -474,7 +475,9 @@ class Attention(nn.Module):
     wq and wk/wv line up. ``core`` (q, k, v -> out, k and v with their own heads) is
     `causal_attention`; context parallelism swaps in ring attention. With ``documents`` (packed
     rows, `fivefold.models.documents`) the core is called ``core(q, k, v, documents)`` and cos / sin
-    are already each token's rows [B, 1, L, hd] (in-document positions)."""
+    are already each token's rows [B, 1, L, hd] (in-document positions). With ``cache``
+    (decoding, `fivefold.models.kv_cache`) the tokens sit after those cached: their RoPE rows are
+    offset by the cache's length, and the cache keeps k, v and attends."""
 
     def __init__(
         self,
@@ -519,6 +522,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -532,18 +536,25 @@ class Attention(nn.Module):
                 f"local n_heads={n_heads} is not divisible by local n_kv_heads={n_kv_heads}"
             )
         if documents is None:
-            if seq > cos.shape[0]:
-                raise ValueError(f"sequence length {seq} exceeds max_seq_len={cos.shape[0]}")
-            # Row i of the tables is the position of token i (0..seq-1; under SP x was gathered
-            # already; under CP the tables hold this rank's positions).
-            cos, sin = cos[:seq], sin[:seq]
+            start = 0 if cache is None else cache.length  # positions before these tokens
+            end = start + seq
+            if end > cos.shape[0]:
+                raise ValueError(f"sequence length {end} exceeds max_seq_len={cos.shape[0]}")
+            # Row i of the tables is the position of token i (0..seq-1, after a cache's; under SP
+            # x was gathered already; under CP the tables hold this rank's positions).
+            cos, sin = cos[start:end], sin[start:end]
+        elif cache is not None:
+            raise ValueError("a KV cache decodes one sequence: no packed documents")
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        args = (q, k, v) if documents is None else (q, k, v, documents)
         core = (
             self.core if self.window is None else functools.partial(self.core, window=self.window)
         )
-        out = recompute(core, *args) if self.recompute_core else core(*args)
+        if cache is not None:
+            out = cache.attend(q, k, v, core, self.window)
+        else:
+            args = (q, k, v) if documents is None else (q, k, v, documents)
+            out = recompute(core, *args) if self.recompute_core else core(*args)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 
@@ -586,8 +597,12 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """x [B, L, D] -> [B, L, D]; ``documents``: attention inside each document (`Attention`)."""
+        """x [B, L, D] -> [B, L, D]; ``documents``: attention inside each document (`Attention`);
+        ``cache``: decoding (eager, nothing recomputed: no backward follows)."""
+        if cache is not None:
+            return self._feed_forward_half(self._attention_half(x, cos, sin, cache=cache))
         if self.compiled and documents is not None:
             raise NotImplementedError(
                 "train.compile with packed documents: the sdpa core slices each document by its "
@@ -647,8 +662,11 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         h = self.attention_norm(x)
+        if cache is not None:
+            return x + self.attention(h, cos, sin, cache=cache)
         # (without documents the module call is the plain one: hooks that others put on attention,
         # such as torch's PrepareModuleInput, see the arguments they were written for)
         if documents is None:
@@ -823,22 +841,35 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        documents: Documents | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """tokens [B, L] -> logits [B, L, vocab]. A pipeline stage (`keep_only`) without
         ``tok_embeddings`` takes the hidden state [B, L, D]; without ``norm``/``output`` it returns
         it. ``documents`` (`fivefold.models.documents.find_documents` of these rows): attention
-        stays inside each document and RoPE positions restart at 0 at each document's start."""
+        stays inside each document and RoPE positions restart at 0 at each document's start.
+        ``cache`` (`fivefold.models.kv_cache.KVCache`, decoding): the tokens follow those it
+        holds, and each block's keys and values are added to it."""
+        if cache is not None and documents is not None:
+            raise ValueError("a KV cache decodes one sequence: no packed documents")
         if self.tok_embeddings is not None:
-            if x.shape[1] > self.config.max_seq_len:
+            length = x.shape[1] + (cache.length if cache is not None else 0)
+            if length > self.config.max_seq_len:
                 raise ValueError(
-                    f"sequence length {x.shape[1]} exceeds max_seq_len={self.config.max_seq_len}"
+                    f"sequence length {length} exceeds max_seq_len={self.config.max_seq_len}"
                 )
             x = self.tok_embeddings(x)
         cos, sin = self.rope_cos, self.rope_sin
         if documents is not None:
             cos, sin = self._document_rope(documents)
-        for layer in self.layers.values() if self.layers is not None else ():
-            x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
+        for name, layer in self.layers.items() if self.layers is not None else ():
+            if cache is not None:
+                x = layer(x, cos, sin, cache=cache.layer(name))
+            else:
+                x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents)
         if self.norm is not None:
             x = self.norm(x)
         return self.output(x) if self.output is not None else x
