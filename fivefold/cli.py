@@ -669,6 +669,8 @@ COMMAND_HELP = {
     "prepare": "tokenize text (files, JSONL, Parquet, datasets) into token shards for training",
     "export": "write a run's model as a Hugging Face model (safetensors, config, tokenizer)",
     "bench": "fivefold side by side with torch / DeepSpeed on this machine (a source checkout)",
+    "generate": "decode text from a run or a Hugging Face model (greedy or sampled, a KV cache)",
+    "eval": "a run's loss and perplexity on token shards or text, as the trainer measures it",
 }
 
 
@@ -683,7 +685,7 @@ def usage() -> str:
         "",
         "The README's set-up is `make run` and `make test`; docs/ holds training.md (keys), "
         "layouts.md,",
-        "checkpoints.md, data.md, plan.md, gpus.md and reliability.md (exit codes).",
+        "checkpoints.md, data.md, use.md (generate, eval), plan.md, gpus.md and reliability.md.",
     ]
     return "\n".join(lines)
 
