@@ -538,10 +538,12 @@ class RunRecordLog(TrainObserver):
         if progress.bar is None:  # no bar (run.progress false): a line per log step
             progress.done = r.steps_done
             loss = "n/a" if r.loss_value is None else f"{r.loss_value:.3f}"
+            # (measured once the optimizer state exists: from the second step on)
+            state = f", model state {r.model_state_mb:.1f} MB" if r.model_state_mb else ""
             self.record.say(
                 f"step {r.steps_done}/{self.record.steps}: loss {loss}, "
-                f"{tp.tokens_per_s(dt):,.0f} tokens/s, {dt * 1e3:.0f} ms/step, MFU {mfu_text}, "
-                f"model state {r.model_state_mb:.1f} MB"
+                f"{tp.tokens_per_s(dt):,.0f} tokens/s, {dt * 1e3:.0f} ms/step, MFU {mfu_text}"
+                + state
             )
             return
         progress.update(
