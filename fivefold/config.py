@@ -287,8 +287,14 @@ class RunSection:
 
 @dataclass
 class CheckpointSection:
-    # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
+    # a checkpoint every N steps and at the end (0: none by step count)
     interval: int = 0
+    # a checkpoint after the run's last step (false: only by interval, time, SIGTERM, exit_after)
+    at_end: bool = True
+    # a checkpoint by time: one when this many minutes have passed since the last save (rank 0's
+    # clock, agreed one step late), and never sooner than 50 × the last save's wait, so saving
+    # stays under 2 % of the run's time (0: none by time)
+    every_minutes: float = 10.0
     keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
     async_save: bool = False  # copy the state to host memory and write it in the background
     dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
