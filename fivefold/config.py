@@ -570,15 +570,27 @@ def apply_toml(cfg: Config, path: str | Path, flag: str = "--config") -> Config:
     return cfg
 
 
+def apply_dict(cfg: Config, values: dict[str, Any]) -> Config:
+    """Set every known key of ``values`` (`Config.to_dict`'s shape: a checkpoint's stored config);
+    keys this version does not know (a config another version wrote) are passed over."""
+    for section, keys in values.items():
+        known = _field_types(_sections()[section]) if section in _sections() else {}
+        for key, value in (keys or {}).items() if isinstance(keys, dict) else ():
+            if key in known:
+                _set(cfg, f"{section}.{key}", value)
+    return cfg
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     profile: str | Path | None = None,
+    base: dict[str, Any] | None = None,
 ) -> Config:
-    """Defaults, then the profile (``--profile``: defaults for a kind of machine, e.g. ``gpu``),
-    then the TOML file (if any), then command-line overrides: each layer wins over the ones
-    before."""
-    cfg = Config()
+    """Defaults (or ``base``: a stored config, `apply_dict`), then the profile (``--profile``:
+    defaults for a kind of machine, e.g. ``gpu``), then the TOML file (if any), then command-line
+    overrides: each layer wins over the ones before."""
+    cfg = apply_dict(Config(), base) if base else Config()
     if profile is not None:
         apply_toml(cfg, profile_path(profile), "--profile")
     if path is not None:
