@@ -31,6 +31,7 @@ from fivefold.observe.report import (
     write_step_trace,
 )
 from fivefold.observe.trace import StepTracer, hidden_summary
+from fivefold.paths import atomic_write_bytes
 from fivefold.pipeline.simulator import Timeline
 
 if TYPE_CHECKING:
@@ -134,9 +135,8 @@ class RunRecord:
                     for r in _read_lenient(self.path)
                     if r.get("kind") != "summary" and r.get("step", -1) < resume_at
                 ]
-                tmp = self.path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-                tmp.replace(self.path)
+                text = "".join(json.dumps(r) + "\n" for r in kept)
+                atomic_write_bytes(self.path, text.encode())
             self._f = open(self.path, "a" if resume_at is not None else "w", buffering=1)
         self.progress = Progress(steps, enabled=run_dir is not None and progress, desc=name)
         if resume_at:
