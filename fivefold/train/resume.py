@@ -27,7 +27,7 @@ BATCH_KEYS = ("global_batch", "micro_batch", "grad_accum")
 def resume_base(cfg: Config) -> dict[str, Any] | None:
     """The stored config of the checkpoint ``cfg.run.resume`` names, less `PER_INVOCATION`'s keys;
     None when ``cfg`` is no resume or the checkpoint stores no config (an older fivefold's)."""
-    if not cfg.run.resume:
+    if not cfg.run.resume or cfg.run.overwrite:  # (both: `validate` says they contradict)
         return None
     try:
         path = find_checkpoint(cfg.run.resume, checkpoint_root(cfg))
