@@ -254,9 +254,8 @@ class TrainCheckpoints:
         here = _SIGTERM["seen"]
         code = 0 if here is None else _STOP_SIGNALS.index(getattr(signal, here)) + 1
         timed = int(dist.get_rank() == 0 and self.timer.due())
-        flag = torch.tensor(
-            [code, timed], dtype=torch.int32, device="cpu"
-        )  # the gloo control group
+        # on the host: the gloo control group
+        flag = torch.tensor([code, timed], dtype=torch.int32, device="cpu")
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control, async_op=True)
         self._flag = (work, flag)
         if last:
