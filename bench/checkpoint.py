@@ -175,3 +175,58 @@ def format_checkpoint_table(results: dict) -> str:
             f"{results['model_fp32_bytes'] / mib:.1f} MiB fp32 model (largest shard held "
             f"{e['peak_held_bytes'] / mib:.1f} MiB)."]
     return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class SaveShareSpec:
+    """Training runs (`fivefold.train.trainer.run`) with the default saves: at the end, and by time. ``every_minutes``:
+    the time intervals tried; the default's, and one so short that the 50-waits rule (`TimedSaves`) sets the pace."""
+    preset: str = "small"
+    steps: int = 60
+    nproc: int = 2
+    zero: int = 1
+    seq_len: int = 128
+    every_minutes: tuple[float, ...] = (10.0, 0.001)
+
+
+def bench_save_share(spec: SaveShareSpec | None = None, **overrides: Any) -> dict:
+    """The share of a run's time its saves take: the training's waits for saves (the "checkpoint" records' seconds)
+    over those plus the steps' times (`metrics.jsonl`; steps exclude saves), per ``every_minutes``."""
+    from fivefold.config import load_config
+    from fivefold.train.trainer import run
+
+    spec = replace(spec or SaveShareSpec(), **overrides)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="fivefold-ckpt-share-") as root:
+        for every in spec.every_minutes:
+            name = f"every-{every:g}"
+            run(load_config(None, [
+                "--preset", spec.preset, "--steps", str(spec.steps), "--nproc", str(spec.nproc), "--zero",
+                str(spec.zero), "--train.seq_len", str(spec.seq_len), "--train.eval_every", "0", "--run.out_dir",
+                root, "--run.name", name, "--run.progress", "false", "--run.plot", "false",
+                "--checkpoint.every_minutes", str(every)]))
+            records = [json.loads(line) for line in (Path(root) / name / "metrics.jsonl").read_text().splitlines()]
+            steps_s = sum(r["step_time_s"] for r in records if r["kind"] == "train")
+            saves = [(r["reason"], r["seconds"]) for r in records if r["kind"] == "checkpoint"]
+            saving = sum(s for _, s in saves)
+            runs.append({"every_minutes": every, "steps_s": steps_s, "saves": saves, "saving_s": saving,
+                         "share": saving / (steps_s + saving)})
+    return {"kind": "checkpoint-share", "spec": asdict(spec), "runs": runs}
+
+
+def format_save_share_table(results: dict) -> str:
+    spec = results["spec"]
+    rows = [("checkpoint.every_minutes", "saves (by reason)", "training s", "waiting for saves s",
+             "share, saves by time", "share, all saves")]
+    for r in results["runs"]:
+        reasons: dict[str, int] = {}
+        for reason, _ in r["saves"]:
+            reasons[reason] = reasons.get(reason, 0) + 1
+        timed = sum(s for reason, s in r["saves"] if reason == "time")
+        rows.append((f"{r['every_minutes']:g}", ", ".join(f"{n} {k}" for k, n in reasons.items()),
+                     f"{r['steps_s']:.2f}", f"{r['saving_s']:.3f}",
+                     f"{100 * timed / (r['steps_s'] + r['saving_s']):.2f} %", f"{100 * r['share']:.2f} %"))
+    return "\n".join(markdown_table(rows) + [
+        "", f"preset {spec['preset']}, {spec['steps']} steps, {spec['nproc']} gloo ranks, ZeRO-{spec['zero']}, "
+        f"seq {spec['seq_len']}; checkpoint.at_end on (the defaults). Share: the training's waits for saves over "
+        "those plus the steps' times."])

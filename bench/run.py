@@ -18,6 +18,8 @@
     python bench/run.py syncs                     # host syncs per training step, per layout (fake group, meta
                                                   # standing in for CUDA): first, unlogged and log steps
     python bench/run.py ckpt                      # checkpoint save (sync/async), load, export: time and memory
+    python bench/run.py ckpt-share                # the share of a run's time the default saves take (at the
+                                                  # end, by time; the 50-waits rule at a tiny interval)
     python bench/run.py init                      # start-up's initial values drawn: CPU (1 thread) vs accelerator
     python bench/run.py debug                     # what --debug.collectives costs per collective
     python bench/run.py recompute                 # activation recompute none/full/selective (+ torch's): memory
@@ -55,7 +57,14 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.checkpoint import CheckpointSpec, bench_checkpoint, format_checkpoint_table  # noqa: E402
+from bench.checkpoint import (  # noqa: E402
+    CheckpointSpec,
+    SaveShareSpec,
+    bench_checkpoint,
+    bench_save_share,
+    format_checkpoint_table,
+    format_save_share_table,
+)
 from bench.compile import CompileSpec, bench_compile, format_compile_table  # noqa: E402
 from bench.context_parallel import (  # noqa: E402
     CPKernelSpec,
@@ -105,7 +114,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
     "cp-kernel": ("cp-kernel",), "syncs": ("syncs",),
     "ep": ("ep", "ep-overlap"), "experts": ("experts",),
-    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "debug": ("debug",), "zeropp": ("zeropp",),
+    "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "ckpt-share": ("ckpt-share",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
     "optim": ("optim",), "optim-ops": ("optim-ops",), "documents": ("documents",),
     "prepare": ("prepare",),
@@ -224,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     prp.add_argument("--mb", type=float, default=None, help=f"MiB of stdlib sources ({PrepareSpec().mb:g})")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
+    sub.add_parser("ckpt-share", parents=[common], help="the share of a run's time its default saves take")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
                    help="ddp, zero, tp, pp, cp, then ep (--preset and the other common options apply to every one)")
     return parser
@@ -308,6 +318,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
+        "ckpt-share": (lambda: bench_save_share(SaveShareSpec(**_given(
+            preset=args.preset, steps=args.steps, seq_len=args.seq_len))), format_save_share_table),
     }
     return {name: every[name] for name in WHAT[args.what]}
 

@@ -53,10 +53,11 @@ def _train(argv: list[str]) -> int:
 
     from fivefold.distributed.launch import Terminated, lost_worker_reason
     from fivefold.distributed.watchdog import Stalled
+    from fivefold.train.resume import resumed_config
     from fivefold.train.trainer import run
 
     try:
-        cfg = load_config(args.config, overrides, profile=args.profile)
+        cfg = resumed_config(args.config, overrides, profile=args.profile)
         result = run(cfg)
     except Terminated as e:
         print(f"fivefold train: {e}", file=sys.stderr)
@@ -93,9 +94,10 @@ def train_epilog() -> str:
     return "\n\n".join(
         [
             fill(
-                "--resume [PATH]: continue the run from its latest complete checkpoint, or from "
-                "the checkpoint PATH; --overwrite: start over in a run directory that already "
-                "holds a run"
+                "--resume [RUN]: continue a run (RUN: its directory, its checkpoints folder or a "
+                "checkpoint; alone: this run's latest) with the config it was started with, only "
+                "the keys given now changed; --overwrite: start over in a run directory that "
+                "already holds a run"
             ),
             fill("model presets (--preset NAME): " + ", ".join(PRESETS)),
             "keys (--section.key VALUE) and their defaults (None: the preset's, or derived):\n"

@@ -300,8 +300,14 @@ class RunSection:
 
 @dataclass
 class CheckpointSection:
-    # a checkpoint every N steps and at the end (0: only on SIGTERM and run.exit_after)
+    # a checkpoint every N steps and at the end (0: none by step count)
     interval: int = 0
+    # a checkpoint after the run's last step (false: only by interval, time, SIGTERM, exit_after)
+    at_end: bool = True
+    # a checkpoint by time: one when this many minutes have passed since the last save (rank 0's
+    # clock, agreed one step late), and never sooner than 50 × the last save's wait, so saving
+    # stays under 2 % of the run's time (0: none by time)
+    every_minutes: float = 10.0
     keep: int = 3  # complete checkpoints kept, older ones removed (0: keep all)
     async_save: bool = False  # copy the state to host memory and write it in the background
     dir: str = ""  # where checkpoints go (default: <run directory>/checkpoints)
@@ -633,15 +639,27 @@ def apply_toml(cfg: Config, path: str | Path, flag: str = "--config") -> Config:
     return cfg
 
 
+def apply_dict(cfg: Config, values: dict[str, Any]) -> Config:
+    """Set every known key of ``values`` (`Config.to_dict`'s shape: a checkpoint's stored config);
+    keys this version does not know (a config another version wrote) are passed over."""
+    for section, keys in values.items():
+        known = _field_types(_sections()[section]) if section in _sections() else {}
+        for key, value in (keys or {}).items() if isinstance(keys, dict) else ():
+            if key in known:
+                _set(cfg, f"{section}.{key}", value)
+    return cfg
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     profile: str | Path | None = None,
+    base: dict[str, Any] | None = None,
 ) -> Config:
-    """Defaults, then the profile (``--profile``: defaults for a kind of machine, e.g. ``gpu``),
-    then the TOML file (if any), then command-line overrides: each layer wins over the ones
-    before."""
-    cfg = Config()
+    """Defaults (or ``base``: a stored config, `apply_dict`), then the profile (``--profile``:
+    defaults for a kind of machine, e.g. ``gpu``), then the TOML file (if any), then command-line
+    overrides: each layer wins over the ones before."""
+    cfg = apply_dict(Config(), base) if base else Config()
     if profile is not None:
         apply_toml(cfg, profile_path(profile), "--profile")
     if path is not None:

@@ -309,3 +309,18 @@ def test_zero_only_runs_the_named_contestants_alone():
     ideal = bench_zero(preset="tiny", world=2, steps=1, warmup=1, repeats=1, micro_batch=2, seq_len=16, stages=(3,),
                        only=("ideal",))
     assert "| ideal" in format_table(ideal)
+
+
+@pytest.mark.multiprocess
+def test_the_save_share_bench_counts_the_default_saves_and_the_50_waits_rule():
+    from bench.checkpoint import bench_save_share, format_save_share_table
+
+    result = bench_save_share(preset="tiny", steps=6, seq_len=32, every_minutes=(10.0, 1e-6))
+    default, tiny = result["runs"]
+    assert [reason for reason, _ in default["saves"]] == ["end"]  # a short run: only at the end
+    reasons = [reason for reason, _ in tiny["saves"]]
+    assert reasons[-1] == "end" and "time" in reasons
+    for r in result["runs"]:
+        assert r["saving_s"] == pytest.approx(sum(s for _, s in r["saves"]))
+        assert 0 < r["share"] == pytest.approx(r["saving_s"] / (r["steps_s"] + r["saving_s"]))
+    assert "share, saves by time" in format_save_share_table(result)

@@ -627,6 +627,7 @@ def test_the_stop_flag_is_read_one_step_late_and_nothing_is_left_in_flight(tmp_p
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     checks = TrainCheckpoints.__new__(TrainCheckpoints)  # the flag's part only: no model, no checkpointer
     checks.cfg, checks.control, checks._flag = _cfg(tmp_path, "flag", "--checkpoint.interval", "5"), dist.new_group(), None
+    checks.timer = checkpointing.TimedSaves(0)  # none by time (the time flag: the test below)
     try:
         assert [checks.due(n, n) for n in (1, 2)] == [None, None]
         checkpointing._SIGTERM["seen"] = "SIGTERM"  # arrives during step 3
@@ -639,6 +640,54 @@ def test_the_stop_flag_is_read_one_step_late_and_nothing_is_left_in_flight(tmp_p
         assert checks.due(2, 2) == "exit_after" and checks._flag is None
     finally:
         checkpointing._SIGTERM["seen"] = None
+        dist.destroy_process_group(checks.control)
+        if started:
+            dist.destroy_process_group()
+
+
+def test_saves_by_time_are_decided_on_rank_0s_clock_a_step_late_and_spaced_by_50_waits(tmp_path):
+    """`TimedSaves`: due once ``checkpoint.every_minutes`` have passed since the last save, then not before
+    max(every_minutes, 50 × that save's wait); the decision rides in the stop flag's all-reduce (read a step
+    late, like the signal); ``checkpoint.at_end`` saves after the last step unless turned off."""
+    import torch.distributed as dist
+
+    from fivefold.train.checkpointing import TimedSaves, TrainCheckpoints
+
+    now = [0.0]
+    timer = TimedSaves(1.0, clock=lambda: now[0])  # a minute
+    assert not timer.due()
+    now[0] = 60.0
+    assert timer.due() and not timer.due()  # once: asked, until a save is made
+    timer.saved(0.5)  # 50 × 0.5 s < 60 s: a minute again
+    now[0] = 119.0
+    assert not timer.due()
+    now[0] = 120.0
+    assert timer.due()
+    timer.saved(3.0)  # a slow save: 150 s before the next
+    now[0] = 269.0
+    assert not timer.due()
+    now[0] = 270.0
+    assert timer.due()
+    assert not TimedSaves(0, clock=lambda: 1e9).due()  # 0: never by time
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    checks = TrainCheckpoints.__new__(TrainCheckpoints)
+    checks.cfg, checks.control, checks._flag = _cfg(tmp_path, "timed"), dist.new_group(), None
+    now[0] = 0.0
+    checks.timer = TimedSaves(1.0, clock=lambda: now[0])
+    try:
+        assert [checks.due(n, n) for n in (1, 2)] == [None, None]
+        now[0] = 61.0
+        assert checks.due(3, 3) is None  # rank 0 asks during step 3 ...
+        assert checks.due(4, 4) == "time"  # ... every rank saves after step 4
+        checks.timer.saved(0.1)
+        assert checks.due(5, 5) is None
+        assert checks.due(6, 6) == "end" and checks._flag is None  # the last step: at_end, nothing in flight
+        checks.cfg = _cfg(tmp_path, "timed", "--checkpoint.at_end", "false")
+        assert checks.due(6, 6) is None
+    finally:
         dist.destroy_process_group(checks.control)
         if started:
             dist.destroy_process_group()

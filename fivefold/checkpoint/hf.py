@@ -39,7 +39,7 @@ from fivefold.checkpoint.state import training_state
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.distributed.comm import Comm
 from fivefold.models.llama import LlamaConfig, RopeScaling
-from fivefold.paths import PathOutside, inside
+from fivefold.paths import PathOutside, atomic_path, inside
 
 __all__ = [
     "HF_CONFIG",
@@ -290,7 +290,8 @@ def export_checkpoint(
         if not shards[-1]:
             return
         name = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        with atomic_path(out / name) as tmp:  # safetensors writes 0600: the umask's mode instead
+            save_file(shards[-1], str(tmp), metadata={"format": "pt"})
         files.append((name, list(shards[-1])))
         shards[-1] = {}
         held = 0

@@ -51,7 +51,7 @@ from fivefold.checkpoint.metadata import (
 from fivefold.checkpoint.pieces import Pieces
 from fivefold.checkpoint.planner import PiecesLoadPlanner, PiecesSavePlanner
 from fivefold.checkpoint.snapshot import HostCopy, Snapshot
-from fivefold.paths import PathOutside, inside
+from fivefold.paths import PathOutside, atomic_write_bytes, inside
 
 __all__ = [
     "CHECKPOINT_META",
@@ -309,9 +309,7 @@ class Checkpointer:
                     shutil.rmtree(stale, ignore_errors=True)
                     os.replace(final, stale)
                 os.replace(partial, final)
-                tmp = self.root / ".latest.tmp"
-                _write_durably(tmp, final.name + "\n")
-                os.replace(tmp, self.root / "latest")
+                atomic_write_bytes(self.root / "latest", f"{final.name}\n".encode(), fsync=True)
                 _fsync_dir(self.root)  # the renames survive a power loss once "saved" is said
                 shutil.rmtree(stale, ignore_errors=True)
                 self._rotate(keep_also=final)

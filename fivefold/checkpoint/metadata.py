@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from fivefold.paths import atomic_write_bytes
+
 __all__ = [
     "DCP_METADATA",
     "JsonMetadataWriter",
@@ -240,13 +242,8 @@ class JsonMetadataWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # fills metadata.storage_data, writes DCP's .metadata
-        target = Path(self.path) / DCP_METADATA
-        tmp = target.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(metadata_to_json(metadata), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        data = json.dumps(metadata_to_json(metadata)).encode()
+        atomic_write_bytes(Path(self.path) / DCP_METADATA, data, fsync=True)
 
 
 class SafeReader(FileSystemReader):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from fivefold.paths import atomic_path
 from fivefold.pipeline.actions import COMPUTE_KINDS, B, F, I, W
 from fivefold.pipeline.simulator import Timeline
 
@@ -30,16 +30,8 @@ OTHER_COLOR = "#B0B0B0"
 
 
 def _atomic_write(path: str | os.PathLike, write: Callable[[str], None], suffix: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path, suffix=suffix) as tmp:  # the umask's mode, not mkstemp's 0600
+        write(str(tmp))
 
 
 def plot_timeline(timeline: Timeline, path: str | os.PathLike, title: str = "") -> None:

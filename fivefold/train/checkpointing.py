@@ -1,7 +1,8 @@
 """The trainer's side of checkpoints: what a resume needs beyond the model and optimizer (the step —
 which also fixes the data position and the learning rate —, every rank's RNG states, the loss
-scaler), when to save (every ``checkpoint.interval`` steps and at the end, after ``run.exit_after``
-steps, on SIGTERM), and the run-directory rules (`check_run_dir`: a new run refuses a directory that
+scaler), when to save (at the end, every ``checkpoint.interval`` steps, every
+``checkpoint.every_minutes`` by rank 0's clock (`TimedSaves`), after ``run.exit_after`` steps, on
+SIGTERM), and the run-directory rules (`check_run_dir`: a new run refuses a directory that
 holds one unless told to resume or overwrite)."""
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointSaver",
+    "TimedSaves",
     "TrainCheckpoints",
     "check_run_dir",
     "checkpoint_root",
@@ -171,6 +173,33 @@ def unwatch_sigterm() -> None:
         _SIGTERM.update(seen=None, previous={}, installed=False)
 
 
+class TimedSaves:
+    """When a save by time is due (``checkpoint.every_minutes``; 0: never): once that much time has
+    passed since the last save ended, and never sooner than `SHARE` × that save's wait, so the
+    training spends at most 1/SHARE of its time waiting for saves whatever a save costs. One rank's
+    clock (rank 0's) decides; the decision travels in the stop flag's all-reduce."""
+
+    SHARE = 50  # a save's wait is at most 1/50 (2 %) of the time between two saves
+
+    def __init__(self, every_minutes: float, clock: Any = time.monotonic) -> None:
+        self.every_s, self.clock = every_minutes * 60.0, clock
+        self.next_at = clock() + self.every_s
+        self.asked = False  # a save asked for and not yet made (the flag arrives a step late)
+
+    def due(self) -> bool:
+        """True once when a save by time is due (again only after `saved`)."""
+        if self.asked or self.every_s <= 0 or self.clock() < self.next_at:
+            return False
+        self.asked = True
+        return True
+
+    def saved(self, waited: float) -> None:
+        """A save (of any reason; or a failed one) has ended, the training having waited
+        ``waited`` seconds."""
+        self.next_at = self.clock() + max(self.every_s, self.SHARE * waited)
+        self.asked = False
+
+
 class TrainCheckpoints:
     """One per rank, built after `parallelize` (collective: the control group)."""
 
@@ -200,6 +229,7 @@ class TrainCheckpoints:
         # no device sync; issued asynchronously and read one step later (`stop_requested`).
         self.control = mesh.own(dist.new_group(backend="gloo"))
         self._flag: tuple[dist.Work, torch.Tensor] | None = None  # this step's, in flight
+        self.timer = TimedSaves(cfg.checkpoint.every_minutes)  # decides on rank 0 only
         self._pending_reason: str | None = None  # why the background save in flight was started
         self.warnings: list[
             str
@@ -207,44 +237,58 @@ class TrainCheckpoints:
         watch_sigterm()
 
     def stop_requested(self, last: bool = False) -> str | None:
-        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one, one step late:
+        """The signal ("SIGTERM", "SIGINT") on every rank once any rank got one, one step late
+        (`flags`); None: no signal."""
+        return self.flags(last)[0]
+
+    def flags(self, last: bool = False) -> tuple[str | None, bool]:
+        """(the stop signal, whether a save by time is due), the same on every rank, one step late:
         each call reads the all-reduce (MAX over the gloo control group) the previous call started
         and starts this step's with ``async_op=True``, so no step waits for the other ranks' hosts
         (docs/reliability.md#when-things-go-wrong). Every rank reads the same result at the same
-        call, so all stop after the same step. ``last`` (the run's last step): this step's flag is
-        read now too, leaving nothing in flight. None: no signal."""
+        call, so all stop (or save) after the same step. The time flag is rank 0's clock's
+        (`TimedSaves`), the others send 0. ``last`` (the run's last step): this step's flags are
+        read now too, leaving nothing in flight."""
         seen = self._read_flag()
-        if seen is not None:  # every rank stops now: nothing more is started
+        if seen[0] is not None:  # every rank stops now: nothing more is started
             return seen
         here = _SIGTERM["seen"]
         code = 0 if here is None else _STOP_SIGNALS.index(getattr(signal, here)) + 1
-        flag = torch.tensor([code], dtype=torch.int32, device="cpu")  # the gloo control group
+        timed = int(dist.get_rank() == 0 and self.timer.due())
+        # on the host: the gloo control group
+        flag = torch.tensor([code, timed], dtype=torch.int32, device="cpu")
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control, async_op=True)
         self._flag = (work, flag)
-        return self._read_flag() if last else None
+        if last:
+            now = self._read_flag()
+            return now[0], seen[1] or now[1]
+        return seen
 
-    def _read_flag(self) -> str | None:
-        """The stop signal the all-reduce in flight agreed on (waiting for it), or None."""
+    def _read_flag(self) -> tuple[str | None, bool]:
+        """The stop signal and the time flag the all-reduce in flight agreed on (waiting for it);
+        (None, False) when none is in flight."""
         if self._flag is None:
-            return None
+            return None, False
         (work, flag), self._flag = self._flag, None
         work.wait()
-        code = int(flag.item())  # a CPU tensor: no device sync
-        return _STOP_SIGNALS[code - 1].name if code else None
+        code, timed = (int(v) for v in flag.tolist())  # a CPU tensor: no device sync
+        return (_STOP_SIGNALS[code - 1].name if code else None), bool(timed)
 
     def due(self, steps_done: int, steps_this_run: int) -> str | None:
         """Why to save after ``steps_done`` steps (None: not now). Call on every rank after every
-        step (collective: the stop flag)."""
+        step (collective: the stop and time flags)."""
         c, r, t = self.cfg.checkpoint, self.cfg.run, self.cfg.train
         exit_now = bool(r.exit_after) and steps_this_run >= r.exit_after
-        stop = self.stop_requested(last=exit_now or steps_done >= t.steps)
+        stop, timed = self.flags(last=exit_now or steps_done >= t.steps)
         if stop is not None:
             return stop
         if exit_now and steps_done < t.steps:
             return "exit_after"
         if c.interval > 0 and (steps_done % c.interval == 0 or steps_done == t.steps):
             return "interval"
-        return None
+        if c.at_end and steps_done >= t.steps:
+            return "end"
+        return "time" if timed else None
 
     def save(self, steps_done: int, reason: str) -> float | None:
         """Write the checkpoint after ``steps_done`` steps; returns the seconds the training waited
@@ -278,10 +322,13 @@ class TrainCheckpoints:
         try:
             self.ckpt.save(steps_done, state, meta)
         except CheckpointSaveError as e:
+            self.timer.saved(time.perf_counter() - t0)
             self._failed(e, reason)
             return None
         self._pending_reason = reason
-        return time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.timer.saved(waited)
+        return waited
 
     def _finish_pending(self) -> None:
         """Wait for a background save; its failure is handled as that save's (`_failed`)."""

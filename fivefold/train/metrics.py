@@ -33,6 +33,7 @@ from fivefold.observe.report import (
 )
 from fivefold.observe.trace import StepTracer, hidden_summary
 from fivefold.optim.clip import NonFiniteGradient
+from fivefold.paths import atomic_write_bytes
 from fivefold.pipeline.simulator import Timeline
 
 if TYPE_CHECKING:
@@ -139,9 +140,8 @@ class RunRecord:
                     for r in _read_lenient(self.path)
                     if r.get("kind") != "summary" and r.get("step", -1) <= resume_at
                 ]
-                tmp = self.path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-                tmp.replace(self.path)
+                text = "".join(json.dumps(r) + "\n" for r in kept)
+                atomic_write_bytes(self.path, text.encode())
             self._f = open(self.path, "a" if resume_at is not None else "w", buffering=1)
         self.progress = Progress(steps, enabled=run_dir is not None and progress, desc=name)
         if resume_at:

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fivefold.paths import atomic_write_bytes
 from fivefold.train.shards import (
     DTYPES,
     FORMAT,
@@ -343,12 +344,7 @@ def _jsonl_documents(unit: Unit, text_field: str) -> Iterator[list[str | None]]:
 
 def _fsync_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a temporary name beside it, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data, fsync=True)
 
 
 class _ShardWriter:

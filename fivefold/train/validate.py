@@ -77,6 +77,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
         **{
             "checkpoint.interval": c.interval,
             "checkpoint.keep": c.keep,
+            "checkpoint.every_minutes": c.every_minutes,
             "run.exit_after": r.exit_after,
             "run.max_restarts": r.max_restarts,
             "run.stall_timeout_s": r.stall_timeout_s,
