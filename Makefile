@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/fivefold train --overwrite $(ARGS)
 
+PYTEST_ARGS ?= --durations=30
+
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
