@@ -103,10 +103,11 @@ def train_epilog() -> str:
             "keys (--section.key VALUE) and their defaults (None: the preset's, or derived):\n"
             + describe_keys(),
             fill(
-                "Each key is documented in docs/training.md (the run, data, batch, optimizer), "
-                "docs/layouts.md (parallel, zero, pipeline, model.moe), docs/checkpoints.md "
-                "(checkpoint, model.init_from), docs/reliability.md (run's timeouts and restarts) "
-                "and docs/tracing.md (run.trace); the schema is fivefold/config.py."
+                "Each key is documented in docs/training.md (the run, data, batch, optimizer; "
+                "logging: #watching-a-run), docs/layouts.md (parallel, zero, pipeline, model.moe), "
+                "docs/checkpoints.md (checkpoint, model.init_from, --resume), docs/reliability.md "
+                "(run's timeouts and restarts, run.flight_recorder) and docs/tracing.md (run.trace, "
+                "run.profile, run.memory_snapshot); the schema is fivefold/config.py."
             ),
         ]
     )

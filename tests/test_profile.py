@@ -171,8 +171,11 @@ class _FakeCudaMemory:
         self.calls.append(("record", enabled, max_entries))
 
     def dump(self, filename) -> None:
-        self.calls.append(("dump", filename))
-        Path(filename).write_bytes(b"snapshot")
+        # written to a temporary beside the snapshot's name, which replaces it whole (paths.atomic_path)
+        tmp = Path(filename)
+        assert tmp.name.startswith(".") and ".tmp-" in tmp.name, tmp
+        self.calls.append(("dump", str(tmp.with_name(tmp.name[1:].split(".tmp-")[0]))))
+        tmp.write_bytes(b"snapshot")
 
 
 @pytest.fixture
@@ -332,6 +335,8 @@ def test_the_flight_recorder_sets_torchs_variables_and_dumps_on_sigusr1(tmp_path
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank"),
     }
+    assert not (tmp_path / "fr").exists()  # arming makes nothing: the trainer does once validated
+    recorder.make_directory()
     assert (tmp_path / "fr").is_dir()
     previous = signal.getsignal(signal.SIGUSR1)
     old_fd = signal.set_wakeup_fd(-1)
@@ -354,3 +359,19 @@ def test_the_dump_function_is_nccls_on_cuda_and_the_generic_one_elsewhere(monkey
     assert dump_function("cpu") is c10d._dump_fr_trace
     monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda: b"nccl", raising=False)
     assert dump_function("cuda")() == b"nccl"
+
+
+def test_the_flight_recorder_refuses_a_run_name_outside_out_dir_before_anything_is_made(tmp_path):
+    """Under torchrun the recorder is armed before `validate`: a run.name leaving run.out_dir is refused there
+    too, and arming makes no directory."""
+    from fivefold.config import load_config
+    from fivefold.paths import PathOutside
+    from fivefold.train.profiling import flight_recorder_for
+
+    bad = load_config(None, ["--run.out_dir", str(tmp_path / "runs"), "--run.name", "../escaped",
+                             "--run.flight_recorder", "5"])
+    with pytest.raises(PathOutside, match="run.name='../escaped' must be one directory name"):
+        flight_recorder_for(bad)
+    good = load_config(None, ["--run.out_dir", str(tmp_path / "runs"), "--run.flight_recorder", "5"])
+    flight_recorder_for(good).env()
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "escaped").exists()

@@ -68,9 +68,12 @@ class FlightRecorder:
         }
 
     def arm(self) -> None:
-        """In a worker, before its process group is created: the variables set, the directory
-        made."""
+        """In a worker, before its process group is created: the variables set. The directory is
+        made once the run is validated (`make_directory`): a refused run leaves none."""
         os.environ.update(self.env())
+
+    def make_directory(self) -> None:
+        """Where torch's own dump on a timeout writes (it does not make the directory)."""
         os.makedirs(self.directory, exist_ok=True)
 
     def dump(self, rank: int, device_type: str, dump: Callable[[], bytes] | None = None) -> Path:

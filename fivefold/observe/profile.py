@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from fivefold.observe.trace import trace_window
+from fivefold.paths import atomic_path
 
 __all__ = [
     "MAX_ENTRIES",
@@ -103,8 +104,8 @@ class StepProfiler:
         self._end_mark()
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.path))
+        with atomic_path(self.path, suffix=".json") as tmp:  # whole or not at all
+            profiler.export_chrome_trace(str(tmp))
         self.written = True
 
 
@@ -132,8 +133,8 @@ class MemoryHistory:
             self._observing = True
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(self.path))
+        with atomic_path(self.path, suffix=".pickle") as tmp:  # whole or not at all
+            torch.cuda.memory._dump_snapshot(str(tmp))
 
     def _on_out_of_memory(self, device: int, size: int, allocated: int, free: int) -> None:
         # the allocator calls this with its lock released (torch's own recipe dumps here)

@@ -32,6 +32,7 @@ from fivefold.checkpoint.snapshot import snapshot_for
 from fivefold.config import Config
 from fivefold.distributed.mesh import MESH_DIMS, ParallelMesh
 from fivefold.models.llama import WEIGHT_SIZES
+from fivefold.observe.profile import PROFILE_DIR, SNAPSHOT_DIR
 from fivefold.train.metrics import (
     RunRecord,
     StepResult,
@@ -53,7 +54,17 @@ __all__ = [
     "run_dir",
 ]
 
-RUN_FILES = ("metrics.jsonl", "loss.png", "moe_load.png", "timeline.png", "trace.json")
+RUN_FILES = (
+    "metrics.jsonl",
+    "loss.png",
+    "moe_load.png",
+    "timeline.png",
+    "trace.json",
+    "step_trace.png",
+)
+# what `run.overwrite` clears besides: an earlier run's files there would mix with the new run's
+# (flight_recorder/ stays: its dumps say why a restarted attempt was restarted)
+RUN_DIRS = ("tensorboard", PROFILE_DIR, SNAPSHOT_DIR)
 
 
 def run_dir(cfg: Config) -> Path:
@@ -96,11 +107,13 @@ def check_run_dir(cfg: Config) -> Path | None:
 
 def clear_run_dir(cfg: Config) -> None:
     """``run.overwrite``: remove what an earlier run left (its metrics, pictures, TensorBoard
-    events and checkpoints; W&B and MLflow keep it as an earlier run of theirs)."""
+    events, profiles, memory snapshots and checkpoints; W&B and MLflow keep it as an earlier run of
+    theirs)."""
     where = run_dir(cfg)
     for name in RUN_FILES:
         (where / name).unlink(missing_ok=True)
-    shutil.rmtree(where / "tensorboard", ignore_errors=True)  # its steps would mix with the new
+    for name in RUN_DIRS:
+        shutil.rmtree(where / name, ignore_errors=True)
     root = checkpoint_root(cfg)
     for path in complete_checkpoints(root):
         shutil.rmtree(path)

@@ -20,6 +20,7 @@ from fivefold.observe.profile import (
     describe_steps,
     profile_window,
 )
+from fivefold.paths import one_component
 from fivefold.train.metrics import RunInfo, RunRecord, StepResult, TrainObserver, TrainResult
 
 __all__ = ["FLIGHT_RECORDER_DIR", "MemorySnapshotLog", "ProfileLog", "flight_recorder_for"]
@@ -28,17 +29,20 @@ FLIGHT_RECORDER_DIR = "flight_recorder"
 
 
 def flight_recorder_for(cfg: Config) -> FlightRecorder | None:
-    """``run.flight_recorder`` > 0: the recorder of ``<run dir>/flight_recorder`` (absolute)."""
+    """``run.flight_recorder`` > 0: the recorder of ``<run dir>/flight_recorder`` (absolute; the
+    run's name one directory name, `paths.one_component`, even before the run is validated)."""
     if cfg.run.flight_recorder <= 0:
         return None
+    one_component(cfg.run.name, "run.name")
     directory = os.path.abspath(Path(cfg.run.out_dir) / cfg.run.name / FLIGHT_RECORDER_DIR)
     return FlightRecorder(directory, cfg.run.flight_recorder)
 
 
 class ProfileLog(TrainObserver):
-    """``run.profile``: this rank's `StepProfiler` over ``window`` (before evaluation and
-    checkpoints: the trace holds training steps); the trace written when the window ends, or when
-    the run ends or aborts inside it."""
+    """``run.profile``: this rank's `StepProfiler` over ``window``, from its first step's start to
+    its last step's end (an evaluation or save between two of its steps is in the trace, outside
+    the steps' spans); the trace written when the window ends, or when the run ends or aborts
+    inside it."""
 
     def __init__(
         self, window: range, run_dir: Path, rank: int, device: torch.device, record: RunRecord

@@ -45,6 +45,7 @@ from fivefold.observe.peak import device_peak_flops
 from fivefold.observe.trace import StepTracer, trace_window
 from fivefold.optim.clip import NonFiniteGradient
 from fivefold.optim.lr import lr_at
+from fivefold.paths import one_component
 from fivefold.pipeline.runtime import SIDE_THREAD
 from fivefold.run_plan import RunPlan
 from fivefold.train.checkpointing import (
@@ -87,6 +88,7 @@ def run(cfg: Config) -> TrainResult:
     """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo). The
     run directory is locked for the run's life (`RunLock`: under torchrun by rank 0)."""
     if is_torchrun_env():
+        one_component(cfg.run.name, "run.name")  # before the lock and the recorder make anything
         with distributed(
             resolve_device(cfg.run.device),
             timeout_s=cfg.run.collective_timeout_s,
@@ -209,6 +211,8 @@ class Trainer:
         # from the start: a SIGTERM while the model is built still stops at the first step's end
         watch_sigterm()
         self.cfg, self.plan = cfg, plan
+        if (recorder := flight_recorder_for(cfg)) is not None:
+            recorder.make_directory()  # validated: where torch's dump on a timeout writes
         self.device = device = resolve_device(cfg.run.device)
         if device.type != "cpu" and cfg.precision.tf32:
             torch.set_float32_matmul_precision("high")
@@ -398,11 +402,11 @@ class Trainer:
             try:
                 observer.on_run_abort(step, error)
             except Exception as e:
-                print(
-                    f"fivefold: {type(observer).__name__} failed while the run stopped: {e}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                said = f"fivefold: {type(observer).__name__} failed while the run stopped: {e}"
+                if self.record.run_dir is not None:  # rank 0: above its progress bar
+                    self.record.say(said)
+                else:
+                    print(said, file=sys.stderr, flush=True)
 
     def train_step(self, step: int) -> StepResult:
         """One step: this rank's micro-batches forward and backward (gradients reduced), the
@@ -411,7 +415,7 @@ class Trainer:
         self.log.reset()
         for observer in self.observers:
             observer.on_step_start(step)
-        set_debug_step(step)
+        set_debug_step(step + 1)  # numbered as everywhere: from 1
         lr = self._set_lr(step)
         batches, documents = self._micro_batches(step)
         weight = self.data.loss_weight(step, self.cfg.train.global_batch)
