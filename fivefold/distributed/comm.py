@@ -130,6 +130,13 @@ class CommTotals:
     payload_bytes: int = 0
     wire_bytes: float = 0.0
 
+    def add(self, record: CommRecord) -> None:
+        """Count one more collective."""
+        self.calls += 1
+        self.numel += record.numel
+        self.payload_bytes += record.payload_bytes
+        self.wire_bytes += record.wire_bytes
+
 
 _DEBUG: dict[str, object] = {"step": None}
 DEBUG_ENV = "FIVEFOLD_DEBUG_COLLECTIVES"
@@ -267,32 +274,21 @@ class CommLog:
                 and (dim is None or r.dim == dim)
                 and (dims is None or r.dim in dims)
             ):
-                t.calls += 1
-                t.numel += r.numel
-                t.payload_bytes += r.payload_bytes
-                t.wire_bytes += r.wire_bytes
+                t.add(r)
         return t
 
     def by_dim(self) -> dict[str, CommTotals]:
         """Totals keyed by mesh dim, in the order the dims were first used."""
         out: dict[str, CommTotals] = {}
         for r in self.records:
-            t = out.setdefault(r.dim, CommTotals())
-            t.calls += 1
-            t.numel += r.numel
-            t.payload_bytes += r.payload_bytes
-            t.wire_bytes += r.wire_bytes
+            out.setdefault(r.dim, CommTotals()).add(r)
         return out
 
     def summary(self) -> dict[tuple[str, str], CommTotals]:
         """Totals keyed by (op, dim)."""
         out: dict[tuple[str, str], CommTotals] = defaultdict(CommTotals)
         for r in self.records:
-            t = out[(r.op, r.dim)]
-            t.calls += 1
-            t.numel += r.numel
-            t.payload_bytes += r.payload_bytes
-            t.wire_bytes += r.wire_bytes
+            out[(r.op, r.dim)].add(r)
         return dict(out)
 
 
