@@ -41,15 +41,18 @@ LIMIT=150  # per part on the GPU; a CPU rehearsal is slower (compiling, every la
 for p in syncs moe profile compile cp-kernel watch flight-recorder; do
   part "$p" "$LIMIT" "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
 done
-# a short run of the trainer under the GPU profile (bf16, compile, log_every 10) on the embedded data
+# a short run of the trainer under the GPU profile (bf16, compile, log_every 10) on the embedded data,
+# with the TensorBoard sink and a console line per log step (issue 31: their path on the device)
 TORCHRUN="$(dirname "$PY")/torchrun"
 if [ -z "$DRY" ]; then
   part train "$LIMIT" "$TORCHRUN" --standalone --nproc-per-node 1 -m fivefold.train --profile gpu \
-    --preset small --steps 30 --name gpu-checks --run.out_dir "$OUT/train" --overwrite
+    --preset small --steps 30 --name gpu-checks --run.out_dir "$OUT/train" --overwrite \
+    --logging.sinks jsonl,tensorboard --run.progress false
 else
   part train "$LIMIT" "$PY" -m fivefold.train --profile gpu --preset tiny --steps 4 --nproc 1 \
     --device cpu --train.seq_len 64 --train.global_batch 4 --train.micro_batch 2 \
-    --name gpu-checks --run.out_dir "$OUT/train" --overwrite
+    --name gpu-checks --run.out_dir "$OUT/train" --overwrite \
+    --logging.sinks jsonl,tensorboard --run.progress false
 fi
 if [ -z "$DRY" ]; then  # the two-process NCCL smoke tests (skipped by pytest with fewer than 2 GPUs)
   part smoke 240 "$PY" -m pytest -p no:cacheprovider -q -s tests/gpu/test_gpu_smoke.py
