@@ -307,7 +307,9 @@ def test_tensorboard_and_mlflow_at_a_normal_end(tmp_path, monkeypatch):
 
     from fivefold.train import sinks
 
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    # set, then deleted: the undo removes what the sink sets (no MLFLOW_ALLOW_FILE_STORE after it)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset by this test")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     cfg = _config(tmp_path, "tensorboard,mlflow")
     observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, 1e6, 2), _NoMoE())
     observer.on_run_start(_info(cfg))
