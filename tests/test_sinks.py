@@ -10,6 +10,7 @@ keeping the records of the steps done."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -231,6 +232,124 @@ def test_a_missing_package_is_one_line_before_spawning(tmp_path, monkeypatch, si
     assert not (tmp_path / "watched").exists()
 
 
+@pytest.mark.parametrize("uri", ["sqlite:///runs/mlflow.db", "postgresql+psycopg2://u@host/db"])
+def test_a_database_mlflow_store_without_sqlalchemy_is_one_line_before_spawning(tmp_path, monkeypatch, uri):
+    from fivefold.train import trainer
+
+    monkeypatch.setitem(sys.modules, "alembic", None)  # (find_spec: None for a module set to None)
+    monkeypatch.setattr(trainer, "launch_local", lambda *a, **k: pytest.fail("spawned"))
+    with pytest.raises(ConfigError) as e:
+        trainer.run(_config(tmp_path, "jsonl,mlflow", "--logging.mlflow_uri", uri))
+    missing = "alembic" if importlib.util.find_spec("sqlalchemy") else "sqlalchemy and alembic"
+    assert str(e.value) == (f"logging.mlflow_uri={uri} is a database store: it needs {missing}, which "
+                            "mlflow-skinny lacks: pip install mlflow")
+    assert not (tmp_path / "watched").exists()
+    from fivefold.train.sinks import check_sink_packages
+
+    check_sink_packages(_config(tmp_path, "jsonl,mlflow", "--logging.mlflow_uri", "http://localhost:5000"))
+    check_sink_packages(_config(tmp_path, "jsonl,tensorboard", "--logging.mlflow_uri", uri))  # no mlflow sink
+
+
+def test_online_wandb_without_credentials_is_one_line_before_spawning(tmp_path, monkeypatch):
+    from fivefold.train import trainer
+    from fivefold.train.sinks import check_sink_packages
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.com login user password secret\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setattr(trainer, "launch_local", lambda *a, **k: pytest.fail("spawned"))
+    online = _config(tmp_path, "jsonl,wandb", "--logging.wandb_mode", "online")
+    with pytest.raises(ConfigError) as e:
+        trainer.run(online)
+    assert str(e.value) == ("logging.wandb_mode=online: W&B finds no credentials (WANDB_API_KEY or a netrc entry "
+                            "for api.wandb.ai): run `wandb login`, set WANDB_API_KEY, or give --logging.wandb_mode "
+                            "offline")
+    assert not (tmp_path / "watched").exists()
+    by_env = load_config(None, ["--logging.sinks", "wandb"])  # no logging.wandb_mode: WANDB_MODE's
+    check_sink_packages(by_env)  # offline by default
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(ConfigError, match=r"^WANDB_MODE=online: W&B finds no credentials"):
+        check_sink_packages(by_env)
+    netrc.write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")  # `wandb login`'s entry
+    check_sink_packages(online)
+    netrc.write_text("")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_sink_packages(online)
+    check_sink_packages(_config(tmp_path, "jsonl,wandb"))  # offline: no credentials asked
+
+
+class _FailingSink:
+    """A sink whose sends (from ``fail_from`` on) and close raise, as an unreachable server's."""
+
+    def __init__(self, log: list, fail_from: int) -> None:
+        self.log, self.fail_from = log, fail_from
+
+    def scalars(self, step, values):
+        self.log.append(("down", step))
+        if step >= self.fail_from:
+            raise ConnectionError("server unreachable")
+
+    def flush(self):
+        pass
+
+    def close(self, failed=False):
+        self.log.append(("down close", failed))
+        raise ConnectionError("still unreachable")
+
+
+def test_a_failing_sink_is_turned_off_with_one_line_and_the_run_finishes(tmp_path, monkeypatch):
+    from fivefold.train import sinks
+    from fivefold.train.metrics import RunRecord, RunRecordLog
+
+    log: list = []
+    monkeypatch.setattr(sinks, "open_sinks", lambda cfg, run_dir, start: [_FailingSink(log, 2), _FakeSink(log)])
+    record = RunRecord(tmp_path, 3, progress=True, name="r")
+    said: list[str] = []
+    record.progress.bar.write = said.append  # what `say` writes above the bar
+    tp = Throughput(64, 100.0, None, 2)
+    observers = [RunRecordLog(record, _NoMoE(), tp, "r"), sinks.SinkLog(tmp_path, tp, _NoMoE(), record.say)]
+    observers[1].on_run_start(_info(_config(tmp_path)))  # (the record's start needs a model config)
+    for step in range(3):
+        for o in observers:
+            o.on_step_end(_step(step))
+    for o in reversed(observers):  # the trainer's order at the end
+        o.on_run_end(TrainResult(3, 2.0, 2.0, None, 10, 256.0, None, 3.0))
+    assert [e[:2] for e in log if e[0] != "flush"] == [
+        ("down", 1), ("scalars", 1), ("down", 2), ("scalars", 2), ("scalars", 3), ("close", False),
+        ("down close", True)]  # turned off at step 2, the others go on; closed as failed at the end
+    warnings = [line for line in said if "warning" in line]
+    assert warnings == ["fivefold: warning: metric sink _failing failed at step 2 (ConnectionError: server "
+                        "unreachable); turned off, training goes on (metrics.jsonl keeps every record)"]
+    assert (tmp_path / "loss.png").exists()  # the run record's end ran after the sinks'
+    assert read_summary(tmp_path)["final_loss"] == 2.0
+
+
+def test_a_sink_that_does_not_close_is_a_warning_line(tmp_path, monkeypatch):
+    from fivefold.train import sinks
+
+    log: list = []
+    said: list[str] = []
+    monkeypatch.setattr(sinks, "open_sinks", lambda cfg, run_dir, start: [_FailingSink(log, 99), _FakeSink(log)])
+    observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, None, 2), _NoMoE(), said.append)
+    observer.on_run_start(_info(_config(tmp_path)))
+    observer.on_run_end(TrainResult(0, 2.0, 2.0, None, 10, 256.0, None, 3.0))  # no raise
+    assert said == ["fivefold: warning: metric sink _failing did not close (ConnectionError: still unreachable)"]
+    assert log == [("down close", False), ("close", False)]
+    said.clear()
+    observer.on_run_start(_info(_config(tmp_path)))
+    observer.on_run_abort(0, RuntimeError("x"))
+    assert said == ["fivefold: warning: metric sink _failing did not close (ConnectionError: still unreachable)"]
+
+
+def read_summary(run_dir: Path) -> dict:
+    from fivefold.train.metrics import read_metrics
+
+    (summary,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"]
+    return summary
+
+
 class _FakeSink:
     def __init__(self, log: list) -> None:
         self.log = log
@@ -268,7 +387,7 @@ def test_sink_log_sends_each_log_step_once_and_closes(tmp_path, monkeypatch):
     log: list = []
     monkeypatch.setattr(sinks, "open_sinks", lambda cfg, run_dir, start: [_FakeSink(log)])
     tp = Throughput(64, 100.0, None, 2)
-    observer = sinks.SinkLog(tmp_path, tp, _NoMoE())
+    observer = sinks.SinkLog(tmp_path, tp, _NoMoE(), pytest.fail)
     observer.on_run_start(_info(_config(tmp_path)))
     observer.on_step_end(_step(0))
     observer.on_step_end(_step(1, logged=False))
@@ -311,7 +430,7 @@ def test_tensorboard_and_mlflow_at_a_normal_end(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset by this test")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     cfg = _config(tmp_path, "tensorboard,mlflow")
-    observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, 1e6, 2), _NoMoE())
+    observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, 1e6, 2), _NoMoE(), pytest.fail)
     observer.on_run_start(_info(cfg))
     for step in range(3):
         observer.on_step_end(_step(step))

@@ -311,7 +311,7 @@ class Trainer:
             RunRecordLog(record, moe, self.throughput, plot_title),
         ]
         if record.run_dir is not None and cfg.logging.sink_names():  # rank 0
-            observers.append(SinkLog(record.run_dir, self.throughput, moe))
+            observers.append(SinkLog(record.run_dir, self.throughput, moe, record.say))
         observers.append(self.summary)
         n_eval = max(dp, t.eval_batches - t.eval_batches % dp)
         eval_batches = self.data.val_batches(
