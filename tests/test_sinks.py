@@ -59,8 +59,10 @@ def _expected(records: list[dict]) -> dict[str, dict[int, float]]:
     for r in records:
         step = r.get("step")
         if r["kind"] == "train":
-            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "model_state_mb"):
-                out.setdefault(key, {})[step] = r[key]
+            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "model_state_mb",
+                        "peak_memory_mb"):
+                if r.get(key) is not None:  # (null or absent: left out of the sinks)
+                    out.setdefault(key, {})[step] = r[key]
             for dim, t in r["comm_by_dim"].items():
                 out.setdefault(f"comm_payload_bytes/{dim}", {})[step] = t["payload_bytes"]
                 out.setdefault(f"comm_wire_bytes/{dim}", {})[step] = t["wire_bytes"]
@@ -134,6 +136,9 @@ def test_the_crash_is_recorded_one_based(crashed):
     (err,) = [r for r in records if r["kind"] == "error"]
     assert err["step"] == 4 and err["error"] == "RuntimeError" and "test fault" in err["message"]
     train = [r for r in records if r["kind"] == "train"]
+    # the model state is measured from the second step: null before; no device memory on the CPU
+    assert [r["model_state_mb"] is None for r in train] == [True, False, False]
+    assert not any("peak_memory_mb" in r for r in train)
     for r in train:  # every dim of this layout carries data-parallel traffic: the same sums
         by_dim = r["comm_by_dim"]
         assert set(by_dim) == {"dp", "ep_dp"}, by_dim
@@ -341,6 +346,45 @@ def test_a_sink_that_does_not_close_is_a_warning_line(tmp_path, monkeypatch):
     observer.on_run_start(_info(_config(tmp_path)))
     observer.on_run_abort(0, RuntimeError("x"))
     assert said == ["fivefold: warning: metric sink _failing did not close (ConnectionError: still unreachable)"]
+
+
+def test_peak_memory_is_carried_on_an_accelerator_and_left_out_on_the_cpu(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from fivefold.train import sinks
+    from fivefold.train.metrics import RunRecord, RunRecordLog, TrainingClock, read_metrics
+    from fivefold.train.trainer import Trainer
+
+    asked = []
+
+    class FakeDeviceModule:
+        @staticmethod
+        def max_memory_allocated(device):
+            asked.append(device)
+            return 3 * 2**20
+
+    modules = {"cuda": FakeDeviceModule}
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: modules[kind])  # (the CPU: a KeyError)
+    tp = Throughput(64, 100.0, None, 2)
+    trainer = SimpleNamespace(cfg=_config(tmp_path), clock=TrainingClock(), throughput=tp, model_state_mb=0.0,
+                              device=torch.device("cuda"), _fetch=lambda loss, norm: (2.0, None))
+    record = RunRecord(tmp_path, 3, progress=False, name="r")
+    written = RunRecordLog(record, _NoMoE(), tp, None)
+    on_gpu = Trainer._result(trainer, 0, 0.5, torch.tensor(2.0), None, CommTotals(), {})
+    assert on_gpu.peak_memory_mb == 3.0 and asked == [torch.device("cuda")]
+    assert Trainer._result(trainer, 1, 0.5, torch.tensor(2.0), None, CommTotals(), {}).peak_memory_mb == 3.0
+    values = sinks.step_scalars(on_gpu, tp, None)
+    assert values["peak_memory_mb"] == 3.0 and "model_state_mb" not in values  # not measured yet: left out
+    written.on_step_end(on_gpu)
+    trainer.device, trainer.model_state_mb = torch.device("cpu"), 5.0
+    on_cpu = Trainer._result(trainer, 2, 0.5, torch.tensor(2.0), None, CommTotals(), {})
+    assert on_cpu.peak_memory_mb is None and len(asked) == 2  # no device module asked on the CPU
+    values = sinks.step_scalars(on_cpu, tp, None)
+    assert "peak_memory_mb" not in values and values["model_state_mb"] == 5.0
+    written.on_step_end(on_cpu)
+    record.abort()
+    train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["model_state_mb"], r.get("peak_memory_mb", "absent")) for r in train] == [(None, 3.0), (5.0, "absent")]
 
 
 def read_summary(run_dir: Path) -> dict:

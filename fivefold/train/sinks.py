@@ -270,9 +270,11 @@ def step_scalars(
     result: StepResult, throughput: Throughput, moe: Mapping[str, Mapping[str, Any]] | None
 ) -> dict[str, float]:
     """A log step's scalars, named as in ``metrics.jsonl`` where it has them: loss, lr, grad_norm,
-    step_time_s, tokens_per_s, mfu, model_state_mb; per mesh dim ``comm_payload_bytes/<dim>`` and
-    ``comm_wire_bytes/<dim>``; per MoE layer ``moe_load/<layer>`` (max / mean assignments per
-    expert). Unknown ones (no norm, no device peak) are left out."""
+    step_time_s, tokens_per_s, mfu, model_state_mb, peak_memory_mb; per mesh dim
+    ``comm_payload_bytes/<dim>`` and ``comm_wire_bytes/<dim>``; per MoE layer
+    ``moe_load/<layer>`` (max / mean assignments per expert). Unknown ones (no norm, no device
+    peak FLOP/s, the model state before it is measured, no device memory counter on the CPU) are
+    left out."""
     r, dt = result, result.step_time_s
     values: dict[str, Any] = {
         "loss": r.loss_value,
@@ -281,7 +283,8 @@ def step_scalars(
         "step_time_s": dt,
         "tokens_per_s": throughput.tokens_per_s(dt),
         "mfu": throughput.mfu(dt),
-        "model_state_mb": r.model_state_mb,
+        "model_state_mb": r.model_state_mb or None,  # (0: not measured yet, the first step)
+        "peak_memory_mb": r.peak_memory_mb,
     }
     for dim, t in r.traffic_by_dim.items():
         values[f"comm_payload_bytes/{dim}"] = t.payload_bytes
