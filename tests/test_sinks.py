@@ -4,7 +4,10 @@ One spawn (`multiprocess`): 2 gloo ranks train a tiny MoE model with every sink,
 raising in both workers (the trainer patched inside the spawned function); TensorBoard's event
 files, the W&B offline run file and the MLflow file store then hold steps 1..3 with metrics.jsonl's
 values, closed as failed, and stdout one line per log step. In-process: the sink names and the
-missing-package line before any spawn, `SinkLog` with fake sinks (values, flushes, closes),
+missing-package, database-store and online-W&B-credentials lines before any spawn, `SinkLog` with
+fake sinks (values, flushes, closes; a failing one turned off with one line, the run's end still
+run), the trainer's peak device memory carried on an accelerator (a fake device module) and left
+out on the CPU,
 TensorBoard + MLflow closed at a run's normal end, every line above the progress bar, and a resume
 keeping the records of the steps done."""
 
