@@ -4,6 +4,7 @@ key of the schema with its default, and where the keys are documented (no proces
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -31,11 +32,19 @@ def test_train_help_lists_presets_every_key_and_the_docs(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse and textwrap break lines anywhere
     for name in PRESETS:
         assert name in out
+    keys = out.split("keys (--section.key VALUE)", 1)[1].split("Each key is documented", 1)[0]
     cfg = Config()
-    for section in dataclasses.fields(Config):
-        shown = "model.moe" if section.name == "moe" else section.name
-        assert f"[{shown}]" in out
-        for key in dataclasses.fields(getattr(cfg, section.name)):
-            value = getattr(getattr(cfg, section.name), key.name)
-            assert f"{key.name}={value!r}" in out or f"{key.name}={value}" in out, (shown, key.name)
+    sections = [("model.moe" if s.name == "moe" else s.name, s.name) for s in dataclasses.fields(Config)]
+    # each section's block: from its header to the next one (a key matched in its own section only)
+    header = re.compile(r"\[(" + "|".join(re.escape(shown) for shown, _ in sections) + r")\]")
+    parts = header.split(keys)
+    blocks = dict(zip(parts[1::2], parts[2::2]))
+    for shown, name in sections:
+        assert shown in blocks, shown
+        block = blocks[shown]
+        for key in dataclasses.fields(getattr(cfg, name)):
+            value = getattr(getattr(cfg, name), key.name)
+            shapes = {f"{key.name}={value!r}", f"{key.name}={value}"}
+            assert any(re.search(r"(?<![\w.])" + re.escape(s) + r"(?=[,\s]|$)", block) for s in shapes), (
+                shown, key.name)
     assert "docs/training.md" in out and "--resume" in out

@@ -123,6 +123,35 @@ def test_seeded_sampling_is_reproducible_and_a_tiny_nucleus_is_greedy():
     assert len(generate_ids(model, list(range(60)), 20)) == 64
 
 
+def test_generate_decodes_dropless_and_gives_each_moe_layer_its_capacity_back():
+    from fivefold.models.moe import MoEConfig, MoEFeedForward
+    from fivefold.use.generate import dropless
+    from fivefold.use.model import UsedModel, run_tokenizer
+
+    moe = MoEConfig(experts=4, top_k=2, capacity_factor=1.25)
+    model = Llama(get_config("tiny", n_layers=2, max_seq_len=64, moe=moe), seed=0).eval()
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    assert layers and all(m.config.capacity_factor == 1.25 for m in layers)
+    seen = []
+    real = MoEFeedForward.forward
+
+    def forward(self, *args, **kwargs):  # the setting the decode runs under
+        seen.append(self.config.capacity_factor)
+        return real(self, *args, **kwargs)
+
+    tok, record = run_tokenizer({})
+    used = UsedModel(model, tok, record, (), "here", None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MoEFeedForward, "forward", forward)
+        assert generate(used, "abc", 4).new_tokens == 4
+    assert seen and set(seen) == {None}
+    assert [m.config.capacity_factor for m in layers] == [1.25, 1.25]
+    with pytest.raises(RuntimeError, match="stop"), dropless(model):  # also back after an error
+        assert {m.config.capacity_factor for m in layers} == {None}
+        raise RuntimeError("stop")
+    assert [m.config.capacity_factor for m in layers] == [1.25, 1.25]
+
+
 # ---------------------------------------------------------------------------------------------
 # eval: a hand computation, on a prepared directory.
 

@@ -4,12 +4,16 @@ One spawn (`multiprocess`): 2 gloo ranks train a tiny MoE model with every sink,
 raising in both workers (the trainer patched inside the spawned function); TensorBoard's event
 files, the W&B offline run file and the MLflow file store then hold steps 1..3 with metrics.jsonl's
 values, closed as failed, and stdout one line per log step. In-process: the sink names and the
-missing-package line before any spawn, `SinkLog` with fake sinks (values, flushes, closes),
+missing-package, database-store and online-W&B-credentials lines before any spawn, `SinkLog` with
+fake sinks (values, flushes, closes; a failing one turned off with one line, the run's end still
+run), the trainer's peak device memory carried on an accelerator (a fake device module) and left
+out on the CPU,
 TensorBoard + MLflow closed at a run's normal end, every line above the progress bar, and a resume
 keeping the records of the steps done."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -58,8 +62,10 @@ def _expected(records: list[dict]) -> dict[str, dict[int, float]]:
     for r in records:
         step = r.get("step")
         if r["kind"] == "train":
-            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "model_state_mb"):
-                out.setdefault(key, {})[step] = r[key]
+            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "model_state_mb",
+                        "peak_memory_mb"):
+                if r.get(key) is not None:  # (null or absent: left out of the sinks)
+                    out.setdefault(key, {})[step] = r[key]
             for dim, t in r["comm_by_dim"].items():
                 out.setdefault(f"comm_payload_bytes/{dim}", {})[step] = t["payload_bytes"]
                 out.setdefault(f"comm_wire_bytes/{dim}", {})[step] = t["wire_bytes"]
@@ -133,6 +139,9 @@ def test_the_crash_is_recorded_one_based(crashed):
     (err,) = [r for r in records if r["kind"] == "error"]
     assert err["step"] == 4 and err["error"] == "RuntimeError" and "test fault" in err["message"]
     train = [r for r in records if r["kind"] == "train"]
+    # the model state is measured from the second step: null before; no device memory on the CPU
+    assert [r["model_state_mb"] is None for r in train] == [True, False, False]
+    assert not any("peak_memory_mb" in r for r in train)
     for r in train:  # every dim of this layout carries data-parallel traffic: the same sums
         by_dim = r["comm_by_dim"]
         assert set(by_dim) == {"dp", "ep_dp"}, by_dim
@@ -231,6 +240,163 @@ def test_a_missing_package_is_one_line_before_spawning(tmp_path, monkeypatch, si
     assert not (tmp_path / "watched").exists()
 
 
+@pytest.mark.parametrize("uri", ["sqlite:///runs/mlflow.db", "postgresql+psycopg2://u@host/db"])
+def test_a_database_mlflow_store_without_sqlalchemy_is_one_line_before_spawning(tmp_path, monkeypatch, uri):
+    from fivefold.train import trainer
+
+    monkeypatch.setitem(sys.modules, "alembic", None)  # (find_spec: None for a module set to None)
+    monkeypatch.setattr(trainer, "launch_local", lambda *a, **k: pytest.fail("spawned"))
+    with pytest.raises(ConfigError) as e:
+        trainer.run(_config(tmp_path, "jsonl,mlflow", "--logging.mlflow_uri", uri))
+    missing = "alembic" if importlib.util.find_spec("sqlalchemy") else "sqlalchemy and alembic"
+    assert str(e.value) == (f"logging.mlflow_uri={uri} is a database store: it needs {missing}, which "
+                            "mlflow-skinny lacks: pip install mlflow")
+    assert not (tmp_path / "watched").exists()
+    from fivefold.train.sinks import check_sink_packages
+
+    check_sink_packages(_config(tmp_path, "jsonl,mlflow", "--logging.mlflow_uri", "http://localhost:5000"))
+    check_sink_packages(_config(tmp_path, "jsonl,tensorboard", "--logging.mlflow_uri", uri))  # no mlflow sink
+
+
+def test_online_wandb_without_credentials_is_one_line_before_spawning(tmp_path, monkeypatch):
+    from fivefold.train import trainer
+    from fivefold.train.sinks import check_sink_packages
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.com login user password secret\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    monkeypatch.setattr(trainer, "launch_local", lambda *a, **k: pytest.fail("spawned"))
+    online = _config(tmp_path, "jsonl,wandb", "--logging.wandb_mode", "online")
+    with pytest.raises(ConfigError) as e:
+        trainer.run(online)
+    assert str(e.value) == ("logging.wandb_mode=online: W&B finds no credentials (WANDB_API_KEY or a netrc entry "
+                            "for api.wandb.ai): run `wandb login`, set WANDB_API_KEY, or give --logging.wandb_mode "
+                            "offline")
+    assert not (tmp_path / "watched").exists()
+    by_env = load_config(None, ["--logging.sinks", "wandb"])  # no logging.wandb_mode: WANDB_MODE's
+    check_sink_packages(by_env)  # offline by default
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(ConfigError, match=r"^WANDB_MODE=online: W&B finds no credentials"):
+        check_sink_packages(by_env)
+    netrc.write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")  # `wandb login`'s entry
+    check_sink_packages(online)
+    netrc.write_text("")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_sink_packages(online)
+    check_sink_packages(_config(tmp_path, "jsonl,wandb"))  # offline: no credentials asked
+
+
+class _FailingSink:
+    """A sink whose sends (from ``fail_from`` on) and close raise, as an unreachable server's."""
+
+    def __init__(self, log: list, fail_from: int) -> None:
+        self.log, self.fail_from = log, fail_from
+
+    def scalars(self, step, values):
+        self.log.append(("down", step))
+        if step >= self.fail_from:
+            raise ConnectionError("server unreachable")
+
+    def flush(self):
+        pass
+
+    def close(self, failed=False):
+        self.log.append(("down close", failed))
+        raise ConnectionError("still unreachable")
+
+
+def test_a_failing_sink_is_turned_off_with_one_line_and_the_run_finishes(tmp_path, monkeypatch):
+    from fivefold.train import sinks
+    from fivefold.train.metrics import RunRecord, RunRecordLog
+
+    log: list = []
+    monkeypatch.setattr(sinks, "open_sinks", lambda cfg, run_dir, start: [_FailingSink(log, 2), _FakeSink(log)])
+    record = RunRecord(tmp_path, 3, progress=True, name="r")
+    said: list[str] = []
+    record.progress.bar.write = said.append  # what `say` writes above the bar
+    tp = Throughput(64, 100.0, None, 2)
+    observers = [RunRecordLog(record, _NoMoE(), tp, "r"), sinks.SinkLog(tmp_path, tp, _NoMoE(), record.say)]
+    observers[1].on_run_start(_info(_config(tmp_path)))  # (the record's start needs a model config)
+    for step in range(3):
+        for o in observers:
+            o.on_step_end(_step(step))
+    for o in reversed(observers):  # the trainer's order at the end
+        o.on_run_end(TrainResult(3, 2.0, 2.0, None, 10, 256.0, None, 3.0))
+    assert [e[:2] for e in log if e[0] != "flush"] == [
+        ("down", 1), ("scalars", 1), ("down", 2), ("scalars", 2), ("scalars", 3), ("close", False),
+        ("down close", True)]  # turned off at step 2, the others go on; closed as failed at the end
+    warnings = [line for line in said if "warning" in line]
+    assert warnings == ["fivefold: warning: metric sink _failing failed at step 2 (ConnectionError: server "
+                        "unreachable); turned off, training goes on (metrics.jsonl keeps every record)"]
+    assert (tmp_path / "loss.png").exists()  # the run record's end ran after the sinks'
+    assert read_summary(tmp_path)["final_loss"] == 2.0
+
+
+def test_a_sink_that_does_not_close_is_a_warning_line(tmp_path, monkeypatch):
+    from fivefold.train import sinks
+
+    log: list = []
+    said: list[str] = []
+    monkeypatch.setattr(sinks, "open_sinks", lambda cfg, run_dir, start: [_FailingSink(log, 99), _FakeSink(log)])
+    observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, None, 2), _NoMoE(), said.append)
+    observer.on_run_start(_info(_config(tmp_path)))
+    observer.on_run_end(TrainResult(0, 2.0, 2.0, None, 10, 256.0, None, 3.0))  # no raise
+    assert said == ["fivefold: warning: metric sink _failing did not close (ConnectionError: still unreachable)"]
+    assert log == [("down close", False), ("close", False)]
+    said.clear()
+    observer.on_run_start(_info(_config(tmp_path)))
+    observer.on_run_abort(0, RuntimeError("x"))
+    assert said == ["fivefold: warning: metric sink _failing did not close (ConnectionError: still unreachable)"]
+
+
+def test_peak_memory_is_carried_on_an_accelerator_and_left_out_on_the_cpu(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from fivefold.train import sinks
+    from fivefold.train.metrics import RunRecord, RunRecordLog, TrainingClock, read_metrics
+    from fivefold.train.trainer import Trainer
+
+    asked = []
+
+    class FakeDeviceModule:
+        @staticmethod
+        def max_memory_allocated(device):
+            asked.append(device)
+            return 3 * 2**20
+
+    modules = {"cuda": FakeDeviceModule}
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: modules[kind])  # (the CPU: a KeyError)
+    tp = Throughput(64, 100.0, None, 2)
+    trainer = SimpleNamespace(cfg=_config(tmp_path), clock=TrainingClock(), throughput=tp, model_state_mb=0.0,
+                              device=torch.device("cuda"), _fetch=lambda loss, norm: (2.0, None))
+    record = RunRecord(tmp_path, 3, progress=False, name="r")
+    written = RunRecordLog(record, _NoMoE(), tp, None)
+    on_gpu = Trainer._result(trainer, 0, 0.5, torch.tensor(2.0), None, CommTotals(), {})
+    assert on_gpu.peak_memory_mb == 3.0 and asked == [torch.device("cuda")]
+    assert Trainer._result(trainer, 1, 0.5, torch.tensor(2.0), None, CommTotals(), {}).peak_memory_mb == 3.0
+    values = sinks.step_scalars(on_gpu, tp, None)
+    assert values["peak_memory_mb"] == 3.0 and "model_state_mb" not in values  # not measured yet: left out
+    written.on_step_end(on_gpu)
+    trainer.device, trainer.model_state_mb = torch.device("cpu"), 5.0
+    on_cpu = Trainer._result(trainer, 2, 0.5, torch.tensor(2.0), None, CommTotals(), {})
+    assert on_cpu.peak_memory_mb is None and len(asked) == 2  # no device module asked on the CPU
+    values = sinks.step_scalars(on_cpu, tp, None)
+    assert "peak_memory_mb" not in values and values["model_state_mb"] == 5.0
+    written.on_step_end(on_cpu)
+    record.abort()
+    train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["model_state_mb"], r.get("peak_memory_mb", "absent")) for r in train] == [(None, 3.0), (5.0, "absent")]
+
+
+def read_summary(run_dir: Path) -> dict:
+    from fivefold.train.metrics import read_metrics
+
+    (summary,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"]
+    return summary
+
+
 class _FakeSink:
     def __init__(self, log: list) -> None:
         self.log = log
@@ -268,7 +434,7 @@ def test_sink_log_sends_each_log_step_once_and_closes(tmp_path, monkeypatch):
     log: list = []
     monkeypatch.setattr(sinks, "open_sinks", lambda cfg, run_dir, start: [_FakeSink(log)])
     tp = Throughput(64, 100.0, None, 2)
-    observer = sinks.SinkLog(tmp_path, tp, _NoMoE())
+    observer = sinks.SinkLog(tmp_path, tp, _NoMoE(), pytest.fail)
     observer.on_run_start(_info(_config(tmp_path)))
     observer.on_step_end(_step(0))
     observer.on_step_end(_step(1, logged=False))
@@ -307,9 +473,11 @@ def test_tensorboard_and_mlflow_at_a_normal_end(tmp_path, monkeypatch):
 
     from fivefold.train import sinks
 
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    # set, then deleted: the undo removes what the sink sets (no MLFLOW_ALLOW_FILE_STORE after it)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset by this test")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     cfg = _config(tmp_path, "tensorboard,mlflow")
-    observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, 1e6, 2), _NoMoE())
+    observer = sinks.SinkLog(tmp_path, Throughput(64, 100.0, 1e6, 2), _NoMoE(), pytest.fail)
     observer.on_run_start(_info(cfg))
     for step in range(3):
         observer.on_step_end(_step(step))

@@ -329,6 +329,8 @@ class StepResult:
     grad_norm_value: float | None = None  # on log steps: `grad_norm` on the host
     # every mesh dim's traffic in the step (`CommLog.by_dim`), before the metrics' collectives
     traffic_by_dim: Mapping[str, CommTotals] = dataclasses.field(default_factory=dict)
+    # on an accelerator's log steps: the device's peak allocated memory so far (MiB); None on CPU
+    peak_memory_mb: float | None = None
 
     @property
     def steps_done(self) -> int:
@@ -512,7 +514,8 @@ class RunRecordLog(TrainObserver):
                 "grad_norm": r.grad_norm_value,
                 "step_time_s": dt,
                 "tokens_per_s": tp.tokens_per_s(dt),
-                "model_state_mb": r.model_state_mb,
+                "model_state_mb": r.model_state_mb or None,  # (null before it is measured)
+                **({} if r.peak_memory_mb is None else {"peak_memory_mb": r.peak_memory_mb}),
                 "flops_per_token": tp.flops_per_token,
                 "achieved_tflops_per_device": tp.tflops_per_device(dt),
                 "mfu": tp.mfu(dt),

@@ -315,7 +315,7 @@ class Trainer:
             RunRecordLog(record, moe, self.throughput, plot_title),
         ]
         if record.run_dir is not None and cfg.logging.sink_names():  # rank 0
-            observers.append(SinkLog(record.run_dir, self.throughput, moe))
+            observers.append(SinkLog(record.run_dir, self.throughput, moe, record.say))
         observers.append(self.summary)
         n_eval = max(dp, t.eval_batches - t.eval_batches % dp)
         eval_batches = self.data.val_batches(
@@ -473,10 +473,15 @@ class Trainer:
         interval: otherwise the host queues the next step while the device runs this one) and the
         step time read."""
         logged = step % self.cfg.run.log_every == 0 or step == self.cfg.train.steps - 1
-        loss_value = norm_value = step_time = None
+        loss_value = norm_value = step_time = peak = None
         if logged:
             loss_value, norm_value = self._fetch(loss, grad_norm)
             step_time = self.clock.lap(step)
+            if self.device.type != "cpu":  # a host counter (no device sync); none on the CPU
+                counter = getattr(
+                    torch.get_device_module(self.device.type), "max_memory_allocated", None
+                )
+                peak = counter(self.device) / 2**20 if counter is not None else None
         return StepResult(
             step,
             lr,
@@ -490,6 +495,7 @@ class Trainer:
             step_time,
             norm_value,
             traffic_by_dim or {},
+            peak,
         )
 
     def _fetch(

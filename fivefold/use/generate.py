@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +48,23 @@ class Sampling:
         return self
 
 
-def dropless(model: Llama) -> Llama:
-    """Every MoE layer without its capacity (each token to all of its top-k experts)."""
-    for m in model.modules():
-        if isinstance(m, MoEFeedForward) and m.config.capacity_factor is not None:
-            m.config = dataclasses.replace(m.config, capacity_factor=None)
-    return model
+@contextmanager
+def dropless(model: Llama) -> Iterator[Llama]:
+    """Every MoE layer without its capacity (each token to all of its top-k experts) inside the
+    block; each layer's own setting is back afterwards, also on an error (a later `evaluate` of the
+    same model counts the loss as trained)."""
+    saved = [
+        (m, m.config)
+        for m in model.modules()
+        if isinstance(m, MoEFeedForward) and m.config.capacity_factor is not None
+    ]
+    try:
+        for m, config in saved:
+            m.config = dataclasses.replace(config, capacity_factor=None)
+        yield model
+    finally:
+        for m, config in saved:
+            m.config = config
 
 
 def _next_token(
@@ -146,10 +158,10 @@ def generate(
         ids.insert(0, used.tokenizer_record.bos_id)
     if not ids:
         raise ValueError("the prompt is empty once tokenized: give some text to continue")
-    model = dropless(used.model)
     # the tokenizer's ids (a padded vocabulary's extra rows name no token it can decode)
-    vocab = min(model.config.vocab_size, used.tokenizer.vocab_size)
-    out = generate_ids(model, ids, max_new, sampling, used.eos_ids, vocab)
+    vocab = min(used.model.config.vocab_size, used.tokenizer.vocab_size)
+    with dropless(used.model) as model:
+        out = generate_ids(model, ids, max_new, sampling, used.eos_ids, vocab)
     new = len(out) - len(ids)
     if new and out[-1] in used.eos_ids:
         stopped, shown = "eos", out[:-1]
