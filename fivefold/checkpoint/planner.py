@@ -54,7 +54,7 @@ class _PiecesPlanner:
             flatten_state_dict=False, flatten_sharded_tensors=False, **self._flags
         )
 
-    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def _set_up(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         self.pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
         self.caller_state_dict = state_dict
         rest = {k: v for k, v in state_dict.items() if k not in self.pieces}
@@ -76,6 +76,15 @@ class PiecesSavePlanner(_PiecesPlanner, DefaultSavePlanner):
     # replicas' copies of a tensor are written once, by the rank that has written least so far (not
     # all by rank 0)
     _flags = {"dedup_save_to_lowest_rank": False}
+
+    # DCP reads this signature (it warns, once per save, about a planner without storage_meta)
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: Any = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self._set_up(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -110,6 +119,14 @@ class PiecesLoadPlanner(_PiecesPlanner, DefaultLoadPlanner):
     rectangles."""
 
     _flags = {"allow_partial_load": False}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Any = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self._set_up(state_dict, metadata=metadata, is_coordinator=is_coordinator)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         # DCP's default unpickles objects with weights_only=False (any code the file carries would
