@@ -382,6 +382,10 @@ def test_peak_memory_is_carried_on_an_accelerator_and_left_out_on_the_cpu(tmp_pa
     trainer.device, trainer.model_state_mb = torch.device("cpu"), 5.0
     on_cpu = Trainer._result(trainer, 2, 0.5, torch.tensor(2.0), None, CommTotals(), {})
     assert on_cpu.peak_memory_mb is None and len(asked) == 2  # no device module asked on the CPU
+    from fivefold.train.trainer import peak_memory_mb
+
+    # meta (the GPU path's dry runs) has no device module: left out, never an error
+    assert peak_memory_mb(torch.device("meta")) is None and len(asked) == 2
     values = sinks.step_scalars(on_cpu, tp, None)
     assert "peak_memory_mb" not in values and values["model_state_mb"] == 5.0
     written.on_step_end(on_cpu)

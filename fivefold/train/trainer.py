@@ -477,11 +477,7 @@ class Trainer:
         if logged:
             loss_value, norm_value = self._fetch(loss, grad_norm)
             step_time = self.clock.lap(step)
-            if self.device.type != "cpu":  # a host counter (no device sync); none on the CPU
-                counter = getattr(
-                    torch.get_device_module(self.device.type), "max_memory_allocated", None
-                )
-                peak = counter(self.device) / 2**20 if counter is not None else None
+            peak = peak_memory_mb(self.device)
         return StepResult(
             step,
             lr,
@@ -555,6 +551,18 @@ class Heartbeat(TrainObserver):
 
     def on_step_end(self, result: StepResult) -> None:
         report_step(result.step + 1)
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """The accelerator's peak allocated memory so far, in MiB: its allocator's host counter (no
+    device sync); None on the CPU, on meta and where the device module has no such counter."""
+    if device.type in ("cpu", "meta"):
+        return None
+    try:
+        counter = getattr(torch.get_device_module(device.type), "max_memory_allocated", None)
+    except RuntimeError:  # no device module registered for this type
+        return None
+    return counter(device) / 2**20 if counter is not None else None
 
 
 def make_tracer(
