@@ -14,6 +14,11 @@ Conventions the comparison needs:
   6·N + 12·L·H·Q·T FLOPs per token (the whole L×L attention square, its comment: "we follow
   the convention and do not account for sparsity in causal attention"), N without the input
   embedding from torchtitan commit 0c6ca903f (2024-04-26) on, with it before.
+- Model shapes: torchtitan's llama3 "8B" / "70B" / "405B" ModelArgs (torchtitan/models/llama/
+  __init__.py at 9dec370: dim 4096/8192/16384, 32/80/126 layers, 32/64/128 heads, 8 kv heads,
+  ffn_dim_multiplier 1.3/1.3/1.2, multiple_of 1024/4096/4096 -> hidden 14336/28672/53248) and the
+  Llama 3 paper's 405B are the presets' shapes; the MFU checks below reproduce the published
+  percentages from the presets' parameter counts.
 - ``float8``: the run's linear layers ran in float8 (torchao); its throughput is not that of a
   bf16 plan, its memory is comparable with care.
 - ``plan_args``: "selective-op" is torchtitan's op-level selective activation checkpointing
