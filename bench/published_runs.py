@@ -8,8 +8,9 @@ what is assumed, inferred or unknown (micro-batch sizes, schedules, compile, flo
 
 Conventions the comparison needs:
 - ``hardware`` is a key of `fivefold.plan.HARDWARE`; ``hardware_differs`` says how the GPUs of
-  the run differ from that preset (empty: the same GPU). torchtitan's H100 runs used H100s with
-  96 GB HBM2e at 500 W, not the 80 GB HBM3 700 W SXM part the "h100" preset describes.
+  the run differ from that preset (empty: the same GPU). torchtitan's H100 runs used Grand Teton
+  H100s with 96 GB HBM2e (2.4 TB/s) at 500 W, the "h100-96gb" preset, not the 80 GB HBM3 700 W
+  SXM part of "h100".
 - ``mfu`` is a fraction as published, under ``mfu_convention``; torchtitan counts
   6·N + 12·L·H·Q·T FLOPs per token (the whole L×L attention square, its comment: "we follow
   the convention and do not account for sparsity in causal attention"), N without the input
@@ -115,7 +116,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="torchtitan-8b-8xh100-fsdp-sac-op",
         source=_TT_2024_12 + ", Table 1 row 'FSDP' (5,762 TPS/GPU, 82.4 GiB)",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=8,
         plan_args=_args(
             "--model llama3-8b --seq 8192 --micro-batch 2 --global-batch 16 --zero 3 "
@@ -143,7 +144,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="torchtitan-8b-8xh100-fsdp-compile-sac-op",
         source=_TT_2024_12 + ", Table 1 row 'FSDP + torch.compile' (6,667 TPS/GPU, 77.0 GiB)",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=8,
         plan_args=_args(
             "--model llama3-8b --seq 8192 --micro-batch 2 --global-batch 16 --zero 3 "
@@ -164,7 +165,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="torchtitan-8b-128xh100-fsdp-sac-op",
         source=_TT_2024_12 + ", Table 3 row 'FSDP' (5,605 TPS/GPU, 67.0 GiB)",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=128,
         plan_args=_args(
             "--model llama3-8b --seq 8192 --micro-batch 2 --global-batch 256 --zero 3 "
@@ -187,7 +188,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="torchtitan-8b-128xh100-fsdp-compile-sac-op",
         source=_TT_2024_12 + ", Table 3 row 'FSDP + torch.compile' (6,514 TPS/GPU, 62.0 GiB)",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=128,
         plan_args=_args(
             "--model llama3-8b --seq 8192 --micro-batch 2 --global-batch 256 --zero 3 "
@@ -210,7 +211,7 @@ RUNS: tuple[PublishedRun, ...] = (
         name="torchtitan-8b-64xh100-fsdp8-tp8-compile-sac-op",
         source=_TT_ASYNC_TP + ", table 'Llama3 8b on 64 H100s with FSDP=8, TP=8, torch.compile, "
         "per op SAC, local batch size 12', row 'None (bfloat16)': vanilla TP 4378, async TP 4809.4",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=64,
         plan_args=_args(
             "--model llama3-8b --seq 8192 --micro-batch 12 --global-batch 96 --zero 3 "
@@ -236,7 +237,7 @@ RUNS: tuple[PublishedRun, ...] = (
         source=_TT_ASYNC_TP + ", table 'Llama3 70b on 256 H100s with FSDP=32, TP=8, "
         "torch.compile, full AC, local batch size 16', row 'None (bfloat16)': vanilla TP 597.3, "
         "async TP 652.4",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=256,
         plan_args=_args(
             "--model llama3-70b --seq 8192 --micro-batch 16 --global-batch 512 --zero 3 "
@@ -260,7 +261,7 @@ RUNS: tuple[PublishedRun, ...] = (
         name="torchtitan-405b-128xh100-fsdp16-tp8-full",
         source=_TT_2024_08 + ", 'Llama 3.1 performance numbers' row '405B | 2 | full | 109 | "
         "29.0% | None'",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=128,
         plan_args=_args(
             "--model llama3-405b --seq 8192 --micro-batch 2 --global-batch 32 --zero 3 "
@@ -422,7 +423,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="torchtitan-8b-8xh100-fsdp8-cp1-32k-full-float8",
         source=_TT_2024_12 + ", Table 2 row 'FSDP 8, CP 1 | 32768 | 3,890 | 83.9'",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=8,
         plan_args=_args(
             "--model llama3-8b --seq 32768 --micro-batch 1 --global-batch 8 --zero 3 "
@@ -446,7 +447,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="torchtitan-8b-8xh100-cp8-256k-full-float8",
         source=_TT_2024_12 + ", Table 2 row 'FSDP 1, CP 8 | 262144 | 548 | 84.5'",
-        hardware="h100",
+        hardware="h100-96gb",
         gpus=8,
         plan_args=_args(
             "--model llama3-8b --seq 262144 --cp 8 --micro-batch 1 --global-batch 1 "

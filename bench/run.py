@@ -102,7 +102,9 @@ from bench.expert_parallel import (  # noqa: E402
 from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
 from bench.init import InitSpec, bench_init, format_init_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
+from bench.plan import PlanSpec, bench_plan, format_plan_table  # noqa: E402
 from bench.prepare import PrepareSpec, bench_prepare, format_prepare_table  # noqa: E402
+from bench.published import bench_published, format_published_table  # noqa: E402
 from bench.recompute import RecomputeSpec, bench_recompute, format_recompute_table  # noqa: E402
 from bench.scaling import ScaleSpec, bench_scaling, format_scaling_table  # noqa: E402
 from bench.tensor_parallel import TPSpec, bench_tp, format_tp_table  # noqa: E402
@@ -117,7 +119,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "ckpt-share": ("ckpt-share",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
     "optim": ("optim",), "optim-ops": ("optim-ops",), "documents": ("documents",),
-    "prepare": ("prepare",),
+    "prepare": ("prepare",), "plan": ("plan",), "plan-published": ("plan-published",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -234,6 +236,11 @@ def _parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("ckpt-share", parents=[common], help="the share of a run's time its default saves take")
+    pl = sub.add_parser("plan", parents=[common],
+                        help="fivefold plan's step time vs measured steps of the test layouts on this CPU")
+    pl.add_argument("--layouts", help="comma-separated names of tests/plan_layouts.py's LAYOUTS (default: all)")
+    sub.add_parser("plan-published", parents=[common],
+                   help="fivefold plan beside published runs (bench/published_runs.py): throughput, memory")
     sub.add_parser("all", parents=[common, micro, dp_opts, zero_opts, tp_opts, pp_opts, cp_opts, ep_opts],
                    help="ddp, zero, tp, pp, cp, then ep (--preset and the other common options apply to every one)")
     return parser
@@ -318,6 +325,11 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
+        "plan": (lambda: bench_plan(PlanSpec(**_given(
+            steps=args.steps, warmup=args.warmup,
+            layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
+            format_plan_table),
+        "plan-published": (bench_published, format_published_table),
         "ckpt-share": (lambda: bench_save_share(SaveShareSpec(**_given(
             preset=args.preset, steps=args.steps, seq_len=args.seq_len))), format_save_share_table),
     }

@@ -523,7 +523,24 @@ def _plan(argv: list[str]) -> int:
         "--peak-tflops", type=float, help="peak dense TFLOP/s per GPU in the compute dtype"
     )
     parser.add_argument(
-        "--efficiency", type=float, help="fraction of the peak the matmuls reach (default 0.6)"
+        "--efficiency",
+        type=float,
+        help="every matmul at this fraction of the peak, whatever its shape (default: the "
+        "preset's table by GEMM shape, docs/plan.md#calibration)",
+    )
+    parser.add_argument(
+        "--attention-efficiency", type=float, help="fraction of the peak the attention core reaches"
+    )
+    parser.add_argument(
+        "--context-gb", type=float, help="GB per GPU of the CUDA context and its kernels"
+    )
+    parser.add_argument(
+        "--comm-buffer-mb", type=float, help="MB of NCCL buffers per communicator a GPU is in"
+    )
+    parser.add_argument(
+        "--allocator-reserve",
+        type=float,
+        help="the caching allocator's reserve, a fraction of the tensors' peak",
     )
     parser.add_argument("--intra-gbps", type=float, help="GB/s per GPU inside a node (NVLink)")
     parser.add_argument(
@@ -568,7 +585,10 @@ def _plan(argv: list[str]) -> int:
     changes = {
         "memory_gb": args.gpu_mem,
         "peak_tflops": args.peak_tflops,
-        "compute_efficiency": args.efficiency,
+        "attention_efficiency": args.attention_efficiency,
+        "context_gb": args.context_gb,
+        "comm_buffer_mb": args.comm_buffer_mb,
+        "allocator_reserve": args.allocator_reserve,
         "intra_node_gbps": args.intra_gbps,
         "inter_node_gbps": args.inter_gbps,
         "gpus_per_node": args.gpus_per_node,
@@ -580,6 +600,8 @@ def _plan(argv: list[str]) -> int:
         if a.startswith("--")
     }
     try:
+        if args.efficiency is not None:
+            hw = hw.with_efficiency(args.efficiency)
         hw.check()
         if args.gpus <= 0:
             raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs in the job")

@@ -26,6 +26,9 @@ __all__ = [
     "hsdp_expected",
     "korthikanti_block_bytes",
     "loss_chunk_bytes",
+    "attention_flops_per_token",
+    "elementwise_bytes_per_block",
+    "loss_elementwise_bytes",
     "model_flops_per_token",
     "moe_ffn_activation_bytes",
     "quantized_chunk_bytes",
@@ -487,16 +490,61 @@ def flat_model_state_bytes(
     }
 
 
-# -- FLOPs (PaLM appendix B / torchtitan: 6 per parameter and token, plus attention's scores and
-# values) --
+# -- FLOPs (PaLM appendix B, with causal attention counted as the half a causal kernel runs) ------
+
+
+def attention_flops_per_token(n_layers: int, seq_len: int, dim: int) -> int:
+    """Forward + backward FLOPs per token of attention's scores (Q·Kᵀ) and weighted values (P·V)
+    under a causal mask: 6·n_layers·L·D — the half of the L × L square a causal kernel computes.
+    PaLM (appendix B) and torchtitan count the whole square, 12·n·L·D; fivefold counts what runs,
+    in MFU and in `fivefold plan`'s time alike (docs/design.md#flops-and-mfu)."""
+    return 6 * n_layers * seq_len * dim
 
 
 def model_flops_per_token(active_params: int, n_layers: int, seq_len: int, dim: int) -> int:
     """Training FLOPs per token: 6·N (forward 2N, backward 4N; N the parameters one token goes
-    through, embeddings excluded as they are a lookup) + 12·n_layers·L·D (QKᵀ and the weighted sum
-    of V, forward and backward, the whole L × L square counted as PaLM and torchtitan do although a
-    causal kernel skips half)."""
-    return 6 * active_params + 12 * n_layers * seq_len * dim
+    through, embeddings excluded as they are a lookup) + `attention_flops_per_token` (causal:
+    6·n_layers·L·D). A PaLM / torchtitan MFU of the same run is this one ×
+    (6·N + 12·n·L·D) / (6·N + 6·n·L·D)."""
+    return 6 * active_params + attention_flops_per_token(n_layers, seq_len, dim)
+
+
+def elementwise_bytes_per_block(
+    mb: MicroBatch, n_heads: int, n_kv_heads: int, ffn_hidden: int
+) -> int:
+    """Bytes one block's forward moves through memory outside its matmuls and attention core (the
+    eager kernels of fivefold's Llama block, docs/design.md#step-time-model), on one rank, for the
+    micro-batch ``mb`` (s = ``mb.dtype_bytes``; N = B·L rows, [L/T] under SP for the norms and
+    residuals; ``ffn_hidden``: this block's SwiGLU width per token before tp, top_k × an expert's
+    for an MoE block):
+      each RMSNorm  (24 + 3s)·N·D: square, mean, scale in fp32, cast, times the weight;
+                    + (s + 4)·N·D for the fp32 copy of a 16-bit input
+      RoPE          q's and k's elements × (40 + 2·(s + 4) for 16-bit): float copy, rotate-half
+                    (negate, concatenate), two products, their sum, the cast back
+      attention out 2s per element: the heads' transpose into wo's input
+      SwiGLU        5s per hidden element: silu, then the product with w3·x
+      residuals     2 × 3s·N·D
+    A backward moves about twice its forward's bytes (each kernel's gradient reads the output's
+    gradient and its saved input, writes the input's gradient): the planner charges 2×."""
+    s, tp = mb.dtype_bytes, mb.tp
+    wide = 0 if s == 4 else s + 4  # a 16-bit tensor's fp32 copy, and back
+    rows_d = mb.batch * mb.seq_norm * mb.dim
+    tokens = mb.batch * mb.seq_len
+    head_dim = mb.dim // n_heads
+    norms = 2 * rows_d * (24 + 3 * s + wide)
+    rope = tokens * (n_heads + n_kv_heads) // tp * head_dim * (40 + 2 * wide)
+    out = tokens * n_heads // tp * head_dim * 2 * s
+    swiglu = tokens * ffn_hidden // tp * 5 * s
+    residuals = 2 * 3 * s * rows_d
+    return norms + rope + out + swiglu + residuals
+
+
+def loss_elementwise_bytes(mb: MicroBatch, vocab: int) -> int:
+    """Bytes the head's loss moves in its forward on one rank: the chunked cross-entropy reads the
+    logits (B·L·V/T·s) and makes fp32 chunks of them for the log-sum-exp (write and read, 8 bytes
+    per logit); its backward writes the logits' gradient, about twice that (2×, as
+    `elementwise_bytes_per_block`)."""
+    return mb.batch * mb.seq_len * vocab // mb.tp * (mb.dtype_bytes + 8)
 
 
 def head_activation_bytes(mb: MicroBatch, vocab: int) -> int:

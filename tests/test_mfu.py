@@ -1,6 +1,6 @@
 """MFU's arithmetic (docs/design.md#flops-and-mfu): FLOPs per token counted by hand, and the peaks.
 
-Model FLOPs per token by PaLM's convention, counted by hand from the shapes for two presets; the CPU
+Model FLOPs per token by fivefold's convention (attention's causal half), counted by hand from the shapes for two presets; the CPU
 peak probe the trainer divides by (positive, bounded, cached; marked `multiprocess` because
 `platform.processor()` runs `uname`) and accelerator peaks from the table or an override: a
 table key matches whole words of a device's name, an unknown device gives MFU None, never an error."""
@@ -22,7 +22,7 @@ def _by_hand_8b(seq_len: int) -> int:
     d, kv, f, v, n = 4096, 8 * 128, 14336, 128256, 32
     block = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d  # wq, wk, wv, wo, w1 w2 w3, two norms
     active = n * block + d + v * d  # + final norm + head (the embedding is a lookup)
-    return 6 * active + 12 * n * seq_len * d
+    return 6 * active + 6 * n * seq_len * d  # causal: half of PaLM's 12·n·L·D
 
 
 def _by_hand_tiny_moe(seq_len: int) -> int:
@@ -30,7 +30,7 @@ def _by_hand_tiny_moe(seq_len: int) -> int:
     d, kv, e, k, h, v, n = 128, 2 * 32, 8, 2, 256, 256, 4
     attention = 2 * d * d + 2 * d * kv + 2 * d
     moe = d * e + k * 3 * d * h  # the router, and the top-2 experts a token goes through
-    return 6 * (n * (attention + moe) + d + v * d) + 12 * n * seq_len * d
+    return 6 * (n * (attention + moe) + d + v * d) + 6 * n * seq_len * d
 
 
 @pytest.mark.parametrize("preset, by_hand", [("llama3-8b", _by_hand_8b), ("tiny-moe", _by_hand_tiny_moe)])

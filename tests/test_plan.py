@@ -215,7 +215,9 @@ def test_cli_table_json_and_search(capsys):
 
 
 def test_cli_refuses_what_cannot_describe_a_machine(capsys):
-    for flags, words in ((["--efficiency", "2"], "at most 1"), (["--efficiency", "0"], "compute_efficiency=0.0"),
+    for flags, words in ((["--efficiency", "2"], "in (0, 1]"), (["--efficiency", "0"], "efficiency 0.0"),
+                         (["--attention-efficiency", "1.5"], "attention_efficiency=1.5: a fraction"),
+                         (["--allocator-reserve", "-0.1"], "allocator_reserve=-0.1"),
                          (["--intra-gbps", "-5"], "intra_node_gbps=-5.0"), (["--gpu-mem", "-1"], "memory_gb=-1.0"),
                          (["--gpus-per-node", "0"], "gpus_per_node=0"), (["--search", "--top", "0"], "top=0")):
         assert cli(["plan", "--model", "small", "--gpus", "2", *flags]) == 2, flags

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DEVICE_PEAKS", "cpu_bandwidths", "cpu_peak_flops", "device_peak_flops", "table_peak"]
+__all__ = [
+    "DEVICE_PEAKS",
+    "cpu_memory_bandwidth",
+    "cpu_peak_flops",
+    "device_peak_flops",
+    "table_peak",
+]
 
 # Dense peak TFLOP/s by device-name fragment: (bf16 / fp16, fp32 — TF32 tensor cores where the
 # device has them and fivefold enables them, `precision.tf32`). Vendors' data sheets (SXM parts;
@@ -114,49 +120,25 @@ def _write_cache(values: dict[str, float]) -> None:
         pass  # a read-only home: measured again next time
 
 
-def cpu_bandwidths(seconds: float = 0.2) -> tuple[float, float]:
-    """(memory, loopback) bytes/s of this machine, measured once and cached like `cpu_peak_flops`:
-    one thread copying a 64 MiB tensor (what an elementwise pass streams), and one thread sending
-    to another over a loopback TCP pair (what gloo's transfers between ranks on one host ride)."""
-    import socket
-    import threading
-
-    key = f"bandwidth|{platform.processor() or platform.machine()}|{os.cpu_count()}"
+def cpu_memory_bandwidth(seconds: float = 0.2) -> float:
+    """Bytes/s one thread streams through memory (a 64 MiB tensor copied: read + write), what an
+    elementwise pass moves; measured once and cached like `cpu_peak_flops`."""
+    key = f"memory bandwidth|{platform.processor() or platform.machine()}|{os.cpu_count()}"
     cached = _read_cache()
     if key in cached:
-        memory, loopback = cached[key]
-        return float(memory), float(loopback)
+        return float(cached[key])
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         src = torch.ones(16 * 2**20)
         dst = torch.empty_like(src)
         dst.copy_(src)
-        memory, deadline = 0.0, time.perf_counter() + seconds
+        best, deadline = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             start = time.perf_counter()
             dst.copy_(src)
-            memory = max(memory, 2 * src.nbytes / (time.perf_counter() - start))  # read + write
+            best = max(best, 2 * src.nbytes / (time.perf_counter() - start))
     finally:
         torch.set_num_threads(previous)
-    chunk, total = bytes(2**20), 64 * 2**20
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        a = socket.create_connection(server.getsockname())
-        b, _ = server.accept()
-    received = [0]
-
-    def drain() -> None:
-        while received[0] < total:
-            received[0] += len(b.recv(2**20))
-
-    reader = threading.Thread(target=drain)
-    start = time.perf_counter()
-    reader.start()
-    for _ in range(total // len(chunk)):
-        a.sendall(chunk)
-    reader.join()
-    loopback = total / (time.perf_counter() - start)
-    a.close()
-    b.close()
-    _write_cache({**_read_cache(), key: [memory, loopback]})
-    return memory, loopback
+    _write_cache({**_read_cache(), key: best})
+    return best

@@ -23,6 +23,7 @@ __all__ = [
     "PlanningMesh",
     "engines_of",
     "local_numels",
+    "local_shapes",
     "precision_bytes",
     "rank_parts",
     "resolved",
@@ -125,6 +126,15 @@ def local_numels(parts: Parts) -> dict[int, dict[str, int]]:
     for sid, engine in engines_of(parts):
         for f in engine.flats:
             out[sid].update({slot.name: slot.numel for slot in f.layout.slots})
+    return out
+
+
+def local_shapes(parts: Parts) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Per stage, this rank's parameters and their local shapes (as `local_numels`)."""
+    out: dict[int, dict[str, tuple[int, ...]]] = {sid: {} for sid in stages_of(parts)}
+    for sid, engine in engines_of(parts):
+        for f in engine.flats:
+            out[sid].update({slot.name: tuple(slot.shape) for slot in f.layout.slots})
     return out
 
 

@@ -13,7 +13,7 @@ from fivefold.distributed.mesh import ParallelDims
 from fivefold.models.llama import LlamaConfig, param_counts
 from fivefold.plan.assembly import Parts, precision_bytes, rank_parts, resolved, stages_of
 from fivefold.plan.hardware import GB, HARDWARE, Hardware, link
-from fivefold.plan.memory import RankMemory, block_bytes, rank_memory
+from fivefold.plan.memory import RankMemory, block_bytes, rank_memory, runtime_bytes
 from fivefold.plan.timing import step_time
 from fivefold.plan.traffic import Transfer, by_dim, rank_transfers
 from fivefold.run_plan import RunPlan, validate_layout
@@ -106,6 +106,10 @@ def plan_layout(
         parts_cache.clear()  # one layout at a time: `search` sends them grouped
         parts_cache[key] = parts
     memory = {r: rank_memory(cfg, run, r, parts[r]) for r in chosen}
+    memory = {
+        r: dataclasses.replace(m, runtime=runtime_bytes(m, run, cfg, hardware))
+        for r, m in memory.items()
+    }
     transfers = {r: rank_transfers(cfg, run, r, parts[r]) for r in chosen}
     time, bubble = step_time(cfg, run, hardware, parts, transfers, memory)
     model = run.model
@@ -140,7 +144,7 @@ def plan_layout(
         _dims_table(transfers[busiest], run, hardware),
         bubble,
         time,
-        notes=[*run.notes, *_advice(cfg, run, memory, transfers, hardware.memory_gb * GB)],
+        notes=[*run.notes, *_advice(cfg, run, memory, transfers, hardware)],
     )
 
 
@@ -149,18 +153,27 @@ def _advice(
     run: RunPlan,
     memory: dict[int, RankMemory],
     transfers: dict[int, list[Transfer]],
-    device_bytes: float,
+    hw: Hardware,
 ) -> list[str]:
     """What the plan suggests changing: reducing once per step; keeping ZeRO-3's units gathered from
     forward to backward (DeepSpeed's default, FSDP's reshard_after_forward=False) when every unit
-    fits beside the rest in a device's ``device_bytes``."""
+    fits beside the rest in a device's memory (with the runtime's bytes, the allocator's reserve on
+    the larger tensors)."""
     notes = []
     z = cfg.zero
     if z.stage == 3 and z.reshard_after_forward and run.dims.size("dp_shard") > 1:
-        kept = {
-            r: m.total - m.transient.get("gathered units", 0) + _all_units_bytes(m, cfg)
+        tensors = {
+            r: m.tensors - m.transient.get("gathered units", 0) + _all_units_bytes(m, cfg)
             for r, m in memory.items()
         }
+        kept = {
+            r: t
+            + int(t * hw.allocator_reserve)
+            + int(hw.context_gb * 1e9)
+            + sum(v for k, v in memory[r].runtime.items() if k.startswith("communicator"))
+            for r, t in tensors.items()
+        }
+        device_bytes = hw.memory_gb * GB
         saved = max(
             sum(t.nbytes for t in moved if t.op == "all_gather" and t.phase == "backward")
             for moved in transfers.values()

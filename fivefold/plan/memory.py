@@ -6,7 +6,7 @@ kept for backward (docs/design.md#activation-memory). `tests/test_plan.py` holds
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fivefold import formulas
@@ -38,6 +38,7 @@ __all__ = [
     "in_flight",
     "kind_bytes",
     "rank_memory",
+    "runtime_bytes",
 ]
 
 RECOMPUTED = "recomputed block (in its backward)"
@@ -64,10 +65,17 @@ class RankMemory:
         str, int
     ]  # kept for backward at the peak (blocks × micro-batches in flight, ends), and the
     # activation-sized tensors a backward makes (`BACKWARD_ALLOCATED`)
+    # what the device spends besides tensors (`runtime_bytes`: a plan for a machine adds it)
+    runtime: dict[str, int] = field(default_factory=dict)
     total: int = 0  # what the device holds at the peak: everything above but the host part
 
     def __post_init__(self) -> None:
-        self.total = (
+        self.total = self.tensors + sum(self.runtime.values())
+
+    @property
+    def tensors(self) -> int:
+        """The device's bytes in tensors at the peak: the total less the runtime's."""
+        return (
             self.model_states["total"]
             - self.model_states.get("host", 0)
             + sum(self.transient.values())
@@ -311,3 +319,36 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
         transient["attention mask"] = mask
     held = sum(sum(n.values()) for n in local_numels(parts).values())
     return RankMemory(pp_rank, held, states, transient, _activations(cfg, run, parts, pp_rank))
+
+
+def communicators(run: RunPlan, cfg: Config) -> list[str]:
+    """The process groups a rank of this layout talks in (each a communicator with its own
+    buffers): every mesh dimension of more than one rank it uses, and the world (the launcher's
+    barrier)."""
+    d = run.dims
+    dims = [dim for dim in ("tp", "pp", "cp", "ep") if d.size(dim) > 1]
+    if d.dp_replicate > 1:  # HSDP: shard groups and replica groups
+        dp = [dim for dim in ("dp_shard", "dp_replicate") if d.size(dim) > 1]
+    else:  # ZeRO's group spans dp × cp
+        dp = [dim for dim in ("dp_cp" if d.cp > 1 else "dp",) if d.size(dim) > 1]
+    if cfg.zero.hpz > 1:
+        dp.append("dp_hpz")
+    return [*dims, *dp, "world"]
+
+
+def runtime_bytes(memory: RankMemory, run: RunPlan, cfg: Config, hw: Any) -> dict[str, int]:
+    """What a device spends besides tensors, each its own line (docs/design.md#memory-beyond-
+    tensors): the process's CUDA context (``hw.context_gb``), the communicators' buffers
+    (``hw.comm_buffer_mb`` each, `communicators`), and the caching allocator's reserve
+    (``hw.allocator_reserve`` of the tensors' peak). Zero on a machine without them (the CPU)."""
+    out: dict[str, int] = {}
+    if hw.context_gb:
+        out["CUDA context"] = int(hw.context_gb * 1e9)
+    groups = communicators(run, cfg)
+    if hw.comm_buffer_mb and groups:
+        out[f"communicator buffers ×{len(groups)}"] = int(len(groups) * hw.comm_buffer_mb * 1e6)
+    if hw.allocator_reserve:
+        out[f"allocator reserve {hw.allocator_reserve:.0%}"] = int(
+            memory.tensors * hw.allocator_reserve
+        )
+    return out

@@ -56,6 +56,8 @@ def format_plan(plan: LayoutPlan) -> str:
         row(f"transient: {key} (GB)", [r.transient.get(key, 0) / GB for r in ranks])
     for key in sorted({k for r in ranks for k in r.activations}):
         row(f"activations: {key} (GB)", [r.activations.get(key, 0) / GB for r in ranks])
+    for key in sorted({k for r in ranks for k in r.runtime}):
+        row(f"runtime: {key} (GB)", [r.runtime.get(key, 0) / GB for r in ranks])
     row("total on the GPU (GB)", [r.total / GB for r in ranks])
     m, d = plan.model, plan.dims
     seed = formulas.korthikanti_block_bytes(
@@ -96,7 +98,7 @@ def format_plan(plan: LayoutPlan) -> str:
     tm = plan.time
     lines += [
         f"estimated step: {_seconds(tm['step'])} = micro-batches {_seconds(tm['pipeline'])} "
-        f"(compute {_seconds(tm['compute'])} at {hw.compute_efficiency:.0%} of {hw.peak_tflops:g} "
+        f"(compute {_seconds(tm['compute'])}: {_compute_parts(tm)}, of {hw.peak_tflops:g} "
         f"TFLOP/s; tp/cp/ep traffic not hidden {_seconds(tm['model traffic not hidden'])}; "
         f"data-parallel traffic beside the passes {_seconds(tm['data-parallel during passes'])}) + "
         f"after them {_seconds(tm['after the micro-batches'])} + optimizer "
@@ -107,6 +109,12 @@ def format_plan(plan: LayoutPlan) -> str:
     ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _compute_parts(tm: dict[str, float]) -> str:
+    """The busiest rank's device seconds of compute by kind (matmuls, attention, elementwise)."""
+    parts = {k.split(": ", 1)[1]: v for k, v in tm.items() if k.startswith("compute: ")}
+    return ", ".join(f"{kind} {_seconds(v)}" for kind, v in parts.items()) or "none"
 
 
 def format_search(result: SearchResult, world: int, hardware: Hardware) -> str:

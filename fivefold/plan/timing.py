@@ -1,64 +1,52 @@
-"""An estimated step time, from FLOPs and link bandwidths — a model, not a measurement (no GPU has
-checked it).
+"""An estimated step time (docs/design.md#step-time-model): a model, calibrated per machine
+(`Hardware`), checked against CPU runs by `python bench/run.py plan` and against published GPU runs
+in docs/plan.md.
 
-Compute runs at ``Hardware.compute_efficiency`` of the peak; attention's FLOPs count the causal half
-of the L × L square (a flash kernel skips the rest; MFU keeps PaLM's whole square,
-`formulas.model_flops_per_token`). Every transfer takes its ring wire bytes over its group's link
-(intra-node when the group fits in a node), no latency term. Per micro-batch and stage, in the
-schedule simulation: a pass lasts as long as the longer of its compute and the data-parallel traffic
-fivefold overlaps with it (ZeRO-3's prefetched gathers; without pp the bucket reductions beside the
-backward), plus its share of TP and expert traffic and of ring attention's K/V beyond the
-attention's own compute (on the critical path); pipeline messages delay the next stage. Then what
-runs after the micro-batches (a pipeline's deferred reduction, ZeRO-1/2's all-gather of the updated
-parameters) and the optimizer streaming its states through memory."""
+Per micro-batch and stage, `efficiency.stage_work` prices the compute: every matmul by its GEMM
+shape, the attention core (the causal half of the L × L square, as MFU counts it:
+`formulas.attention_flops_per_token`), the elementwise kernels by their bytes, the host's operator
+launches. Every transfer takes its ring wire bytes over its group's link (intra-node when the group
+fits in a node) plus a latency per collective. In the schedule simulation a pass lasts as long as
+the longer of its compute and the data-parallel traffic fivefold overlaps with it (ZeRO-3's
+prefetched gathers; without pp the bucket reductions beside the backward), plus its share of TP
+and expert traffic and of ring attention's K/V beyond the attention's own compute (on the critical
+path); pipeline messages delay the next stage. Then what runs after the micro-batches (a
+pipeline's deferred reduction, ZeRO-1/2's all-gather of the updated parameters) and the optimizer
+streaming its states through memory."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fivefold.config import Config
 from fivefold.models.parallelize import PipelinedModel
 from fivefold.pipeline.actions import B, F, I, W
 from fivefold.pipeline.simulator import simulate
-from fivefold.plan.assembly import Parts, engines_of, local_numels, precision_bytes, stages_of
+from fivefold.plan.assembly import Parts, engines_of, local_shapes, precision_bytes, stages_of
+from fivefold.plan.efficiency import Work, stage_work
 from fivefold.plan.hardware import GB, Hardware, link
 from fivefold.plan.memory import RankMemory
 from fivefold.plan.traffic import Transfer
 from fivefold.run_plan import RunPlan
 
-__all__ = ["attention_flops_per_token", "step_time", "transfer_seconds"]
+__all__ = ["collective_calls", "step_time", "transfer_seconds"]
 
 
-def attention_flops_per_token(run: RunPlan, cfg: Config, blocks: int, causal: bool) -> float:
-    """Forward + backward FLOPs of attention's scores and weighted values per token of one rank, for
-    `blocks` blocks: 12·L·D per block (PaLM), half of it when the causal kernel skips the masked
-    half; over tp."""
-    return 12 * blocks * cfg.train.seq_len * run.model.dim / run.dims.tp / (2 if causal else 1)
-
-
-def _stage_flops(
-    cfg: Config, run: RunPlan, stage: Any, numels: dict[str, int]
-) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one micro-batch through one stage on one rank: 2 (forward) and 4
-    (backward) per parameter and token it computes (embeddings are lookups; an MoE block's rows go
-    to top_k experts, spread over the ep ranks), and attention (causal half); full recompute runs
-    the forward again in backward, selective the attention core."""
-    m, d = run.model, run.dims
-    tokens = run.micro_batch * cfg.train.seq_len / d.cp
-    active = 0.0
-    for name, numel in numels.items():
-        if name.startswith("tok_embeddings"):
-            continue
-        active += numel * (m.moe.top_k * d.ep / m.moe.experts if ".experts." in name else 1)
-    blocks = len(stage.layers) if stage.layers is not None else 0
-    attention = attention_flops_per_token(run, cfg, blocks, causal=True) * tokens
-    forward = 2 * active * tokens + attention / 3
-    backward = 4 * active * tokens + 2 * attention / 3
-    if cfg.train.recompute == "full":
-        backward += forward
-    elif cfg.train.recompute == "selective":
-        backward += attention / 3
-    return forward, backward
+def collective_calls(t: Transfer, cfg: Config, run: RunPlan) -> int:
+    """How many collectives `t`'s bytes are, for their latency: its bytes over one call's message
+    — a micro-batch's activation for TP and pipeline messages, a K/V shard for ring attention, the
+    routed rows for the expert all-to-alls, a bucket for ZeRO (``zero.bucket_mb``)."""
+    m, d, s = run.model, run.dims, precision_bytes(cfg)[0]
+    seq = cfg.train.seq_len // d.cp
+    activation = run.micro_batch * seq * m.dim * s
+    message = {
+        "tp": activation,
+        "pp": run.micro_batch * (seq // d.tp if cfg.parallel.sp else seq) * m.dim * s,
+        "cp": 2 * run.micro_batch * seq * m.n_kv_heads * m.head_dim * s,
+        "ep": activation * (m.moe.top_k if m.moe is not None else 1),
+    }.get(t.dim, max(1, int(cfg.zero.bucket_mb * 2**20)))
+    return max(1, math.ceil(t.nbytes / max(1, message))) if t.nbytes else 0
 
 
 def transfer_seconds(
@@ -67,11 +55,13 @@ def transfer_seconds(
     hw: Hardware,
     phases: tuple[str, ...],
     dims: tuple[str, ...] | None = None,
+    cfg: Config | None = None,
 ) -> float:
     """Seconds the `transfers` of these phases (and dims) take on their links, one after the
-    other."""
+    other; with ``cfg``, plus ``hw.collective_latency_us`` per call (`collective_calls`)."""
     return sum(
         t.wire_bytes / (link(t.dim, run.dims, hw, t.group)[1] * GB)
+        + (collective_calls(t, cfg, run) * hw.collective_latency_us * 1e-6 if cfg else 0.0)
         for t in transfers
         if t.phase in phases and (dims is None or t.dim in dims)
     )
@@ -87,32 +77,38 @@ def step_time(
 ) -> tuple[dict[str, float], float | None]:
     """Seconds of one step by part, and the simulated bubble (None without pp)."""
     d, M = run.dims, run.grad_accum
-    flops_per_s = hw.peak_tflops * 1e12 * hw.compute_efficiency
     cost: dict[int, tuple[float, float]] = {}  # virtual stage -> (F, B) seconds of one micro-batch
     compute: dict[int, float] = {}  # virtual stage -> compute seconds of one micro-batch
+    parts_of: dict[str, float] = {}  # device seconds of the busiest rank's step, by kind
     blocking: dict[int, float] = {}
     for r, parts in parts_by_rank.items():
-        stages, numels = stages_of(parts), local_numels(parts)
+        stages, shapes = stages_of(parts), local_shapes(parts)
         moved = transfers[r]
-        blocks = sum(len(st.layers) if st.layers is not None else 0 for st in stages.values())
-        attention = (
-            attention_flops_per_token(run, cfg, blocks, causal=True)
-            * run.micro_batch
-            * cfg.train.seq_len
-            / d.cp
-            / flops_per_s
-        )
-        ring = transfer_seconds(moved, run, hw, ("model",), ("cp",)) / M
+        works: dict[int, Work] = {
+            sid: stage_work(cfg, run, stage, shapes[sid], hw) for sid, stage in stages.items()
+        }
+        attention = sum(w.parts.get("attention", 0.0) for w in works.values())
+        ring = transfer_seconds(moved, run, hw, ("model",), ("cp",), cfg) / M
         # ring attention's K/V travel while the attention computes: only the excess waits
-        model = transfer_seconds(moved, run, hw, ("model",)) / M - ring + max(0.0, ring - attention)
+        model = (
+            transfer_seconds(moved, run, hw, ("model",), None, cfg) / M
+            - ring
+            + max(0.0, ring - attention)
+        )
         blocking[r] = model * M
-        forward_dp = transfer_seconds(moved, run, hw, ("forward",)) / M / len(stages)
-        backward_dp = transfer_seconds(moved, run, hw, ("backward",)) / M / len(stages)
-        for sid, stage in stages.items():
-            f, b = (x / flops_per_s for x in _stage_flops(cfg, run, stage, numels[sid]))
+        forward_dp = transfer_seconds(moved, run, hw, ("forward",), None, cfg) / M / len(stages)
+        backward_dp = transfer_seconds(moved, run, hw, ("backward",), None, cfg) / M / len(stages)
+        for sid, work in works.items():
+            f, b = work.seconds(hw)
             share = model / len(stages)
-            cost[sid] = (max(f, forward_dp) + share / 3, max(b, backward_dp) + 2 * share / 3)
+            beside = max if hw.asynchronous else (lambda a, b: a + b)  # the CPU: one after another
+            cost[sid] = (beside(f, forward_dp) + share / 3, beside(b, backward_dp) + 2 * share / 3)
             compute[sid] = f + b
+        if sum(sum(w.parts.values()) for w in works.values()) > sum(parts_of.values()):
+            parts_of = {}
+            for w in works.values():
+                for kind, seconds in w.parts.items():
+                    parts_of[kind] = parts_of.get(kind, 0.0) + seconds * M
     bubble = None
     if isinstance(next(iter(parts_by_rank.values())), PipelinedModel):
         schedule = next(iter(parts_by_rank.values())).schedule
@@ -131,7 +127,8 @@ def step_time(
             * run.model.dim
             * precision_bytes(cfg)[0]
         )
-        timeline = simulate(schedule, action_cost, comm_cost=message / (link("pp", d, hw)[1] * GB))
+        hop = message / (link("pp", d, hw)[1] * GB) + hw.collective_latency_us * 1e-6
+        timeline = simulate(schedule, action_cost, comm_cost=hop)
         pipeline, bubble = timeline.makespan, timeline.bubble_fraction
         busiest = max(
             range(d.pp), key=lambda r: sum(compute.get(s, 0.0) for s in schedule.stages_of(r))
@@ -142,9 +139,12 @@ def step_time(
     else:
         f, b = cost[0]
         pipeline, compute_time = M * (f + b), M * compute[0]
-    after = max(transfer_seconds(moved, run, hw, ("after",)) for moved in transfers.values())
+    after = max(
+        transfer_seconds(moved, run, hw, ("after",), None, cfg) for moved in transfers.values()
+    )
     during = max(
-        transfer_seconds(moved, run, hw, ("forward", "backward")) for moved in transfers.values()
+        transfer_seconds(moved, run, hw, ("forward", "backward"), None, cfg)
+        for moved in transfers.values()
     )
     pb, gb = precision_bytes(cfg)
     optimizer = max(
@@ -154,9 +154,10 @@ def step_time(
             + sum(f.shard_numel for _, e in engines_of(parts) for f in e.flats) * (gb + pb)
         )
         for r, parts in parts_by_rank.items()
-    ) / (hw.hbm_gbps * GB)
+    ) / (hw.hbm_gbps * GB * hw.memory_efficiency)
     time = {
         "compute": compute_time,
+        **{f"compute: {kind}": seconds for kind, seconds in parts_of.items()},
         "pipeline": pipeline,
         "model traffic not hidden": max(blocking.values()),
         "data-parallel during passes": during,

@@ -1,0 +1,129 @@
+"""`fivefold plan`'s efficiency model (docs/design.md#step-time-model), its FLOP convention and the memory a GPU
+spends besides tensors — in process, planning only.
+
+The GEMM table reproduces its points and interpolates between them; wave quantization and the memory roofline
+act where they should; the presets' efficiencies are their sources' ratios; a stage's matmul FLOPs are exactly 6 ×
+its tokens × its local 2-D weights; causal attention is counted once, the same way, in MFU and in the time (with
+every kernel at one efficiency and nothing else costing, MFU equals that efficiency, at 8K and at 256K tokens);
+the runtime lines are the preset's constants, overridable, none on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from fivefold import formulas
+from fivefold.cli import main as cli
+from fivefold.config import load_config
+from fivefold.plan import HARDWARE, plan_layout
+from fivefold.plan.assembly import local_shapes, rank_parts, resolved, stages_of
+from fivefold.plan.efficiency import gemm_efficiency, gemm_seconds, operator_counts, stage_work
+from fivefold.plan.hardware import GB, Hardware
+from fivefold.plan.memory import communicators
+from fivefold.run_plan import validate_layout
+
+TABLE = ((16, 0.1), (64, 0.4), (256, 0.8))
+FLAT = Hardware(name="flat", gemm_efficiency=TABLE, sms=0, hbm_gbps=1e12)
+
+
+def test_the_gemm_table_is_reproduced_and_interpolated_in_log_size():
+    for size, e in TABLE:
+        assert gemm_efficiency(size, 4 * size, 8 * size, FLAT) == pytest.approx(e, abs=1e-12)  # the smallest dim
+    assert gemm_efficiency(32, 4096, 4096, FLAT) == pytest.approx(0.25)  # halfway in log2 between 16 and 64
+    assert gemm_efficiency(2, 4096, 4096, FLAT) == 0.1 and gemm_efficiency(8192, 8192, 8192, FLAT) == 0.8
+
+
+def test_wave_quantization_and_the_memory_roofline():
+    hw = dataclasses.replace(HARDWARE["h100"], gemm_efficiency=((1, 0.8),))
+    tile_m, tile_n = hw.gemm_tile
+    full = gemm_efficiency(tile_m * 12, tile_n * 11, 4096, hw)  # 132 tiles: one full wave
+    assert full == pytest.approx(0.8)
+    one_more = gemm_efficiency(tile_m * 133, tile_n, 4096, hw)  # 133 tiles: a second wave with one tile
+    assert one_more == pytest.approx(0.8 * 133 / 264)
+    # a skinny GEMM (one token row) streams its weight: memory-bound
+    m, n, k = 1, 4096, 4096
+    memory = (m * k + k * n + m * n) * 2 / (hw.hbm_gbps * GB * hw.memory_efficiency)
+    assert gemm_seconds(m, n, k, hw, 2) == pytest.approx(memory)
+    assert memory > 2 * m * n * k / (hw.peak_tflops * 1e12 * gemm_efficiency(m, n, k, hw))
+
+
+def test_presets_are_their_sources_ratios():
+    """MAMF over the peak (ml-engineering): H100 SXM 794.5 / 989, A100 SXM 271.2 / 312; FlashAttention-3's 35 %
+    for FlashAttention-2 on an H100; A100 STREAM triad 1794 / 2039 GB/s."""
+    assert HARDWARE["h100"].compute_efficiency == pytest.approx(794.5 / 989, abs=5e-4)
+    assert HARDWARE["h200"].compute_efficiency == HARDWARE["h100"].compute_efficiency
+    assert HARDWARE["a100"].compute_efficiency == pytest.approx(271.2 / 312, abs=5e-4)
+    assert HARDWARE["h100"].attention_efficiency == 0.35
+    assert HARDWARE["a100"].memory_efficiency == pytest.approx(1794 / 2039, abs=5e-3)
+    assert (HARDWARE["h100"].sms, HARDWARE["a100"].sms) == (132, 108)
+    for hw in HARDWARE.values():
+        hw.check()
+
+
+def _cfg(*overrides: str, world: int = 1):
+    return load_config(None, ["--preset", "llama3-8b", "--precision.param", "bf16", "--train.micro_batch", "1",
+                              "--train.seq_len", "8192", *overrides, "--run.nproc", str(world)])
+
+
+def test_a_stage_runs_six_flops_per_weight_and_token_plus_causal_attention():
+    cfg = _cfg("--parallel.tp", "2", "--parallel.sp", "true", world=2)
+    run = validate_layout(cfg, 2)
+    parts = rank_parts(resolved(cfg, run), run)
+    stage = stages_of(parts)[0]
+    shapes = local_shapes(parts)[0]
+    work = stage_work(resolved(cfg, run), run, stage, shapes, HARDWARE["h100"])
+    tokens = 8192
+    weights = sum(math.prod(s) for n, s in shapes.items() if len(s) == 2 and not n.startswith("tok_embeddings"))
+    attention = formulas.attention_flops_per_token(32, 8192, 4096) // 2 * tokens  # over tp 2
+    assert work.flops == 6 * weights * tokens + attention
+    assert set(work.parts) == {"matmuls", "attention", "elementwise"}
+
+
+@pytest.mark.parametrize("seq", [8192, 262144])
+def test_mfu_is_the_efficiency_when_only_kernels_cost(seq):
+    """Causal attention counted once: every kernel at 50 % of the peak and nothing else costing (no traffic at
+    world 1, no elementwise or optimizer time on an infinitely fast memory, no host time), the plan's MFU is 50 %
+    — at 256K tokens too, where counting the whole square for MFU and the half for the time gave 81.9 % at 60 %."""
+    hw = dataclasses.replace(HARDWARE["h100"], gemm_efficiency=((1, 0.5),), sms=0, attention_efficiency=0.5,
+                             hbm_gbps=1e15, op_overhead_us=0.0, memory_gb=1e6)
+    cfg = _cfg("--train.seq_len", str(seq))
+    plan = plan_layout(cfg, 1, hw)
+    # the norms' weights are in N (6 per weight and token) but are no matmul: 3.5e-5 of 8B
+    assert plan.time["MFU"] == pytest.approx(0.5, rel=4e-5)
+
+
+def test_the_runtime_lines_are_the_presets_constants():
+    hw = HARDWARE["h100"]
+    cfg = _cfg("--parallel.tp", "2", "--parallel.sp", "true", "--zero.stage", "3", world=8)
+    plan = plan_layout(cfg, 8, hw)
+    rank = plan.ranks[0]
+    groups = communicators(validate_layout(cfg, 8), cfg)
+    assert groups == ["tp", "dp", "world"]
+    assert rank.runtime == {
+        "CUDA context": int(hw.context_gb * 1e9),
+        f"communicator buffers ×{len(groups)}": int(len(groups) * hw.comm_buffer_mb * 1e6),
+        "allocator reserve 5%": int(rank.tensors * hw.allocator_reserve),
+    }
+    assert rank.total == rank.tensors + sum(rank.runtime.values())
+    none = dataclasses.replace(hw, context_gb=0, comm_buffer_mb=0, allocator_reserve=0)
+    bare = plan_layout(cfg, 8, none).ranks[0]
+    assert bare.runtime == {} and bare.total == rank.tensors
+
+
+def test_the_cli_overrides_the_runtime_constants(capsys):
+    assert cli(["plan", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--context-gb", "2",
+                "--comm-buffer-mb", "0", "--allocator-reserve", "0.1", "--json"]) == 0
+    import json
+
+    rank = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert rank["runtime"]["CUDA context"] == 2e9
+    assert not any(k.startswith("communicator") for k in rank["runtime"])
+    assert rank["runtime"]["allocator reserve 10%"] == int(0.1 * (rank["total"] - 2e9) / 1.1)
+
+
+def test_operator_counts_see_recompute():
+    none, full = operator_counts(False, "sdpa", "none"), operator_counts(False, "sdpa", "full")
+    assert none["block"][0] > 10 and none["ends"][0] > 0
+    assert full["block"][1] >= none["block"][1] + none["block"][0] - 5  # the forward again, in the backward
