@@ -270,8 +270,8 @@ class Trainer:
         return f"{self.data}, tokenizer {d.tokenizer.describe()} ({d.tokenizer_from}), {documents}"
 
     def _throughput(self, active_params: int) -> Throughput:
-        """MFU's terms (docs/design.md#flops-and-mfu): model FLOPs per token, PaLM's 6·N +
-        12·n_layers·L·D, against every rank's device peak."""
+        """MFU's terms (docs/design.md#flops-and-mfu): model FLOPs per token, 6·N +
+        6·n_layers·L·D (causal attention's half), against every rank's device peak."""
         cfg, m, world = self.cfg, self.model_cfg, dist.get_world_size()
         param_dtype = MixedPrecision.from_names(cfg.precision.param).param_dtype
         peak = device_peak_flops(self.device, param_dtype, cfg.run.peak_tflops)
