@@ -53,12 +53,14 @@ def _train(argv: list[str]) -> int:
 
     from fivefold.distributed.launch import Terminated, lost_worker_reason
     from fivefold.distributed.watchdog import Stalled
+    from fivefold.train.layout_auto import given_keys
     from fivefold.train.resume import resumed_config
     from fivefold.train.trainer import run
 
     try:
         cfg = resumed_config(args.config, overrides, profile=args.profile)
-        result = run(cfg)
+        # parallel.layout=auto holds the searched keys given here
+        result = run(cfg, given_keys(args.config, overrides))
     except Terminated as e:
         print(f"fivefold train: {e}", file=sys.stderr)
         return EXIT_TERMINATED
