@@ -28,7 +28,7 @@ from fivefold.config import (
     tomllib,
 )
 from fivefold.distributed.topology import ParallelDims
-from fivefold.plan.hardware import Hardware, local_hardware
+from fivefold.plan.hardware import GB, Hardware, local_hardware
 from fivefold.plan.layout import LayoutPlan
 from fivefold.plan.report import SearchProgress, format_bytes, format_ranking, format_seconds
 from fivefold.plan.search import SEARCHED, search
@@ -182,13 +182,14 @@ def _nothing(
     if found.valid == 0:
         return (
             f"{lead}no valid layout of {world} ranks for this model{held} ({found.total} "
-            f"candidates passed the rule table); change run.nproc{drop}"
+            "candidates passed the rule table); change the number of ranks (run.nproc, or "
+            f"torchrun's){drop}"
         )
     if found.fitting == 0:
         return (
             f"{lead}none of the {found.valid} valid layouts of {world} × {hw.name} fits in "
-            f"{hw.memory_gb:,.2f} GB per GPU{held}; use more ranks (run.nproc), a smaller "
-            f"train.micro_batch or train.seq_len, or a smaller model{drop}"
+            f"{format_bytes(hw.memory_gb * GB)} per GPU{held}; use more ranks (run.nproc, or "
+            f"torchrun's), a smaller train.micro_batch or train.seq_len, or a smaller model{drop}"
         )
     return (
         f"{lead}none of the {found.fitting} layouts that fit is accepted on this device: "
