@@ -106,7 +106,8 @@ def train_epilog() -> str:
             + describe_keys(),
             fill(
                 "Each key is documented in docs/training.md (the run, data, batch, optimizer; "
-                "logging: #watching-a-run), docs/layouts.md (parallel, zero, pipeline, model.moe), "
+                "logging: #watching-a-run; parallel.layout: #choosing-the-layout-automatically), "
+                "docs/layouts.md (parallel, zero, pipeline, model.moe), "
                 "docs/checkpoints.md (checkpoint, model.init_from, --resume), docs/reliability.md "
                 "(run's timeouts and restarts, run.flight_recorder) and docs/tracing.md "
                 "(run.trace, run.profile, run.memory_snapshot); the schema is fivefold/config.py."
