@@ -590,6 +590,11 @@ def _plan(argv: list[str]) -> int:
             args.config, [*overrides, "--run.nproc", str(args.gpus)], profile=args.profile
         )
         notes = [] if args.config else _plan_defaults(cfg, given)
+        if cfg.parallel.layout == "auto" and not args.search:
+            notes.append(
+                "parallel.layout=auto: this plan is of the degrees as given; --search ranks the "
+                "layouts fivefold train --layout auto chooses from"
+            )
         if args.search:
             progress = SearchProgress(sys.stderr)
             try:

@@ -76,7 +76,11 @@ def test_held_batch_is_the_configs_own_layouts():
         "--train.global_batch", "64", "--train.micro_batch", "none", "--train.grad_accum", "2"]
     assert held_batch(load_config(None, ["--train.global_batch", "64", "--train.micro_batch", "4"]), 4)[:4] == [
         "--train.global_batch", "64", "--train.micro_batch", "4"]
-    assert held_batch(load_config(None, ["--parallel.tp", "3"]), 4)[:2] == ["--train.global_batch", "32"]  # (no grid)
+    # the config's own layout does not resolve on 4 ranks: each candidate resolves the batch as given
+    assert held_batch(load_config(None, ["--parallel.tp", "3"]), 4) == []
+    odd = load_config(None, [*TINY, "--train.global_batch", "30", "--train.micro_batch", "5"])
+    assert held_batch(odd, 4) == []
+    assert {p.global_batch for p in choose(odd, 4, CPU, {"train.recompute", "zero.stage"}).plans} == {30}  # dp 1 or 2
 
 
 def test_the_choice_is_the_searchs_fastest_that_fits_and_the_runners_up(tiny_choice):
@@ -124,7 +128,7 @@ def test_what_this_device_refuses_is_passed_over(monkeypatch, tiny_choice):
         return validate_layout(trial, world, device_type)
 
     monkeypatch.setattr(layout_auto, "validate_layout", refuse_zero3)
-    choice = choose(cfg, 4, CPU, given_keys(None, TINY))
+    choice = choose(cfg, 4, CPU, {"train.recompute"})  # (recompute held: fewer candidates)
     assert len(choice.plans) == 3 and all("ZeRO-3" not in p.layout for p in choice.plans)
 
     def refuse(trial, world, device_type=None):
@@ -132,8 +136,9 @@ def test_what_this_device_refuses_is_passed_over(monkeypatch, tiny_choice):
 
     monkeypatch.setattr(layout_auto, "validate_layout", refuse)
     with pytest.raises(ConfigError, match=r"^parallel.layout=auto: none of the \d+ layouts that fit is accepted "
-                                          r"on this device: refused here$"):
-        choose(cfg, 4, CPU, given_keys(None, TINY))
+                                          r"on this device: refused here; or leave out train.recompute for the "
+                                          r"search to choose$"):
+        choose(cfg, 4, CPU, {"train.recompute"})
 
 
 def test_nothing_fits_and_a_stopped_search_are_one_line(tiny_choice):
@@ -200,6 +205,11 @@ def test_rank0_searches_and_every_rank_takes_its_choice_or_its_error(monkeypatch
         layout_auto.resolve_on_rank0(cfg, 4, 4, "cpu", set())
     manual = load_config(None, ["--nproc", "4"])
     assert layout_auto.resolve_on_rank0(manual, 4, 4, "cpu", set()) == (manual, None)  # no collective
+
+
+def test_plan_says_it_plans_the_degrees_as_given(capsys):
+    assert cli(["plan", "--gpus", "4", "--model", "tiny", "--seq", "32", "--layout", "auto"]) == 0
+    assert "note: parallel.layout=auto: this plan is of the degrees as given; --search ranks" in capsys.readouterr().out
 
 
 def test_help_shows_the_key_and_the_flag(capsys):

@@ -98,19 +98,20 @@ def fixed_keys(cfg: Config, given: Collection[str] | None) -> set[str]:
 
 def held_batch(cfg: Config, world: int) -> list[str]:
     """The overrides that hold `cfg`'s global batch and micro-batch as its own layout resolves
-    them on `world` ranks (all of them data parallel where its degrees do not make that world);
-    the accumulation is then derived per layout. A config that gives the accumulation and no
-    micro-batch holds the accumulation instead."""
+    them on `world` ranks; the accumulation is then derived per layout. A config that gives the
+    accumulation and no micro-batch holds the accumulation instead; one whose own layout does not
+    resolve (its degrees or batch do not fit that world) holds none: each candidate resolves the
+    batch keys as given."""
     t, p = cfg.train, cfg.parallel
     try:
-        dp = (
-            ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate)
-            .resolve(world)
-            .dp
+        dims = ParallelDims(
+            pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate
+        ).resolve(world)
+        global_batch, micro, accum = resolve_batch(
+            t.global_batch, t.micro_batch, t.grad_accum, dims.dp
         )
     except ValueError:
-        dp = world
-    global_batch, micro, accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dp)
+        return []
     if t.grad_accum is not None and t.micro_batch is None:
         return ["--train.global_batch", str(global_batch), "--train.micro_batch", "none",
                 "--train.grad_accum", str(accum)]  # fmt: skip
