@@ -53,12 +53,14 @@ def _train(argv: list[str]) -> int:
 
     from fivefold.distributed.launch import Terminated, lost_worker_reason
     from fivefold.distributed.watchdog import Stalled
+    from fivefold.train.layout_auto import given_keys
     from fivefold.train.resume import resumed_config
     from fivefold.train.trainer import run
 
     try:
         cfg = resumed_config(args.config, overrides, profile=args.profile)
-        result = run(cfg)
+        # parallel.layout=auto holds the searched keys given here
+        result = run(cfg, given_keys(args.config, overrides))
     except Terminated as e:
         print(f"fivefold train: {e}", file=sys.stderr)
         return EXIT_TERMINATED
@@ -104,7 +106,8 @@ def train_epilog() -> str:
             + describe_keys(),
             fill(
                 "Each key is documented in docs/training.md (the run, data, batch, optimizer; "
-                "logging: #watching-a-run), docs/layouts.md (parallel, zero, pipeline, model.moe), "
+                "logging: #watching-a-run; parallel.layout: #choosing-the-layout-automatically), "
+                "docs/layouts.md (parallel, zero, pipeline, model.moe), "
                 "docs/checkpoints.md (checkpoint, model.init_from, --resume), docs/reliability.md "
                 "(run's timeouts and restarts, run.flight_recorder) and docs/tracing.md "
                 "(run.trace, run.profile, run.memory_snapshot); the schema is fivefold/config.py."
@@ -609,6 +612,11 @@ def _plan(argv: list[str]) -> int:
             args.config, [*overrides, "--run.nproc", str(args.gpus)], profile=args.profile
         )
         notes = [] if args.config else _plan_defaults(cfg, given)
+        if cfg.parallel.layout == "auto" and not args.search:
+            notes.append(
+                "parallel.layout=auto: this plan is of the degrees as given; --search ranks the "
+                "layouts fivefold train --layout auto chooses from"
+            )
         if args.search:
             progress = SearchProgress(sys.stderr)
             try:

@@ -36,6 +36,7 @@ Overlap = Literal["off", "on"]  # pipeline.overlap
 OnError = Literal["stop", "warn"]  # checkpoint.on_error
 DocumentsMode = Literal["cross", "mask"]  # data.documents
 WandbMode = Literal["online", "offline", "disabled"]  # logging.wandb_mode
+LayoutMode = Literal["manual", "auto"]  # parallel.layout
 
 
 @dataclass
@@ -119,6 +120,11 @@ class ParallelSection:
     # ring attention's block kernel: auto (the device's fused SDPA kernel, else fp32 math), math
     # (the portable reference) or flash (the fused kernel; refused on a device without one)
     cp_kernel: CpKernel = "auto"
+    # manual: the degrees above | auto (--layout auto): the planner's fastest layout that fits the
+    # world and this machine, chosen before any worker starts; the keys among tp, pp, cp, dp, ep,
+    # zero.stage, train.recompute given on the command line or in --config stay fixed
+    # (docs/training.md#choosing-the-layout-automatically)
+    layout: LayoutMode = "manual"
 
 
 @dataclass
@@ -388,6 +394,7 @@ ALIASES = {
     "init-from-allow-unused": "model.init_from_allow_unused",
     "tokenizer": "data.tokenizer",
     "trust-checkpoint": "checkpoint.trust",
+    "layout": "parallel.layout",
 }
 # short flags that may stand without a value: their value then
 FLAGS = {

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fivefold import rules
 from fivefold.checkpoint.hf import read_hf_config
@@ -46,6 +46,8 @@ class RunPlan:
     resume_from: Path | None = None  # the checkpoint this run continues (None: a new run)
     notes: tuple[str, ...] = ()  # what the run changed of what it was given, to say at start-up
     data: DataPlan | None = None  # the tokenizer and the source (`validate`; None: layout only)
+    # parallel.layout=auto's choice (`train.layout_auto`), for every checkpoint's fivefold.json
+    layout_auto: dict[str, Any] | None = None
 
 
 def check_positive(**values: float) -> None:

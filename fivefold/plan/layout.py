@@ -50,6 +50,9 @@ class LayoutPlan:
     bubble: float | None = None
     time: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # `search`'s candidate as the overrides that make it (`--parallel.tp 2 ...`; [] for a layout
+    # planned as given)
+    overrides: list[str] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:

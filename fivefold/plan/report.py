@@ -10,7 +10,14 @@ from fivefold.plan.hardware import GB, Hardware
 from fivefold.plan.layout import LayoutPlan
 from fivefold.plan.search import SearchResult
 
-__all__ = ["SearchProgress", "format_plan", "format_search"]
+__all__ = [
+    "SearchProgress",
+    "format_bytes",
+    "format_plan",
+    "format_ranking",
+    "format_search",
+    "format_seconds",
+]
 
 
 def _bytes(nbytes: float) -> str:
@@ -22,6 +29,10 @@ def _bytes(nbytes: float) -> str:
 
 def _seconds(s: float) -> str:
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
+
+
+# public spellings (the trainer's --layout auto lines)
+format_bytes, format_seconds = _bytes, _seconds
 
 
 def format_plan(plan: LayoutPlan) -> str:
@@ -148,13 +159,33 @@ def format_search(result: SearchResult, world: int, hardware: Hardware) -> str:
     return "\n".join(lines)
 
 
+def format_ranking(plans: list[LayoutPlan]) -> list[str]:
+    """The first of ``plans`` and its runners-up, one row each: the layout, its predicted peak
+    memory per GPU and step time, tokens/s (`fivefold train --layout auto`'s table)."""
+    head = f"  {'#':>2s}  {'layout':56s}{'peak per GPU':>14s}{'step':>12s}{'tokens/s':>12s}"
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    for i, p in enumerate(plans, 1):
+        lines.append(
+            f"  {i:>2d}  {p.layout:56s}{_bytes(p.peak_bytes):>14s}{_seconds(p.time['step']):>12s}"
+            f"{p.time['tokens/s']:>12,.0f}"
+        )
+    return lines
+
+
 class SearchProgress:
     """`search`'s progress on stderr: a bar of layouts planned / total on a terminal; elsewhere (a
     batch job's log) a line when the candidates are known and then every ``every_s`` seconds, each
-    with the best layout so far. Ctrl-C stops the search with that best (`search`)."""
+    with the best layout so far. Ctrl-C stops the search with that best (`search`). ``prefix``:
+    the command the lines name; ``on_stop``: what its Ctrl-C does."""
 
-    def __init__(self, stream: TextIO, every_s: float = 15.0) -> None:
-        self.stream, self.every_s = stream, every_s
+    def __init__(
+        self,
+        stream: TextIO,
+        every_s: float = 15.0,
+        prefix: str = "fivefold plan --search",
+        on_stop: str = "Ctrl-C stops with the best so far",
+    ) -> None:
+        self.stream, self.every_s, self.prefix, self.on_stop = stream, every_s, prefix, on_stop
         self.tty = stream.isatty()
         self.bar: Any = None
         self.t0 = self.last = time.perf_counter()
@@ -163,8 +194,7 @@ class SearchProgress:
         now = time.perf_counter()
         if total == 0:  # the candidates are being enumerated
             print(
-                "fivefold plan --search: listing the layouts the rules allow ... (Ctrl-C stops "
-                "with the best so far)",
+                f"{self.prefix}: listing the layouts the rules allow ... ({self.on_stop})",
                 file=self.stream,
                 flush=True,
             )
@@ -183,7 +213,7 @@ class SearchProgress:
         if done == 1 or done == total or now - self.last >= self.every_s:
             self.last = now
             print(
-                f"fivefold plan --search: {done}/{total} layouts planned in {now - self.t0:.0f} s"
+                f"{self.prefix}: {done}/{total} layouts planned in {now - self.t0:.0f} s"
                 + (f"; {lead}" if lead else "; none fits yet"),
                 file=self.stream,
                 flush=True,

@@ -192,6 +192,7 @@ def search(
             trial = apply_overrides(copy.deepcopy(cfg), overrides)
             try:
                 plan = plan_layout(trial, world, hardware, pp_ranks=(0, -1), parts_cache=cache)
+                plan.overrides = overrides
             except (ConfigError, ValueError):
                 plan = None
             tried += 1

@@ -224,8 +224,10 @@ class TrainCheckpoints:
         model_config: Any,
         device: torch.device | None = None,
         tokenizer: Any = None,
+        layout_auto: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.mesh, self.parts = cfg, mesh, parts
+        self.layout_auto = layout_auto  # parallel.layout=auto's choice, kept in every fivefold.json
         self.device = device or torch.device("cpu")
         self.model_config = dataclasses.asdict(model_config)
         # the run's `TokenizerInfo`: a resume with another is refused (`train.data_source`)
@@ -331,6 +333,7 @@ class TrainCheckpoints:
             "preset": self.cfg.model.preset,
             "config": self.cfg.to_dict(),
             "saved_at": time.time(),
+            **({"layout_auto": self.layout_auto} if self.layout_auto is not None else {}),
         }
         try:
             self.ckpt.save(steps_done, state, meta)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,7 @@ from fivefold.optim.lr import lr_at
 from fivefold.paths import one_component
 from fivefold.pipeline.runtime import SIDE_THREAD
 from fivefold.run_plan import RunPlan
+from fivefold.train import layout_auto
 from fivefold.train.checkpointing import (
     CheckpointSaver,
     TrainCheckpoints,
@@ -84,19 +85,24 @@ if TYPE_CHECKING:
 __all__ = ["Evaluator", "Heartbeat", "TrainResult", "Trainer", "lr_at", "run", "train"]
 
 
-def run(cfg: Config) -> TrainResult:
+def run(cfg: Config, given: Collection[str] | None = None) -> TrainResult:
     """Under torchrun: train this rank. Otherwise spawn cfg.run.nproc local CPU workers (gloo). The
-    run directory is locked for the run's life (`RunLock`: under torchrun by rank 0)."""
+    run directory is locked for the run's life (`RunLock`: under torchrun by rank 0). With
+    ``parallel.layout = "auto"`` the planner chooses the layout first (`layout_auto`), holding the
+    searched keys among ``given`` (the keys the command line and --config set; None: those that
+    differ from the defaults)."""
     if is_torchrun_env():
         one_component(cfg.run.name, "run.name")  # before the lock and the recorder make anything
         with distributed(
             resolve_device(cfg.run.device),
             timeout_s=cfg.run.collective_timeout_s,
             flight_recorder=flight_recorder_for(cfg),
-        ):
+        ) as device:
+            world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            cfg, chosen = layout_auto.resolve_on_rank0(cfg, world, local, device.type, given)
             lock = _lock_on_rank0(cfg)
             try:
-                return train(cfg, validate(cfg, dist.get_world_size()))
+                return train(cfg, layout_auto.with_choice(validate(cfg, world), cfg, chosen))
             finally:
                 lock.release()
     if cfg.run.device not in ("auto", "cpu"):
@@ -105,12 +111,13 @@ def run(cfg: Config) -> TrainResult:
             "accelerators"
         )
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
+    cfg, chosen = layout_auto.resolve(cfg, cfg.run.nproc, cfg.run.nproc, "cpu", given)
     validate(
         cfg, cfg.run.nproc
     )  # every error here, before any directory is made or any process starts
     with RunLock(*locked_dirs(cfg)):
         return _launch(
-            cfg, validate(cfg, cfg.run.nproc)
+            cfg, layout_auto.with_choice(validate(cfg, cfg.run.nproc), cfg, chosen)
         )  # (again, under the lock: what the directory holds now)
 
 
@@ -185,7 +192,7 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
             cfg = dataclasses.replace(
                 cfg, run=dataclasses.replace(cfg.run, resume=resume, overwrite=not resume)
             )
-            plan = validate(cfg, cfg.run.nproc)
+            plan = layout_auto.with_choice(validate(cfg, cfg.run.nproc), cfg, plan.layout_auto)
     raise AssertionError("unreachable")
 
 
@@ -241,7 +248,7 @@ class Trainer:
             cfg, self.model_cfg, mesh, device, plan.data.eos_id if masked else None
         )
         self.checkpoints = TrainCheckpoints(
-            cfg, mesh, self.model, self.model_cfg, device, plan.data.tokenizer
+            cfg, mesh, self.model, self.model_cfg, device, plan.data.tokenizer, plan.layout_auto
         )
         self.start = self._restore_or_start()
         dist.barrier()
