@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -148,7 +149,7 @@ class LayoutChoice:
             "chosen": entry(self.plans[0]),
             "runners_up": [entry(p) for p in self.plans[1:]],
             "batch_overrides": list(self.batch),
-            "hardware": dataclasses.asdict(self.hardware),
+            "hardware": json.loads(json.dumps(dataclasses.asdict(self.hardware))),  # as stored
             "world": self.world,
             "fixed": list(self.fixed),
             "valid": self.valid,

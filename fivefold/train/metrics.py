@@ -410,8 +410,8 @@ class TrainingClock:
 @dataclass(frozen=True)
 class Throughput:
     """Tokens and model FLOPs per second, and MFU (docs/design.md#flops-and-mfu): model FLOPs per
-    token (6·N + 6·n_layers·L·D: causal attention's half) × tokens per step / step time, against every rank's device
-    peak."""
+    token (6·N + 6·n_layers·L·D: causal attention's half) × tokens per step / step time, against
+    every rank's device peak."""
 
     tokens_per_step: int
     flops_per_token: float
