@@ -492,13 +492,13 @@ PLAN_FLAGS = {
 def _plan(argv: list[str]) -> int:
     from fivefold.plan import (
         HARDWARE,
-        SEARCHED,
         SearchProgress,
         format_plan,
         format_search,
         plan_layout,
         search,
     )
+    from fivefold.train.layout_auto import fixed_keys
 
     parser = argparse.ArgumentParser(
         prog="fivefold plan",
@@ -620,7 +620,9 @@ def _plan(argv: list[str]) -> int:
         if args.search:
             progress = SearchProgress(sys.stderr)
             try:
-                found = search(cfg, args.gpus, hw, args.top, progress, fixed=given & set(SEARCHED))
+                # the user's keys stay, a given schedule too (train --layout auto holds the same)
+                fixed = fixed_keys(cfg, given)
+                found = search(cfg, args.gpus, hw, args.top, progress, fixed=fixed)
             finally:
                 progress.close()
             for p in found.plans:

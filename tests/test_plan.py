@@ -338,3 +338,11 @@ def test_search_shows_progress_and_ctrl_c_prints_the_best_so_far(capsys, monkeyp
     captured = capsys.readouterr()
     assert "5/" in captured.err and "best " in captured.err
     assert f"stopped after 5 of {full.total} candidates (Ctrl-C): the best so far" in captured.out
+
+
+def test_search_keeps_a_given_schedule(capsys):
+    """`--schedule` given with --search holds the schedule (it was replaced by 1F1B before)."""
+    assert cli(["plan", "--model", "small", "--gpus", "4", "--search", "--pp", "2", "--schedule", "zb-h1",
+                "--top", "3", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["layout"].endswith("zb-h1") or "zb-h1" in p["layout"] for p in plans)
