@@ -182,7 +182,7 @@ def local_hardware(device_type: str, compute_bytes: int, ranks_per_node: int) ->
         from fivefold.plan import calibrate
 
         memory = peak.cpu_memory_bandwidth()
-        latency, link_bytes = calibrate.collective_costs(ranks_per_node)
+        latency, link_bytes, per_op = calibrate.job_costs(ranks_per_node)
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         share = min(1.0, (os.cpu_count() or 1) / ranks_per_node)
         return Hardware(
@@ -197,7 +197,7 @@ def local_hardware(device_type: str, compute_bytes: int, ranks_per_node: int) ->
             sms=0,
             attention_efficiency=dict(calibrate.gemm_curve(dtype))[calibrate.GEMM_SIZES[-1]],
             memory_efficiency=1.0,
-            op_overhead_us=calibrate.op_overhead_s() / share * 1e6,
+            op_overhead_us=per_op * 1e6,
             asynchronous=False,
             collective_latency_us=latency * 1e6,
             context_gb=0.0,
