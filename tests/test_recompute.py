@@ -1,11 +1,14 @@
 """Activation recompute (`train.recompute`): training unchanged, activations as predicted.
 
-In process: each block's activation bytes (`memory.block_activation_bytes`) against
-`formulas.activation_bytes_per_block` (docs/design.md#activation-memory) for none / full /
-selective, both attention cores, fp32 and bf16, and gradients bit-equal to no recompute. One spawn
-of 4 ranks (`multiprocess`): ZeRO-3 × tp 2 + SP, pp 2 zero-bubble × ZeRO-3, cp 2 and MoE ep 2 under
-full and selective equal none bit for bit (none is held to single-process training in each
-dimension's own tests); tp traffic and per-rank activations under tp 2 (± SP) follow the formulas.
+In process: each block's activation bytes (`memory.block_activation_bytes`) equal
+`formulas.activation_bytes_per_block` (docs/design.md#activation-memory) byte for byte for none /
+full / selective / selective-op (each `train.recompute_save` choice), both attention cores, fp32
+and bf16, and gradients bit-equal to no recompute; the plan prices selective-op with the same
+formula; a bad save set is one line. One spawn of 4 ranks (`multiprocess`): ZeRO-3 × tp 2 + SP,
+pp 2 zero-bubble × ZeRO-3, cp 2 and MoE ep 2 under full, selective and selective-op, and plain DDP
+under selective-op, equal none bit for bit (none is held to single-process training in each
+dimension's own tests); tp traffic and per-rank activations under tp 2 (± SP) follow the formulas
+exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 import torch
 from dist_utils import run_workers
 
+from fivefold.config import Config, ConfigError
 from fivefold.distributed.comm import CommLog
 from fivefold.formulas import (
     MicroBatch,
@@ -22,44 +26,150 @@ from fivefold.formulas import (
     tp_comm_formula,
 )
 from fivefold.models.llama import RECOMPUTE_MODES, Llama, LlamaConfig, get_config
+from fivefold.models.recompute_policy import OP_GROUPS, SAVE_CHOICES, save_plan
 from fivefold.observe.memory import block_activation_bytes
+from fivefold.run_plan import validate_layout
 
 B, L, D, H, H_KV, F = 2, 64, 64, 4, 2, 96
 SHAPE = LlamaConfig(dim=D, n_layers=3, n_heads=H, n_kv_heads=H_KV, ffn_hidden=F, max_seq_len=L)
 DTYPES = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+# (mode, train.recompute_save): every mode, selective-op with each preset and two custom lists
+SETTINGS = [(m, "matmuls-every-other") for m in RECOMPUTE_MODES] + [
+    ("selective-op", save) for save in ["all-but-attention", "mm,sdpa", "bmm,softmax"]
+]
+SETTING_IDS = [m if m != "selective-op" else f"{m}:{save}" for m, save in SETTINGS]
 
 
 def _tokens(seed: int, batch: int = B, seq: int = L, vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+def _formula(mb: MicroBatch, core: str, mode: str, save: str, **shape) -> int:
+    heads, kv_heads, ffn = shape.get("heads", H), shape.get("kv_heads", H_KV), shape.get("ffn", F)
+    plan = save_plan(save) if mode == "selective-op" else None
+    return activation_bytes_per_block(
+        mb, heads, kv_heads, ffn, attention=core, recompute=mode, save=plan
+    )
+
+
 @pytest.mark.parametrize("core", ["sdpa", "eager"])
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_block_activations_match_the_formula(mode, core):
-    """Inside each block's forward (fp32: a block's output is what the next block keeps of its input)."""
-    model = Llama(SHAPE).set_attention(core).set_recompute(mode)
+@pytest.mark.parametrize(("mode", "save"), SETTINGS, ids=SETTING_IDS)
+def test_block_activations_match_the_formula(mode, save, core):
+    """Inside each block's forward (fp32: a block's output is what the next block keeps of its
+    input), byte for byte."""
+    model = Llama(SHAPE).set_attention(core).set_recompute(mode, save)
     x = _tokens(0)
     measured = block_activation_bytes(model.layers, lambda: model(x))
-    want = activation_bytes_per_block(MicroBatch(B, L, D), H, H_KV, F, attention=core, recompute=mode)
+    want = _formula(MicroBatch(B, L, D), core, mode, save)
     for i, got in enumerate(measured):
-        assert got == pytest.approx(want, rel=0.02), f"block {i}: measured {got} bytes, formula {want}"
+        assert got == want, f"block {i}: measured {got} bytes, formula {want}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("core", ["sdpa", "eager"])
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
-def test_one_more_block_costs_the_formula(mode, core, dtype):
-    """The whole forward of n + 1 blocks minus that of n: what one more block keeps in steady state, whatever it
-    frees after it returns (in bf16 a block's output is freed once the next block saved its fp32 copy)."""
+@pytest.mark.parametrize(("mode", "save"), SETTINGS, ids=SETTING_IDS)
+def test_one_more_block_costs_the_formula(mode, save, core, dtype):
+    """The whole forward of n + 1 blocks minus that of n: what one more block keeps in steady
+    state, whatever it frees after it returns (in bf16 a block's output is freed once the next
+    block saved its fp32 copy), byte for byte."""
     torch_dtype, nbytes = DTYPES[dtype]
     x = _tokens(0)
     totals = []
     for n in (2, 3):
         model = Llama(LlamaConfig(**{**SHAPE.__dict__, "n_layers": n}), dtype=torch_dtype)
-        model.set_attention(core).set_recompute(mode)
+        model.set_attention(core).set_recompute(mode, save)
         totals.append(block_activation_bytes([model], lambda m=model: m(x))[0])
-    want = activation_bytes_per_block(MicroBatch(B, L, D, dtype_bytes=nbytes), H, H_KV, F, attention=core, recompute=mode)
-    assert totals[1] - totals[0] == pytest.approx(want, rel=0.02)
+    assert totals[1] - totals[0] == _formula(MicroBatch(B, L, D, dtype_bytes=nbytes), core, mode, save)
+
+
+def test_selective_op_saves_what_its_choice_names():
+    """Every other matmul (wq, wv, w1, w2) and the sdpa core's output and log-sum-exp, or every
+    matmul; the formula's terms against the shapes, so a term dropped in both places shows."""
+    s, bl, d = 4, B * L, D // H
+    linears = {"wq": H * d, "wk": H_KV * d, "wv": H_KV * d, "wo": D, "w1": F, "w3": F, "w2": D}
+    out = bl * D * s
+    every_other = sum(bl * linears[n] * s for n in ("wq", "wv", "w1", "w2"))
+    sdpa = bl * H * d * s + B * H * L * 4
+    assert _formula(MicroBatch(B, L, D), "sdpa", "selective-op", "matmuls-every-other") == (
+        every_other + sdpa + out
+    )
+    assert _formula(MicroBatch(B, L, D), "eager", "selective-op", "matmuls-every-other") == (
+        every_other + out
+    )
+    all_mm = sum(bl * n * s for n in linears.values())
+    assert _formula(MicroBatch(B, L, D), "sdpa", "selective-op", "all-but-attention") == all_mm + out
+    assert set(SAVE_CHOICES["all-but-attention"].always) <= set(OP_GROUPS)
+
+
+@pytest.mark.parametrize(
+    "bad", ["everything", "mm,flash", "", "matmuls_every_other"], ids=["name", "op", "empty", "typo"]
+)
+def test_a_bad_save_set_is_one_line(bad):
+    cfg = Config()
+    cfg.train.recompute, cfg.train.recompute_save = "selective-op", bad
+    with pytest.raises(ConfigError) as e:
+        validate_layout(cfg, 1)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("train.recompute_save=")
+    assert "matmuls-every-other or all-but-attention" in message and "mm, sdpa" in message
+    cfg.train.recompute = "full"  # only selective-op reads it
+    validate_layout(cfg, 1)
+
+
+def test_plan_prices_selective_op_with_the_formula():
+    """`fivefold plan`'s block bytes (`plan_layout(...).block_bytes`, and `kind_bytes`, what the
+    rank's activations sum) for selective-op are the formula's, with the config's save set, at
+    tp 1 and tp 2 + SP; the recomputed block's part is what the block drops."""
+    from fivefold.plan.layout import plan_layout
+    from fivefold.plan.memory import RECOMPUTED, activation_bytes, kind_bytes
+
+    for save, tp in (("matmuls-every-other", 1), ("all-but-attention", 1), ("mm", 2)):
+        cfg = Config()
+        cfg.model.preset, cfg.train.seq_len, cfg.parallel.tp = "tiny", 32, tp
+        cfg.parallel.sp = tp > 1
+        cfg.train.recompute, cfg.train.recompute_save = "selective-op", save
+        plan = plan_layout(cfg, tp)
+        m, mb = plan.model, MicroBatch(plan.micro_batch, 32, plan.model.dim, tp=tp, sp=tp > 1)
+        want = activation_bytes_per_block(
+            mb, m.n_heads, m.n_kv_heads, m.ffn_hidden, recompute="selective-op", save=save_plan(save)
+        )
+        assert plan.block_bytes == want, save
+        run = validate_layout(cfg, tp)
+        assert kind_bytes(cfg, run, False, "selective-op") == want
+        parts = activation_bytes(cfg, run, [0], 1, [(False, m.n_layers)], 1, 0)
+        assert parts["blocks"] == m.n_layers * want
+        assert parts[RECOMPUTED] == kind_bytes(cfg, run, False, "none") - want
+
+
+def test_plan_recompute_flops_of_selective_op():
+    """The linears not saved run again: every other matmul leaves wk, wo and w3, all-but-attention
+    only the core."""
+    from fivefold.formulas import selective_op_recompute_flops
+
+    tokens, d = 10, D // H
+    every = selective_op_recompute_flops(
+        D, H, H_KV, F, tokens, save_plan("matmuls-every-other"), core_flops=7.0
+    )
+    assert every == 2 * tokens * (D * H_KV * d + H * d * D + D * F)  # the core's outputs are saved
+    assert selective_op_recompute_flops(
+        D, H, H_KV, F, tokens, save_plan("all-but-attention"), core_flops=7.0
+    ) == 7.0
+
+
+@pytest.mark.parametrize("core", ["sdpa", "eager"])
+def test_recompute_gradients_bit_equal_to_none(core):
+    grads = {}
+    x, y = _tokens(1), _tokens(2)
+    for mode, save in SETTINGS:
+        model = Llama(SHAPE, seed=0).set_attention(core).set_recompute(mode, save)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        grads[(mode, save)] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    reference = grads.pop(("none", "matmuls-every-other"))
+    for setting, (loss, got) in grads.items():
+        assert torch.equal(loss, reference[0])
+        for name, g in got.items():
+            assert torch.equal(g, reference[1][name]), f"{setting}: {name}"
 
 
 def test_recompute_drops_activations_as_seed_003_says():
@@ -75,21 +185,6 @@ def test_recompute_drops_activations_as_seed_003_says():
     long = 8 * D  # L ≫ D: the quadratic term dominates and selective recompute removes most of the block's memory
     assert kept("selective", "eager", long) < 0.5 * kept("none", "eager", long)
     assert korthikanti_block_bytes(B, L, D, H) == 34 * B * L * D + 5 * B * L * L * H
-
-
-@pytest.mark.parametrize("core", ["sdpa", "eager"])
-def test_recompute_gradients_bit_equal_to_none(core):
-    grads = {}
-    x, y = _tokens(1), _tokens(2)
-    for mode in RECOMPUTE_MODES:
-        model = Llama(SHAPE, seed=0).set_attention(core).set_recompute(mode)
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        grads[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    for mode in ("full", "selective"):
-        assert torch.equal(grads[mode][0], grads["none"][0])
-        for name, g in grads[mode][1].items():
-            assert torch.equal(g, grads["none"][1][name]), f"{mode}: {name}"
 
 
 # -- layouts whose collectives run again in a recomputation -------------------------------------------------------

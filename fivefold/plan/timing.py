@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from fivefold import formulas
 from fivefold.config import Config
 from fivefold.models.parallelize import PipelinedModel
+from fivefold.models.recompute_policy import save_plan
 from fivefold.pipeline.actions import B, F, I, W
 from fivefold.pipeline.simulator import simulate
 from fivefold.plan.assembly import Parts, engines_of, local_numels, precision_bytes, stages_of
@@ -42,7 +44,9 @@ def _stage_flops(
     """(forward, backward) FLOPs of one micro-batch through one stage on one rank: 2 (forward) and 4
     (backward) per parameter and token it computes (embeddings are lookups; an MoE block's rows go
     to top_k experts, spread over the ep ranks), and attention (causal half); full recompute runs
-    the forward again in backward, selective the attention core."""
+    the forward again in backward, selective the attention core, selective-op the linears (and
+    core) whose outputs its save set does not keep (`formulas.selective_op_recompute_flops`; an
+    MoE block priced as a dense one)."""
     m, d = run.model, run.dims
     tokens = run.micro_batch * cfg.train.seq_len / d.cp
     active = 0.0
@@ -58,6 +62,13 @@ def _stage_flops(
         backward += forward
     elif cfg.train.recompute == "selective":
         backward += attention / 3
+    elif cfg.train.recompute == "selective-op":  # the linears not saved, the core unless saved
+        backward += blocks * formulas.selective_op_recompute_flops(
+            m.dim, m.n_heads, m.n_kv_heads, m.ffn_hidden, tokens,
+            save_plan(cfg.train.recompute_save), head_dim=m.head_dim, tp=d.tp,
+            attention=cfg.model.attention if d.cp == 1 else "sdpa",
+            core_flops=attention / 3 / max(blocks, 1),
+        )  # fmt: skip
     return forward, backward
 
 
