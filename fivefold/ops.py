@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -268,7 +269,9 @@ def collective_outputs(outputs: Sequence[torch.Tensor], issue: Callable[[], Any]
         return result
     kept = memo.collectives[memo.next_collective]
     memo.next_collective += 1
-    with torch.no_grad():
+    # The copies are fivefold's, not the region's ops: hidden from torch's selective mode, which
+    # matches a recomputation's ops one by one, per op, to the forward's.
+    with torch.no_grad(), _disable_current_modes():
         for out, was in zip(outputs, kept, strict=True):
             if out.data_ptr() != was.data_ptr():
                 out.copy_(was)
