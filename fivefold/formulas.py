@@ -539,35 +539,33 @@ def selective_op_block_bytes(
     return total + (ffn_bytes or 0) + bld_norm * s
 
 
+class BlockShape(Protocol):
+    """What `selective_op_recompute_flops` needs of a model config (`LlamaConfig` has it)."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    head_dim: int
+
+
 def selective_op_recompute_flops(
-    dim: int,
-    n_heads: int,
-    n_kv_heads: int,
-    ffn_hidden: int,
+    config: BlockShape,
     tokens: float,
     save: SavePlan,
     *,
-    head_dim: int | None = None,
     tp: int = 1,
     attention: str = "sdpa",
     core_flops: float = 0.0,
 ) -> float:
     """Forward FLOPs one dense block runs again in its backward under selective-op, for ``tokens``
     tokens on one rank: 2 per weight and token of each linear whose output ``save`` does not keep
-    (`BLOCK_LINEARS`; every other: wk, wo, w3), and ``core_flops`` (the attention core's forward)
-    unless its outputs are kept (sdpa: "sdpa"; eager: "bmm")."""
-    hd = head_dim if head_dim is not None else dim // n_heads
-    weights = {
-        "wq": dim * n_heads * hd,
-        "wk": dim * n_kv_heads * hd,
-        "wv": dim * n_kv_heads * hd,
-        "wo": n_heads * hd * dim,
-        "w1": dim * ffn_hidden,
-        "w3": dim * ffn_hidden,
-        "w2": ffn_hidden * dim,
-    }
-    saved = _saved_linears(save)
-    again = sum(weights[name] for name, kept in zip(BLOCK_LINEARS, saved) if not kept)
+    (`BLOCK_LINEARS`; every other: wk, wo, w3), over ``tp``, and ``core_flops`` (the attention
+    core's forward) unless its outputs are kept (sdpa: "sdpa"; eager: "bmm")."""
+    d, hd, f = config.dim, config.head_dim, config.ffn_hidden
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
+    weights = dict(zip(BLOCK_LINEARS, (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)))
+    again = sum(w for w, kept in zip(weights.values(), _saved_linears(save)) if not kept)
     core_kept = save.saves("sdpa" if attention == "sdpa" else "bmm")
     return 2 * tokens * again / tp + (0.0 if core_kept else core_flops)
 

@@ -324,7 +324,9 @@ class _Both(AbstractContextManager):
 SelectiveContexts = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 
-def recompute(fn: Callable[..., Any], *args: Any, selective: SelectiveContexts | None = None) -> Any:
+def recompute(
+    fn: Callable[..., Any], *args: Any, selective: SelectiveContexts | None = None
+) -> Any:
     """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when
     backward needs them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once,
     through the normal graph, and DP hooks see nothing new). The recomputation runs in the same

@@ -147,13 +147,14 @@ def test_plan_recompute_flops_of_selective_op():
     from fivefold.formulas import selective_op_recompute_flops
 
     tokens, d = 10, D // H
-    every = selective_op_recompute_flops(
-        D, H, H_KV, F, tokens, save_plan("matmuls-every-other"), core_flops=7.0
-    )
+    every = selective_op_recompute_flops(SHAPE, tokens, save_plan("matmuls-every-other"), core_flops=7.0)
     assert every == 2 * tokens * (D * H_KV * d + H * d * D + D * F)  # the core's outputs are saved
-    assert selective_op_recompute_flops(
-        D, H, H_KV, F, tokens, save_plan("all-but-attention"), core_flops=7.0
-    ) == 7.0
+    assert selective_op_recompute_flops(SHAPE, tokens, save_plan("all-but-attention"), core_flops=7.0) == 7.0
+    eager = selective_op_recompute_flops(SHAPE, tokens, save_plan("mm,bmm"), attention="eager", core_flops=7.0)
+    assert eager == 0.0  # every linear and the eager core's matmuls kept
+    assert selective_op_recompute_flops(SHAPE, tokens, save_plan("softmax"), tp=2) == (
+        2 * tokens * (2 * D * H * d + 2 * D * H_KV * d + 3 * D * F) / 2
+    )
 
 
 @pytest.mark.parametrize("core", ["sdpa", "eager"])

@@ -531,6 +531,7 @@ class Comm:
     ):
         """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`,
         gets its shard."""
+
         def issue():
             timing = self._begin("reduce_scatter", (output, input), input, tag)
             work = _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
@@ -543,6 +544,7 @@ class Comm:
     ):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may
         be its slice)."""
+
         def issue():
             timing = self._begin("all_gather", (output, input), output, tag)
             work = _all_gather_flat(output, input, group=self.group, async_op=async_op)

@@ -63,10 +63,9 @@ def _stage_flops(
     elif cfg.train.recompute == "selective":
         backward += attention / 3
     elif cfg.train.recompute == "selective-op":  # the linears not saved, the core unless saved
+        core = cfg.model.attention if d.cp == 1 else "sdpa"
         backward += blocks * formulas.selective_op_recompute_flops(
-            m.dim, m.n_heads, m.n_kv_heads, m.ffn_hidden, tokens,
-            save_plan(cfg.train.recompute_save), head_dim=m.head_dim, tp=d.tp,
-            attention=cfg.model.attention if d.cp == 1 else "sdpa",
+            m, tokens, save_plan(cfg.train.recompute_save), tp=d.tp, attention=core,
             core_flops=attention / 3 / max(blocks, 1),
         )  # fmt: skip
     return forward, backward
