@@ -267,7 +267,8 @@ def tp_comm_formula(
     gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in
     backward, up to its last kept tensor (torch stops a recomputation there): per block once more
     the attention's exit (AR; SP: RS) and under SP both entries (AG), not the MLP's exit. Selective
-    recomputes only the attention core: no collective. The families' options add all-reduces of
+    recomputes only the attention core: no collective; selective-op replays its collectives'
+    buffers (`ops.collective_outputs`): none either. The families' options add all-reduces of
     replicated weights' gradients: per-head q/k norms 2 of head_dim per block (each rank's heads
     are a partial sum), and under SP wo's bias (``attention_bias="all"``) one of D per block."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim

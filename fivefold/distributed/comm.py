@@ -7,7 +7,8 @@ Every tensor must be on the device the backend serves: gloo quietly takes a CPU 
 raises, so CPU CI would never see it; `Comm` checks each tensor, and `Comm.scalar` makes the small
 ones (norms, flags, metrics). While the log has a clock (`run.trace`), each record also gets a
 `CommTiming`: launch and completion on the rank's `DeviceClock`, and when its caller was blocked
-waiting.
+waiting. Inside a selective-op recompute region a call is issued in the forward only; its
+recomputation gets the forward's buffers (`ops.collective_outputs`), logging and sending nothing.
 """
 
 from __future__ import annotations
