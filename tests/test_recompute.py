@@ -158,6 +158,46 @@ def test_plan_recompute_flops_of_selective_op():
     )
 
 
+def test_selective_op_issues_a_regions_collectives_once():
+    """`ops.collective_outputs` inside `recompute(selective=)`: the forward issues the collective
+    (a stand-in writing its buffer), the recomputation gets the buffer back without issuing it;
+    full recompute issues it again. Gradients equal no recompute's either way."""
+    import functools
+
+    from fivefold.models.recompute_policy import selective_contexts
+    from fivefold.ops import collective_outputs, recompute
+
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    issued = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        buf = torch.empty_like(h)
+
+        def issue() -> None:  # a collective: writes its output buffer in place
+            issued.append(1)
+            with torch.no_grad():
+                buf.copy_(h * 2 + 1)
+
+        collective_outputs([buf], issue)
+        return (h.sin() * buf).sum()
+
+    grads = {}
+    for name, selective in (
+        ("none", None),
+        ("full", None),
+        ("selective-op", functools.partial(selective_contexts, save_plan("matmuls-every-other"))),
+    ):
+        issued.clear()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = region(x) if name == "none" else recompute(region, x, selective=selective)
+        loss.backward()
+        grads[name] = (x.grad, len(issued))
+    assert grads["none"][1] == 1 and grads["full"][1] == 2 and grads["selective-op"][1] == 1
+    for name in ("full", "selective-op"):
+        assert torch.equal(grads[name][0], grads["none"][0]), name
+
+
 @pytest.mark.parametrize("core", ["sdpa", "eager"])
 def test_recompute_gradients_bit_equal_to_none(core):
     grads = {}
