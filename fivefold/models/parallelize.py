@@ -433,6 +433,7 @@ class _Parts:
             + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
             + self._overlap_note()
             + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
+            + (f" ({t.recompute_save})" if (t := cfg.train).recompute == "selective-op" else "")
             + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)"
         )
 
