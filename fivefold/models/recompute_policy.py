@@ -10,10 +10,10 @@ block (torchtitan's op-SAC: every other matmul); every other op is recomputed (P
 Collectives are not the policy's: the c10d ops write into their arguments, which SAC's cache cannot
 replay (it hands back an op's outputs, not the writes into its inputs, and a c10d write bumps no
 version counter to catch it). Every `Comm` call inside a selective-op region is therefore issued
-once, in the forward; the recomputation gets the forward's buffers copied in (`ops.recompute`'s
-``keep_collectives``): nothing is sent again in backward, on any rank, so ranks cannot fall out of
-step, and the TP traffic is that of no recompute. The kept buffers are part of the block's bytes
-(`formulas.activation_bytes_per_block`)."""
+once, in the forward; the recomputation gets the forward's buffers copied in
+(`ops.collective_outputs`): nothing is sent again in backward, on any rank, so ranks cannot fall
+out of step, and the TP traffic is that of no recompute. The kept buffers are part of the block's
+bytes (`formulas.selective_op_block_bytes`)."""
 
 from __future__ import annotations
 
