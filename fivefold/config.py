@@ -29,7 +29,7 @@ MoEScore = Literal["softmax", "sigmoid"]  # moe.score
 MoEAuxConvention = Literal["switch", "hf"]  # moe.aux_convention
 CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
 CpKernel = Literal["auto", "math", "flash"]  # parallel.cp_kernel
-Recompute = Literal["none", "full", "selective"]  # train.recompute
+Recompute = Literal["none", "full", "selective", "selective-op"]  # train.recompute
 ZeroStage = Literal[0, 1, 2, 3]  # zero.stage
 P2P = Literal["auto", "buffered", "rendezvous"]  # pipeline.p2p
 Overlap = Literal["off", "on"]  # pipeline.overlap
@@ -151,8 +151,13 @@ class TrainSection:
     seed: int = 0
     # activation recompute (docs/design.md#activation-memory): none | full (each block keeps only
     # its input and runs again in backward) | selective (the attention core runs again: its L×L or
-    # fused-kernel tensors and K/V repeats are not kept)
-    recompute: Annotated[Recompute, "none, full, selective"] = "none"
+    # fused-kernel tensors and K/V repeats are not kept) | selective-op (each block saves the
+    # outputs of the ops recompute_save names, the rest runs again: torch's selective checkpoint)
+    recompute: Annotated[Recompute, "none, full, selective, selective-op"] = "none"
+    # selective-op's save set (fivefold/models/recompute_policy.py): matmuls-every-other (every
+    # other matmul and the attention core's outputs) | all-but-attention (every matmul) | a comma
+    # list of op groups saved at every call: mm, sdpa, bmm, softmax
+    recompute_save: str = "matmuls-every-other"
     # torch.compile each transformer block's computation (inductor: C++ on the CPU, triton on GPUs);
     # the ZeRO-3 hooks, pipeline sends and TP / SP collectives stay outside the compiled graphs
     # (docs/layouts.md#per-block-torchcompile)

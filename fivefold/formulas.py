@@ -11,6 +11,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 __all__ = [
+    "BLOCK_LINEARS",
+    "SavePlan",
+    "saved_linears",
+    "selective_op_block_bytes",
+    "selective_op_recompute_flops",
     "MODEL_STATES",
     "MicroBatch",
     "ModelShape",
@@ -270,7 +275,8 @@ def tp_comm_formula(
     gradient (2 per block + the final norm). ``recompute="full"`` runs a block's forward again in
     backward, up to its last kept tensor (torch stops a recomputation there): per block once more
     the attention's exit (AR; SP: RS) and under SP both entries (AG), not the MLP's exit. Selective
-    recomputes only the attention core: no collective. The families' options add all-reduces of
+    recomputes only the attention core: no collective; selective-op replays its collectives'
+    buffers (`ops.collective_outputs`): none either. The families' options add all-reduces of
     replicated weights' gradients: per-head q/k norms 2 of head_dim per block (each rank's heads
     are a partial sum), and under SP wo's bias (``attention_bias="all"``) one of D per block."""
     n, bld, bl, d = config.n_layers, batch * seq_len * config.dim, batch * seq_len, config.dim
@@ -384,6 +390,31 @@ def korthikanti_block_bytes(batch: int, seq_len: int, dim: int, n_heads: int) ->
     return 34 * batch * seq_len * dim + 5 * batch * seq_len**2 * n_heads
 
 
+class SavePlan(NamedTuple):
+    """Op-level selective recompute's save set (`train.recompute_save`, resolved by
+    `fivefold.models.recompute_policy.save_plan`): the op groups whose outputs a block saves at
+    every call (``always``) and at its 1st, 3rd, ... call (``every_other``); the rest runs again."""
+
+    always: frozenset[str] = frozenset()
+    every_other: frozenset[str] = frozenset()
+
+    def saves(self, group: str) -> bool:
+        return group in self.always or group in self.every_other
+
+
+# A dense block's linears in forward order (its "mm" calls: a biased one is addmm), and which are
+# row-parallel under TP (their output is [B, L, D] partial sums, the exit's collective's buffer).
+BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+_ROW_PARALLEL = ("wo", "w2")
+
+
+def saved_linears(save: SavePlan, n: int = len(BLOCK_LINEARS)) -> list[bool]:
+    """Which of a block's first ``n`` linears' outputs ``save`` keeps."""
+    if "mm" in save.always:
+        return [True] * n
+    return [("mm" in save.every_other and i % 2 == 0) for i in range(n)]
+
+
 def activation_bytes_per_block(
     mb: MicroBatch,
     n_heads: int,
@@ -393,6 +424,7 @@ def activation_bytes_per_block(
     ffn_bytes: int | None = None,
     attention: str = "sdpa",
     recompute: str = "none",
+    save: SavePlan | None = None,
 ) -> int:
     """Bytes one dense Llama block keeps for backward on one rank for the micro-batch ``mb`` (what
     it adds to memory: its saved tensors apart from its input, plus its output, the next block's
@@ -412,13 +444,14 @@ def activation_bytes_per_block(
     i.e. (8 + 2·H_kv/H)·BLD + 4·BLF (eager: 10·BLD + 4·BLF; + the core's term) elements in fp32 —
     where GPT's is 34·BLD + 5·BL²H bytes in fp16. ``recompute``: "full" keeps only the block's
     input (B·L·D·s); "selective" recomputes the attention core, keeping its inputs q, k, v (k and v
-    with their own H_kv heads) and dropping the eager core's repeats and the core's own term.
+    with their own H_kv heads) and dropping the eager core's repeats and the core's own term;
+    "selective-op" keeps the outputs of the ops ``save`` names (`selective_op_block_bytes`).
     ``mb.tp``: heads and F split T ways; ``mb.sp``: the norms' tensors and the residuals are [L/T]
     too, but the column linears keep their all-gathered [L] inputs (Megatron re-gathers them in
     backward instead: not done here, so SP divides this formula by less than T). An MoE block:
     ``ffn_bytes`` (`moe_ffn_activation_bytes`) in place of the dense feed-forward's 4·B·L·F·s."""
-    if recompute not in ("none", "full", "selective"):
-        raise ValueError(f"recompute={recompute!r}: choose none, full or selective")
+    if recompute not in ("none", "full", "selective", "selective-op"):
+        raise ValueError(f"recompute={recompute!r}: choose none, full, selective or selective-op")
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention={attention!r}: choose sdpa or eager")
     batch, seq_len, dim, tp = mb.batch, mb.seq_len, mb.dim, mb.tp
@@ -426,6 +459,16 @@ def activation_bytes_per_block(
     bl, bld_norm = batch * seq_len, batch * seq_norm * dim
     if recompute == "full":
         return bld_norm * s
+    if recompute == "selective-op":
+        return selective_op_block_bytes(
+            mb,
+            n_heads,
+            n_kv_heads,
+            ffn_hidden,
+            save if save is not None else SavePlan(),
+            attention=attention,
+            ffn_bytes=ffn_bytes,
+        )
     heads, kv_heads, hidden = n_heads // tp, n_kv_heads // tp, ffn_hidden // tp
     head_dim = dim // n_heads
     local_d = heads * head_dim
@@ -447,6 +490,93 @@ def activation_bytes_per_block(
     else:  # eager: k and v repeated to H heads, the probabilities and the mask
         qkv, core = 3 * bl * local_d * s, batch * heads * seq_len**2 * s + seq_len**2
     return norms + linear_inputs + qkv + core_out + core + mlp
+
+
+def selective_op_block_bytes(
+    mb: MicroBatch,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_hidden: int,
+    save: SavePlan,
+    *,
+    attention: str = "sdpa",
+    ffn_bytes: int | None = None,
+) -> int:
+    """`activation_bytes_per_block` under ``train.recompute = "selective-op"``: the block keeps
+    only the outputs of the ops ``save`` names (torch's selective checkpoint holds them until the
+    backward; the inputs are the previous block's), the buffers its collectives wrote (each issued
+    once, in the forward: `ops.collective_outputs`) and its output. With s = ``mb.dtype_bytes``:
+      mm       the linears' outputs in forward order (`BLOCK_LINEARS`): wq B·L·H·d, wk and wv
+               B·L·H_kv·d, wo B·L·D, w1 and w3 B·L·F, w2 B·L·D (× s; heads and F over T); all of
+               them, or every other (wq, wv, w1, w2)
+      sdpa     the fused core's output B·L·H·d·s and log-sum-exp B·H·L fp32 (sdpa core only)
+      bmm      the eager core's scores B·H·L²·s and weighted values B·H·L·d·s
+      softmax  the eager core's probabilities B·H·L²·s
+      TP       without SP each exit's all-reduce buffer, wo's and w2's output (B·L·D·s: nothing
+               more where mm keeps that linear); with SP the two all-gathered inputs (B·L·D·s) and
+               the two reduce-scattered exits (B·(L/T)·D·s)
+      output   B·(L/T under SP)·D·s
+    An MoE block (``ffn_bytes``): its attention half as above (its 4 linears), the feed-forward
+    priced at ``ffn_bytes``, its no-recompute bytes (more than it keeps: an upper bound)."""
+    batch, seq_len, dim, tp, s = mb.batch, mb.seq_len, mb.dim, mb.tp, mb.dtype_bytes
+    heads, kv_heads, hidden = n_heads // tp, n_kv_heads // tp, ffn_hidden // tp
+    head_dim = dim // n_heads
+    bl, bld_norm = batch * seq_len, batch * mb.seq_norm * dim
+    outputs = {
+        "wq": heads * head_dim,
+        "wk": kv_heads * head_dim,
+        "wv": kv_heads * head_dim,
+        "wo": dim,
+        "w1": hidden,
+        "w3": hidden,
+        "w2": dim,
+    }
+    linears = BLOCK_LINEARS if ffn_bytes is None else BLOCK_LINEARS[:4]
+    kept = dict(zip(linears, saved_linears(save, len(linears))))
+    total = sum(bl * outputs[name] * s for name, saved in kept.items() if saved)
+    if attention == "sdpa" and save.saves("sdpa"):
+        total += bl * heads * head_dim * s + batch * heads * seq_len * 4
+    if attention == "eager":
+        scores = batch * heads * seq_len * seq_len * s
+        total += (scores + bl * heads * head_dim * s) * save.saves("bmm")
+        total += scores * save.saves("softmax")
+    if tp > 1 and mb.sp:  # the entries' gathered [L] inputs, the exits' scattered [L/T] outputs
+        total += 2 * bl * dim * s + 2 * bld_norm * s
+    elif tp > 1:  # the exits' all-reduced buffers: the row-parallel linears' outputs
+        total += sum(bl * dim * s for name in _ROW_PARALLEL if name in kept and not kept[name])
+        total += bl * dim * s * (ffn_bytes is not None)  # an MoE block's exit
+    return total + (ffn_bytes or 0) + bld_norm * s
+
+
+class BlockShape(Protocol):
+    """What `selective_op_recompute_flops` needs of a model config (`LlamaConfig` has it)."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    head_dim: int
+
+
+def selective_op_recompute_flops(
+    config: BlockShape,
+    tokens: float,
+    save: SavePlan,
+    *,
+    tp: int = 1,
+    attention: str = "sdpa",
+    core_flops: float = 0.0,
+) -> float:
+    """Forward FLOPs one dense block runs again in its backward under selective-op, for ``tokens``
+    tokens on one rank: 2 per weight and token of each linear whose output ``save`` does not keep
+    (`BLOCK_LINEARS`; every other: wk, wo, w3), over ``tp``, and ``core_flops`` (the attention
+    core's forward) unless its outputs are kept (sdpa: "sdpa"; eager: "bmm")."""
+    d, hd, f = config.dim, config.head_dim, config.ffn_hidden
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
+    weights = dict(zip(BLOCK_LINEARS, (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)))
+    again = sum(w for w, kept in zip(weights.values(), saved_linears(save)) if not kept)
+    core_kept = save.saves("sdpa" if attention == "sdpa" else "bmm")
+    return 2 * tokens * again / tp + (0.0 if core_kept else core_flops)
 
 
 # -- one flat buffer's model states, exactly as a rank holds them (what `fivefold.plan` sums) ------

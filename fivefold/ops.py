@@ -5,14 +5,17 @@ db to autograd, so accumulation and DP hooks fire then. `recompute(fn, *args)`: 
 checkpointing (docs/design.md#activation-memory) that keeps the same recording state, and tells a
 watcher (`watch_recompute`: the tracer) when a recomputation runs; `host_values(fetch)` inside it
 reads values on the host once, in the forward, and hands the recomputation the same ones (no second
-host sync); `recomputing()` says whether a recomputation is running. Backward markers shared by
+host sync); `recomputing()` says whether a recomputation is running. ``recompute(fn, *args,
+selective=...)``: op-level selective checkpointing (torch's selective contexts merged with these),
+where every collective ``fn`` issues runs once, in the forward, and the recomputation gets its
+buffers back (`collective_outputs`). Backward markers shared by
 ZeRO-3's unit hooks and the tracer: `call_in_backward` (an identity whose backward calls a hook
 first), `in_backward`."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar, Token
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -27,6 +31,7 @@ __all__ = [
     "Linear",
     "WeightGradStore",
     "call_in_backward",
+    "collective_outputs",
     "graph_task_id",
     "host_values",
     "in_backward",
@@ -209,11 +214,15 @@ class _Told(AbstractContextManager):
 
 
 class _HostMemo:
-    """What a `recompute` region read on the host in its forward, in order, for recomputing it."""
+    """What a `recompute` region read on the host in its forward, in order, for recomputing it;
+    with ``keep_collectives`` also the buffers its collectives wrote (`collective_outputs`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_collectives: bool = False) -> None:
         self.values: list[Any] = []
         self.replaying, self.next = False, 0
+        self.keep_collectives = keep_collectives
+        self.collectives: list[list[torch.Tensor]] = []
+        self.next_collective = 0
 
 
 _host_memo: ContextVar[_HostMemo | None] = ContextVar("fivefold_host_memo", default=None)
@@ -235,6 +244,40 @@ def host_values(fetch: Callable[[], Any]) -> Any:
     return value
 
 
+class _Done:
+    """The handle of a collective a recomputation did not issue (its buffers are filled)."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def collective_outputs(outputs: Sequence[torch.Tensor], issue: Callable[[], Any]) -> Any:
+    """``issue()`` (a collective writing ``outputs``), except inside a `recompute` region that keeps
+    its collectives (``selective=``): there the forward issues it and keeps ``outputs``, and the
+    recomputation issues nothing — it copies the kept buffers into ``outputs`` (nothing where they
+    are the same storage: an op output the selective policy saved) and returns a completed handle.
+    Every rank's recomputation so sends nothing, and no buffer written in place is written twice."""
+    memo = _host_memo.get()
+    if memo is None or not memo.keep_collectives:
+        return issue()
+    if not memo.replaying:
+        result = issue()
+        memo.collectives.append(list(outputs))
+        return result
+    kept = memo.collectives[memo.next_collective]
+    memo.next_collective += 1
+    # The copies are fivefold's, not the region's ops: hidden from torch's selective mode, which
+    # matches a recomputation's ops one by one, per op, to the forward's.
+    with torch.no_grad(), _disable_current_modes():
+        for out, was in zip(outputs, kept, strict=True):
+            if out.data_ptr() != was.data_ptr():
+                out.copy_(was)
+    return _Done()
+
+
 def recomputing() -> bool:
     """True while `recompute` runs a region again in backward (its recomputation, which replays the
     forward's `host_values`): for state a forward accumulates once per real forward (an MoE layer's
@@ -243,13 +286,14 @@ def recomputing() -> bool:
     return memo is not None and memo.replaying
 
 
-def _remembering(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn, recording its `host_values` on the first call and replaying them on every later one."""
-    memo = _HostMemo()
+def _remembering(fn: Callable[..., Any], keep_collectives: bool = False) -> Callable[..., Any]:
+    """fn, recording its `host_values` (and with ``keep_collectives`` its collectives' buffers) on
+    the first call and replaying them on every later one."""
+    memo = _HostMemo(keep_collectives)
 
     def run(*args: Any) -> Any:
         token = _host_memo.set(memo)
-        memo.next = 0
+        memo.next = memo.next_collective = 0
         try:
             return fn(*args)
         finally:
@@ -259,7 +303,30 @@ def _remembering(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def recompute(fn: Callable[..., Any], *args: Any) -> Any:
+class _Both(AbstractContextManager):
+    """Two contexts entered in order (torch's selective recomputation context, then fivefold's)."""
+
+    def __init__(self, first: AbstractContextManager, second: AbstractContextManager) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+
+
+# (forward, recomputation) contexts of torch's selective checkpointing, made per region
+SelectiveContexts = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
+
+
+def recompute(
+    fn: Callable[..., Any], *args: Any, selective: SelectiveContexts | None = None
+) -> Any:
     """``fn(*args)`` keeping only its inputs for backward: its activations are computed again when
     backward needs them (non-reentrant `torch.utils.checkpoint`, so parameter gradients arrive once,
     through the normal graph, and DP hooks see nothing new). The recomputation runs in the same
@@ -267,7 +334,10 @@ def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     it outside that context): the same ops, the same saved tensors. The RNG state is not stashed
     (fivefold's models draw no random numbers in forward: no dropout), which saves its copy per call
     (5 KiB on the CPU); a function that draws would need ``preserve_rng_state``. What ``fn`` reads
-    on the host through `host_values` is read once, in the forward: the recomputation replays it."""
+    on the host through `host_values` is read once, in the forward: the recomputation replays it.
+    ``selective``: op-level selective checkpointing (`fivefold.models.recompute_policy`): torch's
+    pair of contexts (its policy saves the chosen ops' outputs) around fivefold's, and every
+    collective of ``fn`` issued once (`collective_outputs`)."""
     if not torch.is_grad_enabled():
         return fn(*args)
     store = _recording.get()
@@ -275,10 +345,18 @@ def recompute(fn: Callable[..., Any], *args: Any) -> Any:
 
     def contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
         again = recording_weight_grads(store) if store is not None else nullcontext()
-        return nullcontext(), (again if watcher is None else _Told(again, watcher))
+        forward: AbstractContextManager = nullcontext()
+        if selective is not None:
+            forward, saved = selective()
+            again = _Both(saved, again)
+        return forward, (again if watcher is None else _Told(again, watcher))
 
     return checkpoint(
-        _remembering(fn), *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=False
+        _remembering(fn, keep_collectives=selective is not None),
+        *args,
+        use_reentrant=False,
+        context_fn=contexts,
+        preserve_rng_state=False,
     )
 
 

@@ -423,6 +423,14 @@ RULES: tuple[Rule, ...] = (
         "compile",
     ),
     Rule(
+        lambda l: l.cfg.train.recompute == "selective-op",
+        "train.recompute=selective-op picks the ops to save with a dispatch mode around the "
+        "block's eager ops, which a compiled block does not run: use train.recompute full (the "
+        "compiled block is recomputed whole) or none",
+        ("train.recompute",),
+        "compile",
+    ),
+    Rule(
         lambda l: _has_w(l.schedule),
         lambda l: (
             f"pipeline.schedule={l.schedule.name} defers weight gradients (W) past the input "

@@ -23,6 +23,7 @@ from fivefold.models import LlamaConfig, get_config
 from fivefold.models.llama import check_model_bounds
 from fivefold.models.moe import MoEConfig
 from fivefold.models.plans import LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.models.recompute_policy import save_plan
 from fivefold.pipeline.builders import build_schedule
 from fivefold.tensor_parallel.plan import check_divisible
 
@@ -70,6 +71,8 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
     asks)."""
     p, t = cfg.parallel, cfg.train
     check_choices(cfg)  # (parsing checks them; a config built in code)
+    if t.recompute == "selective-op":
+        save_plan(t.recompute_save)  # a preset or known op groups: else one ConfigError line
     _check_numbers(cfg, world_size)
     dims = ParallelDims(
         pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate

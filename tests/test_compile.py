@@ -158,6 +158,7 @@ def test_the_blocks_really_ran_compiled(results, name):
 
 REFUSED = [
     (["--train.recompute", "selective"], "train.recompute=selective"),
+    (["--train.recompute", "selective-op"], "train.recompute=selective-op"),
     (["--parallel.pp", "2", "--pipeline.schedule", "zb-h1", "--train.grad_accum", "2"], "pipeline.schedule=zb-h1"),
     (["--parallel.pp", "2", "--pipeline.schedule", "dualpipev", "--train.grad_accum", "4"],
      "pipeline.schedule=dualpipev"),

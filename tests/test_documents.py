@@ -161,7 +161,7 @@ def _packed_vs_alone(core: str, recompute: str, with_documents: bool) -> dict:
     )
 
 
-@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective", "selective-op"])
 @pytest.mark.parametrize("core", ["sdpa", "eager"])
 def test_a_packed_row_equals_its_documents_alone(core, recompute):
     r = _packed_vs_alone(core, recompute, with_documents=True)

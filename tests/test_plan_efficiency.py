@@ -127,3 +127,26 @@ def test_operator_counts_see_recompute():
     none, full = operator_counts(False, "sdpa", "none"), operator_counts(False, "sdpa", "full")
     assert none["block"][0] > 10 and none["ends"][0] > 0
     assert full["block"][1] >= none["block"][1] + none["block"][0] - 5  # the forward again, in the backward
+
+
+@pytest.mark.parametrize("save", ["matmuls-every-other", "all-but-attention", "softmax"])
+def test_selective_op_recomputes_what_its_formula_says(save):
+    """The time model's recomputed matmul FLOPs under selective-op are `formulas.selective_op_recompute_flops`'s
+    linears, block by block (the attention core's time follows the same save set)."""
+    from fivefold.models.recompute_policy import save_plan
+
+    common = ("--parallel.tp", "2", "--parallel.sp", "true")
+    base = _cfg(*common, world=2)
+    op = _cfg(*common, "--train.recompute", "selective-op", "--train.recompute_save", save, world=2)
+    works = []
+    for cfg in (base, op):
+        run = validate_layout(cfg, 2)
+        parts = rank_parts(resolved(cfg, run), run)
+        works.append(stage_work(resolved(cfg, run), run, stages_of(parts)[0], local_shapes(parts)[0],
+                                HARDWARE["h100"]))
+    run = validate_layout(op, 2)
+    tokens = 8192
+    attention_fwd = formulas.attention_flops_per_token(1, 8192, 4096) / 2 / 3 * tokens  # one block, over tp 2
+    per_block = formulas.selective_op_recompute_flops(run.model, tokens, save_plan(save), tp=2,
+                                                      core_flops=attention_fwd)
+    assert works[1].flops - works[0].flops == pytest.approx(32 * per_block, rel=1e-12)

@@ -87,6 +87,8 @@ BAD = [
     (TINY + ["--parallel.pp", "2", "--train.grad_accum", "4", "--pipeline.schedule", "dualpipev",
              "--pipeline.overlap", "on", "--run.device", "cuda"], 2, "CPU/gloo only"),
     (["--train.recompute", "some"], 2, "train.recompute='some': choose none, full, selective"),
+    (["--train.recompute", "selective-op", "--train.recompute_save", "mm,attn"], 2,
+     "train.recompute_save='mm,attn': unknown op 'attn'; choose matmuls-every-other or all-but-attention"),
     (["--model.attention", "flash"], 2, "model.attention='flash': choose sdpa or eager"),
     (["--model.attention", "eager", "--parallel.cp", "2"], 2, "under parallel.cp=2 attention is ring attention"),
     (["--preset", "tiny-moe", "--parallel.pp", "2", "--train.grad_accum", "4", "--pipeline.schedule", "dualpipev",

@@ -85,7 +85,8 @@ def _merge(
     merged = torch.logaddexp(lse, block_lse)
     against = torch.where(merged.isinf(), 0.0, merged)
     out.mul_((lse - against).exp_().unsqueeze(-1))
-    out.add_(block_out.mul_((block_lse - against).exp_().unsqueeze(-1)))
+    # block_out is not written: under selective-op recompute it may be the kernel's saved output
+    out.add_(block_out * (block_lse - against).exp_().unsqueeze(-1))
     lse.copy_(merged)
 
 

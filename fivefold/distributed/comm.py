@@ -7,7 +7,8 @@ Every tensor must be on the device the backend serves: gloo quietly takes a CPU 
 raises, so CPU CI would never see it; `Comm` checks each tensor, and `Comm.scalar` makes the small
 ones (norms, flags, metrics). While the log has a clock (`run.trace`), each record also gets a
 `CommTiming`: launch and completion on the rank's `DeviceClock`, and when its caller was blocked
-waiting.
+waiting. Inside a selective-op recompute region a call is issued in the forward only; its
+recomputation gets the forward's buffers (`ops.collective_outputs`), logging and sending nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fivefold.clock import DeviceClock, Mark
 from fivefold.formulas import (
     ring_wire_bytes,  # re-exported: fivefold.distributed.comm.ring_wire_bytes
 )
+from fivefold.ops import collective_outputs
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on torch >= 2.6.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -513,10 +515,12 @@ class Comm:
         async_op: bool = False,
         tag: str = "",
     ):
-        timing = self._begin("all_reduce", (tensor,), tensor, tag)
-        return self._issued(
-            timing, dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op
-        )
+        def issue():
+            timing = self._begin("all_reduce", (tensor,), tensor, tag)
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+            return self._issued(timing, work, async_op)
+
+        return collective_outputs([tensor], issue)
 
     def reduce_scatter(
         self,
@@ -528,34 +532,37 @@ class Comm:
     ):
         """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`,
         gets its shard."""
-        timing = self._begin("reduce_scatter", (output, input), input, tag)
-        return self._issued(
-            timing,
-            _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op),
-            async_op,
-        )
+
+        def issue():
+            timing = self._begin("reduce_scatter", (output, input), input, tag)
+            work = _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
+            return self._issued(timing, work, async_op)
+
+        return collective_outputs([output], issue)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
     ):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may
         be its slice)."""
-        timing = self._begin("all_gather", (output, input), output, tag)
-        return self._issued(
-            timing, _all_gather_flat(output, input, group=self.group, async_op=async_op), async_op
-        )
+
+        def issue():
+            timing = self._begin("all_gather", (output, input), output, tag)
+            work = _all_gather_flat(output, input, group=self.group, async_op=async_op)
+            return self._issued(timing, work, async_op)
+
+        return collective_outputs([output], issue)
 
     def broadcast(
         self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""
     ):
-        timing = self._begin("broadcast", (tensor,), tensor, tag)
-        return self._issued(
-            timing,
-            dist.broadcast(
-                tensor, src=self.global_rank(src_group_rank), group=self.group, async_op=async_op
-            ),
-            async_op,
-        )
+        def issue():
+            timing = self._begin("broadcast", (tensor,), tensor, tag)
+            src = self.global_rank(src_group_rank)
+            work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+            return self._issued(timing, work, async_op)
+
+        return collective_outputs([tensor], issue)
 
     def all_to_all(
         self,
@@ -566,19 +573,19 @@ class Comm:
         async_op: bool = False,
         tag: str = "",
     ):
-        timing = self._begin("all_to_all", (output, input), input, tag)
-        return self._issued(
-            timing,
-            dist.all_to_all_single(
+        def issue():
+            timing = self._begin("all_to_all", (output, input), input, tag)
+            work = dist.all_to_all_single(
                 output,
                 input,
                 output_split_sizes,
                 input_split_sizes,
                 group=self.group,
                 async_op=async_op,
-            ),
-            async_op,
-        )
+            )
+            return self._issued(timing, work, async_op)
+
+        return collective_outputs([output], issue)
 
     def p2p_semantics(self) -> str:
         """How this group's point-to-point messages complete (`P2P_SEMANTICS`): "buffered" for gloo
@@ -595,7 +602,18 @@ class Comm:
     ) -> P2PBatch:
         """Issue ("send"|"recv", tensor, peer_group_rank) ops as one `batch_isend_irecv`.
         ``expect``: the shape and dtype each op must have (the peer allocated the same), checked
-        before anything is sent."""
+        before anything is sent. (Inside a selective-op recomputation nothing is sent: the
+        receives get the forward's messages, `ops.collective_outputs`.)"""
+        recvs = [tensor for kind, tensor, _ in ops if kind == "recv"]
+        issued = collective_outputs(recvs, lambda: self._batch_p2p(ops, tag, expect))
+        return issued if isinstance(issued, P2PBatch) else P2PBatch([], 0)
+
+    def _batch_p2p(
+        self,
+        ops: Sequence[tuple[str, torch.Tensor, int]],
+        tag: str,
+        expect: Sequence[tuple[tuple[int, ...], torch.dtype]] | None,
+    ) -> P2PBatch:
         p2p, timings = [], []
         for i, (kind, tensor, peer) in enumerate(ops):
             self._check(kind, tensor)

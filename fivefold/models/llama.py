@@ -24,6 +24,7 @@ from fivefold.config import AttentionBias, AttentionCore, ConfigError, Recompute
 from fivefold.materialize import materialize
 from fivefold.models.layers import FeedForward
 from fivefold.models.moe import MoEConfig, MoEFeedForward, share_aux_pool
+from fivefold.models.recompute_policy import SavePlan, save_plan, selective_contexts
 from fivefold.ops import Linear, recompute
 
 if TYPE_CHECKING:
@@ -465,7 +466,8 @@ def eager_attention(
 ATTENTION_CORES = {"sdpa": causal_attention, "eager": eager_attention}
 assert tuple(ATTENTION_CORES) == typing.get_args(AttentionCore)
 # train.recompute (`config.Recompute`): none | full (each block keeps only its input) | selective
-# (the attention core is recomputed)
+# (the attention core is recomputed) | selective-op (the block keeps the outputs of the ops its save
+# set names, `recompute_policy`)
 RECOMPUTE_MODES = typing.get_args(Recompute)
 
 
@@ -589,6 +591,8 @@ class TransformerBlock(nn.Module):
         )
         # full recompute: keep only the block's input; all of it runs again in backward
         self.recompute_all = False
+        # selective-op: the save set whose op outputs the block keeps (the rest runs again)
+        self.recompute_saves: SavePlan | None = None
         self.compiled = False  # `compile_body`: run the torch.compile'd `_forward`
 
     def forward(
@@ -614,6 +618,9 @@ class TransformerBlock(nn.Module):
             self.recompute_all
         ):  # inside the block's own forward: ZeRO-3's unit hooks stay outside the recomputation
             return recompute(body, x, cos, sin, documents)
+        if self.recompute_saves is not None:
+            contexts = functools.partial(selective_contexts, self.recompute_saves)
+            return recompute(body, x, cos, sin, documents, selective=contexts)
         return body(x, cos, sin) if documents is None else body(x, cos, sin, documents)
 
     def compile_body(self) -> None:
@@ -676,11 +683,13 @@ class TransformerBlock(nn.Module):
     def _feed_forward_half(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def set_recompute(self, mode: str) -> None:
-        """`RECOMPUTE_MODES`: none, full (the whole block) or selective (the attention core)."""
+    def set_recompute(self, mode: str, save: str = "matmuls-every-other") -> None:
+        """`RECOMPUTE_MODES`: none, full (the whole block), selective (the attention core) or
+        selective-op (the ops ``save`` names are kept: `recompute_policy.save_plan`)."""
         check_choice("recompute", mode, Recompute)  # (train.recompute: refused when read)
         self.recompute_all = mode == "full"
         self.attention.recompute_core = mode == "selective"
+        self.recompute_saves = save_plan(save) if mode == "selective-op" else None
 
 
 _COMPILED_METHODS: dict[str, Callable[..., torch.Tensor]] = {}
@@ -761,10 +770,11 @@ class Llama(nn.Module):
             return []
         return [name for name in ("tok_embeddings", "output") if getattr(self, name) is not None]
 
-    def set_recompute(self, mode: str) -> Llama:
-        """Activation recompute in every block (`RECOMPUTE_MODES`); returns self."""
+    def set_recompute(self, mode: str, save: str = "matmuls-every-other") -> Llama:
+        """Activation recompute in every block (`RECOMPUTE_MODES`; ``save``: selective-op's save
+        set, `train.recompute_save`); returns self."""
         for block in self.layers.values() if self.layers is not None else ():
-            block.set_recompute(mode)
+            block.set_recompute(mode, save)
         return self
 
     def compile_blocks(self) -> Llama:

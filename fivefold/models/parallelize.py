@@ -133,10 +133,13 @@ def pipeline_forward_backward(
 
 def _set_activations(model: Llama, cfg: Config) -> None:
     """The attention core (``model.attention``; cp swaps in ring attention later) and activation
-    recompute (``train.recompute``), inside each block: under ZeRO-3 the recomputation runs while
-    the block's unit is gathered for its backward, and TP / SP / ring / expert collectives run again
-    in backward in the same order on every rank."""
-    model.set_attention(cfg.model.attention).set_recompute(cfg.train.recompute)
+    recompute (``train.recompute``, selective-op's ``train.recompute_save``), inside each block:
+    under ZeRO-3 the recomputation runs while the block's unit is gathered for its backward, and
+    TP / SP / ring / expert collectives run again in backward in the same order on every rank (full;
+    selective-op issues each once, in the forward, and replays its buffers)."""
+    model.set_attention(cfg.model.attention).set_recompute(
+        cfg.train.recompute, cfg.train.recompute_save
+    )
     if (
         cfg.train.compile
     ):  # each block's computation; the hooks around the blocks and the collectives stay eager
@@ -430,6 +433,7 @@ class _Parts:
             + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
             + self._overlap_note()
             + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
+            + (f" ({t.recompute_save})" if (t := cfg.train).recompute == "selective-op" else "")
             + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)"
         )
 

@@ -148,7 +148,9 @@ def stage_work(
     weighted values (`attention_flops_per_token`) at ``hw.attention_efficiency``. Elementwise:
     `formulas.elementwise_bytes_per_block` per block (and the head's loss) over memory bandwidth.
     Host: `ops_per_block` operators per block at ``hw.op_overhead_us``. Full recompute runs the
-    block's forward again in its backward; selective the attention core."""
+    block's forward again in its backward; selective the attention core; selective-op the block's
+    linears and core whose outputs its save set does not keep (`formulas.saved_linears`; an MoE
+    block's experts and router are priced as saved, as its bytes are)."""
     from fivefold.plan.memory import micro_batch
 
     m, d, t = run.model, run.dims, cfg.train
@@ -157,6 +159,16 @@ def stage_work(
     tokens = mb.batch * mb.seq_len
     work = Work()
     recompute_blocks = t.recompute == "full"
+    again_linears: set[str] = set()  # selective-op: the block linears whose outputs are not saved
+    core_again = t.recompute in ("full", "selective")
+    if t.recompute == "selective-op":
+        from fivefold.models.recompute_policy import save_plan
+
+        save = save_plan(t.recompute_save)
+        kept = formulas.saved_linears(save)
+        again_linears = {n for n, k in zip(formulas.BLOCK_LINEARS, kept) if not k}
+        core = cfg.model.attention if d.cp == 1 else "sdpa"
+        core_again = not save.saves("sdpa" if core == "sdpa" else "bmm")
     blocks = list(stage.layers.values()) if stage.layers is not None else []
     # a tied head's matmul runs through the embedding's weight
     tied_head = getattr(stage, "output", None) is not None and "output.weight" not in shapes
@@ -171,12 +183,13 @@ def stage_work(
         dgrad = gemm_seconds(int(rows), k, n, hw, s)
         wgrad = gemm_seconds(n, k, int(rows), hw, s)
         in_block = name.startswith("layers.")
-        again = one if (recompute_blocks and in_block) else 0.0
+        linear = name.rsplit(".", 2)[-2] if ".experts." not in name else ""
+        again = one if in_block and (recompute_blocks or linear in again_linears) else 0.0
         work.add("matmuls", one, dgrad + wgrad + again)
         work.flops += 6 * rows * n * k + (2 * rows * n * k if again else 0)
     attention = attention_flops_per_token(run, cfg, len(blocks)) * tokens
     seconds = attention / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
-    again = seconds / 3 if t.recompute in ("full", "selective") else 0.0
+    again = seconds / 3 if core_again else 0.0
     work.add("attention", seconds / 3, 2 * seconds / 3 + again)
     work.flops += attention * (4 / 3 if again else 1)
     memory_bw = hw.hbm_gbps * GB * hw.memory_efficiency

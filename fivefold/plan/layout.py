@@ -233,4 +233,6 @@ def _describe(cfg: Config, run: RunPlan) -> str:
         )
     if cfg.train.recompute != "none":
         parts.append(f"recompute {cfg.train.recompute}")
+    if cfg.train.recompute == "selective-op":
+        parts[-1] += f" (saves {cfg.train.recompute_save})"
     return ", ".join(parts)

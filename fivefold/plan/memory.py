@@ -12,6 +12,7 @@ from typing import Any
 from fivefold import formulas
 from fivefold.config import Config
 from fivefold.models.parallelize import PipelinedModel
+from fivefold.models.recompute_policy import save_plan
 from fivefold.pipeline.actions import B, F, I, Schedule, W
 from fivefold.pipeline.simulator import simulate
 from fivefold.plan.assembly import (
@@ -142,7 +143,7 @@ def micro_batch(cfg: Config, run: RunPlan) -> formulas.MicroBatch:
 
 def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
     """`block_bytes` of a dense block or (``is_moe``) an MoE one, told by its kind instead of its
-    module."""
+    module (selective-op: with `train.recompute_save`'s save set)."""
     m, p, mb = run.model, run.dims, micro_batch(cfg, run)
     ffn = None
     moe = m.moe if is_moe else None
@@ -165,6 +166,7 @@ def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
         attention=cfg.model.attention if p.cp == 1 else "sdpa",
         recompute=recompute,
         ffn_bytes=ffn,
+        save=save_plan(cfg.train.recompute_save) if recompute == "selective-op" else None,
     )
 
 
