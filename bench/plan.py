@@ -32,6 +32,10 @@ class PlanSpec:
     steps: int = 6
     warmup: int = 2
     layouts: tuple[str, ...] | None = None  # default: every one of plan_layouts.LAYOUTS
+    # the band planned / measured is held to here (reported, never a test's assertion): on this
+    # CPU the plan is optimistic — it leaves out the engine's Python and gloo's threads competing
+    # with the compute for the cores (docs/plan.md#against-measured-steps) — but within 5×
+    band: tuple[float, float] = (0.2, 1.0)
 
 
 def _time_layouts(names: list[str], steps: int, warmup: int) -> dict[str, list[float]]:
@@ -114,6 +118,7 @@ def bench_plan(spec: PlanSpec = PlanSpec()) -> dict[str, Any]:
         "rows": rows,
         "ratio_median": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
+        "outside_band": [r["layout"] for r in rows if not spec.band[0] <= r["ratio"] <= spec.band[1]],
     }
 
 
@@ -146,5 +151,11 @@ def format_plan_table(result: dict[str, Any]) -> str:
     lines.append(
         f"\nplanned / measured: median {result['ratio_median']:.2f}, range {lo:.2f}-{hi:.2f} "
         f"over {len(result['rows'])} layouts"
+    )
+    lo, hi = result["spec"]["band"]
+    outside = result["outside_band"]
+    lines.append(
+        f"band {lo:g}-{hi:g}: "
+        + (f"OUTSIDE it: {', '.join(outside)}" if outside else f"all {len(result['rows'])} inside")
     )
     return "\n".join(lines)

@@ -150,3 +150,16 @@ def test_selective_op_recomputes_what_its_formula_says(save):
     per_block = formulas.selective_op_recompute_flops(run.model, tokens, save_plan(save), tp=2,
                                                       core_flops=attention_fwd)
     assert works[1].flops - works[0].flops == pytest.approx(32 * per_block, rel=1e-12)
+
+
+def test_torchtitans_op_sac_run_fits_where_it_ran():
+    """torchtitan's Llama 3 8B on 8 H100s (96 GB), FSDP, local batch 2 × 8192, op-level SAC (bench/published_runs.py:
+    82.4 GiB published): selective-op fits as it really ran; the attention-core-only selective does not."""
+    from bench.published import _plan
+    from bench.published_runs import RUNS
+
+    run = next(r for r in RUNS if r.name == "torchtitan-8b-8xh100-fsdp-sac-op")
+    plan = _plan(run)
+    assert plan.fits and plan.peak_bytes / 2**30 < run.memory_gib
+    coarse = dataclasses.replace(run, plan_args=tuple(a.replace("selective-op", "selective") for a in run.plan_args))
+    assert not _plan(coarse).fits

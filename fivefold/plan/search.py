@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection
 from fivefold import rules
 from fivefold.config import Config, ConfigError, apply_overrides, resolve_batch
 from fivefold.distributed.mesh import ParallelDims
-from fivefold.models.llama import LlamaConfig
+from fivefold.models.llama import RECOMPUTE_MODES, LlamaConfig
 from fivefold.pipeline.builders import build_schedule
 from fivefold.plan.hardware import HARDWARE, Hardware
 from fivefold.plan.layout import TARGET_DEVICE, LayoutPlan, plan_layout
@@ -73,7 +73,8 @@ def candidate_layouts(
     """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs that the rule table allows, as
     overrides: tp a divisor of a node's GPU count (with SP), pp up to the number of blocks (1F1B),
     cp up to 16, dp the rest, ep a divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp =
-    1), recompute none / selective / full. A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value.
+    1), recompute none / full / selective / selective-op (its save set as the config has it:
+    `train.recompute_save`). A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value.
     The trainer's other checks (what the model divides) then drop the rest."""
     model = _model(cfg)
     blocks = model.n_layers
@@ -116,7 +117,7 @@ def candidate_layouts(
                 # not divide)
                 for ep in choices("ep", _divisors(dp * cp) if model.moe is not None else [1]):
                     for stage in choices("stage", [0, 1, 2, 3] if dp * cp > 1 else [0]):
-                        for recompute in choices("recompute", ["none", "selective", "full"]):
+                        for recompute in choices("recompute", list(RECOMPUTE_MODES)):
                             overrides = [
                                 "--parallel.tp",
                                 str(tp),
