@@ -127,7 +127,7 @@ def format_plan_table(result: dict[str, Any]) -> str:
     lines = [
         f"### `fivefold plan` vs measured steps, {hw['name']} "
         f"(peak {hw['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, memory {hw['hbm_gbps']:.1f} GB/s, "
-        f"loopback {hw['intra_node_gbps']:.2f} GB/s, {hw['op_overhead_us']:.1f} µs per operator, "
+        f"gloo {hw['intra_node_gbps']:.2f} GB/s, {hw['op_overhead_us']:.1f} µs per operator, "
         f"{hw['collective_latency_us']:.0f} µs per collective)",
         "",
     ]
