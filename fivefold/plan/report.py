@@ -141,15 +141,16 @@ def format_search(result: SearchResult, world: int, hardware: Hardware) -> str:
         f"{fitting} fit in {hardware.memory_gb:g} GB; the fastest by estimated step time:",
         "",
     ]
+    w = max([60, *(len(p.layout) + 1 for p in plans)])  # the layouts' column fits the longest
     head = (
         f"{'#':>3s}  "
-        f"{'layout':60s}{'peak GB':>9s}{'step':>11s}{'tokens/s':>13s}{'MFU':>7s}{'bubble':>8s}"
+        f"{'layout':{w}s}{'peak GB':>9s}{'step':>11s}{'tokens/s':>13s}{'MFU':>7s}{'bubble':>8s}"
     )
     lines += [head, "-" * len(head)]
     for i, p in enumerate(plans, 1):
         bubble = f"{p.bubble:.1%}" if p.bubble is not None else "-"
         lines.append(
-            f"{i:>3d}  {p.layout:60s}{p.peak_bytes / GB:>9.1f}{_seconds(p.time['step']):>11s}"
+            f"{i:>3d}  {p.layout:{w}s}{p.peak_bytes / GB:>9.1f}{_seconds(p.time['step']):>11s}"
             f"{p.time['tokens/s']:>13,.0f}{p.time['MFU']:>7.1%}{bubble:>8s}"
         )
     if not plans:
@@ -162,11 +163,12 @@ def format_search(result: SearchResult, world: int, hardware: Hardware) -> str:
 def format_ranking(plans: list[LayoutPlan]) -> list[str]:
     """The first of ``plans`` and its runners-up, one row each: the layout, its predicted peak
     memory per GPU and step time, tokens/s (`fivefold train --layout auto`'s table)."""
-    head = f"  {'#':>2s}  {'layout':56s}{'peak per GPU':>14s}{'step':>12s}{'tokens/s':>12s}"
+    w = max([56, *(len(p.layout) + 1 for p in plans)])
+    head = f"  {'#':>2s}  {'layout':{w}s}{'peak per GPU':>14s}{'step':>12s}{'tokens/s':>12s}"
     lines = [head, "  " + "-" * (len(head) - 2)]
     for i, p in enumerate(plans, 1):
         lines.append(
-            f"  {i:>2d}  {p.layout:56s}{_bytes(p.peak_bytes):>14s}{_seconds(p.time['step']):>12s}"
+            f"  {i:>2d}  {p.layout:{w}s}{_bytes(p.peak_bytes):>14s}{_seconds(p.time['step']):>12s}"
             f"{p.time['tokens/s']:>12,.0f}"
         )
     return lines
