@@ -130,7 +130,7 @@ def cpu_memory_bandwidth(seconds: float = 0.2) -> float:
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = torch.ones(16 * 2**20)
+        src = torch.ones(16 * 2**20, device="cpu")
         dst = torch.empty_like(src)
         dst.copy_(src)
         best, deadline = 0.0, time.perf_counter() + seconds

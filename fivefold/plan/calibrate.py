@@ -56,12 +56,12 @@ def gemm_curve(dtype: torch.dtype = torch.float32) -> tuple[tuple[int, float], .
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            tiny = torch.ones(1, 1, dtype=dtype)
+            tiny = torch.ones(1, 1, dtype=dtype, device="cpu")
             floor = _best(lambda: torch.mm(tiny, tiny), inner=64)
             top = peak.cpu_peak_flops(1, dtype)
             out = []
             for n in GEMM_SIZES:
-                a = torch.randn(n, n, dtype=dtype)
+                a = torch.randn(n, n, dtype=dtype, device="cpu")
                 took = max(_best(lambda a=a: torch.mm(a, a)) - floor, 1e-9)
                 out.append([n, min(1.0, 2 * n**3 / took / top)])
             return out
@@ -81,7 +81,7 @@ def _block_seconds_per_operator() -> float:
     shape = dict(dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=8, max_seq_len=4)
     model = Llama(get_config("tiny", **shape))
     block, cos, sin = model.layers[0], model.rope_cos, model.rope_sin
-    x = torch.randn(1, 4, 8, requires_grad=True)
+    x = torch.randn(1, 4, 8, requires_grad=True, device="cpu")
 
     def step() -> None:
         block(x, cos, sin).sum().backward()
@@ -95,7 +95,7 @@ def _probe(small: int, large_bytes: int) -> tuple[float, float, float]:
     per operator of a tiny block while every rank runs it at once."""
     import torch.distributed as dist
 
-    t = torch.zeros(1)
+    t = torch.zeros(1, device="cpu")
     for _ in range(10):
         dist.all_reduce(t)
     tiny = []
@@ -104,7 +104,7 @@ def _probe(small: int, large_bytes: int) -> tuple[float, float, float]:
         for _ in range(small):
             dist.all_reduce(t)
         tiny.append((time.perf_counter() - start) / small)
-    big = torch.zeros(large_bytes // 4)
+    big = torch.zeros(large_bytes // 4, device="cpu")
     dist.all_reduce(big)
     took = []
     for _ in range(5):

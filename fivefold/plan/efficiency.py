@@ -109,7 +109,7 @@ def operator_counts(moe: bool, attention: str, recompute: str) -> dict[str, tupl
         shape = dict(dim=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, ffn_hidden=16)
         config = get_config("tiny-moe" if moe else "tiny", max_seq_len=8, **shape)
         model = Llama(config).set_attention(attention).set_recompute(recompute)
-        x = torch.randint(0, config.vocab_size, (1, 8))
+        x = torch.randint(0, config.vocab_size, (1, 8), device="cpu")
         Count.n = 0
         with Count():
             loss = lm_cross_entropy(model(x), x)
