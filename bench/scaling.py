@@ -11,8 +11,8 @@ Per size (presets ``small`` ≈10M, ``bench-40m`` ≈40M, ``bench-120m`` ≈125M
 
 Every row gives the median step time (slowest rank), fivefold / torch (paired rounds), the step / ideal where there
 is one, the bytes a rank sends per step, and MFU: the model FLOPs of the step (`formulas.model_flops_per_token` ×
-tokens: 6·N + 12·n_layers·L·D per token) over the step time and the peak of the cores the ranks run on, each core's
-peak the 1-thread matmul probe of `fivefold.observe.peak.cpu_peak_flops` — with 4 ranks on 2 cores the peak is that of 2.
+tokens: 6·N + 6·n_layers·L·D per token, causal attention's half) over the step time and the peak of the cores the
+ranks run on, each core's peak the 1-thread matmul probe of `fivefold.observe.peak.cpu_peak_flops` — with 4 ranks on 2 cores the peak is that of 2.
 Data-parallel rows are checked against their formulas by `bench.data_parallel` (mismatches are listed).
 """
 
@@ -49,7 +49,7 @@ class ScaleSpec:
 
 def _flops_per_token(preset: str, seq_len: int) -> int:
     config = get_config(preset)
-    return model_flops_per_token(param_counts(config)[1], config.n_layers, seq_len, config.dim)
+    return model_flops_per_token(param_counts(config)[1], config.n_layers, seq_len, config.n_heads * config.head_dim)
 
 
 def _rows(result: dict, layout: str, world: int, tokens_per_step: int, flops_per_token: int,
@@ -116,7 +116,7 @@ def format_scaling_table(results: dict) -> str:
                           f"{r['payload_bytes'] / 2**20:.1f}"))
             problems += [f"- {label} {r['name']}: {p}" for p in r["mismatches"]]
     out = markdown_table(table)
-    out += ["", f"MFU = model FLOPs of the step (6·N + 12·n_layers·L·D per token, N without embeddings) / (step time × "
+    out += ["", f"MFU = model FLOPs of the step (6·N + 6·n_layers·L·D per token: causal attention's half, N without embeddings) / (step time × "
                 f"peak of the cores in use); a core's peak: {results['core_peak_flops'] / 1e9:.1f} GFLOP/s "
                 f"(fivefold.observe.peak's fp32 matmul probe, {spec['threads']} thread); {results['cpu_count']} cores, so "
                 "4 ranks share 2 cores and their MFU is against the peak of 2",

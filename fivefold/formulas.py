@@ -32,6 +32,7 @@ __all__ = [
     "korthikanti_block_bytes",
     "loss_chunk_bytes",
     "attention_flops_per_token",
+    "eager_softmax_bytes",
     "elementwise_bytes_per_block",
     "loss_elementwise_bytes",
     "model_flops_per_token",
@@ -569,12 +570,16 @@ def selective_op_recompute_flops(
 ) -> float:
     """Forward FLOPs one dense block runs again in its backward under selective-op, for ``tokens``
     tokens on one rank: 2 per weight and token of each linear whose output ``save`` does not keep
-    (`BLOCK_LINEARS`; every other: wk, wo, w3), over ``tp``, and ``core_flops`` (the attention
-    core's forward) unless its outputs are kept (sdpa: "sdpa"; eager: "bmm")."""
+    (`BLOCK_LINEARS`; every other: wk, wo, w3) but the last, w2 — torch's non-reentrant
+    checkpoint stops recomputing once the backward has every tensor it saved, and nothing saves
+    w2's output —, over ``tp``, and ``core_flops`` (the attention core's forward) unless its
+    outputs are kept (sdpa: "sdpa"; eager: "bmm"). ``save`` = `SavePlan()` (nothing kept) is full
+    recompute's linears."""
     d, hd, f = config.dim, config.head_dim, config.ffn_hidden
     q, kv = config.n_heads * hd, config.n_kv_heads * hd
     weights = dict(zip(BLOCK_LINEARS, (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)))
-    again = sum(w for w, kept in zip(weights.values(), saved_linears(save)) if not kept)
+    kept = saved_linears(save)
+    again = sum(w for (name, w), k in zip(weights.items(), kept) if not k and name != "w2")
     core_kept = save.saves("sdpa" if attention == "sdpa" else "bmm")
     return 2 * tokens * again / tp + (0.0 if core_kept else core_flops)
 
@@ -625,7 +630,9 @@ def flat_model_state_bytes(
 
 def attention_flops_per_token(n_layers: int, seq_len: int, dim: int) -> int:
     """Forward + backward FLOPs per token of attention's scores (Q·Kᵀ) and weighted values (P·V)
-    under a causal mask: 6·n_layers·L·D — the half of the L × L square a causal kernel computes.
+    under a causal mask: 6·n_layers·L·D — the half of the L × L square a causal kernel computes;
+    ``dim`` is the attention's width, n_heads × head_dim (the model's width in Llama; Qwen3's
+    heads are wider).
     PaLM (appendix B) and torchtitan count the whole square, 12·n·L·D; fivefold counts what runs,
     in MFU and in `fivefold plan`'s time alike (docs/design.md#flops-and-mfu)."""
     return 6 * n_layers * seq_len * dim
@@ -667,6 +674,13 @@ def elementwise_bytes_per_block(
     swiglu = tokens * ffn_hidden // tp * 5 * s
     residuals = 2 * 3 * s * rows_d
     return norms + rope + out + swiglu + residuals
+
+
+def eager_softmax_bytes(mb: MicroBatch, n_heads: int) -> int:
+    """Bytes the eager attention core's forward moves on its B·(H/T)·L² scores besides its two
+    matmuls: the scale (read, write), the causal mask's fill (read, write) and the softmax (read,
+    write), 6 passes of s bytes per score."""
+    return 6 * mb.batch * (n_heads // mb.tp) * mb.seq_len**2 * mb.dtype_bytes
 
 
 def loss_elementwise_bytes(mb: MicroBatch, vocab: int) -> int:

@@ -275,3 +275,19 @@ def test_layout_auto_trains_the_chosen_layout_at_world_4(tmp_path, capfd):
     new = choose(told, 4, CPU, given_keys(None, [*resume, "--layout", "auto", "--parallel.tp", "2"]))
     assert new.fixed == ["parallel.tp"] and all(p.dims.tp == 2 for p in new.plans)
     assert new.plans[0].global_batch == first["train"]["global_batch"]  # the resumed run's batch
+
+
+def test_a_machine_that_cannot_be_measured_is_one_line(monkeypatch):
+    """The CPU's calibration (a short launch of its own) failing is one ConfigError line naming what to do."""
+    from fivefold.config import ConfigError, load_config
+    from fivefold.train import layout_auto
+
+    def broken(*_):
+        raise RuntimeError("process 0 terminated with exit code 1\nTraceback ...")
+
+    monkeypatch.setattr(layout_auto, "local_hardware", broken)
+    cfg = load_config(None, ["--layout", "auto", "--run.nproc", "2"])
+    with pytest.raises(ConfigError) as e:
+        layout_auto.resolve(cfg, 2, 2, "cpu", set())
+    assert "\n" not in str(e.value) and "could not measure this machine (process 0 terminated" in str(e.value)
+    assert "give the layout" in str(e.value)

@@ -347,3 +347,40 @@ def test_tp_rank_activations_match_the_formula(layout_results, run_name, mode):
         want = activation_bytes_per_block(mb, c.n_heads, c.n_kv_heads, c.ffn_hidden, recompute=mode, save=save)
         for i, got in enumerate(run["block_bytes"]):
             assert got == want, f"rank {rank} block {i}: measured {got}, formula {want}"
+
+
+def _backward_matmul_flops(mode: str, save: str = "matmuls-every-other") -> int:
+    """2·m·n·k summed over every mm / addmm / bmm the backward dispatches (a recomputation's included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    flops = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm", "bmm"):
+                a, b = args[-2], args[-1]
+                batch = a.shape[0] if a.dim() == 3 else 1
+                flops[0] += 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+            return out
+
+    model = Llama(SHAPE, seed=0).set_attention("sdpa")
+    model.set_recompute(mode) if mode != "selective-op" else model.set_recompute(mode, save)
+    loss = torch.nn.functional.cross_entropy(model(_tokens(1)).flatten(0, 1), _tokens(2).flatten())
+    with Count():
+        loss.backward()
+    return flops[0]
+
+
+@pytest.mark.parametrize("mode, save", [("full", ""), ("selective-op", "matmuls-every-other"),
+                                        ("selective-op", "softmax"), ("selective-op", "all-but-attention")])
+def test_the_recomputed_matmuls_are_what_the_formula_charges(mode, save):
+    """Counted in the backward: a recomputation runs every block linear its save set does not keep but the last,
+    w2 (torch's checkpoint stops once backward has what it saved) — what `selective_op_recompute_flops` and the
+    plan's time charge (`SavePlan()`: full recompute's). sdpa's core is no matmul here."""
+    from fivefold.formulas import SavePlan, selective_op_recompute_flops
+
+    extra = _backward_matmul_flops(mode, save) - _backward_matmul_flops("none")
+    plan = save_plan(save) if mode == "selective-op" else SavePlan()
+    assert extra == SHAPE.n_layers * selective_op_recompute_flops(SHAPE, B * L, plan)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +45,15 @@ def _table(points: tuple[tuple[int, float], ...], size: int) -> float:
 def gemm_efficiency(m: int, n: int, k: int, hw: Hardware) -> float:
     """The fraction of the peak an (m × k) · (k × n) matmul reaches: the table's at its smallest
     dimension, times wave quantization — the output's tiles fill ``hw.sms`` multiprocessors wave
-    by wave, and the last wave runs part-empty (NVIDIA's Matrix Multiplication Background guide)."""
+    by wave, and the last wave runs part-empty (NVIDIA's Matrix Multiplication Background guide);
+    the tile laid whichever way fills the waves better."""
     e = _table(hw.gemm_efficiency, max(1, min(m, n, k)))
     if hw.sms:
-        tiles = math.ceil(m / hw.gemm_tile[0]) * math.ceil(n / hw.gemm_tile[1])
-        e *= tiles / (math.ceil(tiles / hw.sms) * hw.sms)
+        fills = []
+        for tm, tn in (hw.gemm_tile, hw.gemm_tile[::-1]):  # the library may lay the tile either way
+            tiles = math.ceil(m / tm) * math.ceil(n / tn)
+            fills.append(tiles / (math.ceil(tiles / hw.sms) * hw.sms))
+        e *= max(fills)
     return e
 
 
@@ -129,6 +134,12 @@ def ops_per_block(moe: bool, attention: str, recompute: str) -> tuple[int, int]:
     return operator_counts(moe, attention, recompute)["block"]
 
 
+# a dense block's linear weights (an MoE block's experts, router and shared experts are not)
+_BLOCK_LINEAR = re.compile(
+    r"layers\.\d+\.(?:attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))\.weight"
+)
+
+
 def _tokens_per_weight(name: str, run: RunPlan, tokens: int) -> float:
     """Rows a weight's GEMM multiplies: every token of the micro-batch, or an expert's share of the
     routed rows (top_k per token, spread over E experts; ep ranks each receive from all)."""
@@ -158,17 +169,19 @@ def stage_work(
     s = mb.dtype_bytes
     tokens = mb.batch * mb.seq_len
     work = Work()
-    recompute_blocks = t.recompute == "full"
-    again_linears: set[str] = set()  # selective-op: the block linears whose outputs are not saved
+    # the block linears a recompute runs again: full all but w2 — torch's checkpoint stops once
+    # the backward has what it saved, and nothing saves w2's output —, selective-op those its save
+    # set does not keep (but w2); the attention core unless kept
+    again_linears: set[str] = set()
     core_again = t.recompute in ("full", "selective")
-    if t.recompute == "selective-op":
+    attention_core = cfg.model.attention if d.cp == 1 else "sdpa"
+    if t.recompute in ("full", "selective-op"):
         from fivefold.models.recompute_policy import save_plan
 
-        save = save_plan(t.recompute_save)
+        save = save_plan(t.recompute_save) if t.recompute == "selective-op" else formulas.SavePlan()
         kept = formulas.saved_linears(save)
-        again_linears = {n for n, k in zip(formulas.BLOCK_LINEARS, kept) if not k}
-        core = cfg.model.attention if d.cp == 1 else "sdpa"
-        core_again = not save.saves("sdpa" if core == "sdpa" else "bmm")
+        again_linears = {n for n, k in zip(formulas.BLOCK_LINEARS, kept) if not k} - {"w2"}
+        core_again = not save.saves("sdpa" if attention_core == "sdpa" else "bmm")
     blocks = list(stage.layers.values()) if stage.layers is not None else []
     # a tied head's matmul runs through the embedding's weight
     tied_head = getattr(stage, "output", None) is not None and "output.weight" not in shapes
@@ -182,27 +195,33 @@ def stage_work(
         one = gemm_seconds(int(rows), n, k, hw, s)
         dgrad = gemm_seconds(int(rows), k, n, hw, s)
         wgrad = gemm_seconds(n, k, int(rows), hw, s)
-        in_block = name.startswith("layers.")
-        linear = name.rsplit(".", 2)[-2] if ".experts." not in name else ""
-        again = one if in_block and (recompute_blocks or linear in again_linears) else 0.0
+        block_linear = _BLOCK_LINEAR.fullmatch(name)  # an MoE feed-forward's: priced as saved
+        linear = block_linear and (block_linear.group(1) or block_linear.group(2))
+        again = one if linear in again_linears else 0.0
         work.add("matmuls", one, dgrad + wgrad + again)
         work.flops += 6 * rows * n * k + (2 * rows * n * k if again else 0)
     attention = attention_flops_per_token(run, cfg, len(blocks)) * tokens
-    seconds = attention / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+    # the eager core computes the whole L × L square and masks half: twice the causal FLOPs
+    seconds = attention * (2 if attention_core == "eager" else 1)
+    seconds /= hw.peak_tflops * 1e12 * hw.attention_efficiency
     again = seconds / 3 if core_again else 0.0
     work.add("attention", seconds / 3, 2 * seconds / 3 + again)
     work.flops += attention * (4 / 3 if again else 1)
     memory_bw = hw.hbm_gbps * GB * hw.memory_efficiency
-    attention_core = cfg.model.attention if d.cp == 1 else "sdpa"
+    # what a recomputation's forward moves again outside its matmuls (selective-op keeps only the
+    # matmuls' and the core's outputs: every norm, RoPE, SwiGLU runs again)
+    elementwise_again = t.recompute in ("full", "selective-op")
     for block in blocks:
         moe = getattr(block.feed_forward, "router", None) is not None
-        hidden = (
-            m.moe.top_k * (m.moe.hidden or m.ffn_hidden) + m.moe.shared_experts * m.ffn_hidden
-            if moe and m.moe is not None
-            else m.ffn_hidden
-        )
+        hidden = m.ffn_hidden
+        if moe and m.moe is not None:
+            routed = m.moe.hidden or m.ffn_hidden
+            shared = m.moe.shared_hidden or routed * m.moe.shared_experts
+            hidden = m.moe.top_k * routed + (shared if m.moe.shared_experts else 0)
         fwd = formulas.elementwise_bytes_per_block(mb, m.n_heads, m.n_kv_heads, hidden) / memory_bw
-        work.add("elementwise", fwd, 2 * fwd + (fwd if recompute_blocks else 0.0))
+        if attention_core == "eager":  # its scale, mask and softmax over B·H·L² scores
+            fwd += formulas.eager_softmax_bytes(mb, m.n_heads) / memory_bw
+        work.add("elementwise", fwd, 2 * fwd + (fwd if elementwise_again else 0.0))
         f_ops, b_ops = ops_per_block(moe, attention_core, t.recompute)
         work.host_forward += f_ops * hw.op_overhead_us * 1e-6
         work.host_backward += b_ops * hw.op_overhead_us * 1e-6
@@ -222,5 +241,7 @@ def attention_flops_per_token(run: RunPlan, cfg: Config, blocks: int) -> float:
     """Forward + backward FLOPs of attention's scores and weighted values per token of one rank,
     for `blocks` blocks: the causal half of the L × L square, 6·L·D per block
     (`formulas.attention_flops_per_token`, the convention MFU uses too), over tp."""
-    per_block = formulas.attention_flops_per_token(1, cfg.train.seq_len, run.model.dim)
+    per_block = formulas.attention_flops_per_token(
+        1, cfg.train.seq_len, run.model.n_heads * run.model.head_dim
+    )
     return blocks * per_block / run.dims.tp

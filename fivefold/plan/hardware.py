@@ -48,7 +48,7 @@ class Hardware:
     gemm_efficiency: tuple[tuple[int, float], ...] = ((1, 0.803),)
     sms: int = 132
     gemm_tile: tuple[int, int] = (128, 256)
-    attention_efficiency: float = 0.35
+    attention_efficiency: float = 0.30
     memory_efficiency: float = 0.8
     op_overhead_us: float = 5.0
     asynchronous: bool = True
@@ -64,7 +64,7 @@ class Hardware:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "asynchronous", "gemm_efficiency", "gemm_tile"):
-                continue
+                continue  # (checked below)
             if not (value >= 0 if f.name in may_be_zero else value > 0):
                 raise ValueError(f"hardware {f.name}={value} must be positive")
         if not self.gemm_efficiency or any(
@@ -74,6 +74,8 @@ class Hardware:
                 f"hardware gemm_efficiency={self.gemm_efficiency}: (size >= 1, fraction in (0, 1]) "
                 "points"
             )
+        if len(self.gemm_tile) != 2 or min(self.gemm_tile) < 1:
+            raise ValueError(f"hardware gemm_tile={self.gemm_tile}: two positive sizes (m, n)")
         for name in ("attention_efficiency", "memory_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"hardware {name}={getattr(self, name)}: a fraction, at most 1")
@@ -111,7 +113,7 @@ HARDWARE = {
         hbm_gbps=2039.0,
         gemm_efficiency=((1, 0.869),),
         sms=108,
-        attention_efficiency=0.66,
+        attention_efficiency=0.56,
         memory_efficiency=0.88,
         context_gb=1.2,
         comm_buffer_mb=600.0,
@@ -128,9 +130,11 @@ SOURCES = {
     "sms, gemm_tile": "132 SMs (H100 / H200), 108 (A100), 128 × 256 output tiles: NVIDIA's Matrix "
     "Multiplication Background User's Guide (tile and wave quantization), ml-engineering "
     "training/performance/README.md",
-    "attention_efficiency": "FlashAttention-2 (PyTorch's sdpa flash kernel): 35 % of an H100's "
-    "peak (FlashAttention-3, arXiv 2407.08608); on an A100 up to 73 % forward and 63 % backward "
-    "(arXiv 2307.08691), weighted by their FLOPs (the backward 2.5 × the forward's): 66 %",
+    "attention_efficiency": "FlashAttention-2 (PyTorch's sdpa flash kernel), in the plan's FLOP "
+    "convention (backward 2 × forward; FlashAttention's papers count it 2.5 ×, so e = 3 / (1 / "
+    "e_forward + 2.5 / e_backward)): on an A100 up to 73 % forward and 63 % backward (arXiv "
+    "2307.08691) -> 56 %; on an H100 35 % (FlashAttention-3, arXiv 2407.08608), taken for both "
+    "passes -> 30 %",
     "memory_efficiency": "STREAM triad over the data sheet's bandwidth: A100 80 GB 1794 / 2039 "
     "GB/s = 88 %, H200 ≈ 79 % (RRZE-HPC/gpu-benches at 1038c5d); no H100 SXM measurement found: "
     "80 %, between them",

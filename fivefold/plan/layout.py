@@ -118,7 +118,9 @@ def plan_layout(
     model = run.model
     params, active = param_counts(model)
     tokens = run.global_batch * cfg.train.seq_len
-    flops = formulas.model_flops_per_token(active, model.n_layers, cfg.train.seq_len, model.dim)
+    flops = formulas.model_flops_per_token(
+        active, model.n_layers, cfg.train.seq_len, model.n_heads * model.head_dim
+    )
     time["tokens/s"] = tokens / time["step"]
     time["MFU"] = flops * tokens / (time["step"] * world * hardware.peak_tflops * 1e12)
     busiest = max(transfers, key=lambda r: sum(t.nbytes for t in transfers[r]))
@@ -198,6 +200,12 @@ def _advice(
             f"gradients are reduced after each of the {run.grad_accum} micro-batches; "
             "--zero.defer_reduce true reduces once per step (ZeRO-2/3 then hold full gradients "
             "until the last micro-batch)"
+        )
+    if cfg.train.recompute == "selective-op" and run.dims.cp > 1:
+        notes.append(
+            "recompute selective-op under cp: torch's selective checkpoint also keeps ring "
+            "attention's per-step kernel outputs and the received K/V shards, which the blocks' "
+            "bytes above do not price: this rank's activations are an underestimate"
         )
     if cfg.zero.stage == 3 and not cfg.zero.reshard_after_forward:
         notes.append(

@@ -325,14 +325,17 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
 
 def communicators(run: RunPlan, cfg: Config) -> list[str]:
     """The process groups a rank of this layout talks in (each a communicator with its own
-    buffers): every mesh dimension of more than one rank it uses, and the world (the launcher's
-    barrier)."""
+    buffers): tp, pp, cp, ep of more than one rank; ZeRO's group (dp, or dp × cp under cp; HSDP's
+    shard and replica groups instead), the experts' gradient group (ep_dp), hpZ's secondary group;
+    and the world (the launcher's barrier)."""
     d = run.dims
     dims = [dim for dim in ("tp", "pp", "cp", "ep") if d.size(dim) > 1]
     if d.dp_replicate > 1:  # HSDP: shard groups and replica groups
         dp = [dim for dim in ("dp_shard", "dp_replicate") if d.size(dim) > 1]
     else:  # ZeRO's group spans dp × cp
         dp = [dim for dim in ("dp_cp" if d.cp > 1 else "dp",) if d.size(dim) > 1]
+    if run.model.moe is not None and d.ep > 1 and d.size("ep_dp") > 1:
+        dp.append("ep_dp")  # the experts' gradients reduce over the ranks holding the same experts
     if cfg.zero.hpz > 1:
         dp.append("dp_hpz")
     return [*dims, *dp, "world"]

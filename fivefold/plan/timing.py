@@ -104,11 +104,12 @@ def step_time(
             beside = max if hw.asynchronous else (lambda a, b: a + b)  # the CPU: one after another
             cost[sid] = (beside(f, forward_dp) + share / 3, beside(b, backward_dp) + 2 * share / 3)
             compute[sid] = f + b
-        if sum(sum(w.parts.values()) for w in works.values()) > sum(parts_of.values()):
-            parts_of = {}
-            for w in works.values():
-                for kind, seconds in w.parts.items():
-                    parts_of[kind] = parts_of.get(kind, 0.0) + seconds * M
+        mine: dict[str, float] = {}  # this rank's step, by kind (M micro-batches)
+        for w in works.values():
+            for kind, seconds in w.parts.items():
+                mine[kind] = mine.get(kind, 0.0) + seconds * M
+        if sum(mine.values()) > sum(parts_of.values()):
+            parts_of = mine
     bubble = None
     if isinstance(next(iter(parts_by_rank.values())), PipelinedModel):
         schedule = next(iter(parts_by_rank.values())).schedule

@@ -262,7 +262,14 @@ def resolve(
         return cfg, None
     from fivefold.plan.assembly import precision_bytes
 
-    hardware = local_hardware(device_type, precision_bytes(cfg)[0], ranks_per_node)
+    try:  # (on the CPU measured once per machine: a short local launch of its own)
+        hardware = local_hardware(device_type, precision_bytes(cfg)[0], ranks_per_node)
+    except (OSError, RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"parallel.layout=auto could not measure this machine ({first}); give the layout "
+            "(parallel.tp, pp, cp, dp, ep, zero.stage) yourself"
+        ) from e
     progress = SearchProgress(
         err or sys.stderr, prefix=WHAT, on_stop="Ctrl-C stops it; nothing is trained"
     )

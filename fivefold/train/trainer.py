@@ -290,7 +290,9 @@ class Trainer:
         )
         return Throughput(
             cfg.train.global_batch * cfg.train.seq_len,
-            model_flops_per_token(active_params, m.n_layers, cfg.train.seq_len, m.dim),
+            model_flops_per_token(
+                active_params, m.n_layers, cfg.train.seq_len, m.n_heads * m.head_dim
+            ),
             None if peak is None else peak * world,
             world,
         )

@@ -176,7 +176,7 @@ def part_profile(dry: bool) -> dict[str, Any]:
             model=model, seq=seq, micro_batches=accum)
         trainer = host_syncs.stepping_trainer(
             cfg, parts, mesh, steps=1000, rows=rows, vocab=model.vocab_size, peak_flops=peak,
-            flops_per_token=model_flops_per_token(active, model.n_layers, seq, model.dim))
+            flops_per_token=model_flops_per_token(active, model.n_layers, seq, model.n_heads * model.head_dim))
         for step in range(3):
             trainer.train_step(step)
         _sync(device)
