@@ -161,9 +161,11 @@ def debug_collectives_requested(config_flag: bool = False) -> bool:
 
 
 def _call_site() -> str:
-    """The first frame outside this module: who issued the collective."""
-    for frame in reversed(traceback.extract_stack(limit=12)[:-1]):
-        if not frame.filename.endswith("comm.py"):
+    """The first frame outside this module (and `ops.collective_outputs`, which issues it under
+    selective-op recompute): who issued the collective."""
+    for frame in reversed(traceback.extract_stack(limit=16)[:-1]):
+        relay = frame.filename.endswith("ops.py") and frame.name == "collective_outputs"
+        if not frame.filename.endswith("comm.py") and not relay:
             return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
     return "?"
 

@@ -142,8 +142,10 @@ SOURCES = {
     "its kernels; NCCL's small-message latency is tens of µs)",
     "context_gb": "the CUDA context before any tensor, 0.71 GiB, and about 0.5 GB of kernels "
     "loaded by the first operators (ml-engineering debug/pytorch.md; pytorch/pytorch#107667)",
-    "comm_buffer_mb": "NCCL's memory per communicator measured at 544-688 MB on A100s "
-    "(NVIDIA/nccl#964), 388 MiB per extra group (sgl-project/sglang#35538): 600 MB",
+    "comm_buffer_mb": "NCCL's buffers per channel and peer: Simple 4 MiB (DEFAULT_BUFFSIZE) + LL "
+    "512 KiB + LL128 about 4.7 MiB (NVIDIA/nccl src/init.cc at 5067397c), 9.2 MiB; a ring channel "
+    "has 2 peers, so 32 channels hold about 590 MB — measured 544-688 MB per communicator on "
+    "A100s (NVIDIA/nccl#964), 388 MiB per extra group (sgl-project/sglang#35538): 600 MB",
     "allocator_reserve": "an assumption: 5 % of the tensors' peak reserved but unallocated (one "
     "published reading: 1.83 of 77.1 GiB, 2.4 %, vllm-project/compressed-tensors#587)",
 }
