@@ -34,8 +34,9 @@ class PlanSpec:
     layouts: tuple[str, ...] | None = None  # default: every one of plan_layouts.LAYOUTS
     # the band planned / measured is held to here (reported, never a test's assertion): on this
     # CPU the plan is optimistic — it leaves out the engine's Python and gloo's threads competing
-    # with the compute for the cores (docs/plan.md#against-measured-steps) — but within 5×
-    band: tuple[float, float] = (0.2, 1.0)
+    # with the compute for the cores (docs/benchmarks.md#the-planner-against-measured-cpu-steps) —
+    # but within about 6×
+    band: tuple[float, float] = (0.15, 1.0)
 
 
 def _time_layouts(names: list[str], steps: int, warmup: int) -> dict[str, list[float]]:
