@@ -134,9 +134,13 @@ def test_the_cli_overrides_the_runtime_constants(capsys):
 
 
 def test_operator_counts_see_recompute():
-    none, full = operator_counts(False, "sdpa", "none"), operator_counts(False, "sdpa", "full")
+    none, full = operator_counts(None, "sdpa", "none"), operator_counts(None, "sdpa", "full")
     assert none["block"][0] > 10 and none["ends"][0] > 0
     assert full["block"][1] >= none["block"][1] + none["block"][0] - 5  # the forward again, in the backward
+    every = operator_counts(None, "sdpa", "selective-op", "matmuls-every-other")
+    assert none["block"][1] < every["block"][1] < full["block"][1]  # fewer operators run again
+    few, many = operator_counts((8, 2, 0), "sdpa", "none"), operator_counts((64, 2, 0), "sdpa", "none")
+    assert many["block"][0] > few["block"][0]  # an expert's operators run for each expert that gets rows
 
 
 @pytest.mark.parametrize("save", ["matmuls-every-other", "all-but-attention", "softmax"])

@@ -86,7 +86,7 @@ def _block_seconds_per_operator() -> float:
     def step() -> None:
         block(x, cos, sin).sum().backward()
 
-    return _best(step, seconds=0.2, inner=4) / sum(ops_per_block(False, "sdpa", "none"))
+    return _best(step, seconds=0.2, inner=4) / sum(ops_per_block(None, "sdpa", "none"))
 
 
 def _probe(small: int, large_bytes: int) -> tuple[float, float, float]:

@@ -91,12 +91,18 @@ class Work:
         return self.forward + self.host_forward, self.backward + self.host_backward
 
 
-@functools.lru_cache(maxsize=32)
-def operator_counts(moe: bool, attention: str, recompute: str) -> dict[str, tuple[int, int]]:
+@functools.lru_cache(maxsize=64)
+def operator_counts(
+    experts: tuple[int, int, int] | None, attention: str, recompute: str, save: str = ""
+) -> dict[str, tuple[int, int]]:
     """(forward, backward) operators dispatched by one block ("block") and by the model's ends
     ("ends": the embedding, final norm, head and loss), counted once on a tiny CPU model with a
     dispatch mode — the counts do not depend on the widths; a recomputation's forward is in the
-    backward's count."""
+    backward's count. ``experts``: an MoE block's (experts, top_k, shared experts), with enough
+    tokens that every expert gets rows (its operators grow with the experts it runs); ``save``:
+    selective-op's save set."""
+    import dataclasses
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -110,11 +116,21 @@ def operator_counts(moe: bool, attention: str, recompute: str) -> dict[str, tupl
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
+    rows = 1
+    moe: dict[str, Any] = {}
+    if experts is not None:
+        n, k, shared = experts
+        base = get_config("tiny-moe").moe
+        moe = {"moe": dataclasses.replace(base, experts=n, top_k=k, shared_experts=shared)}
+        rows = max(1, -(-4 * n // (8 * k)))  # sequences of 8 tokens: 4 rows per expert on average
+
     def count(n_layers: int) -> tuple[int, int]:
         shape = dict(dim=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, ffn_hidden=16)
-        config = get_config("tiny-moe" if moe else "tiny", max_seq_len=8, **shape)
-        model = Llama(config).set_attention(attention).set_recompute(recompute)
-        x = torch.randint(0, config.vocab_size, (1, 8), device="cpu")
+        config = get_config("tiny-moe" if moe else "tiny", max_seq_len=8, **shape, **moe)
+        model = Llama(config).set_attention(attention)
+        model.set_recompute(recompute, save) if save else model.set_recompute(recompute)
+        x = torch.randint(0, config.vocab_size, (rows, 8), device="cpu",
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
         Count.n = 0
         with Count():
             loss = lm_cross_entropy(model(x), x)
@@ -129,9 +145,11 @@ def operator_counts(moe: bool, attention: str, recompute: str) -> dict[str, tupl
     return {"block": block, "ends": (one[0] - block[0], one[1] - block[1])}
 
 
-def ops_per_block(moe: bool, attention: str, recompute: str) -> tuple[int, int]:
+def ops_per_block(
+    experts: tuple[int, int, int] | None, attention: str, recompute: str, save: str = ""
+) -> tuple[int, int]:
     """(forward, backward) operators of one block (`operator_counts`)."""
-    return operator_counts(moe, attention, recompute)["block"]
+    return operator_counts(experts, attention, recompute, save)["block"]
 
 
 # a dense block's linear weights (an MoE block's experts, router and shared experts are not)
@@ -222,13 +240,15 @@ def stage_work(
         if attention_core == "eager":  # its scale, mask and softmax over B·H·L² scores
             fwd += formulas.eager_softmax_bytes(mb, m.n_heads) / memory_bw
         work.add("elementwise", fwd, 2 * fwd + (fwd if elementwise_again else 0.0))
-        f_ops, b_ops = ops_per_block(moe, attention_core, t.recompute)
+        experts = (m.moe.experts, m.moe.top_k, m.moe.shared_experts) if moe and m.moe else None
+        save = t.recompute_save if t.recompute == "selective-op" else ""
+        f_ops, b_ops = ops_per_block(experts, attention_core, t.recompute, save)
         work.host_forward += f_ops * hw.op_overhead_us * 1e-6
         work.host_backward += b_ops * hw.op_overhead_us * 1e-6
     if getattr(stage, "output", None) is not None:  # the head's loss over the vocabulary
         fwd = formulas.loss_elementwise_bytes(mb, m.vocab_size) / memory_bw
         work.add("elementwise", fwd, 2 * fwd)
-    ends = operator_counts(m.moe is not None, attention_core, t.recompute)["ends"]
+    ends = operator_counts(None, attention_core, t.recompute)["ends"]
     has_ends = (getattr(stage, "output", None) is not None) + (
         getattr(stage, "tok_embeddings", None) is not None
     )
