@@ -345,4 +345,4 @@ def test_search_keeps_a_given_schedule(capsys):
     assert cli(["plan", "--model", "small", "--gpus", "4", "--search", "--pp", "2", "--schedule", "zb-h1",
                 "--top", "3", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
-    assert plans and all(p["layout"].endswith("zb-h1") or "zb-h1" in p["layout"] for p in plans)
+    assert plans and all("zb-h1" in p["layout"] for p in plans)
