@@ -330,6 +330,26 @@ class CheckpointSection:
 
 
 @dataclass
+class FtSection:
+    """Replica fault tolerance with torchft (`fivefold.fault_tolerance`, docs/training.md#
+    keeping-training-when-a-replica-dies): the world splits into replica groups, each its own job;
+    HSDP's replica all-reduce goes through torchft's per-step quorum, so a dead group is dropped
+    and the others go on."""
+
+    # replica groups (1: off); each has world / R ranks and shards inside itself
+    replica_groups: int = 1
+    # the torchft lighthouse, http://host:port ("": the local launcher starts one on 127.0.0.1)
+    lighthouse: str = ""
+    # the fewest live groups a step may commit with (the lighthouse waits for that many)
+    min_replicas: int = 1
+    # this process's group, 0..R-1: set by the local launcher; under torchrun give it per job
+    group: int = -1
+    # torchft's collective / quorum timeout, and how long a dead group's heartbeat is awaited
+    timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 2.0
+
+
+@dataclass
 class DebugSection:
     # every collective's fingerprint (op, dim, shapes, dtypes, call number, step, call site)
     # compared across the group before it is issued: a mismatch is an error on every rank, not a
@@ -380,6 +400,7 @@ class Config:
     debug: DebugSection = field(default_factory=DebugSection)
     moe: MoESection = field(default_factory=MoESection)  # written [model.moe] / --model.moe.* too
     logging: LoggingSection = field(default_factory=LoggingSection)
+    ft: FtSection = field(default_factory=FtSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

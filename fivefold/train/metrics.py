@@ -331,6 +331,8 @@ class StepResult:
     traffic_by_dim: Mapping[str, CommTotals] = dataclasses.field(default_factory=dict)
     # on an accelerator's log steps: the device's peak allocated memory so far (MiB); None on CPU
     peak_memory_mb: float | None = None
+    # ft: the replica groups in the step's quorum (None: ft off)
+    replicas: int | None = None
 
     @property
     def steps_done(self) -> int:
@@ -516,6 +518,7 @@ class RunRecordLog(TrainObserver):
                 "tokens_per_s": tp.tokens_per_s(dt),
                 "model_state_mb": r.model_state_mb or None,  # (null before it is measured)
                 **({} if r.peak_memory_mb is None else {"peak_memory_mb": r.peak_memory_mb}),
+                **({} if r.replicas is None else {"replicas": r.replicas}),
                 "flops_per_token": tp.flops_per_token,
                 "achieved_tflops_per_device": tp.tflops_per_device(dt),
                 "mfu": tp.mfu(dt),

@@ -37,6 +37,7 @@ from fivefold.distributed.launch import (
 )
 from fivefold.distributed.mesh import ParallelMesh
 from fivefold.distributed.watchdog import Stalled, report_step, watch_comm_log
+from fivefold.fault_tolerance.replicas import replicas_for
 from fivefold.formulas import model_flops_per_token
 from fivefold.models.llama import param_counts
 from fivefold.models.parallel_model import Batch, ParallelModel
@@ -91,6 +92,10 @@ def run(cfg: Config, given: Collection[str] | None = None) -> TrainResult:
     ``parallel.layout = "auto"`` the planner chooses the layout first (`layout_auto`), holding the
     searched keys among ``given`` (the keys the command line and --config set; None: those that
     differ from the defaults)."""
+    if cfg.ft.replica_groups > 1 and cfg.ft.group < 0 and not is_torchrun_env():
+        from fivefold.fault_tolerance.launch import run_groups
+
+        return run_groups(cfg, given)  # the groups, each back here as its own job
     if is_torchrun_env():
         one_component(cfg.run.name, "run.name")  # before the lock and the recorder make anything
         with distributed(
@@ -102,7 +107,9 @@ def run(cfg: Config, given: Collection[str] | None = None) -> TrainResult:
             cfg, chosen = layout_auto.resolve_on_rank0(cfg, world, local, device.type, given)
             lock = _lock_on_rank0(cfg)
             try:
-                return train(cfg, layout_auto.with_choice(validate(cfg, world), cfg, chosen))
+                plan = validate(cfg, world)
+                _check_replica_group(cfg, plan, world)
+                return train(cfg, layout_auto.with_choice(plan, cfg, chosen))
             finally:
                 lock.release()
     if cfg.run.device not in ("auto", "cpu"):
@@ -119,6 +126,21 @@ def run(cfg: Config, given: Collection[str] | None = None) -> TrainResult:
         return _launch(
             cfg, layout_auto.with_choice(validate(cfg, cfg.run.nproc), cfg, chosen)
         )  # (again, under the lock: what the directory holds now)
+
+
+def _check_replica_group(cfg: Config, plan: RunPlan, world: int) -> None:
+    """Under torchrun, one replica group of an ft job (``ft.group`` given): ft's checks on it."""
+    if cfg.ft.replica_groups <= 1:
+        return
+    from fivefold.fault_tolerance.launch import check_ft, check_group_plan
+
+    if not 0 <= cfg.ft.group < cfg.ft.replica_groups or not cfg.ft.lighthouse:
+        raise ValueError(
+            f"ft.replica_groups={cfg.ft.replica_groups} under torchrun: each group is its own "
+            "torchrun job; give it --ft.group 0..R-1 and --ft.lighthouse http://host:port"
+        )
+    check_ft(cfg, world * cfg.ft.replica_groups)
+    check_group_plan(cfg, plan)
 
 
 def locked_dirs(cfg: Config) -> list[Path]:
@@ -239,18 +261,30 @@ class Trainer:
             grad_accum=plan.grad_accum,
         )
         self.dp, self.dp_rank = mesh.size("dp"), mesh.rank("dp")
+        # ft: the other replica groups (`fault_tolerance.replicas`); the training rows split over
+        # every group's dp ranks
+        self.replicas = replicas_for(cfg, device, self.log)
+        self.data_dp, self.data_rank, self.data_batch = self.replicas.data_share(
+            self.dp, self.dp_rank, t.global_batch
+        )
         self.data = open_dataset(cfg, plan.data)
         self.model_cfg = plan.model  # its vocabulary the tokenizer's (`validate`)
         self.n_params, active = param_counts(self.model_cfg)
         self.throughput = self._throughput(active)
         masked = plan.data.documents == "mask"
         self.model: ParallelModel = parallelize(
-            cfg, self.model_cfg, mesh, device, plan.data.eos_id if masked else None
+            cfg,
+            self.model_cfg,
+            self.replicas.wrap_mesh(mesh),
+            device,
+            plan.data.eos_id if masked else None,
         )
+        self.replicas.attach(self.model.engines.values())
         self.checkpoints = TrainCheckpoints(
             cfg, mesh, self.model, self.model_cfg, device, plan.data.tokenizer, plan.layout_auto
         )
         self.start = self._restore_or_start()
+        self.replicas.set_start(self.start)
         dist.barrier()
         self.record = RunRecord(
             Path(cfg.run.out_dir) / cfg.run.name if dist.get_rank() == 0 else None,
@@ -382,16 +416,25 @@ class Trainer:
             observer.on_run_start(info)
         self.clock.restart(self.start)
         steps = self.cfg.train.steps
-        for step in range(self.start, steps):
-            try:
-                self.train_step(step)
-            except Exception as e:  # any: every observer closes what it holds (files, sinks)
-                self._abort(step, e)
-                if isinstance(e, NonFiniteGradient):
-                    raise NonFiniteGradient(f"step {step + 1}: {e}") from None
-                raise
-            if self.checkpoint_saver.stopped is not None:
-                break
+        step = self.start
+        try:
+            while step < steps:
+                try:
+                    # ft: the quorum, maybe healing this group to the live groups' step
+                    step = self.replicas.start_step(step)
+                    if step >= steps:
+                        break
+                    committed = self.train_step(step) is not None
+                except Exception as e:  # any: every observer closes what it holds (files, sinks)
+                    self._abort(step, e)
+                    if isinstance(e, NonFiniteGradient):
+                        raise NonFiniteGradient(f"step {step + 1}: {e}") from None
+                    raise
+                if self.checkpoint_saver.stopped is not None:
+                    break
+                step += committed  # a step ft did not commit is trained again with a new quorum
+        finally:
+            self.replicas.close()
         stopped = self.checkpoint_saver.stopped
         result = self.summary.result(
             step + 1 if stopped else steps,
@@ -417,26 +460,30 @@ class Trainer:
                 else:
                     print(said, file=sys.stderr, flush=True)
 
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int) -> StepResult | None:
         """One step: this rank's micro-batches forward and backward (gradients reduced), the
         optimizer step over every engine, the loss averaged; then every observer's ``on_step_end``.
-        No host sync but on log steps."""
+        No host sync but on log steps. Under ft, None when the live groups did not commit the step
+        (its gradients dropped, nothing stepped)."""
         self.log.reset()
         for observer in self.observers:
             observer.on_step_start(step)
         set_debug_step(step + 1)  # numbered as everywhere: from 1
         lr = self._set_lr(step)
         batches, documents = self._micro_batches(step)
-        weight = self.data.loss_weight(step, self.cfg.train.global_batch)
+        weight = self.data.loss_weight(step, self.data_batch)
         loss_sum = self.model.forward_backward(batches, documents, weight)
+        if not self.replicas.commit():
+            for engine in self.model.engines.values():
+                engine.zero_grad()
+            return None
         self._meter_model_state(step)
         grad_norm = self.model.step(self._max_norm, self.cfg.train.check_finite)
         # before the metrics' collectives
         traffic = self.log.totals(dims=self.model.step_traffic_dims)
         by_dim = self.log.by_dim()
-        result = self._result(
-            step, lr, self.model.global_loss(loss_sum), grad_norm, traffic, by_dim
-        )
+        loss = self.replicas.mean_loss(self.model.global_loss(loss_sum))
+        result = self._result(step, lr, loss, grad_norm, traffic, by_dim)
         for observer in self.observers:
             observer.on_step_end(result)
         return result
@@ -456,7 +503,9 @@ class Trainer:
         device, and their documents (read from the rows on the host, before they are copied)."""
         t = self.cfg.train
         host = [
-            self.data.micro_batch(step, t.global_batch, micro, t.grad_accum, self.dp_rank, self.dp)
+            self.data.micro_batch(
+                step, self.data_batch, micro, t.grad_accum, self.data_rank, self.data_dp
+            )
             for micro in range(t.grad_accum)
         ]
         documents = [self.model.documents_of(x) for x, _ in host]
@@ -501,6 +550,7 @@ class Trainer:
             norm_value,
             traffic_by_dim or {},
             peak,
+            self.replicas.live,
         )
 
     def _fetch(

@@ -1,0 +1,196 @@
+"""Starting a fault-tolerant job (docs/training.md#keeping-training-when-a-replica-dies): the checks
+``ft`` needs before anything starts (`check_ft`), one replica group's own configuration
+(`group_config`), and the local launcher's whole job on one machine (`run_groups`): a torchft
+lighthouse on 127.0.0.1 and R group launchers, each restarting its own workers
+(``run.max_restarts``) while the others train on."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import socket
+import urllib.parse
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from fivefold.config import Config, ConfigError
+from fivefold.fault_tolerance.replicas import check_torchft, quiet_torchft
+from fivefold.run_plan import RunPlan
+
+__all__ = ["check_ft", "check_group_plan", "group_config", "lighthouse_reachable", "run_groups"]
+
+
+def check_ft(cfg: Config, world: int) -> None:
+    """One line naming what to change when ``ft`` cannot serve `cfg` on `world` processes (all the
+    groups together), before any group starts."""
+    f, p, z = cfg.ft, cfg.parallel, cfg.zero
+    groups = f.replica_groups
+    if groups < 1:
+        raise ConfigError(f"ft.replica_groups={groups}: give 1 (off) or more replica groups")
+    if groups == 1:
+        return
+    check_torchft()
+    if world % groups:
+        raise ConfigError(
+            f"ft.replica_groups={groups} does not divide the world of {world} processes: each "
+            "group is world / replica_groups ranks; choose a divisor"
+        )
+    if not 1 <= f.min_replicas <= groups:
+        raise ConfigError(f"ft.min_replicas={f.min_replicas}: give 1 to {groups} (the groups)")
+    if p.dp != -1 and p.dp % groups:
+        raise ConfigError(
+            f"parallel.dp={p.dp} with ft.replica_groups={groups}: dp counts every group's data "
+            "ranks and must be a multiple of the groups"
+        )
+    if cfg.train.global_batch is not None and cfg.train.global_batch % groups:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} with ft.replica_groups={groups}: each "
+            "group trains an equal part; give a multiple of the groups"
+        )
+    refusals = (
+        (
+            p.dp_replicate > 1,
+            f"parallel.dp_replicate={p.dp_replicate} with ft: the replica groups are ft's "
+            "replicas; give parallel.dp_replicate 1",
+        ),
+        (
+            z.stage == 0,
+            "ft with zero.stage 0: ft reduces HSDP's shard across the groups; use zero.stage 1 "
+            "to 3 (with one rank per group, stage 1 is DDP across the groups)",
+        ),
+        (
+            z.qgz,
+            "ft with zero.qgz: the replica reduce sums plain shards; drop zero.qgz",
+        ),
+        (
+            z.constant_buffers,
+            "ft with zero.constant_buffers: the replica all-reduce runs on the fresh bucket "
+            "shards; drop zero.constant_buffers",
+        ),
+        (
+            cfg.precision.param == "fp16",
+            "ft with precision.param fp16: the loss scaler's overflow vote stays inside a group; "
+            "use bf16 or fp32",
+        ),
+    )
+    for refused, line in refusals:
+        if refused:
+            raise ConfigError(line)
+    if f.lighthouse and not lighthouse_reachable(f.lighthouse):
+        raise ConfigError(
+            f"ft.lighthouse={f.lighthouse!r} is not reachable: start one (torchft_lighthouse "
+            "--min_replicas 1 --bind [::]:29510) or leave ft.lighthouse empty for a local job"
+        )
+
+
+def check_group_plan(cfg: Config, plan: RunPlan) -> None:
+    """What only the resolved plan tells: an MoE model (its experts' engine is not reduced across
+    the groups)."""
+    if cfg.ft.replica_groups > 1 and plan.model.moe is not None:
+        raise ConfigError(
+            "ft with an MoE model: the experts' engine is not reduced across replica groups yet; "
+            "use a dense model or ft.replica_groups 1"
+        )
+
+
+def lighthouse_reachable(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether something listens at the lighthouse's host:port (http://host:port)."""
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    if url.hostname is None or url.port is None:
+        return False
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def group_config(cfg: Config, group: int, lighthouse: str) -> Config:
+    """Replica group `group`'s own job: world / R ranks (``run.nproc``), dp / R, global batch / R,
+    its run directory ``<run.out_dir>/<run.name>/replica<group>`` (own lock, records and
+    checkpoints)."""
+    groups = cfg.ft.replica_groups
+    p, t, r, c = cfg.parallel, cfg.train, cfg.run, cfg.checkpoint
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(p, dp=p.dp if p.dp == -1 else p.dp // groups),
+        train=dataclasses.replace(
+            t, global_batch=None if t.global_batch is None else t.global_batch // groups
+        ),
+        run=dataclasses.replace(
+            r,
+            nproc=r.nproc // groups,
+            out_dir=str(Path(r.out_dir) / r.name),
+            name=f"replica{group}",
+        ),
+        checkpoint=dataclasses.replace(
+            c, dir=str(Path(c.dir) / f"replica{group}") if c.dir else ""
+        ),
+        ft=dataclasses.replace(cfg.ft, group=group, lighthouse=lighthouse),
+    )
+
+
+def _start_lighthouse(cfg: Config) -> Any:
+    from torchft._torchft import LighthouseServer
+
+    f = cfg.ft
+    return LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=f.min_replicas,
+        # the first quorum waits this long for every group (then goes on with min_replicas)
+        join_timeout_ms=int(f.timeout_s * 1000),
+        heartbeat_timeout_ms=int(f.heartbeat_timeout_s * 1000),
+    )
+
+
+def _group_main(cfg: Config, given: Collection[str] | None, results: Any) -> None:
+    from fivefold.train.trainer import run
+
+    try:
+        results.put((cfg.ft.group, run(cfg, given), None))
+    except BaseException as e:  # the parent names it; the group's own launcher said more
+        results.put((cfg.ft.group, None, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+
+
+def run_groups(cfg: Config, given: Collection[str] | None = None) -> Any:
+    """The local launcher's ft job: a lighthouse (unless ``ft.lighthouse`` names one) and R group
+    launchers side by side; returns group 0's `TrainResult`. A group that fails for good (its
+    restarts spent) fails the job once the others are done."""
+    from fivefold.train.validate import validate
+
+    check_ft(cfg, cfg.run.nproc)
+    groups = cfg.ft.replica_groups
+    for g in range(groups):  # every group's errors here, before anything starts
+        c = group_config(cfg, g, cfg.ft.lighthouse)
+        check_group_plan(c, validate(c, c.run.nproc))
+    quiet_torchft()  # (the groups inherit it)
+    lighthouse = None if cfg.ft.lighthouse else _start_lighthouse(cfg)
+    address = cfg.ft.lighthouse or lighthouse.address()
+    configs = [group_config(cfg, g, address) for g in range(groups)]
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    procs = [context.Process(target=_group_main, args=(c, given, results)) for c in configs]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    outcome = {}
+    while not results.empty():
+        g, result, error = results.get()
+        outcome[g] = (result, error)
+    failed = {g: outcome.get(g, (None, "exited without a result"))[1] for g in range(groups)}
+    failed = {g: e for g, e in failed.items() if e is not None}
+    if failed:
+        raise RuntimeError(
+            "; ".join(f"replica group {g} failed: {e}" for g, e in sorted(failed.items()))
+        )
+    return outcome[0][0]

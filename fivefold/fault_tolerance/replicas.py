@@ -1,0 +1,288 @@
+"""What a trainer sees of the other replica groups (docs/design.md#replica-fault-tolerance):
+`NoReplicas` when ``ft.replica_groups`` is 1, else `TorchftReplicas`, one torchft `Manager` per
+rank.
+
+Under ft every replica group is its own job (dp_shard × cp × tp × pp, no HSDP inside). Its dense
+engine is built as HSDP's with R replicas: gradients are pre-divided by N_s·R and each bucket's
+reduced shard is then summed across the groups — not over a torch process group but through the
+Manager's reconfigurable one (`ReplicaAllReduceComm`, the ``dp_replicate`` dimension). Each step
+starts with a quorum (`start_step`): a group that died is dropped, one that came back first receives
+the live weights and optimizer state from a healthy group (torchft's checkpoint transport, loaded
+weights-only) and then trains in step with them. With P < R live groups the summed shard is scaled
+by R/P, so the gradient (and the logged loss) is the mean over the live groups' rows: the step's
+global batch shrinks to P/R of its rows; the rows of the dead groups are not trained on again. The
+optimizer steps only if every live rank agrees (`commit`); a failed commit repeats the step's index
+with the next quorum, so every committed step index is trained once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from fivefold.config import Config, ConfigError
+from fivefold.distributed.comm import CommLog
+
+if TYPE_CHECKING:
+    from fivefold.data_parallel import ZeroDataParallel
+
+__all__ = [
+    "NoReplicas",
+    "ReplicaAllReduceComm",
+    "ReplicaGroupMesh",
+    "TorchftReplicas",
+    "check_torchft",
+    "replicas_for",
+]
+
+INSTALL = "pip install 'fivefold[ft]' (torchft)"
+
+
+def check_torchft() -> None:
+    """torchft importable, else one line naming the install."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"ft.replica_groups > 1 needs torchft, which is not installed: {INSTALL}")
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust side logs every quorum at INFO; warnings only unless RUST_LOG says more."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
+class NoReplicas:
+    """One replica group (ft off): every step is committed, the loss and the data are the mesh's."""
+
+    live = None  # no quorum to report
+
+    def wrap_mesh(self, mesh: Any) -> Any:
+        return mesh
+
+    def attach(self, engines: Iterable[ZeroDataParallel]) -> None:
+        pass
+
+    def data_share(self, dp: int, dp_rank: int, global_batch: int) -> tuple[int, int, int]:
+        """(dp size, dp rank, global batch) the training rows are split by."""
+        return dp, dp_rank, global_batch
+
+    def set_start(self, step: int) -> None:
+        pass
+
+    def start_step(self, step: int) -> int:
+        return step
+
+    def commit(self) -> bool:
+        return True
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def close(self) -> None:
+        pass
+
+
+class _Rescaled:
+    """A replica all-reduce's work: waited, the sum over P live groups is scaled by R/P (gradients
+    were pre-divided by R)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, scale: float | None) -> None:
+        self.work, self.tensor, self.scale = work, tensor, scale
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.scale is not None:
+            self.tensor.mul_(self.scale)
+            self.scale = None
+        return True
+
+
+class ReplicaAllReduceComm:
+    """The ``dp_replicate`` dimension through a torchft Manager: what HSDP's `ReplicaReduce` calls
+    (``all_reduce``), logged in the step's `CommLog` like any collective. ``size`` is R (the divisor
+    the engine pre-divides by), whatever the quorum."""
+
+    dim = "dp_replicate"
+
+    def __init__(self, manager: Any, groups: int, group: int, device: torch.device, log: CommLog):
+        self.manager, self.size, self.rank, self.device, self.log = (
+            manager,
+            groups,
+            group,
+            device,
+            log,
+        )
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp = dist.ReduceOp.SUM,
+        async_op: bool = False,
+        tag: str = "",
+    ) -> _Rescaled:
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the replica all-reduce sums; {op} asked")
+        if self.log.enabled:
+            timing = self.log.record("all_reduce", self.dim, tensor, self.size, tag)
+            if timing is not None:
+                timing.blocked(timing.start, self.log.clock.mark(), True)
+        from torchft.process_group import ReduceOp
+
+        live = self.manager.num_participants()
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        done = _Rescaled(work, tensor, self.size / live if 0 < live < self.size else None)
+        if not async_op:
+            done.wait()
+        return done
+
+    def broadcast(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Nothing: every group materialises the same seeded values (or loads its own checkpoint of
+        the same step), and a group that joins late receives the live state by healing."""
+
+
+class ReplicaGroupMesh:
+    """A replica group's mesh as its engines see it: HSDP with R replicas over the group's own
+    dp × cp shards, ``dp_replicate`` the Manager's; every other dimension the group's own."""
+
+    def __init__(self, mesh: Any, replicate: ReplicaAllReduceComm) -> None:
+        self._mesh, self._replicate = mesh, replicate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mesh, name)
+
+    def size(self, dim: str) -> int:
+        return self._replicate.size if dim == "dp_replicate" else self._mesh.size(dim)
+
+    def rank(self, dim: str) -> int:
+        return self._replicate.rank if dim == "dp_replicate" else self._mesh.rank(dim)
+
+    def comm(self, dim: str) -> Any:
+        return self._replicate if dim == "dp_replicate" else self._mesh.comm(dim)
+
+
+def _weights_only_transport(timeout: datetime.timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, its loads weights-only: what a peer sends is tensors,
+    numbers and dicts, and loading it can run no code (torchft's own loads full pickles)."""
+    from torchft.checkpointing import _serialization
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
+            import urllib.request
+
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _serialization._streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+class TorchftReplicas(NoReplicas):
+    """This rank's torchft `Manager` (group rank 0's also serves the group to the lighthouse) and
+    the replica state a healing peer receives: every engine's fp32 master segments and their
+    optimizer state. Quorums are synchronous (a rejoining group heals before its step starts)."""
+
+    def __init__(self, cfg: Config, device: torch.device, log: CommLog) -> None:
+        quiet_torchft()
+        import torchft
+
+        f = cfg.ft
+        self.groups, self.group = f.replica_groups, f.group
+        self.engines: list[ZeroDataParallel] = []
+        self.live: int | None = None
+        timeout = datetime.timedelta(seconds=f.timeout_s)
+        pg = (
+            torchft.ProcessGroupGloo(timeout=timeout)
+            if device.type == "cpu"
+            else torchft.ProcessGroupNCCL(timeout=timeout)
+        )
+        self.manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=f.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            lighthouse_addr=f.lighthouse,
+            replica_id=f"fivefold_replica_{f.group}",
+            heartbeat_interval=datetime.timedelta(milliseconds=100),
+            checkpoint_transport=_weights_only_transport(timeout),
+            init_sync=False,  # the groups start from the same seeded values
+        )
+        self.comm = ReplicaAllReduceComm(self.manager, self.groups, self.group, device, log)
+
+    def wrap_mesh(self, mesh: Any) -> ReplicaGroupMesh:
+        return ReplicaGroupMesh(mesh, self.comm)
+
+    def attach(self, engines: Iterable[ZeroDataParallel]) -> None:
+        """The engines whose state a healing peer receives."""
+        self.engines = list(engines)
+
+    def data_share(self, dp: int, dp_rank: int, global_batch: int) -> tuple[int, int, int]:
+        """Group g's ranks read rows g·dp + rank of the R·dp-way split of R × the group's batch."""
+        return self.groups * dp, self.group * dp + dp_rank, self.groups * global_batch
+
+    def set_start(self, step: int) -> None:
+        """A resumed group's step (its checkpoint's), the Manager's step count."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step})
+
+    def start_step(self, step: int) -> int:
+        """The step's quorum (healing this group if it is behind); the step index to train now."""
+        self.manager.start_quorum()
+        self.live = self.manager.num_participants()
+        return self.manager.current_step()
+
+    def commit(self) -> bool:
+        return bool(self.manager.should_commit())
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The group's mean loss averaged over the live groups."""
+        from torchft.process_group import ReduceOp
+
+        loss = loss.detach().clone()
+        self.manager.allreduce(loss, reduce_op=ReduceOp.AVG).wait()
+        return loss
+
+    def _segments(self) -> Iterable[tuple[str, Any, torch.Tensor]]:
+        for e, engine in enumerate(self.engines):
+            for i, flat in enumerate(engine.flats):
+                for j, master in enumerate(flat.master_params):
+                    yield f"{e}.{i}.{j}", engine, master
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            key: {"master": master.detach(), **engine.optimizer.state.get(master, {})}
+            for key, engine, master in self._segments()
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        from fivefold.data_parallel.sharded_optimizer import write_back
+
+        with torch.no_grad():
+            for key, engine, master in self._segments():
+                theirs = dict(state[key])
+                master.copy_(theirs.pop("master"))
+                mine = engine.optimizer.state.setdefault(master, {})
+                for k, v in theirs.items():
+                    if k in mine:
+                        mine[k].copy_(v)
+                    else:  # a torch optimizer keeps a non-fused step count on the CPU
+                        mine[k] = v.to(master.device if v.dim() > 0 else "cpu").clone()
+        write_back(flat for engine in self.engines for flat in engine.flats)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def replicas_for(cfg: Config, device: torch.device, log: CommLog) -> NoReplicas:
+    if cfg.ft.replica_groups <= 1:
+        return NoReplicas()
+    return TorchftReplicas(cfg, device, log)

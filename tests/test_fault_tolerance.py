@@ -1,0 +1,227 @@
+"""Replica fault tolerance with torchft (`fivefold.fault_tolerance`): the refusals before anything
+starts, the replica all-reduce's rescaling over the live groups, the weights-only checkpoint
+transport; then whole jobs on the local launcher — two groups equal plain HSDP when nothing fails,
+and a group SIGKILLed mid-run is dropped from the quorum while the other trains on, restarts, heals
+from the live group and ends bitwise equal to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.config import Config, ConfigError, apply_overrides
+from fivefold.distributed.comm import CommLog
+from fivefold.fault_tolerance.launch import check_ft, group_config, lighthouse_reachable
+from fivefold.fault_tolerance.replicas import ReplicaAllReduceComm, _weights_only_transport
+
+pytest.importorskip("torchft")
+
+CLI = [sys.executable, "-c", "from fivefold.cli import main; raise SystemExit(main())", "train"]
+BASE = ["--model.preset", "tiny", "--run.log_every", "1", "--checkpoint.every_minutes", "0",
+        "--train.eval_every", "0", "--run.plot", "false", "--run.progress", "false"]
+
+
+def _cfg(*args: str) -> Config:
+    return apply_overrides(Config(), list(args))
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ft.replica_groups", "3"], "does not divide the world of 4"),
+    (["--ft.replica_groups", "2", "--zero.stage", "0"], "use zero.stage 1"),
+    (["--ft.replica_groups", "2", "--parallel.dp_replicate", "2"], "give parallel.dp_replicate 1"),
+    (["--ft.replica_groups", "2", "--zero.qgz", "true"], "drop zero.qgz"),
+    (["--ft.replica_groups", "2", "--ft.min_replicas", "3"], "give 1 to 2"),
+    (["--ft.replica_groups", "2", "--train.global_batch", "9"], "a multiple of the groups"),
+    (["--ft.replica_groups", "2", "--precision.param", "fp16"], "use bf16 or fp32"),
+    (["--ft.replica_groups", "2", "--ft.lighthouse", "http://127.0.0.1:9"], "is not reachable"),
+])
+def test_what_ft_cannot_serve_is_one_line_before_anything_starts(args, says):
+    with pytest.raises(ConfigError, match=says):
+        check_ft(_cfg("--zero.stage", "1", *args), 4)
+
+
+def test_an_moe_model_is_refused_before_spawning(tmp_path):
+    from fivefold.fault_tolerance.launch import run_groups
+
+    cfg = _cfg("--model.preset", "tiny-moe", "--zero.stage", "1", "--ft.replica_groups", "2",
+               "--run.nproc", "2", "--run.out_dir", str(tmp_path))
+    with pytest.raises(ConfigError, match="MoE model"):
+        run_groups(cfg)
+    assert not list(tmp_path.iterdir())  # nothing made
+
+
+def test_a_group_is_its_own_job_with_its_part_of_the_world_and_batch(tmp_path):
+    cfg = _cfg("--run.nproc", "4", "--parallel.dp", "4", "--train.global_batch", "16",
+               "--ft.replica_groups", "2", "--run.out_dir", str(tmp_path), "--run.name", "job")
+    g = group_config(cfg, 1, "http://127.0.0.1:1")
+    assert (g.run.nproc, g.parallel.dp, g.train.global_batch) == (2, 2, 8)
+    assert Path(g.run.out_dir) / g.run.name == tmp_path / "job" / "replica1"
+    assert (g.ft.group, g.ft.lighthouse) == (1, "http://127.0.0.1:1")
+
+
+class _Manager:
+    """A torchft Manager's allreduce as seen by one group: the live groups' sum is given."""
+
+    def __init__(self, live: int, others: torch.Tensor) -> None:
+        self.live, self.others = live, others
+
+    def num_participants(self) -> int:
+        return self.live
+
+    def allreduce(self, tensor, reduce_op=None):
+        tensor.add_(self.others)
+        return self
+
+    def wait(self):
+        return True
+
+
+@pytest.mark.parametrize("live", [1, 2, 4])
+def test_the_replica_sum_is_the_mean_over_the_live_groups(live):
+    """Gradients arrive pre-divided by N_s·R; the sum over P live groups is scaled by R/P (exactly
+    nothing when all R are live, so a job without failures is plain HSDP's arithmetic)."""
+    groups = 4
+    mine, others = torch.full((3,), 1.0 / groups), torch.full((3,), (live - 1) / groups)
+    comm = ReplicaAllReduceComm(_Manager(live, others), groups, 0, torch.device("cpu"),
+                                CommLog(enabled=True))
+    work = comm.all_reduce(mine, async_op=True, tag="t")
+    work.wait()
+    assert torch.equal(mine, torch.ones(3)) if live < groups else torch.equal(
+        mine, torch.full((3,), 1.0))
+    record = comm.log.by_dim()["dp_replicate"]
+    assert record.calls == 1 and record.payload_bytes == 12
+
+
+class _Runs:
+    def __reduce__(self):
+        return (print, ("a peer ran code",))
+
+
+def test_a_healing_peer_s_state_is_loaded_weights_only(tmp_path):
+    """What a peer sends is loaded with weights_only: tensors pass, a pickle that would run code is
+    refused."""
+    import datetime
+
+    transport = _weights_only_transport(datetime.timedelta(seconds=5))
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    from torchft.checkpointing._serialization import _streaming_save  # what a peer sends
+
+    with good.open("wb") as f:
+        _streaming_save({"0.0.0": {"master": torch.arange(3.0), "step": torch.tensor(2.0)}}, f)
+    with bad.open("wb") as f:
+        _streaming_save({"x": _Runs()}, f)
+    loaded = transport._load_from_address(good.as_uri(), datetime.timedelta(seconds=5))
+    assert torch.equal(loaded["0.0.0"]["master"], torch.arange(3.0))
+    with pytest.raises(Exception, match="[Ww]eights only|weights_only|Unsupported"):
+        transport._load_from_address(bad.as_uri(), datetime.timedelta(seconds=5))
+    transport.shutdown()
+
+
+def test_lighthouse_reachable_says_no_for_a_closed_port():
+    assert not lighthouse_reachable("http://127.0.0.1:9", timeout_s=0.5)
+    assert not lighthouse_reachable("nonsense")
+
+
+def _train_rows(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"]
+
+
+def _final_params(ckpt: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / f"{ckpt.name}.pt"
+    dcp_to_torch_save(ckpt, out)
+    return {k: v for k, v in torch.load(out).items() if k.startswith(("model.", "optim."))}
+
+
+@pytest.mark.multiprocess
+def test_two_replica_groups_train_equal_to_plain_hsdp(tmp_path):
+    """2 groups × 2 ranks (ZeRO-2 inside, the replica reduce through torchft) against HSDP with
+    dp_replicate 2 over the same 4 ranks: the gradients take the same reduction order (a 2-way
+    sum of the same shards), so the final parameters and optimizer state are bitwise equal; the
+    logged loss is a mean of means here (over the group, then over the live groups) against one
+    4-way mean, so it agrees to fp32 rounding (1e-6 relative)."""
+    common = [*BASE, "--train.steps", "4", "--zero.stage", "2", "--nproc", "4",
+              "--run.out_dir", str(tmp_path)]
+    subprocess.run([*CLI, *common, "--run.name", "hsdp", "--parallel.dp_replicate", "2"],
+                   check=True, capture_output=True, timeout=300)
+    ft = subprocess.run([*CLI, *common, "--run.name", "ft", "--ft.replica_groups", "2"],
+                        capture_output=True, text=True, timeout=300)
+    assert ft.returncode == 0, ft.stdout + ft.stderr
+    hsdp = [(r["step"], r["loss"]) for r in _train_rows(tmp_path / "hsdp" / "metrics.jsonl")]
+    for g in (0, 1):
+        rows = _train_rows(tmp_path / "ft" / f"replica{g}" / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [s for s, _ in hsdp]
+        assert [r["loss"] for r in rows] == pytest.approx([v for _, v in hsdp], rel=1e-6)
+        assert all(r["replicas"] == 2 for r in rows)
+    a = _final_params(tmp_path / "hsdp" / "checkpoints" / "step-00000004")
+    for g in (0, 1):
+        b = _final_params(tmp_path / "ft" / f"replica{g}" / "checkpoints" / "step-00000004")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _group_workers(run_dir: Path) -> list[int]:
+    """A group launcher's training workers: the children of the pid its run lock names."""
+    try:
+        pid = json.loads((run_dir / ".lock").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [k for k in _children(pid)
+            if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+@pytest.mark.multiprocess
+def test_a_killed_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_path):
+    """SIGKILL group 1's worker mid-run: group 0 trains on (every step once, the quorum 2 then 1
+    then 2 again), group 1's launcher restarts it, it receives group 0's live state and both end
+    with bitwise the same parameters and optimizer state."""
+    steps = 160
+    cmd = [*CLI, *BASE, "--train.steps", str(steps), "--zero.stage", "1", "--nproc", "2",
+           "--ft.replica_groups", "2", "--run.max_restarts", "1", "--run.out_dir", str(tmp_path),
+           "--run.name", "job", "--ft.heartbeat_timeout_s", "1", "--ft.timeout_s", "20"]
+    proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    live, dead = tmp_path / "job" / "replica0", tmp_path / "job" / "replica1"
+    killed, deadline = None, time.time() + 240
+    while proc.poll() is None and time.time() < deadline and killed is None:
+        time.sleep(0.05)
+        metrics = dead / "metrics.jsonl"
+        rows = _train_rows(metrics) if metrics.exists() else []
+        workers = _group_workers(dead)
+        if rows and rows[-1]["step"] >= 10 and workers:
+            killed_at = rows[-1]["step"]
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert killed is not None, "the run ended before a group could be killed:\n" + out
+    assert proc.returncode == 0, out
+    rows = _train_rows(live / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step repeated or lost
+    quorum = [r["replicas"] for r in rows]
+    alone = [i for i, q in enumerate(quorum) if q == 1]
+    assert alone, quorum
+    assert all(q == 2 for q in quorum[: killed_at]), quorum  # the kill came after step killed_at
+    assert quorum[alone[0]:alone[-1] + 1] == [1] * len(alone) and quorum[-1] == 2, quorum
+    a = _final_params(live / "checkpoints" / f"step-{steps:08d}")
+    b = _final_params(dead / "checkpoints" / f"step-{steps:08d}")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
