@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import socket
 import urllib.parse
 from collections.abc import Collection
@@ -141,12 +142,31 @@ def _start_lighthouse(cfg: Config) -> Any:
         # the first quorum waits this long for every group (then goes on with min_replicas)
         join_timeout_ms=int(f.timeout_s * 1000),
         heartbeat_timeout_ms=int(f.heartbeat_timeout_s * 1000),
+        # how often the lighthouse looks for a complete quorum: every step waits up to one tick
+        quorum_tick_ms=10,
     )
 
 
-def _group_main(cfg: Config, given: Collection[str] | None, results: Any) -> None:
+def _host_share(group: int, groups: int) -> set[int] | None:
+    """Group `group`'s own slice of this host's cores (None when there are fewer cores than
+    groups): the groups side by side on one host must not oversubscribe it, each sizing its
+    threads to the whole host."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < groups:
+        return None
+    per = len(cores) // groups
+    return set(cores[group * per : (group + 1) * per])
+
+
+def _group_main(
+    cfg: Config, given: Collection[str] | None, results: Any, cores: set[int] | None
+) -> None:
     from fivefold.train.trainer import run
 
+    if cores is not None:  # the group's workers size their threads to this share
+        os.sched_setaffinity(0, cores)
     try:
         results.put((cfg.ft.group, run(cfg, given), None))
     except BaseException as e:  # the parent names it; the group's own launcher said more
@@ -171,7 +191,12 @@ def run_groups(cfg: Config, given: Collection[str] | None = None) -> Any:
     configs = [group_config(cfg, g, address) for g in range(groups)]
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
-    procs = [context.Process(target=_group_main, args=(c, given, results)) for c in configs]
+    procs = [
+        context.Process(
+            target=_group_main, args=(c, given, results, _host_share(c.ft.group, groups))
+        )
+        for c in configs
+    ]
     try:
         for proc in procs:
             proc.start()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -186,6 +187,8 @@ class TorchftReplicas(NoReplicas):
     the replica state a healing peer receives: every engine's fp32 master segments and their
     optimizer state. Quorums are synchronous (a rejoining group heals before its step starts)."""
 
+    JOIN_POLL_S = 0.05
+
     def __init__(self, cfg: Config, device: torch.device, log: CommLog) -> None:
         quiet_torchft()
         import torchft
@@ -218,6 +221,7 @@ class TorchftReplicas(NoReplicas):
             init_sync=False,  # the groups start from the same seeded values
         )
         self.comm = ReplicaAllReduceComm(self.manager, self.groups, self.group, device, log)
+        self._join_attempts = int(f.timeout_s / self.JOIN_POLL_S)
 
     def wrap_mesh(self, mesh: Any) -> ReplicaGroupMesh:
         return ReplicaGroupMesh(mesh, self.comm)
@@ -235,8 +239,18 @@ class TorchftReplicas(NoReplicas):
         self.manager.load_state_dict({"step": step, "batches_committed": step})
 
     def start_step(self, step: int) -> int:
-        """The step's quorum (healing this group if it is behind); the step index to train now."""
+        """The step's quorum (healing this group if it is behind); the step index to train now.
+
+        A group's first quorum waits up to ``ft.timeout_s`` for every group: the lighthouse counts
+        only groups already heartbeating, so a group still starting would miss the first steps.
+        The attempts are counted, not timed, so the group's ranks agree on the last one."""
         self.manager.start_quorum()
+        for _ in range(self._join_attempts):
+            if self.manager.num_participants() >= self.groups:
+                break
+            time.sleep(self.JOIN_POLL_S)
+            self.manager.start_quorum()
+        self._join_attempts = 0
         self.live = self.manager.num_participants()
         return self.manager.current_step()
 

@@ -164,6 +164,14 @@ def _lock_on_rank0(cfg: Config) -> RunLock:
     return lock
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (a replica group's share of the host, see
+    fault_tolerance/launch.py), else the host's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
     """Spawn the workers (restarting them after a lost one, `run.max_restarts` times); the run
     directory is locked."""
@@ -172,7 +180,7 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
     ):  # here, once: a restart must not find the old run's files
         clear_run_dir(cfg)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False))
-    threads = max(1, (os.cpu_count() or 1) // cfg.run.nproc)
+    threads = max(1, _usable_cores() // cfg.run.nproc)
     first_resume = cfg.run.resume
     for attempt in range(cfg.run.max_restarts + 1):
         try:
