@@ -48,6 +48,24 @@ def test_what_ft_cannot_serve_is_one_line_before_anything_starts(args, says):
         check_ft(_cfg("--zero.stage", "1", *args), 4)
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--ft.group", "0"], "give each --ft.group 0..1 and --ft.lighthouse"),
+    (["--ft.group", "2", "--ft.lighthouse", "http://127.0.0.1:9"], "give each --ft.group 0..1"),
+    (["--ft.group", "1", "--ft.lighthouse", "http://127.0.0.1:9"], "is not reachable"),
+])
+def test_one_group_s_own_job_is_checked_before_anything_starts(tmp_path, args, says):
+    """One group per job (the local launcher on one of several machines; torchrun alike): its
+    world and batch are the group's own (3 rows need not divide by 2 groups), the rest is ft's."""
+    from fivefold.train.trainer import run
+
+    cfg = _cfg("--model.preset", "tiny", "--zero.stage", "1", "--ft.replica_groups", "2",
+               "--run.nproc", "1", "--train.global_batch", "3", "--run.out_dir", str(tmp_path),
+               *args)
+    with pytest.raises(ConfigError, match=says):
+        run(cfg)
+    assert not list(tmp_path.iterdir())  # nothing made
+
+
 def test_an_moe_model_is_refused_before_spawning(tmp_path):
     from fivefold.fault_tolerance.launch import run_groups
 
@@ -225,3 +243,69 @@ def test_a_killed_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp
     a = _final_params(live / "checkpoints" / f"step-{steps:08d}")
     b = _final_params(dead / "checkpoints" / f"step-{steps:08d}")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.multiprocess
+def test_a_lost_lighthouse_stops_each_group_with_its_state_saved_and_resume_ends_equal(tmp_path):
+    """One job per group (each its own launcher, as under torchrun) on a lighthouse that then
+    stops: each group ends within ft.timeout_s with one line naming the lighthouse and a
+    checkpoint of every step it committed; resumed on a new lighthouse, both end bitwise equal to
+    an uninterrupted job."""
+    def lighthouse() -> tuple[subprocess.Popen, str]:
+        """A lighthouse in its own process (its host can be lost): the process and its address."""
+        code = ("from torchft._torchft import LighthouseServer as L; import time; l = L("
+                "bind='127.0.0.1:0', min_replicas=1, join_timeout_ms=20000, "
+                "heartbeat_timeout_ms=2000, quorum_tick_ms=10); print(l.address(), flush=True); "
+                "time.sleep(600)")
+        proc = subprocess.Popen([sys.executable, "-c", code], text=True, stdout=subprocess.PIPE,
+                                env=dict(os.environ, RUST_LOG="warn"))
+        return proc, proc.stdout.readline().strip()
+
+    steps = 12
+    common = [*BASE, "--train.steps", str(steps), "--zero.stage", "1", "--run.out_dir",
+              str(tmp_path), "--ft.replica_groups", "2", "--ft.timeout_s", "4"]
+    reference = subprocess.run([*CLI, *common, "--nproc", "2", "--train.global_batch", "8",
+                                "--run.name", "reference"], capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+
+    def groups(address: str, *more: str) -> list[subprocess.Popen]:
+        return [subprocess.Popen([*CLI, *common, "--nproc", "1", "--train.global_batch", "4",
+                                  "--ft.group", str(g), "--ft.lighthouse", address,
+                                  "--run.name", f"g{g}", *more],
+                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                for g in (0, 1)]
+
+    first, address = lighthouse()
+    procs, deadline = groups(address), time.time() + 240
+    metrics = tmp_path / "g0" / "metrics.jsonl"
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and len(_train_rows(metrics)) >= 4:
+            break
+        time.sleep(0.05)
+    first.kill()
+    first.wait()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    done = []
+    for g, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0, out
+        lines = [ln for ln in out.splitlines() if "no quorum for step" in ln]
+        assert len(lines) == 1 and f"replica group {g}" in lines[0], out
+        assert "ft.timeout_s=4 s" in lines[0] and address in lines[0], out
+        saved = sorted((tmp_path / f"g{g}" / "checkpoints").glob("step-*"))
+        assert saved, out
+        done.append(int(saved[-1].name.split("-")[1]))
+        assert done[-1] == _train_rows(tmp_path / f"g{g}" / "metrics.jsonl")[-1]["step"], out
+    assert done[0] == done[1] and 4 <= done[0] < steps, done  # no committed step lost
+
+    second, address = lighthouse()
+    try:
+        procs = groups(address, "--resume")
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        second.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    a = _final_params(tmp_path / "reference" / "replica0" / "checkpoints" / f"step-{steps:08d}")
+    for g in (0, 1):
+        b = _final_params(tmp_path / f"g{g}" / "checkpoints" / f"step-{steps:08d}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), g

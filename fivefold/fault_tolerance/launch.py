@@ -19,26 +19,29 @@ from fivefold.config import Config, ConfigError
 from fivefold.fault_tolerance.replicas import check_torchft, quiet_torchft
 from fivefold.run_plan import RunPlan
 
-__all__ = ["check_ft", "check_group_plan", "group_config", "lighthouse_reachable", "run_groups"]
+__all__ = [
+    "check_ft",
+    "check_group",
+    "check_group_plan",
+    "group_config",
+    "lighthouse_reachable",
+    "run_groups",
+]
 
 
 def check_ft(cfg: Config, world: int) -> None:
-    """One line naming what to change when ``ft`` cannot serve `cfg` on `world` processes (all the
-    groups together), before any group starts."""
-    f, p, z = cfg.ft, cfg.parallel, cfg.zero
+    """One line naming what to change when ``ft`` cannot serve the whole job `cfg` on `world`
+    processes (all the groups together), before any group starts."""
+    f, p = cfg.ft, cfg.parallel
     groups = f.replica_groups
-    if groups < 1:
-        raise ConfigError(f"ft.replica_groups={groups}: give 1 (off) or more replica groups")
+    check_group(cfg)
     if groups == 1:
         return
-    check_torchft()
     if world % groups:
         raise ConfigError(
             f"ft.replica_groups={groups} does not divide the world of {world} processes: each "
             "group is world / replica_groups ranks; choose a divisor"
         )
-    if not 1 <= f.min_replicas <= groups:
-        raise ConfigError(f"ft.min_replicas={f.min_replicas}: give 1 to {groups} (the groups)")
     if p.dp != -1 and p.dp % groups:
         raise ConfigError(
             f"parallel.dp={p.dp} with ft.replica_groups={groups}: dp counts every group's data "
@@ -49,6 +52,20 @@ def check_ft(cfg: Config, world: int) -> None:
             f"train.global_batch={cfg.train.global_batch} with ft.replica_groups={groups}: each "
             "group trains an equal part; give a multiple of the groups"
         )
+
+
+def check_group(cfg: Config) -> None:
+    """What one replica group's own configuration (under torchrun: its world, dp and batch are
+    the group's) must satisfy for ``ft``: one line naming what to change."""
+    f, p, z = cfg.ft, cfg.parallel, cfg.zero
+    groups = f.replica_groups
+    if groups < 1:
+        raise ConfigError(f"ft.replica_groups={groups}: give 1 (off) or more replica groups")
+    if groups == 1:
+        return
+    check_torchft()
+    if not 1 <= f.min_replicas <= groups:
+        raise ConfigError(f"ft.min_replicas={f.min_replicas}: give 1 to {groups} (the groups)")
     refusals = (
         (
             p.dp_replicate > 1,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -54,6 +55,24 @@ def check_torchft() -> None:
 def quiet_torchft() -> None:
     """torchft's Rust side logs every quorum at INFO; warnings only unless RUST_LOG says more."""
     os.environ.setdefault("RUST_LOG", "warn")
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _QuietFlightRecorder) for f in manager_log.filters):
+        manager_log.addFilter(_QuietFlightRecorder())
+
+
+class QuorumLost(RuntimeError):
+    """No quorum within ``ft.timeout_s``: the lighthouse is gone or too few groups are alive. The
+    group's own state is whole (every committed step), so a checkpoint of it is saved first."""
+
+    state_intact = True  # CheckpointSaver.on_run_abort saves the steps done before it is raised
+
+
+class _QuietFlightRecorder(logging.Filter):
+    """torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder, which
+    a gloo group does not have."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
 
 
 class NoReplicas:
@@ -222,6 +241,7 @@ class TorchftReplicas(NoReplicas):
         )
         self.comm = ReplicaAllReduceComm(self.manager, self.groups, self.group, device, log)
         self._join_attempts = int(f.timeout_s / self.JOIN_POLL_S)
+        self.ft = f
 
     def wrap_mesh(self, mesh: Any) -> ReplicaGroupMesh:
         return ReplicaGroupMesh(mesh, self.comm)
@@ -244,15 +264,27 @@ class TorchftReplicas(NoReplicas):
         A group's first quorum waits up to ``ft.timeout_s`` for every group: the lighthouse counts
         only groups already heartbeating, so a group still starting would miss the first steps.
         The attempts are counted, not timed, so the group's ranks agree on the last one."""
-        self.manager.start_quorum()
+        self._quorum(step)
         for _ in range(self._join_attempts):
             if self.manager.num_participants() >= self.groups:
                 break
             time.sleep(self.JOIN_POLL_S)
-            self.manager.start_quorum()
+            self._quorum(step)
         self._join_attempts = 0
         self.live = self.manager.num_participants()
         return self.manager.current_step()
+
+    def _quorum(self, step: int) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # torchft's own: a gRPC timeout, a failed reconfiguration
+            raise QuorumLost(
+                f"replica group {self.group}: no quorum for step {step + 1} within "
+                f"ft.timeout_s={self.ft.timeout_s:g} s ({type(e).__name__}): the lighthouse at "
+                f"{self.ft.lighthouse} is down or fewer than ft.min_replicas="
+                f"{self.ft.min_replicas} groups are alive; start it again and resume the groups "
+                "(--resume)"
+            ) from None
 
     def commit(self) -> bool:
         return bool(self.manager.should_commit())

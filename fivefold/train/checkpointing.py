@@ -416,6 +416,7 @@ class CheckpointSaver(TrainObserver):
         self.checkpoints, self.record, self.clock = checkpoints, record, clock
         self.start_step = start_step
         self.stopped: str | None = None  # why the run stops after this step (with a checkpoint)
+        self.saved_at = start_step  # the steps done at the last checkpoint (or the start)
 
     def on_step_end(self, result: StepResult) -> None:
         step, cfg = result.step, self.checkpoints.cfg
@@ -449,6 +450,7 @@ class CheckpointSaver(TrainObserver):
             }
         )
         self.clock.exclude(waited)  # saving is not training time
+        self.saved_at = step + 1
         if reason in STOP_REASONS:
             self.stopped = reason
             self.record.say(
@@ -462,7 +464,20 @@ class CheckpointSaver(TrainObserver):
             self.record.say(warning)
 
     def on_run_abort(self, step: int, error: BaseException) -> None:
-        self.checkpoints.close()  # a background save of a good step still completes
+        """A background save of a good step still completes. An error that leaves the state whole
+        (``state_intact``: ft's lost quorum) first saves the steps done, so none is lost."""
+        if getattr(error, "state_intact", False) and step > self.saved_at:
+            waited = self.checkpoints.save(step, "abort")
+            if waited is not None:
+                self.record.write(
+                    {"kind": "checkpoint", "step": step, "steps_done": step, "reason": "abort",
+                     "seconds": waited, "async": self.checkpoints.cfg.checkpoint.async_save}
+                )
+                self.record.say(
+                    f"fivefold: the state after {step} steps is saved in "
+                    f"{checkpoint_root(self.checkpoints.cfg)}; continue with --resume"
+                )
+        self.checkpoints.close()
 
 
 def _saved_keys(path: Path, trust: bool) -> set[str]:

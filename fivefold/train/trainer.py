@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from fivefold.checkpoint.hf import load_hf_weights
 from fivefold.checkpoint.manager import complete_checkpoints, read_checkpoint_meta
-from fivefold.config import Config
+from fivefold.config import Config, ConfigError
 from fivefold.data_parallel.mixed_precision import MixedPrecision
 from fivefold.distributed.comm import (
     CommLog,
@@ -108,7 +108,7 @@ def run(cfg: Config, given: Collection[str] | None = None) -> TrainResult:
             lock = _lock_on_rank0(cfg)
             try:
                 plan = validate(cfg, world)
-                _check_replica_group(cfg, plan, world)
+                _check_replica_group(cfg, plan)
                 return train(cfg, layout_auto.with_choice(plan, cfg, chosen))
             finally:
                 lock.release()
@@ -119,27 +119,28 @@ def run(cfg: Config, given: Collection[str] | None = None) -> TrainResult:
         )
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device="cpu"))
     cfg, chosen = layout_auto.resolve(cfg, cfg.run.nproc, cfg.run.nproc, "cpu", given)
-    validate(
-        cfg, cfg.run.nproc
-    )  # every error here, before any directory is made or any process starts
+    _check_replica_group(  # every error here, before any directory is made or process starts
+        cfg, validate(cfg, cfg.run.nproc)
+    )
     with RunLock(*locked_dirs(cfg)):
         return _launch(
             cfg, layout_auto.with_choice(validate(cfg, cfg.run.nproc), cfg, chosen)
         )  # (again, under the lock: what the directory holds now)
 
 
-def _check_replica_group(cfg: Config, plan: RunPlan, world: int) -> None:
-    """Under torchrun, one replica group of an ft job (``ft.group`` given): ft's checks on it."""
+def _check_replica_group(cfg: Config, plan: RunPlan) -> None:
+    """One replica group of an ft job, its own job (under torchrun, or the local launcher on one
+    of several machines): ft's checks on it."""
     if cfg.ft.replica_groups <= 1:
         return
-    from fivefold.fault_tolerance.launch import check_ft, check_group_plan
+    from fivefold.fault_tolerance.launch import check_group, check_group_plan
 
     if not 0 <= cfg.ft.group < cfg.ft.replica_groups or not cfg.ft.lighthouse:
-        raise ValueError(
-            f"ft.replica_groups={cfg.ft.replica_groups} under torchrun: each group is its own "
-            "torchrun job; give it --ft.group 0..R-1 and --ft.lighthouse http://host:port"
+        raise ConfigError(
+            f"ft.replica_groups={cfg.ft.replica_groups} with one group per job: give each "
+            f"--ft.group 0..{cfg.ft.replica_groups - 1} and --ft.lighthouse http://host:port"
         )
-    check_ft(cfg, world * cfg.ft.replica_groups)
+    check_group(cfg)
     check_group_plan(cfg, plan)
 
 
