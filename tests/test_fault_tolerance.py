@@ -1,8 +1,10 @@
 """Replica fault tolerance with torchft (`fivefold.fault_tolerance`): the refusals before anything
 starts, the replica all-reduce's rescaling over the live groups, the weights-only checkpoint
-transport; then whole jobs on the local launcher — two groups equal plain HSDP when nothing fails,
-and a group SIGKILLed mid-run is dropped from the quorum while the other trains on, restarts, heals
-from the live group and ends bitwise equal to it."""
+transport; then whole jobs — two groups equal plain HSDP when nothing fails; a group SIGKILLed or
+SIGSTOPped mid-run is dropped from the quorum while the other trains on, and restarted by its own
+launcher (the stall named by its watchdog) heals from the live group and ends bitwise equal to it;
+a stalled lighthouse stops every group with one line and a checkpoint of each committed step,
+from which the groups resume to the uninterrupted job's parameters."""
 
 from __future__ import annotations
 
@@ -209,14 +211,17 @@ def _group_workers(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.multiprocess
-def test_a_killed_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_path):
-    """SIGKILL group 1's worker mid-run: group 0 trains on (every step once, the quorum 2 then 1
-    then 2 again), group 1's launcher restarts it, it receives group 0's live state and both end
-    with bitwise the same parameters and optimizer state."""
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_path, how):
+    """Every worker of group 1 SIGKILLed (lost) or SIGSTOPped (stalled: its launcher's watchdog
+    names it and stops it) mid-run: group 0 trains on (every step once, the quorum 2 then 1 then
+    2 again), group 1's launcher restarts it, it receives group 0's live state and both end with
+    bitwise the same parameters and optimizer state."""
     steps = 160
     cmd = [*CLI, *BASE, "--train.steps", str(steps), "--zero.stage", "1", "--nproc", "2",
            "--ft.replica_groups", "2", "--run.max_restarts", "1", "--run.out_dir", str(tmp_path),
-           "--run.name", "job", "--ft.heartbeat_timeout_s", "1", "--ft.timeout_s", "20"]
+           "--run.name", "job", "--ft.heartbeat_timeout_s", "1", "--ft.timeout_s", "5",
+           "--run.stall_timeout_s", "6"]
     proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     live, dead = tmp_path / "job" / "replica0", tmp_path / "job" / "replica1"
@@ -228,8 +233,9 @@ def test_a_killed_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp
         workers = _group_workers(dead)
         if rows and rows[-1]["step"] >= 10 and workers:
             killed_at = rows[-1]["step"]
-            killed = workers[0]
-            os.kill(killed, signal.SIGKILL)
+            killed = workers
+            for pid in workers:
+                os.kill(pid, getattr(signal, how))
     out, _ = proc.communicate(timeout=300)
     assert killed is not None, "the run ended before a group could be killed:\n" + out
     assert proc.returncode == 0, out
@@ -243,12 +249,14 @@ def test_a_killed_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp
     a = _final_params(live / "checkpoints" / f"step-{steps:08d}")
     b = _final_params(dead / "checkpoints" / f"step-{steps:08d}")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    named = "replica group 1: the job stalled" if how == "SIGSTOP" else "replica group 1: "
+    assert named in out and "restart 1 of 1" in out, out
 
 
 @pytest.mark.multiprocess
-def test_a_lost_lighthouse_stops_each_group_with_its_state_saved_and_resume_ends_equal(tmp_path):
+def test_a_stalled_lighthouse_stops_each_group_with_its_state_saved_and_resume_ends_equal(tmp_path):
     """One job per group (each its own launcher, as under torchrun) on a lighthouse that then
-    stops: each group ends within ft.timeout_s with one line naming the lighthouse and a
+    stalls (SIGSTOP): each group ends within ft.timeout_s with one line naming the lighthouse and a
     checkpoint of every step it committed; resumed on a new lighthouse, both end bitwise equal to
     an uninterrupted job."""
     def lighthouse() -> tuple[subprocess.Popen, str]:
@@ -283,9 +291,11 @@ def test_a_lost_lighthouse_stops_each_group_with_its_state_saved_and_resume_ends
         if metrics.exists() and len(_train_rows(metrics)) >= 4:
             break
         time.sleep(0.05)
-    first.kill()
-    first.wait()
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    first.send_signal(signal.SIGSTOP)  # stalled: connections open, nothing answers
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        first.kill()
     done = []
     for g, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode != 0, out

@@ -204,6 +204,8 @@ def _launch(cfg: Config, plan: RunPlan) -> TrainResult:
             if attempt == cfg.run.max_restarts:
                 raise
             why = lost_worker_reason(e) if isinstance(e, mp.ProcessExitedException) else str(e)
+            if cfg.ft.group >= 0:  # one of an ft job's groups, side by side with the others
+                why = f"replica group {cfg.ft.group}: {why}"
             # this run's own latest checkpoint, else where it started from (a --resume PATH), else
             # the start
             latest = complete_checkpoints(checkpoint_root(cfg))
