@@ -35,6 +35,8 @@
                                                   # per-document SDPA, flex vs causal SDPA; L 2k and 8k
     python bench/run.py prepare                   # fivefold prepare (1, 2 workers) vs a tokenizers encode_batch
                                                   # loop: tokens/s on a few MiB of stdlib sources
+    python bench/run.py ft                        # ft.replica_groups 2 vs HSDP dp_replicate 2: step time; a
+                                                  # group SIGKILLed / SIGSTOPped to the next step, to rejoin
     python bench/run.py parallel                  # tp, then pp
     python bench/run.py all --json out.json       # ddp, zero, tp, then pp
 
@@ -99,6 +101,7 @@ from bench.expert_parallel import (  # noqa: E402
     format_ep_table,
     format_experts_table,
 )
+from bench.ft import FtSpec, bench_ft, format_ft_table  # noqa: E402
 from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
 from bench.init import InitSpec, bench_init, format_init_table  # noqa: E402
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
@@ -119,7 +122,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "ckpt-share": ("ckpt-share",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
     "optim": ("optim",), "optim-ops": ("optim-ops",), "documents": ("documents",),
-    "prepare": ("prepare",), "plan": ("plan",), "plan-published": ("plan-published",),
+    "prepare": ("prepare",), "ft": ("ft",), "plan": ("plan",), "plan-published": ("plan-published",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -233,6 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     prp = sub.add_parser("prepare", parents=[common],
                          help="fivefold prepare (1, 2 workers) vs a tokenizers encode_batch loop: tokens/s")
     prp.add_argument("--mb", type=float, default=None, help=f"MiB of stdlib sources ({PrepareSpec().mb:g})")
+    sub.add_parser("ft", parents=[common],
+                   help="ft.replica_groups: step time off vs on, a group's death to the next step")
     ck = sub.add_parser("ckpt", parents=[common], help="checkpoint save (sync, async), load and export costs")
     ck.add_argument("--max-shard-mb", type=float, default=None, help="export's largest safetensors file (8)")
     sub.add_parser("ckpt-share", parents=[common], help="the share of a run's time its default saves take")
@@ -322,6 +327,9 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
                                                       threads=args.threads))), format_init_table),
         "prepare": (lambda: bench_prepare(PrepareSpec(**_given(repeats=args.repeats, mb=opt.get("mb")))),
                     format_prepare_table),
+        "ft": (lambda: bench_ft(FtSpec(**_given(preset=args.preset, steps=args.steps, warmup=args.warmup,
+                                                repeats=args.repeats, seq_len=args.seq_len))),
+               format_ft_table),
         "ckpt": (lambda: bench_checkpoint(CheckpointSpec(**_given(
             preset=args.preset, repeats=args.repeats, seq_len=args.seq_len, threads=args.threads,
             max_shard_mb=opt.get("max_shard_mb")))), format_checkpoint_table),
