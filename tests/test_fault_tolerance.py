@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_launch_safety import _listening, _loopback
 
 from fivefold.config import Config, ConfigError, apply_overrides
 from fivefold.distributed.comm import CommLog
@@ -200,6 +201,15 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(_children(p))
+    return found
+
+
 def _group_workers(run_dir: Path) -> list[int]:
     """A group launcher's training workers: the children of the pid its run lock names."""
     try:
@@ -225,12 +235,14 @@ def test_a_lost_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_p
     proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     live, dead = tmp_path / "job" / "replica0", tmp_path / "job" / "replica1"
-    killed, deadline = None, time.time() + 240
+    killed, deadline, listening = None, time.time() + 240, []
     while proc.poll() is None and time.time() < deadline and killed is None:
         time.sleep(0.05)
         metrics = dead / "metrics.jsonl"
         rows = _train_rows(metrics) if metrics.exists() else []
         workers = _group_workers(dead)
+        if rows and not listening:  # training: the lighthouse, managers, stores, gloo all up
+            listening = _listening(_descendants(proc.pid))
         if rows and rows[-1]["step"] >= 10 and workers:
             killed_at = rows[-1]["step"]
             killed = workers
@@ -238,6 +250,10 @@ def test_a_lost_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_p
                 os.kill(pid, getattr(signal, how))
     out, _ = proc.communicate(timeout=300)
     assert killed is not None, "the run ended before a group could be killed:\n" + out
+    # a local job listens on loopback only: torchft's own servers would bind every interface
+    assert len({pid for pid, _, _ in listening}) >= 3, listening  # launcher and both workers
+    assert all(_loopback(address) for _, address, _ in listening), [
+        s for s in listening if not _loopback(s[1])]
     assert proc.returncode == 0, out
     rows = _train_rows(live / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step repeated or lost
@@ -319,3 +335,14 @@ def test_a_stalled_lighthouse_stops_each_group_with_its_state_saved_and_resume_e
     for g in (0, 1):
         b = _final_params(tmp_path / f"g{g}" / "checkpoints" / f"step-{steps:08d}")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), g
+
+
+@pytest.mark.parametrize("lighthouse, host", [
+    ("http://127.0.0.1:29510", "127.0.0.1"), ("http://localhost:1", "127.0.0.1"),
+    ("127.0.0.1:29510", "127.0.0.1"), ("http://[::1]:29510", "127.0.0.1"),
+    ("http://10.0.0.5:29510", None), ("http://head-node:29510", None),
+])
+def test_a_group_binds_its_servers_to_loopback_only_when_the_lighthouse_is_there(lighthouse, host):
+    from fivefold.fault_tolerance.replicas import loopback_host
+
+    assert loopback_host(lighthouse) == host

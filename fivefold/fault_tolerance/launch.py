@@ -204,7 +204,9 @@ def run_groups(cfg: Config, given: Collection[str] | None = None) -> Any:
         check_group_plan(c, validate(c, c.run.nproc))
     quiet_torchft()  # (the groups inherit it)
     lighthouse = None if cfg.ft.lighthouse else _start_lighthouse(cfg)
-    address = cfg.ft.lighthouse or lighthouse.address()
+    # torchft names it by this machine's name; it listens on 127.0.0.1, which the groups then
+    # also bind their servers to (`loopback_host`)
+    address = cfg.ft.lighthouse or "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
     configs = [group_config(cfg, g, address) for g in range(groups)]
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()

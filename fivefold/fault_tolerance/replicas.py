@@ -17,12 +17,16 @@ with the next quorum, so every committed step index is trained once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
+import ipaddress
 import logging
 import os
+import socket
 import time
-from collections.abc import Iterable
+import urllib.parse
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -184,9 +188,48 @@ class ReplicaGroupMesh:
         return self._replicate if dim == "dp_replicate" else self._mesh.comm(dim)
 
 
-def _weights_only_transport(timeout: datetime.timedelta) -> Any:
+def loopback_host(lighthouse: str) -> str | None:
+    """127.0.0.1 when the lighthouse is reached on loopback (the local launcher's job: every group
+    on this machine), else None: a group on other machines must be reachable on the network."""
+    host = urllib.parse.urlsplit(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
+    try:
+        return "127.0.0.1" if ipaddress.ip_address(host.hostname or "").is_loopback else None
+    except ValueError:
+        return "127.0.0.1" if host.hostname == "localhost" else None
+
+
+@contextlib.contextmanager
+def _servers_bound_to(host: str | None) -> Iterator[None]:
+    """While a Manager is built, its gRPC server and its checkpoint server listen on `host` (torchft
+    binds every interface: ``[::]`` and ``""``), so a local job exposes nothing beyond loopback."""
+    if host is None:
+        yield
+        return
+    import http.server
+
+    import torchft.checkpointing.http_transport as http_transport
+    import torchft.manager as manager
+
+    server, http_server = manager.ManagerServer, http_transport._IPv6HTTPServer
+
+    def manager_server(**kw: Any) -> Any:
+        return server(**{**kw, "bind": f"{host}:{kw['bind'].rsplit(':', 1)[1]}"})
+
+    class LoopbackHTTPServer(http.server.ThreadingHTTPServer):
+        def __init__(self, address: tuple[str, int], handler: Any) -> None:
+            super().__init__((host, address[1]), handler)
+
+    manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, LoopbackHTTPServer
+    try:
+        yield
+    finally:
+        manager.ManagerServer, http_transport._IPv6HTTPServer = server, http_server
+
+
+def _weights_only_transport(timeout: datetime.timedelta, host: str | None = None) -> Any:
     """torchft's HTTP checkpoint transport, its loads weights-only: what a peer sends is tensors,
-    numbers and dicts, and loading it can run no code (torchft's own loads full pickles)."""
+    numbers and dicts, and loading it can run no code (torchft's own loads full pickles). Its
+    address names `host` when given (a loopback-bound server), else this machine's name."""
     from torchft.checkpointing import _serialization
     from torchft.checkpointing.http_transport import HTTPTransport
 
@@ -198,7 +241,13 @@ def _weights_only_transport(timeout: datetime.timedelta) -> Any:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _serialization._streaming_load(f, weights_only=True)
 
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+        def address(self) -> str:
+            if host is None:
+                return super().address()
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    with _servers_bound_to(host):
+        return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 class TorchftReplicas(NoReplicas):
@@ -222,23 +271,26 @@ class TorchftReplicas(NoReplicas):
             if device.type == "cpu"
             else torchft.ProcessGroupNCCL(timeout=timeout)
         )
-        self.manager = torchft.Manager(
-            pg=pg,
-            load_state_dict=self._load,
-            state_dict=self._state,
-            min_replica_size=f.min_replicas,
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            lighthouse_addr=f.lighthouse,
-            replica_id=f"fivefold_replica_{f.group}",
-            heartbeat_interval=datetime.timedelta(milliseconds=100),
-            checkpoint_transport=_weights_only_transport(timeout),
-            init_sync=False,  # the groups start from the same seeded values
-        )
+        host = loopback_host(f.lighthouse)
+        with _servers_bound_to(host):
+            self.manager = torchft.Manager(
+                pg=pg,
+                load_state_dict=self._load,
+                state_dict=self._state,
+                min_replica_size=f.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                lighthouse_addr=f.lighthouse,
+                replica_id=f"fivefold_replica_{f.group}",
+                heartbeat_interval=datetime.timedelta(milliseconds=100),
+                checkpoint_transport=_weights_only_transport(timeout, host),
+                init_sync=False,  # the groups start from the same seeded values
+                hostname=host or socket.gethostname(),
+            )
         self.comm = ReplicaAllReduceComm(self.manager, self.groups, self.group, device, log)
         self._join_attempts = int(f.timeout_s / self.JOIN_POLL_S)
         self.ft = f
