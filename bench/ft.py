@@ -42,7 +42,7 @@ class FtSpec:
     seq_len: int = 256
     global_batch: int = 8
     zero_stage: int = 1
-    timeout_s: float = 5.0  # ft.timeout_s: how long a step waits for a silent peer
+    timeout_s: float = 2.0  # ft.timeout_s: how long a step waits for a silent peer
     heartbeat_timeout_s: float = 1.0  # ft.heartbeat_timeout_s: the lighthouse drops a silent group
 
 
@@ -127,7 +127,7 @@ def _death(spec: FtSpec, tmp: Path, how: str) -> dict[str, Any]:
     steps = 400
     name = f"death-{how}"
     cmd = _command(spec, tmp, name, "--train.steps", str(steps), "--run.max_restarts", "1",
-                   "--run.stall_timeout_s", str(spec.timeout_s + 1), *_ft_args(spec))
+                   "--run.stall_timeout_s", str(3 * spec.timeout_s), *_ft_args(spec))
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     live = tmp / name / "replica0" / "metrics.jsonl"
     dead = tmp / name / "replica1"
@@ -186,5 +186,5 @@ def format_ft_table(result: dict[str, Any]) -> str:
         deaths.append([d["signal"], f"{d['to_next_step_s']:.2f}", f"{d['step_s']:.3f}",
                        f"{back:.1f}" if back is not None else "not seen"])  # fmt: skip
     tail = (f"ft.timeout_s {s['timeout_s']:g}, ft.heartbeat_timeout_s "
-            f"{s['heartbeat_timeout_s']:g}, run.stall_timeout_s {s['timeout_s'] + 1:g}")
+            f"{s['heartbeat_timeout_s']:g}, run.stall_timeout_s {3 * s['timeout_s']:g}")
     return "\n".join([head, "", *markdown_table(rows), "", tail, "", *markdown_table(deaths)])

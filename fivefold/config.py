@@ -331,7 +331,7 @@ class CheckpointSection:
 
 @dataclass
 class FtSection:
-    """Replica fault tolerance with torchft (`fivefold.fault_tolerance`, docs/training.md#
+    """Replica fault tolerance with torchft (`fivefold.fault_tolerance`, docs/reliability.md#
     keeping-training-when-a-replica-dies): the world splits into replica groups, each its own job;
     HSDP's replica all-reduce goes through torchft's per-step quorum, so a dead group is dropped
     and the others go on."""
@@ -344,9 +344,12 @@ class FtSection:
     min_replicas: int = 1
     # this process's group, 0..R-1: set by the local launcher; under torchrun give it per job
     group: int = -1
-    # torchft's collective / quorum timeout, and how long a dead group's heartbeat is awaited
+    # how long a step waits for a silent peer (its all-reduce) or for a quorum (then the group
+    # stops with a checkpoint), and how long the lighthouse awaits a dead group's heartbeat
     timeout_s: float = 30.0
     heartbeat_timeout_s: float = 2.0
+    # how long a group's first quorum waits for every group to come up
+    join_timeout_s: float = 60.0
 
 
 @dataclass

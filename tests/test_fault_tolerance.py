@@ -44,6 +44,10 @@ def _cfg(*args: str) -> Config:
     (["--ft.replica_groups", "2", "--ft.min_replicas", "3"], "give 1 to 2"),
     (["--ft.replica_groups", "2", "--train.global_batch", "9"], "a multiple of the groups"),
     (["--ft.replica_groups", "2", "--precision.param", "fp16"], "use bf16 or fp32"),
+    (["--ft.replica_groups", "2", "--ft.timeout_s", "5", "--run.stall_timeout_s", "10"],
+     "give run.stall_timeout_s above 10"),
+    (["--ft.replica_groups", "2", "--ft.timeout_s", "90"], "run.stall_timeout_s=180 with"),
+    (["--ft.replica_groups", "2", "--ft.join_timeout_s", "0"], "give a positive number"),
     (["--ft.replica_groups", "2", "--ft.lighthouse", "http://127.0.0.1:9"], "is not reachable"),
 ])
 def test_what_ft_cannot_serve_is_one_line_before_anything_starts(args, says):
@@ -230,7 +234,7 @@ def test_a_lost_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_p
     steps = 160
     cmd = [*CLI, *BASE, "--train.steps", str(steps), "--zero.stage", "1", "--nproc", "2",
            "--ft.replica_groups", "2", "--run.max_restarts", "1", "--run.out_dir", str(tmp_path),
-           "--run.name", "job", "--ft.heartbeat_timeout_s", "1", "--ft.timeout_s", "5",
+           "--run.name", "job", "--ft.heartbeat_timeout_s", "1", "--ft.timeout_s", "2",
            "--run.stall_timeout_s", "6"]
     proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -346,3 +350,13 @@ def test_a_group_binds_its_servers_to_loopback_only_when_the_lighthouse_is_there
     from fivefold.fault_tolerance.replicas import loopback_host
 
     assert loopback_host(lighthouse) == host
+
+
+def test_torchft_missing_is_one_line_naming_the_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'fivefold\[ft\]'"):
+        check_ft(_cfg("--zero.stage", "1", "--ft.replica_groups", "2"), 4)

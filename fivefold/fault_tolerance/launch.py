@@ -1,5 +1,5 @@
-"""Starting a fault-tolerant job (docs/training.md#keeping-training-when-a-replica-dies): the checks
-``ft`` needs before anything starts (`check_ft`), one replica group's own configuration
+"""Starting a fault-tolerant job (docs/reliability.md#keeping-training-when-a-replica-dies): the
+checks ``ft`` needs before anything starts (`check_ft`), one replica group's own configuration
 (`group_config`), and the local launcher's whole job on one machine (`run_groups`): a torchft
 lighthouse on 127.0.0.1 and R group launchers, each restarting its own workers
 (``run.max_restarts``) while the others train on."""
@@ -66,6 +66,9 @@ def check_group(cfg: Config) -> None:
     check_torchft()
     if not 1 <= f.min_replicas <= groups:
         raise ConfigError(f"ft.min_replicas={f.min_replicas}: give 1 to {groups} (the groups)")
+    for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+        if getattr(f, key) <= 0:
+            raise ConfigError(f"ft.{key}={getattr(f, key):g}: give a positive number of seconds")
     refusals = (
         (
             p.dp_replicate > 1,
@@ -95,6 +98,16 @@ def check_group(cfg: Config) -> None:
     for refused, line in refusals:
         if refused:
             raise ConfigError(line)
+    # a live group may wait ft.timeout_s for a stalled peer's all-reduce, then as long for the
+    # quorum without it: its own watchdog must not take that for a stall (whose default is 180 s)
+    stall = cfg.run.stall_timeout_s or 180.0
+    if stall <= 2 * f.timeout_s:
+        raise ConfigError(
+            f"run.stall_timeout_s={stall:g} with ft.timeout_s={f.timeout_s:g}: a live group waits "
+            "up to ft.timeout_s for a stalled peer and as long again for the quorum without it, "
+            f"which its watchdog would call a stall; give run.stall_timeout_s above "
+            f"{2 * f.timeout_s:g} or a smaller ft.timeout_s"
+        )
     if f.lighthouse and not lighthouse_reachable(f.lighthouse):
         raise ConfigError(
             f"ft.lighthouse={f.lighthouse!r} is not reachable: start one (torchft_lighthouse "
@@ -157,7 +170,7 @@ def _start_lighthouse(cfg: Config) -> Any:
         bind="127.0.0.1:0",
         min_replicas=f.min_replicas,
         # the first quorum waits this long for every group (then goes on with min_replicas)
-        join_timeout_ms=int(f.timeout_s * 1000),
+        join_timeout_ms=int(f.join_timeout_s * 1000),
         heartbeat_timeout_ms=int(f.heartbeat_timeout_s * 1000),
         # how often the lighthouse looks for a complete quorum: every step waits up to one tick
         quorum_tick_ms=10,

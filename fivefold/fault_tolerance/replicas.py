@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import urllib.parse
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +61,8 @@ def quiet_torchft() -> None:
     """torchft's Rust side logs every quorum at INFO; warnings only unless RUST_LOG says more."""
     os.environ.setdefault("RUST_LOG", "warn")
     manager_log = logging.getLogger("torchft.manager")
-    if not any(isinstance(f, _QuietFlightRecorder) for f in manager_log.filters):
-        manager_log.addFilter(_QuietFlightRecorder())
+    if not any(isinstance(f, _OneLine) for f in manager_log.filters):
+        manager_log.addFilter(_OneLine())
 
 
 class QuorumLost(RuntimeError):
@@ -71,12 +72,18 @@ class QuorumLost(RuntimeError):
     state_intact = True  # CheckpointSaver.on_run_abort saves the steps done before it is raised
 
 
-class _QuietFlightRecorder(logging.Filter):
-    """torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder, which
-    a gloo group does not have."""
+class _OneLine(logging.Filter):
+    """torchft's manager log, one line a record: its warning at every reconfiguration that a gloo
+    group has no NCCL flight recorder to reset is dropped, a peer's failure keeps its message
+    without the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "flight recorder" not in record.getMessage()
+        if "flight recorder" in record.getMessage():
+            return False
+        if record.exc_info:
+            record.msg, record.args = record.getMessage().splitlines()[0], None
+            record.exc_info = record.exc_text = None
+        return True
 
 
 class NoReplicas:
@@ -201,10 +208,8 @@ def loopback_host(lighthouse: str) -> str | None:
 @contextlib.contextmanager
 def _servers_bound_to(host: str | None) -> Iterator[None]:
     """While a Manager is built, its gRPC server and its checkpoint server listen on `host` (torchft
-    binds every interface: ``[::]`` and ``""``), so a local job exposes nothing beyond loopback."""
-    if host is None:
-        yield
-        return
+    binds every interface: ``[::]`` and ``""``), so a local job exposes nothing beyond loopback;
+    with `host` None, where torchft has them. The checkpoint server logs no request line."""
     import http.server
 
     import torchft.checkpointing.http_transport as http_transport
@@ -215,11 +220,16 @@ def _servers_bound_to(host: str | None) -> Iterator[None]:
     def manager_server(**kw: Any) -> Any:
         return server(**{**kw, "bind": f"{host}:{kw['bind'].rsplit(':', 1)[1]}"})
 
-    class LoopbackHTTPServer(http.server.ThreadingHTTPServer):
-        def __init__(self, address: tuple[str, int], handler: Any) -> None:
-            super().__init__((host, address[1]), handler)
+    base = http_server if host is None else http.server.ThreadingHTTPServer
 
-    manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, LoopbackHTTPServer
+    class QuietHTTPServer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, address: tuple[str, int], handler: Any) -> None:
+            quiet = type("QuietHandler", (handler,), {"log_message": lambda *a: None})
+            super().__init__(address if host is None else (host, address[1]), quiet)
+
+    if host is not None:
+        manager.ManagerServer = manager_server
+    http_transport._IPv6HTTPServer = QuietHTTPServer
     try:
         yield
     finally:
@@ -238,7 +248,11 @@ def _weights_only_transport(timeout: datetime.timedelta, host: str | None = None
         def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
             import urllib.request
 
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            with (
+                urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f,
+                warnings.catch_warnings(),
+            ):  # torch warns that the tensors it reads share a read-only buffer: they are copied
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 return _serialization._streaming_load(f, weights_only=True)
 
         def address(self) -> str:
@@ -292,7 +306,7 @@ class TorchftReplicas(NoReplicas):
                 hostname=host or socket.gethostname(),
             )
         self.comm = ReplicaAllReduceComm(self.manager, self.groups, self.group, device, log)
-        self._join_attempts = int(f.timeout_s / self.JOIN_POLL_S)
+        self._join_attempts = int(f.join_timeout_s / self.JOIN_POLL_S)
         self.ft = f
 
     def wrap_mesh(self, mesh: Any) -> ReplicaGroupMesh:
@@ -313,9 +327,9 @@ class TorchftReplicas(NoReplicas):
     def start_step(self, step: int) -> int:
         """The step's quorum (healing this group if it is behind); the step index to train now.
 
-        A group's first quorum waits up to ``ft.timeout_s`` for every group: the lighthouse counts
-        only groups already heartbeating, so a group still starting would miss the first steps.
-        The attempts are counted, not timed, so the group's ranks agree on the last one."""
+        A group's first quorum waits up to ``ft.join_timeout_s`` for every group: the lighthouse
+        counts only groups already heartbeating, so a group still starting would miss the first
+        steps. The attempts are counted, not timed, so the group's ranks agree on the last one."""
         self._quorum(step)
         for _ in range(self._join_attempts):
             if self.manager.num_participants() >= self.groups:
