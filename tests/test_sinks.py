@@ -370,7 +370,8 @@ def test_peak_memory_is_carried_on_an_accelerator_and_left_out_on_the_cpu(tmp_pa
     monkeypatch.setattr(torch, "get_device_module", lambda kind: modules[kind])  # (the CPU: a KeyError)
     tp = Throughput(64, 100.0, None, 2)
     trainer = SimpleNamespace(cfg=_config(tmp_path), clock=TrainingClock(), throughput=tp, model_state_mb=0.0,
-                              device=torch.device("cuda"), _fetch=lambda loss, norm: (2.0, None))
+                              device=torch.device("cuda"), _fetch=lambda loss, norm: (2.0, None),
+                              replicas=SimpleNamespace(live=None))
     record = RunRecord(tmp_path, 3, progress=False, name="r")
     written = RunRecordLog(record, _NoMoE(), tp, None)
     on_gpu = Trainer._result(trainer, 0, 0.5, torch.tensor(2.0), None, CommTotals(), {})
