@@ -92,6 +92,7 @@ def stepping_trainer(cfg, parts, mesh, steps: int, rows: int = 4, vocab: int = 1
     observers."""
     import numpy as np
 
+    from fivefold.fault_tolerance.replicas import NoReplicas
     from fivefold.train.data import TokenDataset
     from fivefold.train.metrics import (
         RunRecord,
@@ -108,6 +109,9 @@ def stepping_trainer(cfg, parts, mesh, steps: int, rows: int = 4, vocab: int = 1
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.model, trainer.log, trainer.device = cfg, parts, mesh.comm_log, mesh.device
     trainer.dp, trainer.dp_rank, trainer.start, trainer.model_state_mb = dp, mesh.rank("dp"), 0, 0.0
+    trainer.replicas = NoReplicas()  # ft off: the data is the mesh's
+    trainer.data_dp, trainer.data_rank, trainer.data_batch = trainer.replicas.data_share(
+        dp, trainer.dp_rank, t.global_batch)
     tokens = np.random.default_rng(0).integers(0, vocab, 64 * t.seq_len * max(1, rows), np.int64)
     trainer.data = TokenDataset(tokens.astype(np.uint32 if vocab > 65535 else np.uint16),
                                 t.seq_len, val_fraction=0.0)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -271,6 +273,7 @@ def test_a_lost_group_is_dropped_then_heals_and_ends_equal_to_the_live_one(tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     named = "replica group 1: the job stalled" if how == "SIGSTOP" else "replica group 1: "
     assert named in out and "restart 1 of 1" in out, out
+    assert "replica group 0: " not in out, out  # the live group never restarted
 
 
 @pytest.mark.multiprocess
@@ -321,7 +324,7 @@ def test_a_stalled_lighthouse_stops_each_group_with_its_state_saved_and_resume_e
         assert p.returncode != 0, out
         lines = [ln for ln in out.splitlines() if "no quorum for step" in ln]
         assert len(lines) == 1 and f"replica group {g}" in lines[0], out
-        assert "ft.timeout_s=4 s" in lines[0] and address in lines[0], out
+        assert "within 4 s" in lines[0] and address in lines[0], out
         saved = sorted((tmp_path / f"g{g}" / "checkpoints").glob("step-*"))
         assert saved, out
         done.append(int(saved[-1].name.split("-")[1]))
@@ -360,3 +363,84 @@ def test_torchft_missing_is_one_line_naming_the_install(monkeypatch):
                         lambda name, *a: None if name == "torchft" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'fivefold\[ft\]'"):
         check_ft(_cfg("--zero.stage", "1", "--ft.replica_groups", "2"), 4)
+
+
+class _QuorumManager:
+    """A torchft Manager's quorum as one group sees it: the participants of each quorum in turn
+    and the step the quorum heals this group to."""
+
+    def __init__(self, participants: list[int], step: int = 0, error: Exception | None = None):
+        self.participants, self.step, self.error, self.calls = participants, step, error, []
+
+    def start_quorum(self, timeout=None):
+        self.calls.append(timeout)
+        if self.error is not None:
+            raise self.error
+        self.now = self.participants[min(len(self.calls), len(self.participants)) - 1]
+
+    def num_participants(self):
+        return self.now
+
+    def current_step(self):
+        return self.step
+
+
+def _replicas(manager: _QuorumManager, groups: int = 2):
+    from fivefold.fault_tolerance.replicas import TorchftReplicas
+
+    r = object.__new__(TorchftReplicas)
+    r.manager, r.groups, r.group, r.live = manager, groups, 1, None
+    r.ft = _cfg("--ft.replica_groups", str(groups), "--ft.join_timeout_s", "1").ft
+    r._join_attempts = int(r.ft.join_timeout_s / r.JOIN_POLL_S)
+    return r
+
+
+def test_a_cold_start_waits_for_every_group_a_rejoining_group_does_not():
+    import datetime
+
+    cold = _replicas(_QuorumManager([1, 1, 2]))
+    assert cold.start_step(0) == 0 and cold.live == 2 and len(cold.manager.calls) == 3
+    assert cold.manager.calls == [datetime.timedelta(seconds=1)] * 3  # the join timeout
+    assert cold.start_step(1) == 0 and cold.manager.calls[-1] is None  # then ft.timeout_s
+    healed = _replicas(_QuorumManager([1], step=40), groups=3)  # one of 3 groups lost for good
+    assert healed.start_step(0) == 40 and healed.live == 1 and len(healed.manager.calls) == 1
+
+
+def test_more_groups_in_the_quorum_than_the_job_has_is_refused():
+    with pytest.raises(RuntimeError, match="two jobs were given the same --ft.group"):
+        _replicas(_QuorumManager([3])).start_step(0)
+
+
+def test_a_lost_quorum_is_one_line_a_heal_that_does_not_fit_is_not_a_lost_quorum():
+    from fivefold.fault_tolerance.replicas import HealFailed, QuorumLost
+
+    with pytest.raises(QuorumLost, match="no quorum for step 5 within 1 s") as lost:
+        _replicas(_QuorumManager([1], error=TimeoutError("deadline"))).start_step(4)
+    assert lost.value.state_intact
+    with pytest.raises(HealFailed) as failed:
+        _replicas(_QuorumManager([1], error=HealFailed("another layout"))).start_step(4)
+    assert not getattr(failed.value, "state_intact", False)  # nothing saved of half-loaded weights
+
+
+@pytest.mark.parametrize("lighthouse, torchrun, master, says", [
+    ("http://10.0.0.5:29510", False, None, "run each group under torchrun with --master-addr"),
+    ("http://10.0.0.5:29510", True, "127.0.0.1", "give torchrun --master-addr"),
+    ("http://10.0.0.5:29510", True, None, "MASTER_ADDR=(unset)"),
+    ("http://10.0.0.5:29510", True, "10.0.0.7", None),
+    ("http://127.0.0.1:29510", False, None, None),
+    (f"http://{socket.gethostname()}:29510", False, None, None),  # this machine by its name
+])
+def test_a_group_on_another_machine_than_the_lighthouse_needs_a_reachable_store(
+        monkeypatch, lighthouse, torchrun, master, says):
+    from fivefold.fault_tolerance.launch import check_group_reachable
+
+    if master is None:
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+    else:
+        monkeypatch.setenv("MASTER_ADDR", master)
+    cfg = _cfg("--ft.replica_groups", "2", "--ft.group", "0", "--ft.lighthouse", lighthouse)
+    if says is None:
+        check_group_reachable(cfg, torchrun)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            check_group_reachable(cfg, torchrun)

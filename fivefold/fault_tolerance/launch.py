@@ -23,6 +23,7 @@ __all__ = [
     "check_ft",
     "check_group",
     "check_group_plan",
+    "check_group_reachable",
     "group_config",
     "lighthouse_reachable",
     "run_groups",
@@ -113,6 +114,47 @@ def check_group(cfg: Config) -> None:
             f"ft.lighthouse={f.lighthouse!r} is not reachable: start one (torchft_lighthouse "
             "--min_replicas 1 --bind [::]:29510) or leave ft.lighthouse empty for a local job"
         )
+
+
+def check_group_reachable(cfg: Config, torchrun: bool) -> None:
+    """One group's own job with the lighthouse on another machine: the other groups build the
+    replica process group through this group's store (torchft's Manager names MASTER_ADDR), so
+    that must be an address they can reach."""
+    from fivefold.fault_tolerance.replicas import loopback_host
+
+    if on_this_machine(cfg.ft.lighthouse):
+        return  # the groups beside it, on this machine (one on another would be refused there)
+    if not torchrun:
+        raise ConfigError(
+            f"ft.lighthouse={cfg.ft.lighthouse} is on another machine, but the local launcher's "
+            "store listens on 127.0.0.1, which the other groups cannot reach: run each group "
+            "under torchrun with --master-addr set to this machine's address"
+        )
+    master = os.environ.get("MASTER_ADDR", "")
+    if loopback_host(f"http://{master}:0") is not None or not master:
+        raise ConfigError(
+            f"MASTER_ADDR={master or '(unset)'}: the other replica groups connect to this group's "
+            "store; give torchrun --master-addr this machine's address (or --rdzv-endpoint "
+            "host:port)"
+        )
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether the lighthouse's host (http://host:port) is an address of this machine: one it can
+    bind (loopback, or an interface's)."""
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        found = socket.getaddrinfo(url.hostname or "", None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in found:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def check_group_plan(cfg: Config, plan: RunPlan) -> None:

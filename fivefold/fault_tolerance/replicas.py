@@ -72,6 +72,10 @@ class QuorumLost(RuntimeError):
     state_intact = True  # CheckpointSaver.on_run_abort saves the steps done before it is raised
 
 
+class HealFailed(RuntimeError):
+    """The state a live group sent does not fit this group (another layout): the group stops."""
+
+
 class _OneLine(logging.Filter):
     """torchft's manager log, one line a record: its warning at every reconfiguration that a gloo
     group has no NCCL flight recorder to reset is dropped, a peer's failure keeps its message
@@ -327,29 +331,43 @@ class TorchftReplicas(NoReplicas):
     def start_step(self, step: int) -> int:
         """The step's quorum (healing this group if it is behind); the step index to train now.
 
-        A group's first quorum waits up to ``ft.join_timeout_s`` for every group: the lighthouse
-        counts only groups already heartbeating, so a group still starting would miss the first
-        steps. The attempts are counted, not timed, so the group's ranks agree on the last one."""
-        self._quorum(step)
+        A cold start (the group's first quorum, no group ahead of it) waits up to
+        ``ft.join_timeout_s`` for every group: the lighthouse counts only groups already
+        heartbeating, so a group still starting would miss the first steps. A group that rejoins
+        a running job (healed ahead) does not wait: a group lost for good would hold it, and the
+        live groups its quorums pair with, for that long. The attempts are counted, not timed, so
+        the group's ranks agree on the last one."""
+        join = datetime.timedelta(seconds=self.ft.join_timeout_s)
+        self._quorum(step, join if self._join_attempts else None)
+        if self.manager.current_step() > step:  # healed: the job is running
+            self._join_attempts = 0
         for _ in range(self._join_attempts):
             if self.manager.num_participants() >= self.groups:
                 break
             time.sleep(self.JOIN_POLL_S)
-            self._quorum(step)
+            self._quorum(step, join)
         self._join_attempts = 0
         self.live = self.manager.num_participants()
+        if self.live > self.groups:
+            raise RuntimeError(
+                f"replica group {self.group}: {self.live} groups in the quorum, more than "
+                f"ft.replica_groups={self.groups}: two jobs were given the same --ft.group, or "
+                "one lighthouse serves two jobs"
+            )
         return self.manager.current_step()
 
-    def _quorum(self, step: int) -> None:
+    def _quorum(self, step: int, timeout: datetime.timedelta | None) -> None:
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(timeout=timeout)
+        except HealFailed:
+            raise
         except Exception as e:  # torchft's own: a gRPC timeout, a failed reconfiguration
+            waited = (timeout.total_seconds() if timeout else self.ft.timeout_s)
             raise QuorumLost(
-                f"replica group {self.group}: no quorum for step {step + 1} within "
-                f"ft.timeout_s={self.ft.timeout_s:g} s ({type(e).__name__}): the lighthouse at "
-                f"{self.ft.lighthouse} is down or fewer than ft.min_replicas="
-                f"{self.ft.min_replicas} groups are alive; start it again and resume the groups "
-                "(--resume)"
+                f"replica group {self.group}: no quorum for step {step + 1} within {waited:g} s "
+                f"({type(e).__name__}): the lighthouse at {self.ft.lighthouse} is down or fewer "
+                f"than ft.min_replicas={self.ft.min_replicas} groups are alive; start it again and "
+                "resume the groups (--resume)"
             ) from None
 
     def commit(self) -> bool:
@@ -376,6 +394,15 @@ class TorchftReplicas(NoReplicas):
         }
 
     def _load(self, state: dict[str, Any]) -> None:
+        try:
+            self._copy_in(state)
+        except Exception as e:  # not a lost quorum: the weights may be half loaded, never saved
+            raise HealFailed(
+                f"replica group {self.group}: the state received from a live group does not fit "
+                f"this one ({type(e).__name__}: {e}); the groups must run the same layout"
+            ) from None
+
+    def _copy_in(self, state: dict[str, Any]) -> None:
         from fivefold.data_parallel.sharded_optimizer import write_back
 
         with torch.no_grad():
@@ -383,11 +410,17 @@ class TorchftReplicas(NoReplicas):
                 theirs = dict(state[key])
                 master.copy_(theirs.pop("master"))
                 mine = engine.optimizer.state.setdefault(master, {})
+                torch_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+                # a torch optimizer keeps its step count on the CPU unless fused or capturable
+                on_device = any(
+                    g.get("fused") or g.get("capturable") for g in torch_optimizer.param_groups
+                )
                 for k, v in theirs.items():
                     if k in mine:
                         mine[k].copy_(v)
-                    else:  # a torch optimizer keeps a non-fused step count on the CPU
-                        mine[k] = v.to(master.device if v.dim() > 0 else "cpu").clone()
+                    else:
+                        where = master.device if v.dim() > 0 or on_device else "cpu"
+                        mine[k] = v.to(where).clone()
         write_back(flat for engine in self.engines for flat in engine.flats)
 
     def close(self) -> None:

@@ -133,7 +133,11 @@ def _check_replica_group(cfg: Config, plan: RunPlan) -> None:
     of several machines): ft's checks on it."""
     if cfg.ft.replica_groups <= 1:
         return
-    from fivefold.fault_tolerance.launch import check_group, check_group_plan
+    from fivefold.fault_tolerance.launch import (
+        check_group,
+        check_group_plan,
+        check_group_reachable,
+    )
 
     if not 0 <= cfg.ft.group < cfg.ft.replica_groups or not cfg.ft.lighthouse:
         raise ConfigError(
@@ -141,6 +145,7 @@ def _check_replica_group(cfg: Config, plan: RunPlan) -> None:
             f"--ft.group 0..{cfg.ft.replica_groups - 1} and --ft.lighthouse http://host:port"
         )
     check_group(cfg)
+    check_group_reachable(cfg, is_torchrun_env())
     check_group_plan(cfg, plan)
 
 
