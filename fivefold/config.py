@@ -37,6 +37,8 @@ OnError = Literal["stop", "warn"]  # checkpoint.on_error
 DocumentsMode = Literal["cross", "mask"]  # data.documents
 WandbMode = Literal["online", "offline", "disabled"]  # logging.wandb_mode
 LayoutMode = Literal["manual", "auto"]  # parallel.layout
+OptimName = Literal["adamw", "muon"]  # optim.name
+MuonAdjustLr = Literal["match_rms_adamw", "original"]  # optim.muon_adjust_lr
 
 
 @dataclass
@@ -164,6 +166,21 @@ class TrainSection:
     compile: bool = False
     eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8
+
+
+@dataclass
+class OptimSection:
+    # adamw: AdamW for every parameter (train.lr, beta1, beta2, eps, weight_decay) | muon: Muon for
+    # the transformer blocks' matrices (attention, feed-forward and expert weights), AdamW for the
+    # rest (embedding, head, norms, biases, the MoE router) — ZeRO gives each rank whole matrices
+    # (docs/design.md#muon-under-zero); train.lr, weight_decay and the schedule apply to both
+    name: OptimName = "adamw"
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per update
+    # the learning rate of an A × B matrix: match_rms_adamw 0.2·√max(A, B)·lr (Moonlight: AdamW's lr
+    # and weight decay carry over) | original √max(1, A/B)·lr (Keller Jordan's)
+    muon_adjust_lr: MuonAdjustLr = "match_rms_adamw"
 
 
 @dataclass
@@ -394,6 +411,7 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)

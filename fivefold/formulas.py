@@ -599,6 +599,7 @@ def flat_model_state_bytes(
     separate_master: bool,
     hpz: int = 0,
     offload: bool = False,
+    state: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank holds for one flat buffer of ``padded`` elements (a bucket; a unit under
     ZeRO-3) whose shard is ``shard`` elements (= ``padded`` at stage 0), ``owned`` of them real (not
@@ -608,14 +609,16 @@ def flat_model_state_bytes(
     hpZ's 1/``hpz`` secondary copy; gradients: the full buffer (0-1; ZeRO-1 reduces into it) or the
     shard (2-3), in the reduce dtype; optimizer: the fp32 master shard when the parameters are not
     fp32 (else the shard itself is the master), Adam's m and v over the owned elements, 4 bytes of
-    `step` per tensor. ``offload``: the master is a host buffer of its own and the fp32 gradient
-    shard has a host copy; ``host`` says how many of the bytes live there."""
+    `step` per tensor — or ``state`` bytes of optimizer state when another optimizer steps the
+    buffer (`optimizer_state_bytes`: Muon's momentum). ``offload``: the master is a host buffer of
+    its own and the fp32 gradient shard has a host copy; ``host`` says how many of the bytes live
+    there."""
     params = (shard if stage == 3 else padded) * param_bytes + (
         padded // hpz * param_bytes if hpz > 1 else 0
     )
     grads = (shard if stage >= 2 else padded) * grad_bytes
     master = shard * 4 if separate_master or offload else 0
-    optimizer = master + 8 * owned + 4 * segments
+    optimizer = master + (8 * owned + 4 * segments if state is None else state)
     host = optimizer + shard * 4 if offload else 0
     return {
         "params": params,
@@ -623,6 +626,32 @@ def flat_model_state_bytes(
         "optimizer": optimizer,
         "host": host,
     }
+
+
+def optimizer_state_bytes(parts: list[tuple[int, int, int, int]]) -> int:
+    """fp32 optimizer state of one rank's shard stepped by several optimizers: per optimizer
+    (elements, bytes per element, optimizer tensors, bytes per tensor) — AdamW (8, 4: m and v, its
+    step), Muon (4, 0: the momentum buffer) (docs/design.md#muon-under-zero)."""
+    return sum(n * per_element + k * per_tensor for n, per_element, k, per_tensor in parts)
+
+
+def muon_step_flops(rows: int, cols: int, ns_steps: int = 5) -> int:
+    """FLOPs of Muon's update of one rows × cols matrix: the Newton-Schulz iteration on X (m × n,
+    m = min, n = max: torch transposes a tall matrix), each step A = X Xᵀ (2m²n), B = bA + cA²
+    (2m³), X = aX + BX (2m²n) — 4m²n + 2m³ per step, in bf16 (docs/design.md#muon-under-zero). The
+    momentum and the update itself are elementwise (a few passes over the matrix, not counted)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return ns_steps * (4 * m * m * n + 2 * m**3)
+
+
+def owner_bound(sizes: list[int], world: int) -> int:
+    """The most elements the greedy whole-parameter owners (largest first onto the least-loaded
+    rank) give one of `world` ranks: ⌈O/N⌉ + p_max, O the elements, p_max the largest parameter —
+    a rank receives a parameter only while it holds no more than the mean
+    (docs/design.md#muon-under-zero)."""
+    if not sizes:
+        return 0
+    return -(-sum(sizes) // world) + max(sizes)
 
 
 # -- FLOPs (PaLM appendix B, with causal attention counted as the half a causal kernel runs) ------

@@ -87,6 +87,10 @@ def call_in_backward(tree: Any, hook: Callable[[], None]) -> Any:
     return tree_unflatten(leaves, spec)
 
 
+# A linear's weight gradient from its input x and output gradient: dW = grad_outᵀ x (2-D)
+WeightGrad = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class WeightGradStore:
     """Deferred weight-gradient matmuls, queued per key (the runtime's (stage, micro-batch))."""
 
@@ -101,8 +105,12 @@ class WeightGradStore:
         bias: torch.Tensor | None,
         x: torch.Tensor,
         grad_out: torch.Tensor,
+        weight_grad: WeightGrad | None = None,
     ) -> None:
-        self._pending[self.current].append((weight, bias, x, grad_out))
+        """Queue one linear's W: its weight gradient ``weight_grad(x, grad_out)`` (default
+        ``grad_outᵀ x`` in the inputs' precision; an FP8 linear passes its own GEMM) and the bias
+        gradient, handed to autograd by `run`."""
+        self._pending[self.current].append((weight, bias, x, grad_out, weight_grad))
 
     def run(self, key: Hashable) -> None:
         """Compute the queued weight (and bias) gradients of `key` through autograd."""
@@ -123,7 +131,7 @@ def _full_shaped(items: list[tuple]) -> Iterator[None]:
     in a zero-cost view of the full shape (the reducer only reads the gradient) while the gradients
     are handed over, then put the placeholder back."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for weight, bias, x, grad_out in items:
+    for weight, bias, x, grad_out, _ in items:
         for p, shape in (
             (weight, (grad_out.shape[-1], x.shape[-1])),
             (bias, (grad_out.shape[-1],)),
@@ -367,9 +375,12 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def _weight_grads(x: torch.Tensor, grad_out: torch.Tensor, with_bias: bool) -> tuple:
+def _weight_grads(
+    x: torch.Tensor, grad_out: torch.Tensor, with_bias: bool, weight_grad: WeightGrad | None = None
+) -> tuple:
     g = grad_out.flatten(0, -2)
-    return g.t() @ x.flatten(0, -2), (g.sum(0) if with_bias else None)
+    grad_w = g.t() @ x.flatten(0, -2) if weight_grad is None else weight_grad(x, grad_out)
+    return grad_w, (g.sum(0) if with_bias else None)
 
 
 class _Deferred:
@@ -399,13 +410,14 @@ class _ApplyWeightGrad(
     torch.autograd.Function
 ):  # deferred dW, db through autograd, so AccumulateGrad and hooks run
     @staticmethod
-    def forward(ctx, weight, bias, x, grad_out):  # type: ignore[override]
+    def forward(ctx, weight, bias, x, grad_out, weight_grad=None):  # type: ignore[override]
         ctx.save_for_backward(x, grad_out)
         ctx.with_bias = bias is not None
+        ctx.weight_grad = weight_grad
         return weight.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):  # type: ignore[override]
         x, grad_out = ctx.saved_tensors
-        grad_w, grad_b = _weight_grads(x, grad_out, ctx.with_bias)
-        return grad_w, grad_b, None, None
+        grad_w, grad_b = _weight_grads(x, grad_out, ctx.with_bias, ctx.weight_grad)
+        return grad_w, grad_b, None, None, None

@@ -242,6 +242,41 @@ RULES: tuple[Rule, ...] = (
         "not loss-scaled); use bf16",
         ("precision.param",),
     ),
+    # Muon (docs/design.md#muon-under-zero): whole matrices, owned whole
+    Rule(
+        lambda l: l.cfg.optim.name == "muon" and not hasattr(torch.optim, "Muon"),
+        lambda l: (
+            f"optim.name=muon needs torch.optim.Muon (torch 2.9 or later; this is torch "
+            f"{torch.__version__}): upgrade torch or use optim.name adamw"
+        ),
+        ("optim.name",),
+    ),
+    Rule(
+        lambda l: l.cfg.optim.name == "muon" and l.size("tp") > 1,
+        lambda l: (
+            f"optim.name=muon with parallel.tp={l.size('tp')}: Muon orthogonalises each whole "
+            "matrix, and a tp rank holds a slice of it (gathering the matrices over tp for the "
+            "step is not built); use parallel.tp 1 (shard with zero.stage 1-3 instead) or "
+            "optim.name adamw"
+        ),
+        ("optim.name", "parallel.tp"),
+    ),
+    Rule(
+        lambda l: (
+            l.cfg.optim.name == "muon" and (l.cfg.zero.qwz or l.cfg.zero.qgz or l.cfg.zero.hpz > 1)
+        ),
+        "optim.name=muon gives each rank whole matrices, so ZeRO shards differ in size; zero.qwz, "
+        "zero.qgz and zero.hpz assume equal shards: drop them or use optim.name adamw",
+        ("optim.name", "zero.qwz", "zero.qgz", "zero.hpz"),
+    ),
+    Rule(
+        lambda l: l.cfg.optim.name == "muon" and l.cfg.optim.muon_ns_steps not in range(1, 100),
+        lambda l: (
+            f"optim.muon_ns_steps={l.cfg.optim.muon_ns_steps}: Muon runs 1 to 99 Newton-Schulz "
+            "iterations (5 is the usual)"
+        ),
+        ("optim.muon_ns_steps",),
+    ),
     # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz)
     Rule(
         lambda l: l.cfg.zero.qgz and l.size("dp_replicate") > 1,

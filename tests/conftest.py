@@ -104,8 +104,24 @@ def pytest_configure(config: pytest.Config) -> None:
     global _ENABLED
     _ENABLED = os.environ.get(FAST_ENV, "") not in ("", "0") or _deselects_multiprocess(config.option.markexpr)
     if _ENABLED:
+        _warm_font_cache()
         _GUARD.install()
         config.add_cleanup(_GUARD.uninstall)
+
+
+def _warm_font_cache() -> None:
+    """matplotlib builds its font cache on first use, asking fontconfig (`fc-list`, a subprocess): on
+    a fresh machine the first test that draws would trip the guard for a process it did not start.
+    Built here, before the guard is armed (once per machine; later sessions read the cache)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import font_manager
+
+        font_manager.fontManager  # noqa: B018 (loads or builds the cache)
+    except ImportError:
+        pass
 
 
 @pytest.hookimpl(wrapper=True)

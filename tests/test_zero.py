@@ -494,7 +494,7 @@ def test_sharded_optimizer_state_lives_on_the_owner_only(zero_results, kernels):
         assert s["shard"] == math.ceil(total / world)
         assert s["params"].keys() == want.keys()
         assert_within(s["params"], want, bounds, f"rank {rank}")
-        assert "LBFGS is not known to be elementwise" in s["error"]
+        assert "LBFGS is not known to step each parameter on its own" in s["error"]
 
 
 def test_fp16_overflow_skips_the_step_everywhere_and_halves_the_scale(zero_results):

@@ -15,7 +15,7 @@ buffer (a `torch.Tensor`) from a parameter (`Pieces`) by its type. Everything el
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,25 +89,44 @@ def _segment_ranges(flat: FlatParam) -> Iterator[tuple[int, int, int, Any, int]]
                 yield i, lo, hi, mp, seg_lo
 
 
+def _is_elementwise(value: Any, mp: torch.Tensor) -> bool:
+    """A state tensor with one entry per element of its optimizer tensor (AdamW's exp_avg, Muon's
+    momentum_buffer), as opposed to a per-tensor scalar (AdamW's step)."""
+    return isinstance(value, torch.Tensor) and value.shape == mp.shape and value.dim() > 0
+
+
 def optimizer_state_keys(engine: ZeroDataParallel) -> tuple[list[str], list[str]]:
     """(elementwise keys, scalar keys) of the optimizer state this engine holds now (empty before
-    the first step)."""
+    the first step); with several optimizers (Muon + AdamW) the keys of all of them."""
     elementwise, scalar = [], []
     for flat in engine.flats:
         for mp in flat.master_params:
             for k, v in engine.optimizer.state.get(mp, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == mp.shape and v.dim() > 0:
+                if _is_elementwise(v, mp):
                     elementwise.append(k) if k not in elementwise else None
                 elif k not in scalar:
                     scalar.append(k)
     return elementwise, scalar
 
 
+def _segment_names(flat: FlatParam) -> list[set[str]]:
+    """The parameters each optimizer segment of `flat` holds part of."""
+    names: list[set[str]] = [set() for _ in flat.segments]
+    segment_of = {id(mp): k for k, mp in enumerate(flat.master_params)}
+    for i, _, _, mp, _ in _segment_ranges(flat):
+        names[segment_of[id(mp)]].add(flat.layout.slots[i].name)
+    return names
+
+
 def _ensure_optimizer_state(
-    engine: ZeroDataParallel, elementwise: Iterable[str], scalars: dict[str, torch.dtype]
+    engine: ZeroDataParallel,
+    elementwise: Iterable[str],
+    scalars: dict[str, torch.dtype],
+    saved: Container[str] | None = None,
 ) -> None:
     """Create the optimizer state a load will fill (a torch optimizer allocates it at its first
-    step)."""
+    step). ``saved``: the checkpoint's keys; then a segment gets only the keys saved for its
+    parameters (Muon's momentum for its matrices, AdamW's moments and step for the rest)."""
     # torch keeps a non-fused optimizer's step count on the CPU, a fused (or capturable) one's
     # beside its parameter
     on_param = {
@@ -117,13 +136,34 @@ def _ensure_optimizer_state(
         for p in g["params"]
     }
     for flat in engine.flats:
-        for mp in flat.master_params:
+        for mp, names in zip(flat.master_params, _segment_names(flat)):
+
+            def wanted(key: str, names: set[str] = names) -> bool:
+                return saved is None or any(f"optim.{key}.{n}" in saved for n in names)
+
             state = engine.optimizer.state.setdefault(mp, {})
             for k in elementwise:
-                state.setdefault(k, torch.zeros_like(mp, memory_format=torch.preserve_format))
+                if wanted(k):
+                    state.setdefault(k, torch.zeros_like(mp, memory_format=torch.preserve_format))
             device = mp.device if id(mp) in on_param else "cpu"
             for k, dtype in scalars.items():
-                state.setdefault(k, torch.zeros((), dtype=dtype, device=device))
+                if wanted(k):
+                    state.setdefault(k, torch.zeros((), dtype=dtype, device=device))
+
+
+def _keyed(
+    engine: ZeroDataParallel,
+    keys_of: dict[int, set[str] | None],
+    flat: FlatParam,
+    name: str,
+    key: str,
+) -> bool:
+    """Whether the optimizer that steps parameter `name` of `flat` keeps per-element state `key`
+    on this rank (``keys_of``: `ShardedOptimizer.state_keys_of` per inner optimizer; a rank that
+    holds none of an optimizer's parameters declares none of its pieces: the holders do)."""
+    inner = engine.optimizer.group_optimizers[flat.group_ids[flat.names.index(name)]]
+    keys = keys_of[inner]
+    return keys is None or key in keys
 
 
 @dataclass
@@ -149,23 +189,39 @@ def training_state(
     tp: Comm | None,
     optimizer_scalars: dict[str, torch.dtype] | None = None,
     optimizer_elementwise: Iterable[str] | None = None,
+    saved: Container[str] | None = None,
 ) -> TrainingState:
     """This rank's model and optimizer state keyed by global names, as `Pieces` viewing the live
     tensors (save: what is written; load: where it lands), and the engines' modules' persistent
     buffers as copies (`after_load` puts a loaded one back). For a load give the optimizer keys the
-    checkpoint has: the state is created (zeros) where the optimizer has none yet."""
+    checkpoint has (and with several optimizers ``saved``, its keys: which parameter has which):
+    the state is created (zeros) where the optimizer has none yet. A parameter's optimizer keys are
+    those of the optimizer that steps it: with Muon for the matrices, ``optim.momentum_buffer.*``
+    for them and AdamW's keys for the rest."""
     engines = list(engines)
     state: dict[str, Any] = {}
     targets: list[tuple[str, torch.Tensor]] = []
     for engine in engines:
         if optimizer_elementwise is not None or optimizer_scalars:
-            _ensure_optimizer_state(engine, optimizer_elementwise or (), optimizer_scalars or {})
-        elementwise, scalars = optimizer_state_keys(engine)
+            _ensure_optimizer_state(
+                engine, optimizer_elementwise or (), optimizer_scalars or {}, saved
+            )
+        elementwise, _ = optimizer_state_keys(engine)
+        keys_of = {
+            inner: engine.optimizer.state_keys_of(inner)
+            for inner in range(len(engine.optimizer.choice.optimizers))
+        }
         shares = param_shares(engine, tp)
         for flat in engine.flats:
+            # every rank of the group declares the same pieces: a key for a parameter wherever
+            # some segment of the flat steps any part of it with that key
+            keyed = {
+                name: [k for k in elementwise if _keyed(engine, keys_of, flat, name, k)]
+                for name in (slot.name for slot in flat.layout.slots)
+            }
             for slot in flat.layout.slots:
                 share = shares[slot.name]
-                for key in ["model", *(f"optim.{k}" for k in elementwise)]:
+                for key in ["model", *(f"optim.{k}" for k in keyed[slot.name])]:
                     state.setdefault(f"{key}.{slot.name}", Pieces(share.size, torch.float32))
             for i, lo, hi, mp, seg_lo in _segment_ranges(flat):
                 slot = flat.layout.slots[i]
@@ -178,17 +234,18 @@ def training_state(
                     share.local_offset,
                 )
                 opt = engine.optimizer.state.get(mp, {})
-                for k in elementwise:
-                    state[f"optim.{k}.{slot.name}"].add_flat_range(
-                        opt[k][lo - seg_lo : hi - seg_lo],
-                        share.local_shape,
-                        start,
-                        share.local_offset,
-                    )
-                for k in scalars:  # equal in every segment of a parameter: one value per parameter
+                for k, v in opt.items():
                     fqn = f"optim.{k}.{slot.name}"
-                    state.setdefault(fqn, opt[k].detach().clone())
-                    targets.append((fqn, opt[k]))
+                    if _is_elementwise(v, mp):  # (a whole matrix's state: its rows, flattened)
+                        state[fqn].add_flat_range(
+                            v.reshape(-1)[lo - seg_lo : hi - seg_lo],
+                            share.local_shape,
+                            start,
+                            share.local_offset,
+                        )
+                    else:  # equal in every segment of a parameter: one value per parameter
+                        state.setdefault(fqn, v.detach().clone())
+                        targets.append((fqn, v))
         for name, buf in persistent_buffers(engine.module):  # (the engines may share a module)
             fqn = f"model.{name}"
             if fqn not in state:

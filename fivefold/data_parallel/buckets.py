@@ -20,7 +20,7 @@ step allocates none and the allocator does not fragment around them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -45,9 +45,16 @@ class Slot:
 
 
 class FlatLayout:
-    """Offsets of several tensors packed contiguously, total padded to a multiple of `pad_to`."""
+    """Offsets of several tensors packed contiguously, total padded to a multiple of `pad_to`.
+    ``bounds``: shards of unequal sizes, rank r's [bounds[r], bounds[r + 1]) (whole-parameter
+    owners, `ownership`; no padding then); None: N equal shards of the padded buffer."""
 
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], pad_to: int = 1) -> None:
+    def __init__(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        pad_to: int = 1,
+        bounds: Sequence[int] | None = None,
+    ) -> None:
         self.slots: list[Slot] = []
         offset = 0
         for name, t in named:
@@ -56,6 +63,18 @@ class FlatLayout:
         self.numel = offset
         self.pad_to = pad_to
         self.padded_numel = -(-offset // pad_to) * pad_to
+        if bounds is not None and (bounds[0] != 0 or bounds[-1] != self.padded_numel):
+            raise ValueError(
+                f"shard bounds {list(bounds)} do not cover the {self.padded_numel}-element buffer"
+            )
+        self.bounds = list(bounds) if bounds is not None else None
+
+    @property
+    def shard_sizes(self) -> list[int] | None:
+        """Each rank's shard size when they differ (``bounds``); None for equal shards."""
+        if self.bounds is None:
+            return None
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
 
     @property
     def padding(self) -> int:
@@ -66,7 +85,12 @@ class FlatLayout:
         return flat[s.offset : s.offset + s.numel].view(s.shape)
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
-        """[start, end) of `rank`'s equal contiguous shard (requires pad_to % world == 0)."""
+        """[start, end) of `rank`'s contiguous shard: from ``bounds`` if given, else the equal
+        1/`world` (requires pad_to % world == 0)."""
+        if self.bounds is not None:
+            if len(self.bounds) != world + 1:
+                raise ValueError(f"shard bounds for {len(self.bounds) - 1} ranks, not {world}")
+            return self.bounds[rank], self.bounds[rank + 1]
         if self.padded_numel % world:
             raise ValueError(
                 f"flat buffer of {self.padded_numel} elements cannot be split evenly "
@@ -124,24 +148,37 @@ class BufferPool:
 
 
 def assign_buckets(
-    named_params: NamedParams, bucket_bytes: float
+    named_params: NamedParams,
+    bucket_bytes: float,
+    kind: Callable[[str, nn.Parameter], Hashable | None] | None = None,
 ) -> list[list[tuple[str, nn.Parameter]]]:
     """Split trainable parameters into buckets of at least `bucket_bytes` in reverse registration
-    order; a change of dtype or device starts a new bucket (one flat buffer has one dtype)."""
+    order; a change of dtype or device starts a new bucket (one flat buffer has one dtype), and so
+    does a change of ``kind(name, p)`` (whole-parameter owners or equal shards: one layout per
+    buffer) — a parameter whose kind is None (a norm's weight) joins the bucket it comes to."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
+    current_kind: Hashable | None = None
     size = 0
     for name, p in reversed(list(named_params)):
         if not p.requires_grad:
             continue
-        if current and (p.dtype != current[0][1].dtype or p.device != current[0][1].device):
+        this_kind = kind(name, p) if kind is not None else None
+        if current and (
+            p.dtype != current[0][1].dtype
+            or p.device != current[0][1].device
+            or None not in (this_kind, current_kind)
+            and this_kind != current_kind
+        ):
             buckets.append(current)
-            current, size = [], 0
+            current, size, current_kind = [], 0, None
+        if this_kind is not None:
+            current_kind = this_kind
         current.append((name, p))
         size += p.numel() * p.element_size()
         if size >= bucket_bytes:
             buckets.append(current)
-            current, size = [], 0
+            current, size, current_kind = [], 0, None
     if current:
         buckets.append(current)
     return buckets

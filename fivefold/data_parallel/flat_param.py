@@ -19,12 +19,18 @@ qwZ (``quant_block``) all-gathers every shard as block-wise int8 (`quantize`) an
 ``full``, the stored shards keeping their dtype; hpZ (``secondary``, a `Comm` over a few consecutive
 ranks, e.g. a node) keeps this rank's slice of each forward gather as ``secondary`` and gathers a
 backward's weights from those slices inside that group alone.
+
+Whole-parameter owners (``owners``, docs/design.md#muon-under-zero, `ownership`): for an optimizer
+that is not elementwise (Muon) each parameter belongs to one rank; the buffer is ordered by owner,
+each rank's shard is the run of its own parameters (``shard_sizes``: unequal, no padding), each
+owned parameter is one optimizer tensor of its own shape, and the gathers pass the sizes to the
+uneven collectives.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +39,7 @@ from torch import nn
 
 from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.buckets import FlatLayout
+from fivefold.data_parallel.ownership import owner_bounds
 from fivefold.data_parallel.quantize import dequantize_packed, packed_bytes, quantize_rows_into
 from fivefold.distributed.comm import Comm
 
@@ -129,20 +136,39 @@ class FlatParam:
         secondary: Comm | None = None,
         master_home: host.MasterHome | None = None,
         segmentation: Segmentation | None = None,
+        owners: Mapping[str, int] | None = None,
     ) -> None:
-        ordered = sorted(
-            named_params, key=lambda item: group_of(*item)
-        )  # stable: groups contiguous
         self.index = index
         self.comm = comm
-        self.names = [n for n, _ in ordered]
-        self.params = [p for _, p in ordered]
-        self.group_ids = [group_of(n, p) for n, p in ordered]
         self.sharded = sharded and comm.size > 1
         self.world = comm.size if self.sharded else 1
         self.rank = comm.rank if self.sharded else 0
-        self.layout = FlatLayout(ordered, pad_to=self.world)
+        # whole-parameter owners (`ownership`; a non-elementwise optimizer): parameters ordered by
+        # owner, then group; each rank's shard is the run of the parameters it owns
+        self.whole_params = owners is not None
+        if self.whole_params and (
+            quant_block is not None or (secondary is not None and secondary.size > 1)
+        ):
+            raise ValueError(
+                "whole-parameter shards (a non-elementwise optimizer such as Muon) are gathered "
+                "unevenly: qwZ's int8 gathers and hpZ's secondary copy assume equal shards"
+            )
+        owner_of = (lambda n: owners[n] if self.sharded else 0) if owners is not None else None
+        if owner_of is None:
+            ordered = sorted(named_params, key=lambda item: group_of(*item))  # groups contiguous
+        else:
+            ordered = sorted(named_params, key=lambda item: (owner_of(item[0]), group_of(*item)))
+        self.names = [n for n, _ in ordered]
+        self.params = [p for _, p in ordered]
+        self.group_ids = [group_of(n, p) for n, p in ordered]
+        bounds = None
+        if owner_of is not None:
+            owned = [owner_of(n) for n in self.names]
+            bounds = owner_bounds(owned, [p.numel() for p in self.params], self.world)
+        self.layout = FlatLayout(ordered, pad_to=1 if bounds else self.world, bounds=bounds)
         self.start, self.end = self.layout.shard_range(self.rank, self.world)
+        # every rank's shard size where they differ (the uneven collectives' sizes), else None
+        self.shard_sizes = self.layout.shard_sizes if self.sharded else None
         self.param_dtype = param_dtype
         self.reshard_enabled = reshard and self.sharded
         device = self.params[0].device
@@ -199,8 +225,15 @@ class FlatParam:
                 p.data = self._empty if self.reshard_enabled else self.layout.view(self.full, i)
         # how the master shard is cut into optimizer tensors: by where it lives
         self.segmentation = segmentation or segmentation_for(self.master.device)
-        self.segments = self._group_segments()
-        self.master_params = [nn.Parameter(self.master[a:b]) for _, a, b in self.segments]
+        self.segments = self._whole_segments() if self.whole_params else self._group_segments()
+        # a whole parameter's optimizer tensor has its shape (Muon needs the matrix)
+        self.segment_shapes: list[torch.Size] | None = (
+            [self.layout.slots[i].shape for i in self._owned_slots()] if self.whole_params else None
+        )
+        self.master_params = [
+            nn.Parameter(self._shaped(self.master[a:b], k))
+            for k, (_, a, b) in enumerate(self.segments)
+        ]
         self._split_sizes, self._pieces = self._split_plan()
         self.grad_shard: torch.Tensor | None = None
         # constant buffers: where reduce-scatters land
@@ -241,6 +274,28 @@ class FlatParam:
                     segments.append((g, c, d))
         return segments
 
+    def _owned_slots(self) -> list[int]:
+        """Whole-parameter layout: the slots inside this rank's shard (all of each, by
+        construction)."""
+        return [
+            i
+            for i, slot in enumerate(self.layout.slots)
+            if self.start <= slot.offset and slot.offset + slot.numel <= self.end and slot.numel
+        ]
+
+    def _whole_segments(self) -> list[tuple[int, int, int]]:
+        """(group, a, b): one optimizer tensor per owned parameter, whole."""
+        out = []
+        for i in self._owned_slots():
+            slot = self.layout.slots[i]
+            a = slot.offset - self.start
+            out.append((self.group_ids[i], a, a + slot.numel))
+        return out
+
+    def _shaped(self, piece: torch.Tensor, k: int) -> torch.Tensor:
+        """Segment k's 1-D piece, as its parameter's shape when segments are whole parameters."""
+        return piece if self.segment_shapes is None else piece.view(self.segment_shapes[k])
+
     def _split_plan(self) -> tuple[list[int], list[int]]:
         """The sizes one `split_with_sizes` of a shard-sized tensor cuts (the segments, and the gaps
         and padding between and after them) and which of its pieces are the segments, in order."""
@@ -261,9 +316,9 @@ class FlatParam:
         if not self._pieces:
             return []
         if len(self._split_sizes) == 1:
-            return [shard]
+            return [self._shaped(shard, 0)]
         views = shard.split_with_sizes(self._split_sizes)
-        return [views[i] for i in self._pieces]
+        return [self._shaped(views[i], k) for k, i in enumerate(self._pieces)]
 
     @property
     def shard_numel(self) -> int:
@@ -306,7 +361,10 @@ class FlatParam:
             ), None
         keep = self._keep_secondary if self.secondary_comm is not None else None
         if self.quant_block is None:
-            return self.comm.all_gather(self.full, self.local, async_op=True, tag=tag), keep
+            gather = self.comm.all_gather(
+                self.full, self.local, async_op=True, tag=tag, sizes=self.shard_sizes
+            )
+            return gather, keep
         block, n = self.quant_block, self.shard_numel
         chunk = packed_bytes(n, block)
         send = quantize_rows_into(
@@ -419,7 +477,9 @@ class FlatParam:
 
     def gather_params(self):
         """ZeRO-1/2 after the step: all-gather the updated shards in place; returns the work."""
-        return self.comm.all_gather(self.full, self.local, async_op=True, tag=f"bucket{self.index}")
+        return self.comm.all_gather(
+            self.full, self.local, async_op=True, tag=f"bucket{self.index}", sizes=self.shard_sizes
+        )
 
     def full_master(self) -> dict[str, torch.Tensor]:
         """Every parameter of this buffer at fp32 master precision, gathered from all shards."""
@@ -427,7 +487,8 @@ class FlatParam:
             flat = torch.empty(
                 self.layout.padded_numel, dtype=torch.float32, device=self.full.device
             )
-            self.comm.all_gather(flat, self.master.detach().to(self.full.device), tag="state_dict")
+            master = self.master.detach().to(self.full.device)
+            self.comm.all_gather(flat, master, tag="state_dict", sizes=self.shard_sizes)
         else:
             flat = self.master.detach()
         return {name: self.layout.view(flat, i).clone() for i, name in enumerate(self.names)}

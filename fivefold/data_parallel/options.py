@@ -20,6 +20,7 @@ from torch import nn
 
 from fivefold.data_parallel.fsdp import UnitSpec
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
+from fivefold.data_parallel.optimizers import OneOptimizer, OptimizerChoice, inner_optimizer
 from fivefold.distributed.comm import Comm, Placement
 
 __all__ = ["ZeroOptions", "check_options", "default_no_decay"]
@@ -52,12 +53,15 @@ class ZeroOptions:
     reshard_after_forward: bool = True
     prefetch: int = 1
     inflight_buckets: int = 1
-    # the optimizer on the shards; ``optimizer_kwargs``: lr, betas, eps, ...
+    # the optimizer on the shards; ``optimizer_kwargs``: lr, betas, eps, ... ``optimizers``: a
+    # choice of several by parameter (Muon for the matrices, AdamW for the rest: `optimizers`);
+    # when given, the class, kwargs and elementwise above are not used
     optimizer_class: type = torch.optim.AdamW
     weight_decay: float = 0.0
     no_decay: Any = default_no_decay
     elementwise: bool | None = None
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    optimizers: OptimizerChoice | None = None
     # which parameters, where they are partitioned besides dp, how they start
     params: Callable[[str, nn.Parameter], bool] | None = None
     placement_of: Callable[[str, nn.Parameter], Placement] | None = None
@@ -75,6 +79,15 @@ class ZeroOptions:
     # policies: ZeRO-R constant buffers, ZeRO-Offload of the optimizer
     constant_buffers: bool = False
     offload_optimizer: bool = False
+
+    def optimizer_choice(self) -> OptimizerChoice:
+        """``optimizers``, or the one optimizer the class and kwargs name (checked: an optimizer
+        ZeRO cannot shard is refused here)."""
+        if self.optimizers is not None:
+            return self.optimizers
+        return OneOptimizer(
+            inner_optimizer(self.optimizer_class, self.optimizer_kwargs, self.elementwise)
+        )
 
     @classmethod
     def from_keywords(cls, zero_stage: int = 0, **keywords: Any) -> ZeroOptions:
@@ -111,6 +124,13 @@ def check_options(o: ZeroOptions, comm: Comm) -> None:
             "in flight; use 1 (least memory) or more (more overlap)"
         )
     _check_zeropp(o, comm)
+    whole = not all(inner.elementwise for inner in o.optimizer_choice().optimizers)
+    if whole and (o.qwz or o.qgz or (o.hpz_comm is not None and o.hpz_comm.size > 1)):
+        raise ValueError(
+            "a non-elementwise optimizer (Muon) owns whole parameters, so shards differ in size; "
+            "ZeRO++'s qwz / qgz / hpz_comm assume equal shards: turn them off, or use an "
+            "elementwise optimizer (AdamW)"
+        )
     if o.constant_buffers and _replicas(o) and comm.size == 1:
         raise ValueError(
             "constant_buffers with HSDP over one-rank shard groups: nothing is sharded (that is "

@@ -1,9 +1,14 @@
-"""`ShardedOptimizer`: any elementwise torch optimizer stepping only this rank's shard.
+"""`ShardedOptimizer`: torch optimizers stepping only this rank's shard.
 
 ZeRO-1 (docs/design.md#mechanisms): for AdamW, knowing part of the gradient is enough to compute
 that part's first and second moments and update that part of the parameters, so an optimizer over
-the fp32 master shard is exact with state KΨ/N; non-elementwise ones (Muon, Adafactor) are refused.
-Used standalone after DDP (like ZeroRedundancyOptimizer) or by the ZeRO engine. A step: unscale
+the fp32 master shard is exact with state KΨ/N. An optimizer that is not elementwise but steps each
+parameter on its own (Muon orthogonalises a whole matrix; docs/design.md#muon-under-zero) is exact
+over whole parameters: its flats have whole-parameter owners (`ownership`) and each owned parameter
+is one optimizer tensor of its own shape. Several optimizers side by side (Muon for the matrices,
+AdamW for the rest: `optimizers.MatricesApart`) are one `optimizers.CombinedOptimizer`; an
+optimizer coupling parameters (LBFGS) is refused. Used standalone after DDP (like
+ZeroRedundancyOptimizer) or by the ZeRO engine. A step: unscale
 (fp16) -> global norm by placement (`fivefold.optim.clip`; also the inf/nan skip every rank agrees
 on) -> clip -> inner step -> write back -> all-gather (ZeRO-1/2).
 
@@ -30,36 +35,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from fivefold import formulas
 from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.flat_param import FlatParam, segmentation_for
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler
+from fivefold.data_parallel.optimizers import (
+    ELEMENTWISE_OPTIMIZERS,  # noqa: F401 (re-exported)
+    CombinedOptimizer,
+    OneOptimizer,
+    OptimizerChoice,
+    inner_optimizer,
+)
+from fivefold.data_parallel.ownership import balance_owners
 from fivefold.distributed.comm import Comm, Placement
 from fivefold.optim.clip import global_grad_sq_norm
 
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-    torch.optim.Rprop,
-)
-
 
 def check_elementwise(optimizer_class: type, elementwise: bool | None) -> None:
-    if elementwise is None:
-        elementwise = issubclass(optimizer_class, ELEMENTWISE_OPTIMIZERS)
-    if not elementwise:
-        raise ValueError(
-            f"{optimizer_class.__name__} is not known to be elementwise: sharding its state would "
-            "change its math (Muon orthogonalises whole matrices, Adafactor factors them). Use an "
-            f"elementwise optimizer ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) or "
-            "pass elementwise=True if it is one"
-        )
+    """Raise (one line saying what to pass) unless ZeRO can shard `optimizer_class`'s state: by
+    element, or by whole parameter (`optimizers.inner_optimizer`)."""
+    inner_optimizer(optimizer_class, None, elementwise)
 
 
 def write_back(flats: Iterable[FlatParam], refreshed: Collection[FlatParam] = ()) -> None:
@@ -90,7 +85,7 @@ class ShardedOptimizer:
         **defaults: Any,
     ) -> None:
         """Standalone: flattens `params` (tensors or param-group dicts) into one flat buffer per
-        (dtype, device)."""
+        (dtype, device); a non-elementwise optimizer (Muon) gets whole-parameter owners."""
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -101,6 +96,10 @@ class ShardedOptimizer:
             for pi, p in enumerate(g["params"]):
                 if p.requires_grad:
                     by_kind.setdefault((p.dtype, p.device), []).append((f"group{gi}.param{pi}", p))
+        choice = OneOptimizer(inner_optimizer(optimizer_class, defaults, elementwise))
+        whole = not choice.optimizer.elementwise
+        sizes = [(n, p.numel()) for named in by_kind.values() for n, p in named]
+        owners = balance_owners(sizes, comm.size) if whole else None
         flats = [
             FlatParam(
                 i,
@@ -109,46 +108,52 @@ class ShardedOptimizer:
                 group_of=lambda n, p: group_index[id(p)],
                 param_dtype=dtype,
                 sharded=True,
+                owners=owners,
             )
             for i, ((dtype, _), named) in enumerate(by_kind.items())
         ]
         self.flats, self.comm, self.grads_from_params = flats, comm, True
         self.loss_scaler: DynamicLossScaler | None = None
-        self._build_inner(optimizer_class, group_kwargs, elementwise, defaults)
+        self._build_inner(choice, group_kwargs, [0] * len(group_kwargs))
 
     @classmethod
     def for_flat_params(
         cls,
         flats: list[FlatParam],
-        optimizer_class: type,
+        optimizer: type | OptimizerChoice,
         group_kwargs: list[dict[str, Any]],
         comm: Comm,
         *,
         loss_scaler: DynamicLossScaler | None = None,
         elementwise: bool | None = None,
+        group_optimizers: list[int] | None = None,
         **defaults: Any,
     ) -> ShardedOptimizer:
-        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter."""
+        """Engine use: gradient shards arrive in ``flat.grad_shard`` from the reduce-scatter.
+        `optimizer`: a class (with ``defaults`` as its keywords) or a choice of several
+        (`optimizers`), ``group_optimizers[g]`` naming the one that steps group g."""
         self = cls.__new__(cls)
         self.flats, self.comm, self.grads_from_params = flats, comm, False
         self.loss_scaler = loss_scaler
-        self._build_inner(optimizer_class, group_kwargs, elementwise, defaults)
+        if isinstance(optimizer, type):
+            optimizer = OneOptimizer(inner_optimizer(optimizer, defaults, elementwise))
+        self._build_inner(optimizer, group_kwargs, group_optimizers or [0] * len(group_kwargs))
         return self
 
     def _build_inner(
         self,
-        optimizer_class: type,
+        choice: OptimizerChoice,
         group_kwargs: list[dict[str, Any]],
-        elementwise: bool | None,
-        defaults: dict[str, Any],
+        group_optimizers: list[int],
     ) -> None:
         """Both constructors' common part, once ``flats``, ``comm``, ``grads_from_params`` and
-        ``loss_scaler`` are set: the inner optimizer over the flats' master shards, with each
-        parameter's norm placement."""
-        check_elementwise(optimizer_class, elementwise)
+        ``loss_scaler`` are set: one torch optimizer per inner optimizer of `choice` over its
+        groups of the flats' master shards (`optimizers.CombinedOptimizer` when there are
+        several), with each parameter's norm placement."""
         flats, comm = self.flats, self.comm
         self.sharded = any(f.sharded for f in flats)
-        inner_groups = []
+        self.choice, self.group_optimizers = choice, group_optimizers
+        by_inner: list[list[dict[str, Any]]] = [[] for _ in choice.optimizers]
         for g, kwargs in enumerate(group_kwargs):
             members = [
                 mp
@@ -157,7 +162,8 @@ class ShardedOptimizer:
                 if gid == g
             ]
             if members:
-                inner_groups.append({"params": members, **kwargs})
+                by_inner[group_optimizers[g]].append({"params": members, **kwargs})
+        inner_groups = [g for groups in by_inner for g in groups]
         # What the global norm sums over: the group's own placement, plus dp where this optimizer
         # shards.
         dp: Placement = (
@@ -166,17 +172,53 @@ class ShardedOptimizer:
         self._placement = {
             id(p): frozenset(g.get("placement", ())) | dp for g in inner_groups for p in g["params"]
         }
-        if not inner_groups:  # a rank whose shards are all padding still needs a valid optimizer
-            empty = nn.Parameter(torch.zeros(0, device=comm.device))
-            inner_groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
         # the kernels that go with the masters' segmentation (fused AdamW over whole shards on an
         # accelerator; the CPU's per-tensor loop is the reference's); options the user gave win
         master_device = flats[0].master.device if flats else comm.device
         segmentation = flats[0].segmentation if flats else segmentation_for(master_device)
-        if not {"fused", "foreach"} & defaults.keys():
-            defaults.update(segmentation.kernel_options(optimizer_class, master_device))
-        self.optimizer: torch.optim.Optimizer = optimizer_class(inner_groups, **defaults)
+        optimizers = []
+        for inner, groups in zip(choice.optimizers, by_inner):
+            if not groups and (optimizers or any(by_inner)):
+                continue
+            if not groups:  # a rank whose shards are all padding still needs a valid optimizer
+                # (a 2-D stand-in: Muon takes matrices only)
+                empty = nn.Parameter(torch.zeros(0, 0, device=comm.device))
+                groups = [{"params": [empty], **(group_kwargs[0] if group_kwargs else {})}]
+            kwargs = dict(inner.kwargs)
+            if not {"fused", "foreach"} & kwargs.keys():
+                kwargs.update(segmentation.kernel_options(inner.cls, master_device))
+            optimizers.append(inner.cls(groups, **kwargs))
+        self.optimizer: torch.optim.Optimizer | CombinedOptimizer = (
+            optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
+        )
         self.last_step_skipped = False
+
+    def state_bytes(self, flat: FlatParam) -> int | None:
+        """The fp32 optimizer state this rank holds for `flat` (`formulas.optimizer_state_bytes`:
+        each segment's elements and tensors at its optimizer's rates); None when AdamW alone steps
+        it (the formula's own default)."""
+        if all(inner.name == "AdamW" for inner in self.choice.optimizers):
+            return None
+        parts = []
+        for gid, a, b in flat.segments:
+            per_element, per_tensor = self.choice.optimizers[self.group_optimizers[gid]].state_bytes
+            parts.append((b - a, per_element, 1, per_tensor))
+        return formulas.optimizer_state_bytes(parts)
+
+    def state_keys_of(self, inner: int) -> set[str] | None:
+        """The per-element state keys the `inner`-th optimizer holds on this rank (Muon:
+        momentum_buffer; AdamW: exp_avg, exp_avg_sq), for a checkpoint's pieces; None with one
+        optimizer (every key is its)."""
+        if len(self.choice.optimizers) == 1:
+            return None
+        keys: set[str] = set()
+        for f in self.flats:
+            for (g, _, _), mp in zip(f.segments, f.master_params):
+                if self.group_optimizers[g] == inner:
+                    for k, v in self.optimizer.state.get(mp, {}).items():
+                        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == mp.shape:
+                            keys.add(k)
+        return keys
 
     # torch.optim.Optimizer look-alikes, so LR schedules and checkpoints work unchanged.
     @property

@@ -32,6 +32,7 @@ from fivefold.data_parallel.buckets import BucketStrategy, GradBucket, assign_bu
 from fivefold.data_parallel.flat_param import FlatParam, GroupOf, ValueOf
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
 from fivefold.data_parallel.offload import MasterHome
+from fivefold.data_parallel.ownership import balance_owners
 from fivefold.data_parallel.policies import FreshBuffers
 from fivefold.data_parallel.transports import Collective, GradTransport
 from fivefold.distributed.comm import Comm
@@ -62,6 +63,24 @@ class FlatSpec:
     # where each flat's fp32 master lives: `offload.MasterOnDevice`, or ZeRO-Offload's
     # `MasterOnHost` (a class: one instance per flat, holding its host buffers)
     master_home: type[MasterHome]
+    # which parameters a non-elementwise optimizer steps whole (Muon): a flat holding one gets
+    # whole-parameter owners (`ownership`); None: every flat is cut into equal shards
+    whole: Callable[[str, nn.Parameter], bool] | None = None
+
+    def layout_kind(self, name: str, param: nn.Parameter) -> str | None:
+        """What a bucket must not mix (`buckets.assign_buckets`): parameters stepped whole, or
+        large ones cut into equal shards; a 1-D one (a norm) goes with either."""
+        if self.whole is not None and self.whole(name, param):
+            return "whole"
+        return None if param.ndim < 2 else "shards"
+
+    def owners(self, groups: list[list[tuple[str, nn.Parameter]]]) -> list[dict[str, int] | None]:
+        """Per flat (its parameters): owners balanced over the shard group across every flat that
+        holds a whole-stepped parameter (all of its parameters owned whole), None for the others."""
+        whole = [self.whole is not None and any(self.whole(n, p) for n, p in g) for g in groups]
+        sizes = [(n, p.numel()) for g, w in zip(groups, whole) if w for n, p in g]
+        owner = balance_owners(sizes, self.comm.size) if sizes else {}
+        return [{n: owner[n] for n, _ in g} if w else None for g, w in zip(groups, whole)]
 
 
 # -- ZeRO-3's gathers (docs/design.md#zero-qwz-qgz-hpz), run by `FlatParam._start_gather` -----
@@ -169,7 +188,7 @@ class Stage(BucketStrategy):
         self, module: nn.Module, named: list[tuple[str, nn.Parameter]], spec: FlatSpec, **_: Any
     ) -> list[FlatParam]:
         """Buckets of about `bucket_bytes` in reverse registration order, one flat buffer each."""
-        groups = assign_buckets(named, self.bucket_bytes)
+        groups = assign_buckets(named, self.bucket_bytes, spec.layout_kind)
         self.flats = [
             FlatParam(
                 i,
@@ -180,8 +199,9 @@ class Stage(BucketStrategy):
                 sharded=self.sharded,
                 value_of=spec.value_of,
                 master_home=spec.master_home(),
+                owners=owners,
             )
-            for i, g in enumerate(groups)
+            for i, (g, owners) in enumerate(zip(groups, spec.owners(groups)))
         ]
         return self.flats
 
@@ -228,10 +248,11 @@ class Stage(BucketStrategy):
     # -- statements (read by `fivefold.plan`)
 
     def flat_state_bytes(
-        self, flat: FlatParam, *, param_bytes: int, grad_bytes: int
+        self, flat: FlatParam, *, param_bytes: int, grad_bytes: int, state: int | None = None
     ) -> dict[str, int]:
         """One rank's model-state bytes for `flat` (docs/design.md#model-state-memory, one flat
-        buffer exactly)."""
+        buffer exactly); ``state``: its optimizer state's bytes when not AdamW's
+        (`ShardedOptimizer.state_bytes`)."""
         return formulas.flat_model_state_bytes(
             flat.layout.padded_numel,
             flat.shard_numel,
@@ -243,6 +264,7 @@ class Stage(BucketStrategy):
             separate_master=param_bytes != 4,
             hpz=self.hpz,
             offload=flat.offload,
+            state=state,
         )
 
     hpz = 0  # hpZ's group size (the secondary copy), 0: none
@@ -582,6 +604,7 @@ def _build_units(
         for u, ps in by_unit.items()
     }
     order = sorted(by_unit, key=lambda u: -first_index[u])
+    owners = spec.owners([by_unit[u] for u in order])
     flats = [
         FlatParam(
             i,
@@ -595,6 +618,7 @@ def _build_units(
             master_home=spec.master_home(),
             quant_block=gather.quant_block,
             secondary=gather.secondary,
+            owners=owners[i],
         )
         for i, u in enumerate(order)
     ]

@@ -78,7 +78,9 @@ class PlainReduceScatter:
         if self.comm.size == 1:
             return None
         tag = f"bucket{bucket.index}"
-        return self.comm.reduce_scatter(bucket.out, bucket.grad, async_op=True, tag=tag)
+        return self.comm.reduce_scatter(
+            bucket.out, bucket.grad, async_op=True, tag=tag, sizes=flat.shard_sizes
+        )
 
     def finish(self, bucket: GradBucket, flat: FlatParam) -> None:
         pass

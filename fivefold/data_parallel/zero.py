@@ -192,14 +192,26 @@ class ZeroDataParallel(nn.Module):
         named = [
             (n, p) for n, p in module.named_parameters() if p.requires_grad and self.owns(n, p)
         ]
-        keys, group_of = self._optimizer_groups(module, named)
+        # which torch optimizer steps each parameter (`optimizers`); a non-elementwise one (Muon)
+        # steps whole parameters, so their flats get whole-parameter owners (`ownership`)
+        self.optimizer_choice = choice = o.optimizer_choice()
+        inner_of = {n: choice.which(n, p) for n, p in named}
+        keys, group_of = self._optimizer_groups(module, named, inner_of)
         if self.grad_divisor != self.reduce_size:
             factor = self.reduce_size / self.grad_divisor
             for _, p in named:
                 p.register_hook(lambda g, factor=factor: g * factor)
 
         master_home = MasterOnHost if o.offload_optimizer else MasterOnDevice  # the policy
-        spec = FlatSpec(comm, group_of, self.mp.param_dtype, self._value_of, master_home)
+        stepped_whole = {n for n, i in inner_of.items() if not choice.optimizers[i].elementwise}
+        spec = FlatSpec(
+            comm,
+            group_of,
+            self.mp.param_dtype,
+            self._value_of,
+            master_home,
+            whole=(lambda name, p: name in stepped_whole) if stepped_whole else None,
+        )
         self.flats: list[FlatParam] = self.strategy.build_flats(
             module,
             named,
@@ -216,32 +228,32 @@ class ZeroDataParallel(nn.Module):
         self.loss_scaler = loss_scaler
         group_kwargs = [
             {"weight_decay": 0.0 if skip else o.weight_decay, "placement": placement}
-            for skip, placement in keys
+            for _, skip, placement in keys
         ]
         self.optimizer = ShardedOptimizer.for_flat_params(
             self.flats,
-            o.optimizer_class,
+            choice,
             group_kwargs,
             comm,
             loss_scaler=loss_scaler,
-            elementwise=o.elementwise,
-            **o.optimizer_kwargs,
+            group_optimizers=[inner for inner, _, _ in keys],
         )
 
     def _optimizer_groups(
-        self, module: nn.Module, named: list[tuple[str, nn.Parameter]]
-    ) -> tuple[list[tuple[bool, Placement]], Any]:
-        """Optimizer groups: (weight decay or not) × placement (mesh dims besides dp a parameter is
-        partitioned over, from `placement_of`); placement matters only for the global gradient norm,
-        the engine knows no other dim. Returns the group keys (decay first, then partitioned before
+        self, module: nn.Module, named: list[tuple[str, nn.Parameter]], inner_of: dict[str, int]
+    ) -> tuple[list[tuple[int, bool, Placement]], Any]:
+        """Optimizer groups: the inner optimizer (``inner_of``: Muon or AdamW, `optimizers`) ×
+        (weight decay or not) × placement (mesh dims besides dp a parameter is partitioned over,
+        from `placement_of`); placement matters only for the global gradient norm, the engine knows
+        no other dim. Returns the group keys (by optimizer, decay first, then partitioned before
         replicated: a fixed order of the groups in every flat buffer) and each parameter's group
         index."""
         o = self.options
         no_decay, placement_of = o.no_decay, o.placement_of
         embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-        keys_of: dict[str, tuple[bool, Placement]] = {}
+        keys_of: dict[str, tuple[int, bool, Placement]] = {}
 
-        def key_of(name: str, p: nn.Parameter) -> tuple[bool, Placement]:
+        def key_of(name: str, p: nn.Parameter) -> tuple[int, bool, Placement]:
             if name not in keys_of:
                 if (
                     no_decay is default_no_decay
@@ -252,13 +264,15 @@ class ZeroDataParallel(nn.Module):
                 else:
                     skip_decay = no_decay is not None and no_decay(name, p, module)
                 keys_of[name] = (
+                    inner_of[name],
                     skip_decay,
                     frozenset(placement_of(name, p)) if placement_of is not None else frozenset(),
                 )
             return keys_of[name]
 
         keys = sorted(
-            {key_of(n, p) for n, p in named}, key=lambda k: (k[0], -len(k[1]), sorted(k[1]))
+            {key_of(n, p) for n, p in named},
+            key=lambda k: (k[0], k[1], -len(k[2]), sorted(k[2])),
         )
 
         def group_of(name: str, p: nn.Parameter) -> int:

@@ -389,6 +389,28 @@ def eager_regions_on() -> bool:
     return _EAGER_REGIONS_ON
 
 
+def _even(sizes: Sequence[int] | None) -> bool:
+    """No uneven parts were asked for (None), or they are all equal: the flat collectives do."""
+    return sizes is None or len(set(sizes)) <= 1
+
+
+class AllOf:
+    """One handle for several works (gloo's uneven all-gather: a broadcast per rank): complete
+    when every one is."""
+
+    def __init__(self, works: Sequence) -> None:
+        self.works = list(works)
+
+    def wait(self, *args: Any) -> bool:
+        for w in self.works:
+            w.wait(*args)
+        self.works = []  # (a gloo work may be waited only once; waiting again returns at once)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
 class Comm:
     """Collectives over one process group, logged under the name of its mesh dimension; async calls
     return the work handle. ``device`` is where this group's tensors live (a tensor elsewhere is
@@ -487,13 +509,20 @@ class Comm:
         return None
 
     def _begin(
-        self, op: str, tensors: tuple[torch.Tensor, ...], logged: torch.Tensor, tag: str
+        self,
+        op: str,
+        tensors: tuple[torch.Tensor, ...],
+        logged: torch.Tensor,
+        tag: str,
+        agreed: tuple[torch.Tensor, ...] | None = None,
     ) -> CommTiming | None:
         """What every collective does before it is issued: its tensors' devices checked, in debug
-        mode the ranks' agreement (`_agree`), and the call logged by its `logged` buffer."""
+        mode the ranks' agreement (`_agree`) on the ``agreed`` tensors (default all; an uneven
+        collective's rank-local part differs by design), and the call logged by its `logged`
+        buffer."""
         self._check(op, *tensors)
         if self._side is not None:
-            self._agree(op, tensors, tag)
+            self._agree(op, tensors if agreed is None else agreed, tag)
         return self._record(op, logged, tag)
 
     def _issued(self, timing: CommTiming | None, work, async_op: bool):
@@ -531,29 +560,74 @@ class Comm:
         op: dist.ReduceOp = dist.ReduceOp.SUM,
         async_op: bool = False,
         tag: str = "",
+        sizes: Sequence[int] | None = None,
     ):
         """`input` is the full buffer (N·len(output)); `output`, maybe this rank's slice of `input`,
-        gets its shard."""
+        gets its shard. ``sizes``: uneven shards, rank r's part of `input` is the next ``sizes[r]``
+        elements (whole-parameter owners, docs/design.md#muon-under-zero): torch's list form, which
+        gloo runs as one collective and NCCL as a group of reduces; logged as one reduce-scatter of
+        the whole buffer."""
 
         def issue():
-            timing = self._begin("reduce_scatter", (output, input), input, tag)
-            work = _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=async_op)
+            agreed = (input,) if not _even(sizes) else None
+            timing = self._begin("reduce_scatter", (output, input), input, tag, agreed)
+            if _even(sizes):
+                work = _reduce_scatter_flat(
+                    output, input, op=op, group=self.group, async_op=async_op
+                )
+            else:
+                parts = list(input.split(list(sizes)))
+                work = dist.reduce_scatter(
+                    output, parts, op=op, group=self.group, async_op=async_op
+                )
             return self._issued(timing, work, async_op)
 
         return collective_outputs([output], issue)
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        tag: str = "",
+        sizes: Sequence[int] | None = None,
     ):
         """`output` is the full buffer (N·len(input)), filled with every rank's `input` (which may
-        be its slice)."""
+        be its slice). ``sizes``: uneven parts, rank r's `input` is ``sizes[r]`` elements landing
+        at their sum before r: NCCL's list form (a group of broadcasts), on gloo (whose list form
+        wants equal parts) one asynchronous broadcast per rank with a part, in rank order; logged
+        as one all-gather of the whole buffer."""
 
         def issue():
-            timing = self._begin("all_gather", (output, input), output, tag)
-            work = _all_gather_flat(output, input, group=self.group, async_op=async_op)
+            agreed = (output,) if not _even(sizes) else None
+            timing = self._begin("all_gather", (output, input), output, tag, agreed)
+            if _even(sizes):
+                work = _all_gather_flat(output, input, group=self.group, async_op=async_op)
+            else:
+                work = self._uneven_all_gather(output, input, list(sizes), async_op)
             return self._issued(timing, work, async_op)
 
         return collective_outputs([output], issue)
+
+    def _uneven_all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, sizes: list[int], async_op: bool
+    ):
+        parts = list(output.split(sizes))
+        if self.device.type != "cpu":
+            return dist.all_gather(parts, input, group=self.group, async_op=async_op)
+        mine = parts[self.rank]
+        if mine.numel() and mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        works = [
+            dist.broadcast(part, src=self.global_rank(r), group=self.group, async_op=True)
+            for r, part in enumerate(parts)
+            if part.numel()
+        ]
+        work = AllOf(works)
+        if not async_op:
+            work.wait()
+            return None
+        return work
 
     def broadcast(
         self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False, tag: str = ""

@@ -15,6 +15,7 @@ from torch import nn
 from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel, ZeroOptions
+from fivefold.data_parallel.optimizers import InnerOptimizer, MatricesApart, OptimizerChoice
 from fivefold.distributed.comm import Comm, Placement, compile_eager_regions
 from fivefold.distributed.topology import MeshLike
 from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
@@ -24,7 +25,12 @@ from fivefold.models.llama import Llama, LlamaConfig
 from fivefold.models.loss import lm_cross_entropy
 from fivefold.models.moe import MoEFeedForward, reset_expert_load, update_expert_bias
 from fivefold.models.parallel_model import Batch, MeasuredPipeline, ParallelModel
-from fivefold.models.plans import LLAMA_CP_PLAN, LLAMA_TP_PLAN, llama_stage_modules
+from fivefold.models.plans import (
+    LLAMA_CP_PLAN,
+    LLAMA_TP_PLAN,
+    is_block_matrix,
+    llama_stage_modules,
+)
 from fivefold.observe.memory import model_state_bytes
 from fivefold.optim.clip import NonFiniteWatch, step_together
 from fivefold.pipeline.actions import Schedule
@@ -53,6 +59,7 @@ __all__ = [
     "compile_blockers",
     "is_expert",
     "is_tp_sharded",
+    "optimizer_choice",
     "parallelize",
     "pipeline_forward_backward",
     "pipeline_overlap",
@@ -251,6 +258,7 @@ def _engines(
             optimizer_class=torch.optim.AdamW,
             weight_decay=t.weight_decay,
             optimizer_kwargs=dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps),
+            optimizers=optimizer_choice(cfg),
             params=owns,
             placement_of=lambda name, p: (
                 tp_placements.get(name, ParamPlacement()).mesh_dims | pp | extra
@@ -295,6 +303,28 @@ def _engines(
             whole_tables=cfg.data.documents == "mask",  # positions restart at each document
         )
     return engines
+
+
+def optimizer_choice(cfg: Config) -> OptimizerChoice | None:
+    """``optim.name``: None for AdamW alone (the engine's own class and kwargs); for muon, Muon for
+    the blocks' matrices (`plans.is_block_matrix`) and AdamW for the rest, both at ``train.lr``
+    (docs/design.md#muon-under-zero)."""
+    t, o = cfg.train, cfg.optim
+    if o.name == "adamw":
+        return None
+    muon = dict(
+        lr=t.lr,
+        momentum=o.muon_momentum,
+        nesterov=o.muon_nesterov,
+        ns_steps=o.muon_ns_steps,
+        adjust_lr_fn=o.muon_adjust_lr,
+    )
+    adamw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    return MatricesApart(
+        matrices=InnerOptimizer(torch.optim.Muon, muon, elementwise=False),
+        rest=InnerOptimizer(torch.optim.AdamW, adamw),
+        is_matrix=is_block_matrix,
+    )
 
 
 def set_aux_grad_scale(modules: Any, scale: float) -> None:
@@ -426,6 +456,7 @@ class _Parts:
         )
         return (
             f"pp={pp} dp={mesh.size('dp')} ZeRO-{z.stage}{zeropp} tp={mesh.size('tp')}"
+            + (" Muon (whole matrices)" if cfg.optim.name == "muon" else "")
             + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
             + (" +SP" if cfg.parallel.sp else "")
             + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")

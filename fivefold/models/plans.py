@@ -7,6 +7,10 @@ docs/design.md#tensor-and-sequence-parallelism, #context-parallelism and #pipeli
 
 from __future__ import annotations
 
+import fnmatch
+
+import torch
+
 from fivefold.context_parallel.plan import CPPlan
 from fivefold.models.llama import LlamaConfig
 from fivefold.pipeline.split import split_layers
@@ -21,7 +25,13 @@ from fivefold.tensor_parallel.plan import (
     VocabHead,
 )
 
-__all__ = ["LLAMA_CP_PLAN", "LLAMA_TP_PLAN", "llama_stage_modules"]
+__all__ = [
+    "LLAMA_CP_PLAN",
+    "LLAMA_MATRICES",
+    "LLAMA_TP_PLAN",
+    "is_block_matrix",
+    "llama_stage_modules",
+]
 
 LLAMA_CP_PLAN = CPPlan(attention="layers.*.attention", position_tables=("rope_cos", "rope_sin"))
 
@@ -43,6 +53,23 @@ LLAMA_TP_PLAN: TPPlan = {
     "norm": Norm(),
     "output": VocabHead(),
 }
+
+
+# The transformer blocks' matrices: Muon steps their weights (`optim.name = "muon"`,
+# docs/design.md#muon-under-zero) — attention, dense and shared feed-forward, each MoE expert's
+# feed-forward. Not the embedding, the head, norms, biases, nor the MoE router and shared gate
+# (scores over the experts and a 1 × D gate: AdamW, as Moonlight leaves them).
+LLAMA_MATRICES: tuple[str, ...] = (
+    "layers.*.attention.w?.weight",
+    "layers.*.feed_forward.w?.weight",
+    "layers.*.feed_forward.shared.w?.weight",
+    "layers.*.feed_forward.experts.*.w?.weight",
+)
+
+
+def is_block_matrix(name: str, param: torch.Tensor) -> bool:
+    """Whether parameter `name` (its single-process name) is one of `LLAMA_MATRICES`."""
+    return param.ndim == 2 and any(fnmatch.fnmatchcase(name, p) for p in LLAMA_MATRICES)
 
 
 def llama_stage_modules(

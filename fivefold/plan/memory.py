@@ -90,7 +90,9 @@ def _engine_states(engine: Any, cfg: Config) -> dict[str, int]:
     pb, gb = precision_bytes(cfg)
     out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
     for f in engine.flats:
-        part = engine.strategy.flat_state_bytes(f, param_bytes=pb, grad_bytes=gb)
+        part = engine.strategy.flat_state_bytes(
+            f, param_bytes=pb, grad_bytes=gb, state=engine.optimizer.state_bytes(f)
+        )
         for k in out:
             out[k] += part[k]
     return out

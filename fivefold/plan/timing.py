@@ -24,13 +24,32 @@ from fivefold.models.parallelize import PipelinedModel
 from fivefold.pipeline.actions import B, F, I, W
 from fivefold.pipeline.simulator import simulate
 from fivefold.plan.assembly import Parts, engines_of, local_shapes, precision_bytes, stages_of
-from fivefold.plan.efficiency import Work, stage_work
+from fivefold.plan.efficiency import Work, gemm_seconds, stage_work
 from fivefold.plan.hardware import GB, Hardware, link
 from fivefold.plan.memory import RankMemory
 from fivefold.plan.traffic import Transfer
 from fivefold.run_plan import RunPlan
 
 __all__ = ["collective_calls", "step_time", "transfer_seconds"]
+
+
+def muon_seconds(engine: Any, cfg: Config, hw: Hardware) -> float:
+    """Seconds of Muon's Newton-Schulz iterations over the matrices this rank's engine owns
+    (`formulas.muon_step_flops`), each GEMM at its shape's efficiency (`gemm_seconds`, bf16); 0
+    without Muon."""
+    if cfg.optim.name != "muon":
+        return 0.0
+    optimizer = engine.optimizer
+    seconds = 0.0
+    for f in engine.flats:
+        for (gid, _, _), shape in zip(f.segments, f.segment_shapes or ()):
+            inner = optimizer.choice.optimizers[optimizer.group_optimizers[gid]]
+            if inner.elementwise:  # (AdamW's whole parameters beside the matrices)
+                continue
+            m, n = min(shape), max(shape)
+            step = 2 * gemm_seconds(m, m, n, hw, 2) + gemm_seconds(m, m, m, hw, 2)
+            seconds += cfg.optim.muon_ns_steps * step
+    return seconds
 
 
 def collective_calls(t: Transfer, cfg: Config, run: RunPlan) -> int:
@@ -156,6 +175,11 @@ def step_time(
         )
         for r, parts in parts_by_rank.items()
     ) / (hw.hbm_gbps * GB * hw.memory_efficiency)
+    # Muon: each rank orthogonalises the matrices it owns (the busiest rank's), in bf16 GEMMs
+    optimizer += max(
+        sum(muon_seconds(e, cfg, hw) for _, e in engines_of(parts))
+        for parts in parts_by_rank.values()
+    )
     time = {
         "compute": compute_time,
         **{f"compute: {kind}": seconds for kind, seconds in parts_of.items()},

@@ -144,6 +144,18 @@ def check_layout_fields(path: Path, meta: dict[str, Any]) -> None:
         )
 
 
+def check_optimizer_matches(path: Path, meta: dict[str, Any], cfg: Config) -> None:
+    """A checkpoint resumes with the optimizer that wrote its state (``optim.name``; a checkpoint
+    from before the key was AdamW's): Muon's momentum is no AdamW moment, nor the other way."""
+    saved = meta.get("config", {}).get("optim", {}).get("name", "adamw")
+    if saved != cfg.optim.name:
+        raise CheckpointError(
+            f"checkpoint {path} holds {saved}'s optimizer state and optim.name={cfg.optim.name}: "
+            f"resume with optim.name {saved}, or export its weights (fivefold export) and start "
+            "a new run from them (model.init_from)"
+        )
+
+
 def layout(cfg: Config, mesh: ParallelMesh) -> dict[str, Any]:
     hsdp = (
         {"dp_replicate": mesh.size("dp_replicate")} if mesh.size("dp_replicate") > 1 else {}
@@ -371,7 +383,13 @@ class TrainCheckpoints:
         ours = layout(self.cfg, self.mesh)
         trust = self.cfg.checkpoint.trust
         elementwise, scalars = Checkpointer.saved_optimizer_keys(path, trust)
-        ts = training_state(self.parts.engines.values(), self.mesh.comm("tp"), scalars, elementwise)
+        ts = training_state(
+            self.parts.engines.values(),
+            self.mesh.comm("tp"),
+            scalars,
+            elementwise,
+            saved=_saved_keys(path, trust),  # (Muon's keys for its matrices, AdamW's for the rest)
+        )
         state = ts.state_dict
         same_layout = meta.get("layout") == ours
         rng_key = f"rng.rank{dist.get_rank()}"

@@ -20,7 +20,12 @@ from fivefold.paths import PathOutside, one_component
 from fivefold.plan.fits import check_fits
 from fivefold.rules import device_type_of
 from fivefold.run_plan import RunPlan, check_non_negative, check_positive, validate_layout
-from fivefold.train.checkpointing import check_layout_fields, check_model_matches, check_run_dir
+from fivefold.train.checkpointing import (
+    check_layout_fields,
+    check_model_matches,
+    check_optimizer_matches,
+    check_run_dir,
+)
 from fivefold.train.corpus import binary_share, check_source
 from fivefold.train.data_source import DataPlan, data_tokens, is_prepared, resolve_data
 from fivefold.train.sinks import check_sink_packages
@@ -103,6 +108,7 @@ def validate(cfg: Config, world_size: int) -> RunPlan:
                 resume_from, c.trust
             )  # its metadata readable without running anything it holds
             check_layout_fields(resume_from, meta)
+            check_optimizer_matches(resume_from, meta, cfg)
         # the tokenizer, the vocabulary and the source (docs/data.md): before the model is priced
         data, model, data_notes = resolve_data(cfg, plan.model, plan.dims.tp, meta or None)
         plan = dataclasses.replace(plan, model=model, data=data)
