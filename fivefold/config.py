@@ -39,6 +39,7 @@ WandbMode = Literal["online", "offline", "disabled"]  # logging.wandb_mode
 LayoutMode = Literal["manual", "auto"]  # parallel.layout
 OptimName = Literal["adamw", "muon"]  # optim.name
 MuonAdjustLr = Literal["match_rms_adamw", "original"]  # optim.muon_adjust_lr
+Float8Mode = Literal["off", "tensorwise", "rowwise"]  # precision.fp8
 
 
 @dataclass
@@ -235,6 +236,11 @@ class ZeroSection:
     # ZeRO-Offload: fp32 master shards and optimizer state in host memory, the optimizer step on the
     # host
     offload_optimizer: bool = False
+    # ZeRO-3 with precision.fp8 = tensorwise: the FP8 linears' weights are all-gathered in FP8 (1
+    # byte and one scale each, cast once per gather by their owner rank), half of bf16's gather
+    # traffic and gathered memory; each unit's parameters then have whole-parameter owners
+    # (docs/design.md#fp8-training)
+    fp8_gather: bool = False
 
 
 @dataclass
@@ -273,6 +279,11 @@ class PrecisionSection:
     reduce: str = "fp32"  # gradient buckets and collectives: fp32 | bf16 | fp16
     # on an accelerator, fp32 matmuls may use TF32 (set_float32_matmul_precision "high"); CPU: none
     tf32: bool = True
+    # the transformer blocks' linears (attention, dense and shared feed-forward; not the embedding,
+    # head, router, norms or MoE experts) in FP8 with dynamic scaling (docs/design.md#fp8-training):
+    # off | tensorwise (one scale per tensor; gradients e5m2) | rowwise (a scale per row, e4m3,
+    # powers of 2) — torchao's recipes, on torch._scaled_mm
+    fp8: Float8Mode = "off"
 
 
 @dataclass

@@ -40,13 +40,19 @@ from fivefold import ops
 __all__ = [
     "E4M3",
     "E5M2",
+    "GATHERED",
     "RECIPES",
     "AmaxReduce",
     "Cast",
     "Float8",
+    "Float8Matmul",
     "Float8Recipe",
+    "compose_scopes",
     "float8_linear",
     "float8_weight_grad",
+    "gathered_float8",
+    "quantize",
+    "scale_from_amax",
     "split_scope",
     "to_float8",
 ]
@@ -211,7 +217,9 @@ def _amax(t: torch.Tensor, axis: int | None) -> torch.Tensor:
     return t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)
 
 
-def _scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
+    """The scale an amax gives (``data ≈ hp * scale``): the format's max over it, in fp64 then
+    fp32; optionally rounded down to a power of 2."""
     # The division in fp64, then fp32: eager and compiled code round 1/fp32 differently, fp64 not.
     scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
     if power_of_2:
@@ -220,7 +228,8 @@ def _scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Te
     return scale
 
 
-def _quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t * scale`` in `dtype`, saturated (see below)."""
     # in fp32 (compiled code upcasts a bf16 * fp32 product anyway); saturated, so a value pushed
     # past the format's max (a scale rounded up in fp32, a pre-cast weight's stale scale) becomes
     # ±max, not NaN (e4m3fn has no inf), whatever the torch version's cast does
@@ -248,8 +257,8 @@ def to_float8(
         amax = _amax(t, cast.axis)
         if reduce is not None:
             amax = reduce(operand, amax, cast.axis)
-        scale = _scale(amax, cast.dtype, power_of_2)
-        return Float8(_quantize(t, scale, cast.dtype), scale)
+        scale = scale_from_amax(amax, cast.dtype, power_of_2)
+        return Float8(quantize(t, scale, cast.dtype), scale)
 
 
 Operand = Float8 | torch.Tensor  # a GEMM operand: cast, or left in high precision
@@ -269,7 +278,7 @@ def _cast(
         return t
     if scale is not None:
         with torch.no_grad():
-            return Float8(_quantize(t, scale, cast.dtype), scale)
+            return Float8(quantize(t, scale, cast.dtype), scale)
     return to_float8(t, cast, power_of_2=recipe.power_of_2_scales, reduce=reduce, operand=operand)
 
 
@@ -484,3 +493,55 @@ def float8_linear(
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
     return _Float8Linear.apply(x, weight, bias, w_data, w_scale, layer)
+
+
+def compose_scopes(*scopes: AmaxReduce | None) -> AmaxReduce | None:
+    """One `AmaxReduce` applying each of `scopes` in turn (a layer split over tensor-parallel ranks
+    whose tokens are also split over context-parallel ranks: the max over the one, then the other);
+    None when there is none."""
+    present = [s for s in scopes if s is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+
+    def reduce(operand: str, amax: torch.Tensor, axis: int | None) -> torch.Tensor:
+        for scope in present:
+            amax = scope(operand, amax, axis)
+        return amax
+
+    return reduce
+
+
+# Where ZeRO-3's FP8 gather leaves a weight it gathered cast (`Float8`): an attribute of the
+# parameter, set after the gather and removed when the unit is freed (data_parallel/flat_param.py)
+GATHERED = "fivefold_float8"
+
+
+def gathered_float8(weight: torch.Tensor) -> Float8 | None:
+    """The FP8 cast of `weight` its ZeRO-3 gather brought (None: it is gathered, or held, in its
+    own dtype)."""
+    return getattr(weight, GATHERED, None)
+
+
+@dataclass(frozen=True, eq=False)
+class Float8Matmul:
+    """A linear layer's matmul in FP8 (the layers call ``self.matmul(x, weight, bias)``;
+    `fivefold.ops.linear` by default): ``recipe`` and the layer's scope ``reduce`` (`AmaxReduce`:
+    the max over the ranks its operands are split over). A weight ZeRO-3 gathered in FP8
+    (`gathered_float8`) is used as it came."""
+
+    recipe: Float8Recipe
+    reduce: AmaxReduce | None = None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return float8_linear(
+            x,
+            weight,
+            bias,
+            recipe=self.recipe,
+            reduce=self.reduce,
+            weight_float8=gathered_float8(weight),
+        )

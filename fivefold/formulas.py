@@ -12,34 +12,38 @@ from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "BLOCK_LINEARS",
-    "SavePlan",
-    "saved_linears",
-    "selective_op_block_bytes",
-    "selective_op_recompute_flops",
     "MODEL_STATES",
-    "MicroBatch",
-    "ModelShape",
     "RECIPES",
     "STAGE_SHARDS",
+    "MicroBatch",
+    "ModelShape",
+    "SavePlan",
     "activation_bytes_per_block",
+    "attention_flops_per_token",
     "backward_working_bytes",
     "bubble_formula",
+    "eager_softmax_bytes",
+    "elementwise_bytes_per_block",
     "expected_for",
     "flat_model_state_bytes",
+    "float8_gather_bytes",
     "head_activation_bytes",
     "hpz_secondary_bytes",
     "hsdp_expected",
     "korthikanti_block_bytes",
     "loss_chunk_bytes",
-    "attention_flops_per_token",
-    "eager_softmax_bytes",
-    "elementwise_bytes_per_block",
     "loss_elementwise_bytes",
     "model_flops_per_token",
     "moe_ffn_activation_bytes",
+    "muon_step_flops",
+    "optimizer_state_bytes",
+    "owner_bound",
     "quantized_chunk_bytes",
     "ring_attention_p2p_elements",
     "ring_wire_bytes",
+    "saved_linears",
+    "selective_op_block_bytes",
+    "selective_op_recompute_flops",
     "tp_comm_formula",
     "tp_comm_formula_text",
     "weight_grad_pending_bytes",
@@ -229,6 +233,21 @@ def zero3_gather_bytes(
     if block is None:
         return sum(n * dtype_bytes for n in padded_numels)
     return sum(world * quantized_chunk_bytes(n // world, block) for n in padded_numels)
+
+
+FLOAT8_ALIGN = 16  # bytes: an FP8 gather lays every parameter on a 16-byte boundary
+
+
+def float8_gather_bytes(params: list[tuple[int, bool]], param_bytes: int) -> int:
+    """One ZeRO-3 gather of a unit whose FP8 linears' weights travel in FP8
+    (docs/design.md#fp8-training): per parameter (elements, in FP8?) an FP8 weight's e4m3 bytes
+    and its 4-byte fp32 scale, any other parameter in the compute dtype, each rounded up to 16
+    bytes — about half of `zero3_gather_bytes` in bf16 for a unit of large weights."""
+
+    def aligned(n: int) -> int:
+        return -(-n // FLOAT8_ALIGN) * FLOAT8_ALIGN
+
+    return sum(aligned(n) + FLOAT8_ALIGN if fp8 else aligned(n * param_bytes) for n, fp8 in params)
 
 
 def zero_grad_reduce_bytes(

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "Linear",
+    "Matmul",
     "WeightGradStore",
     "call_in_backward",
     "collective_outputs",
@@ -368,11 +369,19 @@ def recompute(
     )
 
 
+# A linear layer's matmul: y = x Wᵀ + b from (x, weight, bias) — `linear`, or another strategy a
+# layer is given (an FP8 one: `fivefold.float8.Float8Matmul`)
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` computed by `linear` (same parameters, names and initialisation)."""
+    """`nn.Linear` computed by ``matmul`` (`linear`, unless a precision pass gave it another: FP8)
+    — same parameters, names and initialisation."""
+
+    matmul: Matmul = staticmethod(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 def _weight_grads(

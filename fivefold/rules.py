@@ -277,6 +277,47 @@ RULES: tuple[Rule, ...] = (
         ),
         ("optim.muon_ns_steps",),
     ),
+    # FP8 (docs/design.md#fp8-training)
+    Rule(
+        lambda l: l.cfg.precision.fp8 != "off" and l.cfg.precision.param == "fp16",
+        lambda l: (
+            f"precision.fp8={l.cfg.precision.fp8} with precision.param=fp16: the FP8 recipes take "
+            "bf16 (or fp32) activations and need no loss scaling; use precision.param bf16"
+        ),
+        ("precision.fp8", "precision.param"),
+    ),
+    Rule(
+        lambda l: l.cfg.zero.fp8_gather and l.cfg.precision.fp8 != "tensorwise",
+        lambda l: (
+            "zero.fp8_gather all-gathers each FP8 linear's weight cast once with one scale, which "
+            f"only the tensorwise recipe uses (precision.fp8={l.cfg.precision.fp8}; rowwise casts "
+            "the weight twice, by rows and by columns): set precision.fp8 tensorwise or drop "
+            "zero.fp8_gather"
+        ),
+        ("precision.fp8", "zero.fp8_gather"),
+    ),
+    Rule(
+        lambda l: l.cfg.zero.fp8_gather and l.cfg.zero.stage != 3,
+        lambda l: (
+            "zero.fp8_gather casts ZeRO-3's parameter all-gathers to FP8: set zero.stage 3 (not "
+            f"{l.cfg.zero.stage}) or drop zero.fp8_gather (ZeRO 0-2 hold the weights gathered; the "
+            "FP8 linears cast them at each use)"
+        ),
+        ("zero.stage", "zero.fp8_gather"),
+    ),
+    Rule(
+        lambda l: l.cfg.zero.fp8_gather and (l.cfg.zero.qwz or l.cfg.zero.hpz > 1),
+        "zero.fp8_gather replaces ZeRO-3's gather as qwZ's int8 gather does (and hpZ's secondary "
+        "copy would hold the weights in another dtype): use one of zero.fp8_gather, zero.qwz, "
+        "zero.hpz",
+        ("zero.fp8_gather", "zero.qwz", "zero.hpz"),
+    ),
+    Rule(
+        lambda l: l.cfg.zero.fp8_gather and l.cfg.zero.constant_buffers,
+        "zero.fp8_gather with zero.constant_buffers: an FP8 unit gathers into a byte buffer of its "
+        "own, not a shared gather slot; drop one or the other",
+        ("zero.fp8_gather", "zero.constant_buffers"),
+    ),
     # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz)
     Rule(
         lambda l: l.cfg.zero.qgz and l.size("dp_replicate") > 1,

@@ -96,9 +96,36 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
     rules.check(
         rules.Layout(cfg, dims.size, model.moe, device_type or cfg.run.device, schedule, model)
     )
+    if cfg.precision.fp8 != "off":
+        check_float8_shapes(cfg, model, dims, micro_batch, device_type or cfg.run.device)
     if (cfg.zero.qwz or cfg.zero.qgz) and dims.size("dp_shard") == 1:
         notes.insert(0, "zero.qwz / zero.qgz do nothing with one data-parallel rank (dp × cp = 1)")
     return RunPlan(dims, global_batch, micro_batch, grad_accum, model, None, tuple(notes))
+
+
+def check_float8_shapes(
+    cfg: Config, model: LlamaConfig, dims: ParallelDims, micro_batch: int, device: str
+) -> None:
+    """On CUDA, `torch._scaled_mm` takes only dimensions that are multiples of 16: every FP8
+    linear's input and output features on a tp rank, and the tokens a rank's micro-batch holds (the
+    weight gradient's inner dimension); the CPU takes any (docs/design.md#fp8-training)."""
+    if rules.device_type_of(device) != "cuda":
+        return
+    tp, head = dims.tp, model.head_dim
+    features = {
+        "model.dim": model.dim,
+        "n_heads × head_dim / tp": model.n_heads * head // tp,
+        "n_kv_heads × head_dim / tp": max(1, model.n_kv_heads // tp) * head,
+        "ffn_hidden / tp": model.ffn_hidden // tp,
+        "micro_batch × seq_len / cp (tokens)": micro_batch * cfg.train.seq_len // dims.cp,
+    }
+    for what, n in features.items():
+        if n % 16:
+            raise ConfigError(
+                f"precision.fp8={cfg.precision.fp8} on CUDA: {what} = {n} is not a multiple of "
+                "16, which torch._scaled_mm needs of every FP8 GEMM dimension; change the model, "
+                "the batch or the layout, or use precision.fp8 off"
+            )
 
 
 def _check_numbers(cfg: Config, world_size: int) -> None:

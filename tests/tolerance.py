@@ -142,16 +142,20 @@ def assert_within(got: dict, want: dict, bounds: dict, msg: str = "") -> None:
 # ---------------------------------------------------------------------------------------------
 # Rule 2: the reference trained again with every gradient moved by rule 1's bound.
 @contextlib.contextmanager
-def perturbed_gradients(terms: int, seed: int, dtype: torch.dtype = torch.float32) -> Iterator[None]:
+def perturbed_gradients(terms: int, seed: int, dtype: torch.dtype = torch.float32,
+                        relative: float = 0.0) -> Iterator[None]:
     """Before every torch optimizer step, move each gradient entry by ±reordered_sum(terms)·G (random signs,
-    seeded), G the largest gradient entry the step sees: the most a reordered sum can move it (rule 1)."""
+    seeded), G the largest gradient entry the step sees: the most a reordered sum can move it (rule 1).
+    ``relative``: each entry moves by ±max(reordered_sum(terms), relative)·G instead — where the sums feed FP8
+    casts, one of which may round a term (at most G, as rule 1 takes it) the other way by up to its format's unit
+    roundoff."""
     rho, generator = reordered_sum(terms, dtype), torch.Generator().manual_seed(seed)
 
     def perturb(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return
-        scale = rho * max(float(g.detach().abs().max()) for g in grads)
+        scale = max(rho, relative) * max(float(g.detach().abs().max()) for g in grads)
         with torch.no_grad():
             for g in grads:
                 signs = torch.randint(0, 2, g.shape, generator=generator).to(g.dtype) * 2 - 1
@@ -195,11 +199,11 @@ def _bounds(dev: Any, rtol: float) -> Any:
 
 
 def _trained_with_bounds(fn: Callable, args: tuple, kwargs: dict, terms: int, dtype: torch.dtype,
-                         shadow_runs: int = SHADOW_RUNS) -> tuple:
+                         shadow_runs: int = SHADOW_RUNS, relative: float = 0.0) -> tuple:
     value = fn(*args, **kwargs)
     shadows = []
     for seed in range(shadow_runs):
-        with perturbed_gradients(terms, seed, dtype):
+        with perturbed_gradients(terms, seed, dtype, relative):
             shadows.append(_deviation(fn(*args, **kwargs), value))
     return value, _bounds(_max_deviation(*shadows), reordered_sum(terms, dtype))
 
@@ -223,11 +227,12 @@ def reference_kernels(threads: int | None = None) -> Iterator[None]:
 
 
 def _run_on_reference_kernels(fn: Callable, args: tuple, kwargs: dict, threads: int | None,
-                              terms: int | None, dtype: torch.dtype, shadow_runs: int = SHADOW_RUNS) -> Any:
+                              terms: int | None, dtype: torch.dtype, shadow_runs: int = SHADOW_RUNS,
+                              relative: float = 0.0) -> Any:
     with reference_kernels(threads):
         if terms is None:
             return fn(*args, **kwargs)
-        return _trained_with_bounds(fn, args, kwargs, terms, dtype, shadow_runs)
+        return _trained_with_bounds(fn, args, kwargs, terms, dtype, shadow_runs, relative)
 
 
 _OTHER_POOL: ProcessPoolExecutor | None = None
@@ -263,7 +268,8 @@ def _capability() -> str:
 
 
 def reference(fn: Callable, *args: Any, kernels: str = WORKERS, terms: int | None = None,
-              dtype: torch.dtype = torch.float32, shadow_runs: int = SHADOW_RUNS, **kwargs: Any) -> Any:
+              dtype: torch.dtype = torch.float32, shadow_runs: int = SHADOW_RUNS, relative: float = 0.0,
+              **kwargs: Any) -> Any:
     """fn(*args, **kwargs) as a single-process reference: on the workers' kernels (this process, one thread), on two
     threads (TWO_THREADS, this process) or on the OTHER kernel path (a process of its own).
 
@@ -273,11 +279,13 @@ def reference(fn: Callable, *args: Any, kernels: str = WORKERS, terms: int | Non
     share is computed once. ``shadow_runs``: rule 2's perturbed re-runs, more of them where an optimizer's response to
     a rounding difference is no smaller for a smaller difference (Muon's bf16 Newton-Schulz iteration: a flipped bf16
     rounding of its input is amplified by the iteration's slope at small singular values, whatever moved it), so
-    the bound is the largest of more samples of that noise."""
+    the bound is the largest of more samples of that noise. ``relative``: the re-runs move every gradient
+    entry by that fraction of the step's largest (`perturbed_gradients`) where it exceeds rule 1's: the noise an FP8
+    cast fed by a reordered sum may round into a gradient."""
     key = (fn.__module__, fn.__qualname__, pickle.dumps((args, sorted(kwargs.items()))), kernels, terms, dtype,
-           shadow_runs)
+           shadow_runs, relative)
     if key not in _CACHE:
-        job = (fn, args, kwargs, 2 if kernels == TWO_THREADS else None, terms, dtype, shadow_runs)
+        job = (fn, args, kwargs, 2 if kernels == TWO_THREADS else None, terms, dtype, shadow_runs, relative)
         if kernels in (WORKERS, TWO_THREADS):
             _CACHE[key] = _run_on_reference_kernels(*job)
         elif kernels == OTHER:

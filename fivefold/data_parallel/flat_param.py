@@ -41,7 +41,8 @@ from fivefold.data_parallel import offload as host
 from fivefold.data_parallel.buckets import FlatLayout
 from fivefold.data_parallel.ownership import owner_bounds
 from fivefold.data_parallel.quantize import dequantize_packed, packed_bytes, quantize_rows_into
-from fivefold.distributed.comm import Comm
+from fivefold.distributed.comm import Comm, amax_over
+from fivefold.float8 import E4M3, GATHERED, Float8, quantize, scale_from_amax
 
 GroupOf = Callable[[str, nn.Parameter], int]
 # A parameter's value to start from (default: its own data); ZeRO's meta-device path draws it from
@@ -120,6 +121,67 @@ def segmentation_for(device: torch.device | str) -> Segmentation:
     return CacheSizedSegments() if torch.device(device).type == "cpu" else WholeShards()
 
 
+# -- ZeRO-3's FP8 gather (docs/design.md#fp8-training) ------------------------------------------
+
+# bytes: every parameter of an FP8 gather starts on a 16-byte boundary (CUDA's FP8 GEMMs want it)
+ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Float8Units:
+    """Which parameters of a ZeRO-3 unit travel in FP8 (``gathered_in_float8``: the FP8 linears'
+    weights) and over which group a weight's amax is the max besides its owner (``amax_comm``: tp,
+    whose ranks each hold a slice of it)."""
+
+    gathered_in_float8: Callable[[str], bool]
+    amax_comm: Comm | None = None
+
+
+@dataclass(frozen=True)
+class Float8Layout:
+    """Where each parameter of a whole-parameter unit lies in its FP8 gather's bytes: rank r's part
+    is its parameters in order, each at a 16-byte boundary — an FP8 weight as its numel bytes of
+    e4m3 and, 16-aligned after them, its 4-byte fp32 scale; any other parameter in the compute
+    dtype (`formulas.float8_gather_bytes`)."""
+
+    offsets: list[int]
+    scales: list[int | None]
+    rank_starts: list[int]
+    rank_bytes: list[int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.rank_bytes)
+
+    @classmethod
+    def of(cls, flat: FlatParam, in_float8: Callable[[str], bool]) -> Float8Layout:
+        element = flat.full.element_size()
+        bounds = flat.layout.bounds or [0, flat.layout.padded_numel]
+        offsets: list[int] = []
+        scales: list[int | None] = []
+        rank_starts, rank_bytes, at = [], [], 0
+        slots = iter(flat.layout.slots)
+        slot = next(slots, None)
+        for r in range(len(bounds) - 1):
+            rank_starts.append(at)
+            while slot is not None and slot.offset < bounds[r + 1]:
+                offsets.append(at)
+                if in_float8(slot.name):
+                    at += _aligned(slot.numel)
+                    scales.append(at)
+                    at += ALIGN
+                else:
+                    at += _aligned(slot.numel * element)
+                    scales.append(None)
+                slot = next(slots, None)
+            rank_bytes.append(at - rank_starts[-1])
+        return cls(offsets, scales, rank_starts, rank_bytes)
+
+
 class FlatParam:
     def __init__(
         self,
@@ -137,6 +199,7 @@ class FlatParam:
         master_home: host.MasterHome | None = None,
         segmentation: Segmentation | None = None,
         owners: Mapping[str, int] | None = None,
+        float8: Float8Units | None = None,
     ) -> None:
         self.index = index
         self.comm = comm
@@ -199,6 +262,20 @@ class FlatParam:
         else:
             self.local = self.full[self.start : self.end]
         self.is_unsharded = not self.reshard_enabled
+        # ZeRO-3's FP8 gather (docs/design.md#fp8-training): the unit travels and stays gathered as
+        # bytes, its FP8 linears' weights cast by their owners (`Float8Units`); None: in `full`
+        self.float8 = float8 if self.reshard_enabled and float8 is not None else None
+        self.float8_layout: Float8Layout | None = None
+        self.gathered: torch.Tensor | None = None
+        if self.float8 is not None:
+            if not self.whole_params:
+                raise ValueError("an FP8-gathered unit needs whole-parameter owners")
+            self.float8_layout = Float8Layout.of(self, self.float8.gathered_in_float8)
+            self.gathered = torch.empty(self.float8_layout.total, dtype=torch.uint8, device=device)
+            self._gathered_bytes = self.gathered.untyped_storage().nbytes()
+            self.gathered.untyped_storage().resize_(0)
+            one = torch.zeros((), dtype=param_dtype, device=device)
+            self._stand_ins = [one.expand(slot.shape) for slot in self.layout.slots]
         # The fp32 master comes from the values as given (fp32 for a fp32 model), never from the
         # 16-bit copy: wrapping must not round the weights. Where it lives is the policy's
         # (`offload.MasterOnDevice`, or ZeRO-Offload's `MasterOnHost`).
@@ -331,10 +408,14 @@ class FlatParam:
         if self.is_unsharded:
             return
         if self._gather_work is None:
-            if self.owns_storage:
-                self.full.untyped_storage().resize_(self._full_bytes)
-            for i, p in enumerate(self.params):
-                p.data = self.layout.view(self.full, i)
+            if self.float8 is not None:
+                self.gathered.untyped_storage().resize_(self._gathered_bytes)
+                self._point_into_gathered()
+            else:
+                if self.owns_storage:
+                    self.full.untyped_storage().resize_(self._full_bytes)
+                for i, p in enumerate(self.params):
+                    p.data = self.layout.view(self.full, i)
             self._gather_work, self._after_gather = self._start_gather(backward)
         if not async_op:
             self.wait_unshard()
@@ -355,6 +436,8 @@ class FlatParam:
         dequantised if qwZ, so both passes see the same weights). qwZ otherwise: packed int8
         shards + scales over ``comm``, dequantised into ``full``."""
         tag = f"unit{self.index}"
+        if self.float8 is not None:
+            return self._start_float8_gather(tag), None
         if backward and self.secondary_comm is not None and self._secondary_fresh:
             return self.secondary_comm.all_gather(
                 self.full, self.secondary, async_op=True, tag=tag
@@ -385,6 +468,75 @@ class FlatParam:
 
         return work, dequantize
 
+    def _point_into_gathered(self) -> None:
+        """FP8 gather: each parameter a view of the gathered bytes — an FP8 linear's weight as its
+        `Float8` (data and scale: `float8.GATHERED`, what `float8.Float8Matmul` uses), its
+        ``.data`` a stand-in of its shape and dtype (one element, read by nothing: the gradient
+        still arrives in the parameter's shape); the others in their dtype."""
+        layout = self.float8_layout
+        for i, p in enumerate(self.params):
+            slot = self.layout.slots[i]
+            at = layout.offsets[i]
+            if layout.scales[i] is None:
+                n = slot.numel * self.full.element_size()
+                p.data = self.gathered[at : at + n].view(self.param_dtype).view(slot.shape)
+            else:
+                data = self.gathered[at : at + slot.numel].view(E4M3).view(slot.shape)
+                s = layout.scales[i]
+                scale = self.gathered[s : s + 4].view(torch.float32).view(())
+                p.data = self._stand_ins[i]
+                setattr(p, GATHERED, Float8(data, scale))
+
+    def _start_float8_gather(self, tag: str) -> object:
+        """This rank casts the FP8 weights it owns — amax of the whole (TP-local) weight, the max
+        over tp (`Float8Units.amax_comm`: one all-reduce of their amaxes), the tensorwise scale —
+        into its part of the gathered bytes beside its other parameters' bytes, then every rank's
+        part is all-gathered (uneven: the owners' parts differ in size)."""
+        layout = self.float8_layout
+        mine = [i for i in range(len(self.params)) if self._owned(i)]
+        cast = [i for i in mine if layout.scales[i] is not None]
+        # The writes are the gather's, as a collective's would be: autograd's saved views of the
+        # forward's gather (the FP8 weights a backward reads) must not see a new version.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.gathered):
+            if cast:
+                amax = torch.stack([self._owned_local(i).abs().amax().float() for i in cast])
+                if self.float8.amax_comm is not None and self.float8.amax_comm.size > 1:
+                    amax = amax_over(self.float8.amax_comm, amax)
+                scales = scale_from_amax(amax, E4M3, power_of_2=False)
+            for i in mine:
+                slot, at = self.layout.slots[i], layout.offsets[i]
+                local = self._owned_local(i)
+                if layout.scales[i] is None:
+                    n = slot.numel * self.full.element_size()
+                    self.gathered[at : at + n].view(self.param_dtype).copy_(local)
+                else:
+                    scale = scales[cast.index(i)]
+                    out = self.gathered[at : at + slot.numel].view(E4M3)
+                    out.copy_(quantize(local, scale, E4M3))
+                    at = layout.scales[i]
+                    self.gathered[at : at + 4].view(torch.float32).copy_(scale.reshape(1))
+        lo = layout.rank_starts[self.rank]
+        part = self.gathered[lo : lo + layout.rank_bytes[self.rank]]
+        return self.comm.all_gather(
+            self.gathered, part, async_op=True, tag=tag, sizes=layout.rank_bytes
+        )
+
+    def _owned(self, i: int) -> bool:
+        slot = self.layout.slots[i]
+        return self.start <= slot.offset < self.end
+
+    def _owned_local(self, i: int) -> torch.Tensor:
+        """Parameter i of this rank's shard (whole-parameter layout), flat, in the compute dtype."""
+        slot = self.layout.slots[i]
+        return self.local[slot.offset - self.start : slot.offset - self.start + slot.numel]
+
+    def gathered_nbytes(self, param_bytes: int) -> int:
+        """Bytes of this unit gathered: its FP8 byte layout (`Float8Layout.total`), else the
+        padded buffer in the compute dtype."""
+        if self.float8_layout is not None:
+            return self.float8_layout.total
+        return self.layout.padded_numel * param_bytes
+
     def _keep_secondary(self) -> None:
         """hpZ: keep this rank's slice of the freshly gathered ``full`` (no communication)."""
         size = self.layout.padded_numel // self.secondary_comm.size
@@ -402,12 +554,16 @@ class FlatParam:
     def reshard(self) -> None:
         if self.reshard_enabled and (self.is_unsharded or self._gather_work is not None):
             self.wait_unshard()
-            if self.owns_storage:
+            if self.float8 is not None:
+                self.gathered.untyped_storage().resize_(0)
+            elif self.owns_storage:
                 self.full.untyped_storage().resize_(0)
             # Parameters point at an empty tensor while sharded, so stray use fails loudly instead
             # of reading freed memory; views saved by autograd keep the storage and see it regrown.
             for p in self.params:
                 p.data = self._empty
+                if self.float8 is not None:
+                    setattr(p, GATHERED, None)
             self.is_unsharded = False
 
     def use_storage(self, slot: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fivefold.data_parallel.flat_param import Float8Units
 from fivefold.data_parallel.fsdp import UnitSpec
 from fivefold.data_parallel.mixed_precision import DynamicLossScaler, MixedPrecision
 from fivefold.data_parallel.optimizers import OneOptimizer, OptimizerChoice, inner_optimizer
@@ -76,6 +77,9 @@ class ZeroOptions:
     qgz: bool = False
     quant_block: int = 2048
     hpz_comm: Comm | None = None
+    # ZeRO-3's FP8 gather (docs/design.md#fp8-training): which parameters travel in FP8 (the FP8
+    # linears' weights) and the group a weight's amax is also the max over (tp); None: off
+    fp8_gather: Float8Units | None = None
     # policies: ZeRO-R constant buffers, ZeRO-Offload of the optimizer
     constant_buffers: bool = False
     offload_optimizer: bool = False
@@ -145,6 +149,13 @@ def check_options(o: ZeroOptions, comm: Comm) -> None:
 
 def _check_zeropp(o: ZeroOptions, comm: Comm) -> None:
     stage = o.stage
+    if o.fp8_gather is not None and (stage != 3 or o.qwz or o.constant_buffers):
+        raise ValueError(
+            "fp8_gather casts ZeRO-3's unit gathers to FP8: it needs zero_stage=3, without qwz "
+            "(another gather) or constant_buffers (a unit gathers into its own byte buffer)"
+        )
+    if o.fp8_gather is not None and o.hpz_comm is not None and o.hpz_comm.size > 1:
+        raise ValueError("fp8_gather with hpz_comm: hpZ's secondary copy is not built for FP8")
     if o.qwz and stage != 3:
         raise ValueError(
             f"qwz quantises ZeRO-3's parameter all-gathers: it needs zero_stage=3, not {stage}"

@@ -29,7 +29,7 @@ from torch import nn
 
 from fivefold import formulas
 from fivefold.data_parallel.buckets import BucketStrategy, GradBucket, assign_buckets
-from fivefold.data_parallel.flat_param import FlatParam, GroupOf, ValueOf
+from fivefold.data_parallel.flat_param import FlatParam, Float8Units, GroupOf, ValueOf
 from fivefold.data_parallel.fsdp import FSDPHooks, UnitSpec, find_unit_modules
 from fivefold.data_parallel.offload import MasterHome
 from fivefold.data_parallel.ownership import balance_owners
@@ -41,6 +41,7 @@ __all__ = [
     "AllReduce",
     "Collective",
     "FlatSpec",
+    "Float8Gather",
     "Gather",
     "Int8Gather",
     "PlainGather",
@@ -96,10 +97,15 @@ class PlainGather:
     def gather_bytes(self, padded: list[int], world: int, param_bytes: int) -> int:
         return formulas.zero3_gather_bytes(padded, world, param_bytes)
 
+    def unit_bytes(self, flats: list[FlatParam], param_bytes: int) -> int:
+        """One gather of every unit (`flats`)."""
+        padded = [f.layout.padded_numel for f in flats]
+        return self.gather_bytes(padded, flats[0].comm.size if flats else 1, param_bytes)
+
     def backward_gathers(
-        self, comm: Comm, padded: list[int], param_bytes: int, micro_batches: int
+        self, comm: Comm, flats: list[FlatParam], param_bytes: int, micro_batches: int
     ) -> Collective:
-        nbytes = micro_batches * self.gather_bytes(padded, comm.size, param_bytes)
+        nbytes = micro_batches * self.unit_bytes(flats, param_bytes)
         return Collective(comm.dim, "all_gather", "backward", nbytes, comm.size)
 
 
@@ -137,15 +143,43 @@ class SecondaryGather:
     def gather_bytes(self, padded: list[int], world: int, param_bytes: int) -> int:
         return self.forward.gather_bytes(padded, world, param_bytes)
 
+    def unit_bytes(self, flats: list[FlatParam], param_bytes: int) -> int:
+        return self.forward.unit_bytes(flats, param_bytes)
+
     def backward_gathers(
-        self, comm: Comm, padded: list[int], param_bytes: int, micro_batches: int
+        self, comm: Comm, flats: list[FlatParam], param_bytes: int, micro_batches: int
     ) -> Collective:
         g = self.comm.size
+        padded = [f.layout.padded_numel for f in flats]
         nbytes = micro_batches * formulas.zero3_gather_bytes(padded, g, param_bytes)
         return Collective(self.comm.dim, "all_gather", "backward", nbytes, g)
 
 
-Gather = PlainGather | Int8Gather | SecondaryGather
+@dataclass(frozen=True)
+class Float8Gather:
+    """ZeRO-3 with FP8 linears (tensorwise): a unit holding FP8 weights is all-gathered as bytes —
+    each such weight cast to e4m3 once per gather by the rank that owns it whole, with its scale;
+    the other parameters in the compute dtype (`flat_param.Float8Units`, `Float8Layout`). The
+    master stays fp32; the FP8 linears use the gathered cast as it came (`float8.Float8Matmul`).
+    Units without an FP8 weight gather as `PlainGather`."""
+
+    units: Float8Units
+    quant_block = None  # (FlatParam's keywords)
+    secondary = None
+
+    def unit_bytes(self, flats: list[FlatParam], param_bytes: int) -> int:
+        """One gather of every unit: the FP8 units' byte layouts, the others in the compute dtype
+        (`formulas.float8_gather_bytes`)."""
+        return sum(f.gathered_nbytes(param_bytes) for f in flats)
+
+    def backward_gathers(
+        self, comm: Comm, flats: list[FlatParam], param_bytes: int, micro_batches: int
+    ) -> Collective:
+        nbytes = micro_batches * self.unit_bytes(flats, param_bytes)
+        return Collective(comm.dim, "all_gather", "backward", nbytes, comm.size)
+
+
+Gather = PlainGather | Int8Gather | SecondaryGather | Float8Gather
 
 
 # -- the stages ------------------------------------------------------------------------------------
@@ -545,15 +579,15 @@ class ShardedParams(ReduceScatter):
         to its W — every unit of the stage."""
         out = super().transient_bytes(param_bytes=param_bytes, grad_bytes=grad_bytes, **rest)
         if self.comm.size > 1:
-            units = [(m is self.root, f.layout.padded_numel) for m, f in self.fsdp.units]
+            units = [(m is self.root, f.gathered_nbytes(param_bytes)) for m, f in self.fsdp.units]
             root = sum(n for is_root, n in units if is_root)  # gathered around all its children
             others = sorted((n for is_root, n in units if not is_root), reverse=True)
             every = not self.reshard_after_forward or deferred_w
             gathered = (
                 sum(n for _, n in units) if every else root + sum(others[: 1 + self.prefetch])
             )
-            out["gathered units"] = gathered * param_bytes
-            out["unit gradients"] = max(n for _, n in units) * param_bytes
+            out["gathered units"] = gathered
+            out["unit gradients"] = max(f.layout.padded_numel for f in self.flats) * param_bytes
         return out
 
     def _param_gathers(
@@ -562,11 +596,22 @@ class ShardedParams(ReduceScatter):
         """Every unit gathered in each forward and, when freed after it, again in each backward
         (hpZ: inside its secondary group)."""
         n = self.comm.size
-        forward = micro_batches * self.gather.gather_bytes(padded, n, param_bytes)
+        forward = micro_batches * self.gather.unit_bytes(self.flats, param_bytes)
         out = [Collective(self.comm.dim, "all_gather", "forward", forward, n)]
         if self.reshard_after_forward:
-            out.append(self.gather.backward_gathers(self.comm, padded, param_bytes, micro_batches))
+            out.append(
+                self.gather.backward_gathers(self.comm, self.flats, param_bytes, micro_batches)
+            )
         return out
+
+
+def _float8_units(gather: Gather, named: list[tuple[str, nn.Parameter]]) -> Float8Units | None:
+    """A unit's FP8 gather, if its gather is one and it holds a weight gathered in FP8."""
+    if isinstance(gather, Float8Gather) and any(
+        gather.units.gathered_in_float8(n) for n, _ in named
+    ):
+        return gather.units
+    return None
 
 
 def _build_units(
@@ -619,6 +664,7 @@ def _build_units(
             quant_block=gather.quant_block,
             secondary=gather.secondary,
             owners=owners[i],
+            float8=_float8_units(gather, by_unit[u]),
         )
         for i, u in enumerate(order)
     ]

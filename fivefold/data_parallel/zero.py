@@ -43,6 +43,7 @@ from fivefold.data_parallel.sharded_optimizer import ShardedOptimizer
 from fivefold.data_parallel.strategies import (
     AllReduce,
     FlatSpec,
+    Float8Gather,
     Gather,
     Int8Gather,
     PlainGather,
@@ -95,6 +96,8 @@ def compose(options: ZeroOptions, comm: Comm, grad_dtype: torch.dtype) -> Stage:
             **common,
         )
     gather: Gather = Int8Gather(options.quant_block) if options.qwz else PlainGather()
+    if options.fp8_gather is not None:
+        gather = Float8Gather(options.fp8_gather)
     if options.hpz_comm is not None:
         gather = SecondaryGather(options.hpz_comm, gather)
     return ShardedParams(
@@ -203,14 +206,16 @@ class ZeroDataParallel(nn.Module):
                 p.register_hook(lambda g, factor=factor: g * factor)
 
         master_home = MasterOnHost if o.offload_optimizer else MasterOnDevice  # the policy
-        stepped_whole = {n for n, i in inner_of.items() if not choice.optimizers[i].elementwise}
+        owned_whole = {n for n, i in inner_of.items() if not choice.optimizers[i].elementwise}
+        if o.fp8_gather is not None and o.stage == 3:  # an FP8 weight is cast whole by its owner
+            owned_whole |= {n for n, _ in named if o.fp8_gather.gathered_in_float8(n)}
         spec = FlatSpec(
             comm,
             group_of,
             self.mp.param_dtype,
             self._value_of,
             master_home,
-            whole=(lambda name, p: name in stepped_whole) if stepped_whole else None,
+            whole=(lambda name, p: name in owned_whole) if owned_whole else None,
         )
         self.flats: list[FlatParam] = self.strategy.build_flats(
             module,
@@ -377,6 +382,7 @@ class ZeroDataParallel(nn.Module):
             f.host_staging for f in self.flats if f.host_staging is not None
         ]  # offload: the cast shard
         params += [f.secondary for f in self.flats if f.secondary is not None]  # hpZ's copy
+        params += [f.gathered for f in self.flats if f.gathered is not None]  # FP8-gathered units
         params += [
             p for n, p in self.module.named_parameters() if not p.requires_grad and self.owns(n, p)
         ]

@@ -617,7 +617,8 @@ class Comm:
             return dist.all_gather(parts, input, group=self.group, async_op=async_op)
         mine = parts[self.rank]
         if mine.numel() and mine.data_ptr() != input.data_ptr():
-            mine.copy_(input)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(output):
+                mine.copy_(input)  # (the collective's write, as NCCL's would be: no new version)
         works = [
             dist.broadcast(part, src=self.global_rank(r), group=self.group, async_op=True)
             for r, part in enumerate(parts)
@@ -727,3 +728,13 @@ class Comm:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+
+@eager_region
+def amax_over(comm: Comm, amax: torch.Tensor) -> torch.Tensor:
+    """An FP8 scale's amax as the max over `comm`'s ranks, each holding a slice of the operand
+    (`float8.split_scope`; docs/design.md#fp8-training): one all-reduce (MAX, exact in fp32) of a
+    scalar or a vector of per-slice amaxes, on the device."""
+    exact = amax.float()
+    comm.all_reduce(exact, op=dist.ReduceOp.MAX, tag="fp8_amax")
+    return exact.to(amax.dtype)

@@ -6,6 +6,7 @@ declaring their `Placement` for the global norm), the loss and, under pp, a `Pip
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,10 +16,12 @@ from torch import nn
 from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel, ZeroOptions
+from fivefold.data_parallel.flat_param import Float8Units
 from fivefold.data_parallel.optimizers import InnerOptimizer, MatricesApart, OptimizerChoice
-from fivefold.distributed.comm import Comm, Placement, compile_eager_regions
+from fivefold.distributed.comm import Comm, Placement, amax_over, compile_eager_regions
 from fivefold.distributed.topology import MeshLike
 from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
+from fivefold.float8 import RECIPES, Float8Matmul, compose_scopes, split_scope
 from fivefold.formulas import bubble_formula
 from fivefold.materialize import materialize
 from fivefold.models.llama import Llama, LlamaConfig
@@ -29,6 +32,8 @@ from fivefold.models.plans import (
     LLAMA_CP_PLAN,
     LLAMA_TP_PLAN,
     is_block_matrix,
+    is_float8_linear,
+    is_float8_weight,
     llama_stage_modules,
 )
 from fivefold.observe.memory import model_state_bytes
@@ -163,6 +168,31 @@ def _shard(module: nn.Module, cfg: Config, mesh: MeshLike):
     return tp_loss(module)
 
 
+def _set_float8(module: nn.Module, cfg: Config, mesh: MeshLike) -> None:
+    """``precision.fp8``: every linear `plans.is_float8_linear` names (after TP sharding) computes
+    by a `float8.Float8Matmul` of the recipe, its scope the max over the ranks its operands are
+    split over (docs/design.md#fp8-training): over tp along the layer's ``split_dims`` (a column-
+    or row-parallel slice), over cp along the tokens (a rank holds part of each sequence). Over dp
+    nothing: an activation's scales are its rank's micro-batch's, as torchao's."""
+    if cfg.precision.fp8 == "off":
+        return
+    recipe = RECIPES[cfg.precision.fp8]
+    tp, cp = mesh.comm("tp"), mesh.comm("cp")
+    tokens = (
+        split_scope({"input": 0, "grad_output": 0}, functools.partial(amax_over, cp))
+        if cp.size > 1
+        else None
+    )
+    for name, layer in module.named_modules():
+        if not is_float8_linear(name):
+            continue
+        split = getattr(layer, "split_dims", {})
+        sliced = (
+            split_scope(split, functools.partial(amax_over, tp)) if split and tp.size > 1 else None
+        )
+        layer.matmul = Float8Matmul(recipe, compose_scopes(sliced, tokens))
+
+
 def _grad_comm(mesh: MeshLike):
     """Gradients and the loss are averaged over dp × cp: a cp rank holds the same parameters for
     another part of the same sequences (its loss is the mean over its tokens, the same count on
@@ -273,6 +303,7 @@ def _engines(
             hpz_comm=hpz_comm,
             constant_buffers=z.constant_buffers,
             offload_optimizer=z.offload_optimizer,
+            fp8_gather=Float8Units(is_float8_weight, tp) if z.fp8_gather else None,
         )
         return ZeroDataParallel(module, comm, options)
 
@@ -465,7 +496,10 @@ class _Parts:
             + self._overlap_note()
             + (f" recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
             + (f" ({t.recompute_save})" if (t := cfg.train).recompute == "selective-op" else "")
-            + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce)"
+            + f" ({cfg.precision.param} params, {cfg.precision.reduce} reduce"
+            + (f", FP8 {cfg.precision.fp8} linears" if cfg.precision.fp8 != "off" else "")
+            + (", FP8 gathers" if cfg.zero.fp8_gather else "")
+            + ")"
         )
 
     def _overlap_note(self) -> str:
@@ -566,6 +600,7 @@ class WholeModel(_Parts):
         )  # nothing allocated: the engines materialise this rank's share
         _set_activations(model, cfg)
         self.loss_fn = _shard(model, cfg, mesh)
+        _set_float8(model, cfg, mesh)
         self.module = model
         self.engines = dict(enumerate(_engines(model, cfg, mesh, device)))
         self.engine = self.engines[0]
@@ -641,6 +676,8 @@ class PipelinedModel(_Parts):
         for stage in stages.values():
             _set_activations(stage, cfg)
         loss_fns = {s: _shard(m, cfg, mesh) for s, m in stages.items()}
+        for stage in stages.values():
+            _set_float8(stage, cfg, mesh)
         self.stages = stages
         self.overlap, self.overlap_reason = pipeline_overlap(
             cfg, model_cfg.moe, mesh.size, device.type

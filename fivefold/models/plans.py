@@ -27,9 +27,12 @@ from fivefold.tensor_parallel.plan import (
 
 __all__ = [
     "LLAMA_CP_PLAN",
+    "LLAMA_FLOAT8",
     "LLAMA_MATRICES",
     "LLAMA_TP_PLAN",
     "is_block_matrix",
+    "is_float8_linear",
+    "is_float8_weight",
     "llama_stage_modules",
 ]
 
@@ -65,6 +68,28 @@ LLAMA_MATRICES: tuple[str, ...] = (
     "layers.*.feed_forward.shared.w?.weight",
     "layers.*.feed_forward.experts.*.w?.weight",
 )
+
+
+# The linears that compute in FP8 (`precision.fp8`, docs/design.md#fp8-training): the blocks'
+# attention and dense / shared feed-forward projections. Not the embedding, the head, the MoE
+# router and gate, nor the routed experts (their grouped GEMMs stay in the compute dtype).
+LLAMA_FLOAT8: tuple[str, ...] = (
+    "layers.*.attention.w?",
+    "layers.*.feed_forward.w?",
+    "layers.*.feed_forward.shared.w?",
+)
+
+
+def is_float8_linear(name: str) -> bool:
+    """Whether module `name` (its single-process name) is one of `LLAMA_FLOAT8`."""
+    return any(fnmatch.fnmatchcase(name, p) for p in LLAMA_FLOAT8)
+
+
+def is_float8_weight(name: str) -> bool:
+    """Whether parameter `name` is the weight of one of `LLAMA_FLOAT8` (ZeRO-3 gathers it in FP8
+    under ``zero.fp8_gather``)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "weight" and is_float8_linear(module)
 
 
 def is_block_matrix(name: str, param: torch.Tensor) -> bool:

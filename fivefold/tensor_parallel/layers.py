@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.distributed.comm import Comm
-from fivefold.ops import linear
+from fivefold.ops import Matmul, linear
 from fivefold.tensor_parallel.comm_ops import (
     all_reduce_grad_hook,
     copy_to_tp,
@@ -45,7 +45,12 @@ def _exit(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
 
 class _ShardedLinear(nn.Module):
     """What both parallel linears hold: this rank's slice of the weight (and of the bias, if any)
-    and the TP group it is split over."""
+    and the TP group it is split over; ``matmul``: how x Wᵀ is computed (`ops.linear`, or an FP8
+    strategy), ``split_dims``: which operand dims this rank holds a slice of (an FP8 matmul's
+    scales are the max over the group along them: `float8.split_scope`)."""
+
+    matmul: Matmul = staticmethod(linear)
+    split_dims: dict[str, int] = {}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> None:
         super().__init__()
@@ -57,6 +62,9 @@ class _ShardedLinear(nn.Module):
 class ColumnParallelLinear(_ShardedLinear):
     """y_local = x W_localᵀ, W split by rows; `input_mode` "copy" (f), "gather" (SP) or "none" (e.g.
     `RegionEntry`)."""
+
+    # the weight's rows and the output's (and its gradient's) columns are this rank's
+    split_dims = {"weight": 0, "grad_output": 1}
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, input_mode: str = "none"
@@ -77,7 +85,7 @@ class ColumnParallelLinear(_ShardedLinear):
         return cls(linear.weight.detach()[a:b].clone(), bias, comm, input_mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(_entry(x, self.comm, self.input_mode), self.weight, self.bias)
+        return self.matmul(_entry(x, self.comm, self.input_mode), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)}, tp={self.comm.size}, input={self.input_mode}"
@@ -86,6 +94,9 @@ class ColumnParallelLinear(_ShardedLinear):
 class RowParallelLinear(_ShardedLinear):
     """y = Σ_ranks x_local W_localᵀ (+ bias once) with W split by columns; exit all-reduce / SP
     scatter."""
+
+    # the weight's columns and the input's are this rank's
+    split_dims = {"input": 1, "weight": 1}
 
     def __init__(
         self,
@@ -114,7 +125,7 @@ class RowParallelLinear(_ShardedLinear):
         return cls(linear.weight.detach()[:, a:b].clone(), bias, comm, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _exit(linear(x, self.weight), self.comm, self.sequence_parallel)
+        y = _exit(self.matmul(x, self.weight, None), self.comm, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
