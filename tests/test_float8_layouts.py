@@ -9,8 +9,8 @@ global micro-batch (`_PerRank`), which is what the layouts compute, summed in an
 
 Two spawns (world 2 and 4, `multiprocess`) train three steps, fp32 parameters (the FP8 GEMMs and
 nothing else round coarsely), tensorwise and rowwise: DDP, ZeRO-1/2/3, ZeRO-3 with the FP8 gather
-(+ full recompute), tp 2 (+ SP), pp 2 (1F1B; ZB-H1, whose W runs the FP8 weight-gradient GEMM
-later), cp 2, MoE ep 2 (the attention in FP8, the experts not), selective-op recompute; at world 4
+(+ full recompute, + compiled blocks), tp 2 (+ SP), pp 2 (1F1B; ZB-H1, whose W runs the FP8 weight-gradient
+GEMM later), cp 2, MoE ep 2 (the attention in FP8, the experts not), selective-op recompute; at world 4
 dp × tp with ZeRO-3's FP8 gather (a weight's amax the max over its tp slices), dp × cp and
 pp × tp + SP. The first forward of tp / cp layouts is checked operand by operand: every FP8 GEMM
 of the first block gets bit-exact slices of the reference's FP8 operands and scales."""
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_workers
-from tolerance import KERNELS, reference
+from tolerance import KERNELS, WORKERS, reference
 
 from fivefold import float8, formulas
 from fivefold.config import Config
@@ -37,6 +37,7 @@ LAYOUTS = {  # name: (world, mesh dims, preset, options)
     "zero3-fp8-gather": (2, dict(dp=2), "tiny", dict(zero=3, gather=True)),
     "zero3-fp8-gather-full-recompute": (2, dict(dp=2), "tiny", dict(zero=3, gather=True, recompute="full")),
     "zero1-selective-op": (2, dict(dp=2), "tiny", dict(zero=1, recompute="selective-op")),
+    "zero3-fp8-gather-compile": (2, dict(dp=2), "tiny", dict(zero=3, gather=True, compile=True)),
     "tp2": (2, dict(tp=2), "tiny", dict(zero=0, sp=False)),
     "tp2-sp-rowwise": (2, dict(tp=2), "tiny", dict(zero=1, fp8="rowwise")),
     "pp2-1f1b": (2, dict(pp=2), "tiny", dict(zero=0)),
@@ -123,16 +124,18 @@ def _reference(preset: str, recipe: str, dp: int) -> dict:
     return dict(losses=losses, first=first, state={n: p.detach().clone() for n, p in net.named_parameters()})
 
 
-def _rounding(name: str) -> dict:
+def _rounding(name: str, kernels: str) -> dict:
     """How a layout's sums round: rule 1's ``dtype`` — rowwise's per-slice GEMMs write bf16 (torchao's), so a sum
-    split over ranks rounds its parts in bf16 — whether a split sum feeds an FP8 cast in the first step (tp's and
-    cp's partial sums in backward), and the FP8 ``noise`` of a gradient entry: the unit roundoff of the gradients'
-    format (tensorwise e5m2, 2⁻³; rowwise e4m3, 2⁻⁴)."""
+    split over ranks rounds its parts in bf16 — whether a sum in another order feeds an FP8 cast in the first step
+    (``split``: tp's and cp's partial sums in backward, a compiled block's fused kernels, or a reference computed on
+    another kernel path), and the FP8 ``noise`` of a gradient entry: the unit roundoff of the gradients' format
+    (tensorwise e5m2, 2⁻³; rowwise e4m3, 2⁻⁴)."""
     _, dims, _, o = LAYOUTS[name]
     rowwise = o.get("fp8", "tensorwise") == "rowwise"
+    reordered = dims.get("tp", 1) > 1 or dims.get("cp", 1) > 1 or o.get("compile", False)
     return {
         "dtype": torch.bfloat16 if rowwise else torch.float32,
-        "split": dims.get("tp", 1) > 1 or dims.get("cp", 1) > 1,
+        "split": reordered or kernels != WORKERS,
         "noise": 2.0**-4 if rowwise else 2.0**-3,
     }
 
@@ -142,7 +145,7 @@ def _config(name: str) -> Config:
     cfg = Config()
     cfg.zero.stage, cfg.zero.fp8_gather = o["zero"], o.get("gather", False)
     cfg.precision.fp8 = o.get("fp8", "tensorwise")
-    cfg.train.recompute = o.get("recompute", "none")
+    cfg.train.recompute, cfg.train.compile = o.get("recompute", "none"), o.get("compile", False)
     cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
     cfg.parallel.cp, cfg.parallel.ep = dims.get("cp", 1), dims.get("ep", 1)
     cfg.parallel.tp, cfg.parallel.pp = dims.get("tp", 1), dims.get("pp", 1)
@@ -246,7 +249,7 @@ def test_fp8_trains_like_one_process_fp8_in_every_layout(results, name, kernels)
     gradients' FP8 unit roundoff of the step's largest one (`_rounding`)."""
     _, dims, preset, o = LAYOUTS[name]
     args = (_reference, preset, o.get("fp8", "tensorwise"), dims.get("dp", 1))
-    rounding = _rounding(name)
+    rounding = _rounding(name, kernels)
     want, tight = reference(*args, kernels=kernels, terms=TERMS, dtype=rounding["dtype"])
     _, noisy = reference(*args, kernels=kernels, terms=TERMS, dtype=rounding["dtype"], shadow_runs=SHADOW_RUNS,
                          relative=rounding["noise"])
