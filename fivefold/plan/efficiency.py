@@ -17,6 +17,7 @@ from typing import Any
 
 from fivefold import formulas
 from fivefold.config import Config
+from fivefold.models.plans import is_float8_weight
 from fivefold.plan.hardware import GB, Hardware
 from fivefold.run_plan import RunPlan
 
@@ -57,12 +58,28 @@ def gemm_efficiency(m: int, n: int, k: int, hw: Hardware) -> float:
     return e
 
 
-def gemm_seconds(m: int, n: int, k: int, hw: Hardware, dtype_bytes: int) -> float:
+def gemm_seconds(
+    m: int, n: int, k: int, hw: Hardware, dtype_bytes: int, fp8: bool = False
+) -> float:
     """Seconds of one matmul: its 2·m·n·k FLOPs at `gemm_efficiency`, or its operands and result
-    through memory if that takes longer (a skinny GEMM is bandwidth-bound)."""
-    compute = 2 * m * n * k / (hw.peak_tflops * 1e12 * gemm_efficiency(m, n, k, hw))
-    memory = (m * k + k * n + m * n) * dtype_bytes / (hw.hbm_gbps * GB * hw.memory_efficiency)
+    through memory if that takes longer (a skinny GEMM is bandwidth-bound). ``fp8``: FP8 operands
+    (1 byte, the result in ``dtype_bytes``) at the FP8 peak where the device has one."""
+    peak = hw.fp8_peak_tflops if fp8 and hw.fp8_peak_tflops else hw.peak_tflops
+    compute = 2 * m * n * k / (peak * 1e12 * gemm_efficiency(m, n, k, hw))
+    operands = (m * k + k * n) * (1 if fp8 else dtype_bytes)
+    memory = (operands + m * n * dtype_bytes) / (hw.hbm_gbps * GB * hw.memory_efficiency)
     return max(compute, memory)
+
+
+def float8_cast_bytes(rows: int, n: int, k: int, dtype_bytes: int, recipe: str) -> tuple[int, int]:
+    """Bytes an FP8 linear's casts move (forward, backward) for `rows` tokens through an n × k
+    weight: each cast reads its operand twice (the amax, then the scaled cast) and writes 1 byte
+    per element — forward x and W; backward dy (tensorwise: once, reused for both GEMMs; rowwise:
+    each operand again along the other axis, W and x included)."""
+    per = 2 * dtype_bytes + 1
+    forward = (rows * k + n * k) * per
+    backward = rows * n * per if recipe == "tensorwise" else (2 * rows * n + n * k + rows * k) * per
+    return forward, backward
 
 
 @dataclass
@@ -210,13 +227,18 @@ def stage_work(
         if rows < 1:
             continue
         n, k = shape
-        one = gemm_seconds(int(rows), n, k, hw, s)
-        dgrad = gemm_seconds(int(rows), k, n, hw, s)
-        wgrad = gemm_seconds(n, k, int(rows), hw, s)
+        fp8 = cfg.precision.fp8 != "off" and is_float8_weight(name)
+        one = gemm_seconds(int(rows), n, k, hw, s, fp8)
+        dgrad = gemm_seconds(int(rows), k, n, hw, s, fp8)
+        wgrad = gemm_seconds(n, k, int(rows), hw, s, fp8)
         block_linear = _BLOCK_LINEAR.fullmatch(name)  # an MoE feed-forward's: priced as saved
         linear = block_linear and (block_linear.group(1) or block_linear.group(2))
         again = one if linear in again_linears else 0.0
         work.add("matmuls", one, dgrad + wgrad + again)
+        if fp8:  # the casts: amax and scaled cast of each operand, elementwise
+            f_bytes, b_bytes = float8_cast_bytes(int(rows), n, k, s, cfg.precision.fp8)
+            bw = hw.hbm_gbps * GB * hw.memory_efficiency
+            work.add("elementwise", f_bytes / bw, (b_bytes + (f_bytes if again else 0)) / bw)
         work.flops += 6 * rows * n * k + (2 * rows * n * k if again else 0)
     attention = attention_flops_per_token(run, cfg, len(blocks)) * tokens
     # the eager core computes the whole L × L square and masks half: twice the causal FLOPs

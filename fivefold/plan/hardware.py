@@ -41,6 +41,8 @@ class Hardware:
     name: str = "H100-80GB"
     memory_gb: float = 80.0
     peak_tflops: float = 989.0
+    # dense FP8 (e4m3) tensor-core peak; 0: no FP8 tensor cores (precision.fp8 is refused)
+    fp8_peak_tflops: float = 1979.0
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     gpus_per_node: int = 8
@@ -60,7 +62,7 @@ class Hardware:
     def check(self) -> Hardware:
         """Raise a ValueError naming a value that cannot describe a machine; return self."""
         may_be_zero = {"sms", "op_overhead_us", "collective_latency_us", "context_gb",
-                       "comm_buffer_mb", "allocator_reserve"}  # fmt: skip
+                       "comm_buffer_mb", "allocator_reserve", "fp8_peak_tflops"}  # fmt: skip
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "asynchronous", "gemm_efficiency", "gemm_tile"):
@@ -108,6 +110,7 @@ HARDWARE = {
     "a100": Hardware(
         name="A100-80GB",
         peak_tflops=312.0,
+        fp8_peak_tflops=0.0,  # Ampere: no FP8 tensor cores
         intra_node_gbps=300.0,
         inter_node_gbps=25.0,
         hbm_gbps=2039.0,
@@ -122,6 +125,9 @@ HARDWARE = {
 
 # Where the presets' numbers come from (docs/plan.md#calibration has the quotes)
 SOURCES = {
+    "fp8_peak_tflops": "NVIDIA's H100 / H200 data sheets: dense FP8 1979 TFLOP/s (3958 with "
+    "sparsity) on the SXM parts; the A100 has none. The FP8 GEMMs are taken at the bf16 matmul "
+    "efficiency of the same shape (an assumption: no FP8 MAMF table was found)",
     "peak_tflops, memory_gb, hbm_gbps, links": "vendors' data sheets (SXM parts; dense bf16); "
     "the H100-96GB: torchtitan's docs/performance.md (Grand Teton, 96 GB HBM2e, 2.4 TB/s, 500 W)",
     "gemm_efficiency": "the best achievable bf16 matmul (MAMF) over the peak: H100 SXM 794.5 / 989 "
@@ -209,6 +215,7 @@ def local_hardware(device_type: str, compute_bytes: int, ranks_per_node: int) ->
             context_gb=0.0,
             comm_buffer_mb=0.0,
             allocator_reserve=0.0,
+            fp8_peak_tflops=0.0,  # (FP8 GEMMs are emulated on the CPU: priced at its own peak)
         ).check()
     module = getattr(torch, device_type)
     props = module.get_device_properties(module.current_device())

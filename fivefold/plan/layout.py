@@ -100,6 +100,12 @@ def plan_layout(
     and the last, which hold the most). ``parts_cache``: reuse the assembly across plans that differ
     only in the recompute mode."""
     hardware.check()
+    if cfg.precision.fp8 != "off" and hardware.asynchronous and not hardware.fp8_peak_tflops:
+        raise ValueError(
+            f"precision.fp8={cfg.precision.fp8} on {hardware.name}: it has no FP8 tensor cores "
+            "(Hopper or later have them); plan it on --hardware h100 / h200 / h800, or without "
+            "precision.fp8"
+        )
     run = validate_layout(cfg, world, device_type=TARGET_DEVICE)
     cfg = resolved(cfg, run)
     chosen = range(run.dims.pp) if pp_ranks is None else sorted({r % run.dims.pp for r in pp_ranks})
@@ -137,7 +143,10 @@ def plan_layout(
         model,
         cfg.model.init_from or cfg.model.preset,
         params,
-        f"{cfg.precision.param} params, {cfg.precision.reduce} gradient reduction",
+        f"{cfg.precision.param} params, {cfg.precision.reduce} gradient reduction"
+        + (f", FP8 {cfg.precision.fp8} linears" if cfg.precision.fp8 != "off" else "")
+        + (", FP8 unit gathers" if cfg.zero.fp8_gather else "")
+        + (", Muon on the matrices (whole-matrix owners)" if cfg.optim.name == "muon" else ""),
         run.micro_batch,
         run.grad_accum,
         run.global_batch,
