@@ -31,6 +31,9 @@
     python bench/run.py scaling                   # DDP (world 2, 4), ZeRO-3 (+ kept), TP 2 at ~10M/40M/125M:
                                                   # fivefold/torch, step/ideal, MFU (docs/benchmarks.md)
     python bench/run.py compile                   # train.compile: compiled vs eager blocks in DDP, ZeRO-3, tp 2, pp 2
+    python bench/run.py fp8                       # FP8 linears (tensorwise, rowwise; ZeRO-3 + FP8 gathers) vs bf16:
+                                                  # step time (slower on a CPU: expected) and gather bytes
+    python bench/run.py muon                      # Muon (whole matrices owned) vs AdamW under ZeRO-1: step time
     python bench/run.py documents                 # attention inside packed documents: dense-mask SDPA, eager,
                                                   # per-document SDPA, flex vs causal SDPA; L 2k and 8k
     python bench/run.py prepare                   # fivefold prepare (1, 2 workers) vs a tokenizers encode_batch
@@ -104,6 +107,13 @@ from bench.expert_parallel import (  # noqa: E402
 from bench.ft import FtSpec, bench_ft, format_ft_table  # noqa: E402
 from bench.host_syncs import bench_syncs, format_syncs_table  # noqa: E402
 from bench.init import InitSpec, bench_init, format_init_table  # noqa: E402
+from bench.numerics import (  # noqa: E402
+    NumericsSpec,
+    bench_fp8,
+    bench_muon,
+    format_fp8_table,
+    format_muon_table,
+)
 from bench.pipeline import PPSpec, bench_pp, format_pp_table  # noqa: E402
 from bench.plan import PlanSpec, bench_plan, format_plan_table  # noqa: E402
 from bench.prepare import PrepareSpec, bench_prepare, format_prepare_table  # noqa: E402
@@ -123,6 +133,7 @@ WHAT = {  # command -> the benchmarks it runs, in order
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
     "optim": ("optim",), "optim-ops": ("optim-ops",), "documents": ("documents",),
     "prepare": ("prepare",), "ft": ("ft",), "plan": ("plan",), "plan-published": ("plan-published",),
+    "fp8": ("fp8",), "muon": ("muon",),
     "all": ("ddp", "zero", "tp", "pp", "cp", "ep", "ep-overlap", "ckpt"),
 }
 
@@ -228,6 +239,13 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--layouts", default=None, help="comma-separated: ddp,zero3,tp2,pp2 (all)")
     co.add_argument("--world", type=int, default=None, help=f"gloo ranks ({CompileSpec().world})")
     co.add_argument("--batch", type=int, default=None, help=f"sequences per step ({CompileSpec().batch})")
+    for name, what in (("fp8", "FP8 linears (tensorwise, rowwise; ZeRO-3 + FP8 gathers) vs bf16, per layout"),
+                       ("muon", "Muon (whole matrices owned) vs AdamW under ZeRO-1")):
+        nu = sub.add_parser(name, parents=[common], help=what)
+        nu.add_argument("--world", type=int, default=None, help=f"gloo ranks ({NumericsSpec().world})")
+        nu.add_argument("--batch", type=int, default=None, help=f"sequences per step ({NumericsSpec().batch})")
+        if name == "fp8":
+            nu.add_argument("--layouts", default=None, help="comma-separated: ddp,zero3 (all)")
     do = sub.add_parser("documents", parents=[common],
                         help="attention inside packed documents (one process): masked cores vs causal SDPA")
     do.add_argument("--seq-lens", default=None, help="comma-separated sequence lengths (2048,8192)")
@@ -316,6 +334,12 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
             world=opt.get("world"), batch=opt.get("batch"),
             layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
             format_compile_table),
+        "fp8": (lambda: bench_fp8(NumericsSpec(**common, **_given(
+            world=opt.get("world"), batch=opt.get("batch"),
+            layouts=tuple(s.strip() for s in opt["layouts"].split(",")) if opt.get("layouts") else None))),
+            format_fp8_table),
+        "muon": (lambda: bench_muon(NumericsSpec(**common, **_given(
+            world=opt.get("world"), batch=opt.get("batch"), param="fp32"))), format_muon_table),
         "documents": (lambda: bench_documents(DocumentsSpec(**_given(
             steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
             eager_max_len=opt.get("eager_max_len"),

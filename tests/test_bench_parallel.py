@@ -336,3 +336,28 @@ def test_scaling_bench_rows_and_mfu_arithmetic():
         "payload_bytes"] * 2
     assert rows[("DDP", "fivefold")]["vs_ideal"] > 0 and rows[("DDP", "ideal")]["payload_bytes"] == 0
     assert "fivefold-z3-keep" in format_scaling_table(results)
+
+
+@pytest.mark.multiprocess
+def test_fp8_and_muon_benches_run_every_contestant():
+    """The FP8 bench's contestants all train (ZeRO-3's FP8 gather moving fewer all-gather bytes than bf16's), and
+    the Muon bench's optimizer state per rank is below AdamW's."""
+    from bench.numerics import (
+        NumericsSpec,
+        bench_fp8,
+        bench_muon,
+        format_fp8_table,
+        format_muon_table,
+    )
+
+    spec = NumericsSpec(preset="tiny", steps=1, warmup=1, repeats=1, batch=4, seq_len=32)
+    fp8 = bench_fp8(spec, layouts=("zero3",))
+    impls = {i["name"]: i for i in fp8["layouts"]["zero3"]["impls"]}
+    assert set(impls) == {"fp8-tensorwise", "fp8-rowwise", "fp8-gather", "bf16"}
+    gathered = {name: i["comm_by_op"]["all_gather"][1] for name, i in impls.items()}
+    assert gathered["fp8-gather"] < 0.7 * gathered["bf16"] == 0.7 * gathered["fp8-tensorwise"]
+    assert "all-gather MiB per step" in format_fp8_table(fp8)
+    muon = bench_muon(spec)
+    by = {i["name"]: i for i in muon["impls"]}
+    assert by["muon"]["info"]["optimizer_state_bytes"] < by["adamw"]["info"]["optimizer_state_bytes"]
+    assert "optimizer state MiB / rank" in format_muon_table(muon)
