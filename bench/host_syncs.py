@@ -32,6 +32,13 @@ LAYOUTS: dict[str, tuple[int, dict[str, int], dict[str, Any]]] = {  # name: (wor
     # packed documents (data.documents mask, id 5 ends a document; no loss across a boundary)
     "dp2-documents": (2, dict(dp=2), dict(zero=1, documents=5)),
     "cp2-documents": (2, dict(cp=2), dict(zero=1, cp=2, documents=5)),
+    # FP8 linears (their amax all-reduces over tp / cp, ZeRO-3's FP8 gathers) and Muon (whole matrices owned)
+    "dp2-zero2-fp8": (2, dict(dp=2), dict(zero=2, fp8="tensorwise", param="bf16")),
+    "tp2-sp-fp8-rowwise": (2, dict(dp=1, tp=2), dict(zero=1, tp=2, sp=True, fp8="rowwise", param="bf16")),
+    "cp2-fp8": (2, dict(cp=2), dict(zero=1, cp=2, fp8="tensorwise", param="bf16")),
+    "dp2-zero3-fp8-gather": (2, dict(dp=2), dict(zero=3, fp8="tensorwise", fp8_gather=True, param="bf16")),
+    "dp2-zero1-muon": (2, dict(dp=2), dict(zero=1, optim="muon")),
+    "dp2-zero3-muon": (2, dict(dp=2), dict(zero=3, optim="muon")),
 }
 MICRO_BATCHES, SEQ = 4, 8
 
@@ -56,7 +63,8 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
     """(config, mesh, parallel model) of this rank of a layout (``LAYOUTS``' mesh dims and config)
     on `device` (meta: the fake process group is initialised); by default a tiny Llama, 4
     micro-batches of 8 tokens. ``o`` may also name ``param`` / ``reduce`` precisions,
-    ``compile`` and ``documents`` (the end-of-document id: attention masked per document)."""
+    ``compile``, ``documents`` (the end-of-document id: attention masked per document), ``fp8``,
+    ``fp8_gather`` and ``optim``."""
     from fivefold.config import Config
     from fivefold.distributed.comm import CommLog
     from fivefold.distributed.mesh import ParallelDims, ParallelMesh
@@ -77,9 +85,14 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
     cfg.precision.reduce = o.get("reduce", cfg.precision.reduce)
     cfg.run.log_every = log_every
     cfg.data.documents = "mask" if o.get("documents") is not None else "cross"
+    cfg.precision.fp8, cfg.zero.fp8_gather = o.get("fp8", "off"), o.get("fp8_gather", False)
+    cfg.optim.name = o.get("optim", "adamw")
     if model is None:
-        model = get_config("tiny", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                           max_seq_len=seq, vocab_size=16)
+        # (FP8: every GEMM dimension a multiple of 16 on a tp rank, as CUDA's _scaled_mm — and its meta
+        # kernel — want; the tokens of a rank's micro-batch, rows × seq, too)
+        wide = o.get("fp8", "off") != "off"
+        model = get_config("tiny", n_layers=2, dim=64 if wide else 32, n_heads=4, n_kv_heads=2,
+                           ffn_hidden=128 if wide else 64, max_seq_len=seq, vocab_size=16)
     mesh = ParallelMesh(ParallelDims(**dims), device, CommLog())
     parts = parallelize(cfg, model, mesh, torch.device(device), o.get("documents"))
     return cfg, mesh, parts

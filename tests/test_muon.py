@@ -484,3 +484,34 @@ def test_muon_trains_like_one_process_in_the_trainers_layouts(layout_results, na
                 full = full.chunk(full.shape[d] // got.shape[d], dim=d)[res["shard"]]
             b = bounds["state"][pname]
             Bound(b.rtol, b.atol * MUON_MARGIN).assert_holds(got, full, f"rank {rank} {name} {pname}")
+
+
+def test_fivefolds_muon_skips_a_step_on_the_device_flag_and_otherwise_is_torchs():
+    """`optimizers.Muon` with ``found_inf`` 0 steps bit for bit as torch.optim.Muon (the same operations, out of
+    place); with 1 it changes neither the parameters nor the momentum — no host read either way."""
+    from fivefold.data_parallel.optimizers import Muon
+
+    g = torch.Generator().manual_seed(3)
+    start = [torch.randn(8, 12, generator=g), torch.randn(16, 4, generator=g)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
+
+    def run(cls, flags):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = cls(params, **MUON, weight_decay=WD)
+        for step_grads, flag in zip(grads, flags):
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.clone()
+            if flag is not None:
+                opt.found_inf = torch.tensor(float(flag))
+            opt.step()
+        return [p.detach() for p in params], [opt.state[p]["momentum_buffer"] for p in params]
+
+    torch_params, torch_bufs = run(torch.optim.Muon, [None] * 3)
+    ours, bufs = run(Muon, [0.0, 0.0, 0.0])
+    assert all(torch.equal(a, b) for a, b in zip(ours, torch_params))
+    assert all(torch.equal(a, b) for a, b in zip(bufs, torch_bufs))
+    once, once_bufs = run(Muon, [0.0, 1.0, 1.0])  # the second and third steps skipped
+    first, first_bufs = run(torch.optim.Muon, [None])
+    assert all(torch.equal(a, b) for a, b in zip(once, first))
+    assert all(torch.equal(a, b) for a, b in zip(once_bufs, first_bufs))
+    assert not Muon([torch.nn.Parameter(torch.zeros(2, 2))]).takes_found_inf  # on the CPU: the host reads the norm

@@ -26,10 +26,12 @@ __all__ = [
     "PER_PARAMETER_OPTIMIZERS",
     "InnerOptimizer",
     "MatricesApart",
+    "Muon",
     "OneOptimizer",
     "OptimizerChoice",
     "inner_optimizer",
     "muon_class",
+    "takes_found_inf",
 ]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
@@ -62,6 +64,13 @@ PER_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(
 # m and v and its `step` counter; Muon's momentum buffer (no step). Others: Adam's, stated.
 _STATE_BYTES: dict[str, tuple[int, int]] = {"Muon": (4, 0), "SGD": (4, 0)}
 _ADAM_STATE_BYTES = (8, 4)
+
+
+def takes_found_inf(optimizer: Any) -> bool:
+    """Whether `optimizer` skips its step on the device when given ``found_inf`` (torch's fused
+    kernels; fivefold's `Muon` on an accelerator)."""
+    takes = getattr(optimizer, "takes_found_inf", None)
+    return bool(optimizer.defaults.get("fused")) if takes is None else bool(takes)
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,49 @@ class MatricesApart:
         return 0 if self.is_matrix(name, param) else 1
 
 
+class Muon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
+    """torch's Muon that also takes ``found_inf`` (a 0-d flag on the device, as torch's fused
+    optimizers do, `ShardedOptimizer.apply_step`): a step with it set changes no parameter and no
+    momentum, without the host reading it — so a non-finite gradient is skipped on an accelerator
+    with no host sync (docs/gpus.md#no-host-sync-in-a-step). Without a flag it is torch's own step;
+    with one, torch's update computed out of place and kept where the flag is 0: the same values."""
+
+    @property
+    def takes_found_inf(self) -> bool:
+        """On an accelerator (meta standing in for one), not on the CPU (whose check reads the
+        norm)."""
+        return all(p.device.type != "cpu" for g in self.param_groups for p in g["params"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return super().step(closure)
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        skip = found_inf.bool()
+        for group in self.param_groups:
+            lr, decay, mu = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.zeros_like(p.grad)
+                # torch.optim._muon._single_tensor_muon, out of place
+                new_buf = buf.lerp(p.grad, 1 - mu)
+                update = p.grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
+                update = _zeropower_via_newtonschulz(
+                    update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                new_p = p.mul(1 - lr * decay)
+                new_p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                p.copy_(torch.where(skip, p, new_p))
+                buf.copy_(torch.where(skip, buf, new_buf))
+        return None
+
+
 class _RoutedState(MutableMapping):
     """The optimizers' per-parameter state as one mapping: each parameter's entry lives in the
     state of the optimizer that steps it."""
@@ -198,8 +250,13 @@ class CombinedOptimizer:
         self.optimizers = optimizers
         owner_of = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
         self.state = _RoutedState(owner_of)
-        # (fused kernels only when every optimizer runs them: `ShardedOptimizer.skips_on_device`)
-        self.defaults = {"fused": all(o.defaults.get("fused") for o in optimizers)}
+        self.defaults: dict[str, Any] = {}
+
+    @property
+    def takes_found_inf(self) -> bool:
+        """Every optimizer skips a step on the device from a flag
+        (`ShardedOptimizer.skips_on_device`): a fused kernel's, or fivefold's `Muon`'s."""
+        return all(takes_found_inf(o) for o in self.optimizers)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

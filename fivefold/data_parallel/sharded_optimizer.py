@@ -45,6 +45,7 @@ from fivefold.data_parallel.optimizers import (
     OneOptimizer,
     OptimizerChoice,
     inner_optimizer,
+    takes_found_inf,
 )
 from fivefold.data_parallel.ownership import balance_owners
 from fivefold.distributed.comm import Comm, Placement
@@ -342,11 +343,11 @@ class ShardedOptimizer:
     @property
     def skips_on_device(self) -> bool:
         """Whether a step can be skipped on the device, from a flag the host never reads: the inner
-        optimizer is fused (its kernels take ``found_inf``), no loss scaler (its scale is updated
-        on the host) and the masters live on the device (offload's host optimizer would need the
-        flag on the host)."""
+        optimizers take ``found_inf`` (fused kernels; fivefold's `Muon`), no loss scaler (its
+        scale is updated on the host) and the masters live on the device (offload's host
+        optimizer would need the flag on the host)."""
         return (
-            bool(self.optimizer.defaults.get("fused"))
+            takes_found_inf(self.optimizer)
             and self.loss_scaler is None
             and all(mp.device == self.comm.device for f in self.flats for mp in f.master_params)
         )

@@ -17,7 +17,12 @@ from fivefold.config import Config
 from fivefold.context_parallel import SequenceLayout, apply_context_parallel
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel, ZeroOptions
 from fivefold.data_parallel.flat_param import Float8Units
-from fivefold.data_parallel.optimizers import InnerOptimizer, MatricesApart, OptimizerChoice
+from fivefold.data_parallel.optimizers import (
+    InnerOptimizer,
+    MatricesApart,
+    Muon,
+    OptimizerChoice,
+)
 from fivefold.distributed.comm import Comm, Placement, amax_over, compile_eager_regions
 from fivefold.distributed.topology import MeshLike
 from fivefold.expert_parallel import AllToAllExperts, GlobalBalance
@@ -352,7 +357,7 @@ def optimizer_choice(cfg: Config) -> OptimizerChoice | None:
     )
     adamw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     return MatricesApart(
-        matrices=InnerOptimizer(torch.optim.Muon, muon, elementwise=False),
+        matrices=InnerOptimizer(Muon, muon, elementwise=False),
         rest=InnerOptimizer(torch.optim.AdamW, adamw),
         is_matrix=is_block_matrix,
     )
