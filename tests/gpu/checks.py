@@ -21,6 +21,9 @@ Parts (one accelerator, world 1 on NCCL; ``--dry-run``: the same code on the CPU
   CPU (no snapshot: refused there).
 - ``flight-recorder``: NCCL's flight recorder armed, two all-reduces, SIGUSR1 -> this rank's dump
   holding them (``_dump_nccl_trace``); dry run: gloo's (``_dump_fr_trace``).
+- ``fp8``: FP8 linears (tensorwise, rowwise; eager and compiled) against bf16 on a 1B step: step
+  time and speed-up, no host sync, the first loss within e4m3's precision of bf16's.
+- ``muon``: Muon against AdamW on the same step: step time, no host sync.
 
 A part that fails writes its error to its json and exits 1; run.sh goes on with the next."""
 
@@ -320,9 +323,87 @@ def part_flight_recorder(dry: bool) -> dict[str, Any]:
     return dict(names=names, ok=names.count(want) >= 2)
 
 
+def _timed_steps(o: dict[str, Any], device: torch.device, dry: bool, model: Any, seq: int, rows: int,
+                 accum: int, steps: int = 5) -> dict[str, Any]:
+    """One configuration (world 1): 3 warm-up steps, then `steps` timed unlogged steps under
+    ``set_sync_debug_mode("error")`` on CUDA (a host sync raises); the first loss and the step time."""
+    _init(device)
+    try:
+        cfg, mesh, parts = host_syncs.build_rank({}, o, log_every=1000, device=str(device),
+                                                 model=model, seq=seq, micro_batches=accum)
+        trainer = host_syncs.stepping_trainer(cfg, parts, mesh, steps=1000, rows=rows,
+                                              vocab=model.vocab_size)
+        first = trainer.train_step(0).loss_value
+        for step in range(1, 3):
+            trainer.train_step(step)
+        _sync(device)
+        error = None
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        t0 = time.perf_counter()
+        try:
+            for step in range(3, 3 + steps):
+                trainer.train_step(step)
+            _sync(device)
+        except RuntimeError as e:
+            error = "".join(traceback.format_exception(e)[-6:])
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        step_s = (time.perf_counter() - t0) / steps
+        return dict(first_loss=first, step_s=step_s, tokens_per_s=rows * seq * accum / step_s,
+                    sync_error=error)
+    finally:
+        _done()
+
+
+def _one_b(dry: bool) -> tuple[Any, int, int, int]:
+    """(model, seq, rows, micro-batches): Llama-3.2-1B at 2048 tokens on a GPU; a tiny model whose
+    FP8 GEMM dimensions are multiples of 16 in a dry run."""
+    from fivefold.models import get_config
+
+    if dry:
+        return get_config("tiny", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                          max_seq_len=64, vocab_size=256), 64, 2, 2
+    return get_config("llama3.2-1b"), 2048, 4, 2
+
+
+def part_fp8(dry: bool) -> dict[str, Any]:
+    """FP8 linears against bf16 on one GPU (Llama-3.2-1B, ZeRO-1 at dp 1, bf16 parameters): step
+    time eager and compiled (torchao's FP8 is meant to run compiled: the casts fused), tensorwise and
+    rowwise; no host sync in the timed steps; the first loss within e4m3's precision (2⁻⁴) of
+    bf16's. Dry run: a tiny model on the CPU (FP8 slower there: emulated)."""
+    device = _device(dry)
+    model, seq, rows, accum = _one_b(dry)
+    runs: dict[str, dict[str, Any]] = {}
+    for name, o in {"bf16": dict(), "fp8-tensorwise": dict(fp8="tensorwise"),
+                    "fp8-rowwise": dict(fp8="rowwise"),
+                    "bf16-compiled": dict(compile=True),
+                    "fp8-tensorwise-compiled": dict(fp8="tensorwise", compile=True)}.items():
+        runs[name] = _timed_steps(dict(zero=1, param="bf16", reduce="fp32", **o), device, dry, model,
+                                  seq, rows, accum)
+    base = runs["bf16"]["first_loss"]
+    speed = {name: runs[name.replace("fp8-tensorwise", "bf16").replace("fp8-rowwise", "bf16")]
+             ["step_s"] / r["step_s"] for name, r in runs.items() if name.startswith("fp8")}
+    ok = all(r["sync_error"] is None for r in runs.values()) and all(
+        abs(r["first_loss"] - base) <= 2**-4 * base for r in runs.values())
+    return dict(runs=runs, speedup_over_bf16=speed, ok=ok)
+
+
+def part_muon(dry: bool) -> dict[str, Any]:
+    """Muon (the blocks' matrices, Newton-Schulz in bf16) against AdamW on one GPU (Llama-3.2-1B,
+    ZeRO-1 at dp 1): step time, and no host sync (a non-finite step skipped on the device)."""
+    device = _device(dry)
+    model, seq, rows, accum = _one_b(dry)
+    runs = {name: _timed_steps(dict(zero=1, param="bf16", reduce="fp32", optim=name), device, dry,
+                               model, seq, rows, accum) for name in ("adamw", "muon")}
+    return dict(runs=runs, muon_over_adamw=runs["muon"]["step_s"] / runs["adamw"]["step_s"],
+                ok=all(r["sync_error"] is None for r in runs.values()))
+
+
 PARTS = {"syncs": part_syncs, "moe": part_moe, "profile": part_profile, "compile": part_compile,
          "watch": part_watch, "flight-recorder": part_flight_recorder,
-         "cp-kernel": part_cp_kernel}
+         "cp-kernel": part_cp_kernel, "fp8": part_fp8, "muon": part_muon}
 
 
 def main(argv: list[str] | None = None) -> int:

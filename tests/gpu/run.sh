@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 28 and 31 (watch, flight-recorder) in one go, for a machine with one GPU
+# The GPU checks of issues 28, 31 (watch, flight-recorder) and 34 (fp8, muon) in one go, for a machine with one GPU
 # (H200-class), in under 10 minutes; with 2+ GPUs the two-process smoke tests run too. Results: OUT/<part>.json and OUT/summary.txt.
 #
 #   tests/gpu/run.sh [--dry-run] [OUT]      # OUT defaults to runs/gpu-checks
@@ -38,9 +38,11 @@ PYEOF
 
 LIMIT=150  # per part on the GPU; a CPU rehearsal is slower (compiling, every layout simulated)
 [ -n "$DRY" ] && LIMIT=900
-for p in syncs moe profile compile cp-kernel watch flight-recorder; do
+for p in syncs moe profile compile cp-kernel watch flight-recorder muon; do
   part "$p" "$LIMIT" "$PY" tests/gpu/checks.py "$p" "$OUT" $DRY
 done
+# FP8 against bf16, eager and compiled (two compilations): a longer limit
+part fp8 $((LIMIT * 2)) "$PY" tests/gpu/checks.py fp8 "$OUT" $DRY
 # a short run of the trainer under the GPU profile (bf16, compile, log_every 10) on the embedded data,
 # with the TensorBoard sink and a console line per log step (issue 31: their path on the device)
 TORCHRUN="$(dirname "$PY")/torchrun"
