@@ -105,7 +105,8 @@ def train_epilog() -> str:
             "keys (--section.key VALUE) and their defaults (None: the preset's, or derived):\n"
             + describe_keys(),
             fill(
-                "Each key is documented in docs/training.md (the run, data, batch, optimizer; "
+                "Each key is documented in docs/training.md (the run, data, batch, optimizer, "
+                "optim, precision.fp8; "
                 "logging: #watching-a-run; parallel.layout: #choosing-the-layout-automatically), "
                 "docs/layouts.md (parallel, zero, pipeline, model.moe), "
                 "docs/checkpoints.md (checkpoint, model.init_from, --resume), docs/reliability.md "
