@@ -6,8 +6,8 @@ Throughput is compared as tokens/s per GPU, which no FLOP convention touches (th
 MFUs of one convention is the same number); where a source gives achieved TFLOP/s per GPU instead
 (Llama 3), the plan's tokens/s are turned into TFLOP/s with that source's convention, PaLM's
 6·N + 12·n·L·D. Memory: the plan's peak per GPU, runtime lines included, against the published
-one (torchtitan's "Memory(GiB)", most likely max reserved). float8 rows are planned as bf16: their
-memory is comparable with care, their throughput not (left out of the ratios)."""
+one (torchtitan's "Memory(GiB)", most likely max reserved). float8 rows are planned with FP8
+linears (``precision.fp8 tensorwise``); their ratios are summarised apart from the bf16 rows'."""
 
 from __future__ import annotations
 
@@ -82,19 +82,25 @@ def bench_published() -> dict[str, Any]:
             "fits": plan.fits,
             "source": run.source,
         }
-        if run.tokens_per_s_per_gpu and not run.float8:
-            row["throughput_ratio"] = per_gpu / run.tokens_per_s_per_gpu
-        elif run.tflops_per_gpu and not run.float8:
-            row["throughput_ratio"] = row["planned_tflops_per_gpu"] / run.tflops_per_gpu
+        prefix = "float8_" if run.float8 else ""
+        if run.tokens_per_s_per_gpu:
+            row[prefix + "throughput_ratio"] = per_gpu / run.tokens_per_s_per_gpu
+        elif run.tflops_per_gpu:
+            row[prefix + "throughput_ratio"] = row["planned_tflops_per_gpu"] / run.tflops_per_gpu
         if run.memory_gib:
-            row["memory_ratio"] = row["planned_gib"] / run.memory_gib
+            row[prefix + "memory_ratio"] = row["planned_gib"] / run.memory_gib
         rows.append(row)
     out: dict[str, Any] = {"rows": rows}
-    for key in ("throughput_ratio", "memory_ratio"):
+    for key in ("throughput_ratio", "memory_ratio", "float8_throughput_ratio", "float8_memory_ratio"):
         values = [r[key] for r in rows if key in r]
         if values:
             out[key] = {"median": statistics.median(values), "range": [min(values), max(values)]}
     return out
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    value = row.get(key, row.get("float8_" + key))
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def format_published_table(result: dict[str, Any]) -> str:
@@ -119,15 +125,17 @@ def format_published_table(result: dict[str, Any]) -> str:
                 str(r["gpus"]),
                 published,
                 planned,
-                f"{r['throughput_ratio']:.2f}" if "throughput_ratio" in r else "-",
+                _ratio(r, "throughput_ratio"),
                 f"{r['published_gib']:.1f}" if r["published_gib"] else "-",
                 f"{r['planned_gib']:.1f}",
-                f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else "-",
+                _ratio(r, "memory_ratio"),
                 "yes" if r["fits"] else "no",
             ]
         )
     lines = markdown_table(table)
-    for key, what in (("throughput_ratio", "throughput"), ("memory_ratio", "memory")):
+    for key, what in (("throughput_ratio", "throughput, bf16 rows"), ("memory_ratio", "memory, bf16 rows"),
+                      ("float8_throughput_ratio", "throughput, float8 rows (planned in FP8)"),
+                      ("float8_memory_ratio", "memory, float8 rows")):
         if key in result:
             lo, hi = result[key]["range"]
             lines.append(

@@ -20,8 +20,10 @@ Conventions the comparison needs:
   ffn_dim_multiplier 1.3/1.3/1.2, multiple_of 1024/4096/4096 -> hidden 14336/28672/53248) and the
   Llama 3 paper's 405B are the presets' shapes; the MFU checks below reproduce the published
   percentages from the presets' parameter counts.
-- ``float8``: the run's linear layers ran in float8 (torchao); its throughput is not that of a
-  bf16 plan, its memory is comparable with care.
+- ``float8``: the run's linear layers ran in float8 (torchao); planned with ``precision.fp8
+  tensorwise`` (torchao's default recipe; whether the run all-gathered its FSDP weights in float8
+  is not published: planned without ``zero.fp8_gather``), its ratios summarised apart from the
+  bf16 rows'.
 - ``plan_args``: "selective-op" is torchtitan's op-level selective activation checkpointing
   (save every other matmul's output and the attention's, recompute the rest), a
   ``train.recompute`` choice issue 32 adds.
@@ -419,7 +421,7 @@ RUNS: tuple[PublishedRun, ...] = (
             "The preset's 8K RoPE settings do not matter for the plan."
         ),
     ),
-    # --- float8 runs: memory comparable with care, throughput not that of a bf16 plan ---
+    # --- float8 runs: planned with FP8 linears (tensorwise), summarised apart ---
     PublishedRun(
         name="torchtitan-8b-8xh100-fsdp8-cp1-32k-full-float8",
         source=_TT_2024_12 + ", Table 2 row 'FSDP 8, CP 1 | 32768 | 3,890 | 83.9'",
@@ -427,7 +429,7 @@ RUNS: tuple[PublishedRun, ...] = (
         gpus=8,
         plan_args=_args(
             "--model llama3-8b --seq 32768 --micro-batch 1 --global-batch 8 --zero 3 "
-            "--recompute full --precision.param bf16 --precision.reduce fp32 --gpu-mem "
+            "--recompute full --precision.param bf16 --precision.reduce fp32 --precision.fp8 tensorwise --gpu-mem "
             "96"
         ),
         tokens_per_s_per_gpu=3890.0,
@@ -451,7 +453,7 @@ RUNS: tuple[PublishedRun, ...] = (
         gpus=8,
         plan_args=_args(
             "--model llama3-8b --seq 262144 --cp 8 --micro-batch 1 --global-batch 1 "
-            "--zero 3 --recompute full --precision.param bf16 --precision.reduce fp32 "
+            "--zero 3 --recompute full --precision.param bf16 --precision.reduce fp32 --precision.fp8 tensorwise "
             "--gpu-mem 96"
         ),
         tokens_per_s_per_gpu=548.0,
@@ -474,7 +476,7 @@ RUNS: tuple[PublishedRun, ...] = (
         gpus=32,
         plan_args=_args(
             "--model llama3-8b --seq 8192 --micro-batch 2 --global-batch 64 --zero 3 "
-            "--recompute selective-op --precision.param bf16 --precision.reduce fp32"
+            "--recompute selective-op --precision.param bf16 --precision.reduce fp32 --precision.fp8 tensorwise"
         ),
         tokens_per_s_per_gpu=10938.0,
         mfu=None,
