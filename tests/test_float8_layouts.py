@@ -11,8 +11,8 @@ Two spawns (world 2 and 4, `multiprocess`) train three steps, fp32 parameters (t
 nothing else round coarsely), tensorwise and rowwise: DDP, ZeRO-1/2/3, ZeRO-3 with the FP8 gather
 (+ full recompute, + compiled blocks), tp 2 (+ SP), pp 2 (1F1B; ZB-H1, whose W runs the FP8 weight-gradient
 GEMM later), cp 2, MoE ep 2 (the attention in FP8, the experts not), selective-op recompute; at world 4
-dp × tp with ZeRO-3's FP8 gather (a weight's amax the max over its tp slices), dp × cp and
-pp × tp + SP. The first forward of tp / cp layouts is checked operand by operand: every FP8 GEMM
+dp × tp with ZeRO-3's FP8 gather (a weight's amax the max over its tp slices), dp × cp,
+pp × tp + SP and HSDP with the FP8 gather. The first forward of tp / cp layouts is checked operand by operand: every FP8 GEMM
 of the first block gets bit-exact slices of the reference's FP8 operands and scales."""
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ LAYOUTS = {  # name: (world, mesh dims, preset, options)
     "moe-ep2": (2, dict(dp=2, ep=2), "tiny-moe", dict(zero=1)),
     "dp2-tp2-zero3-fp8-gather": (4, dict(dp=2, tp=2), "tiny", dict(zero=3, gather=True)),
     "dp2-cp2-zero2": (4, dict(dp=2, cp=2), "tiny", dict(zero=2)),
+    "hsdp-dp4-replicate2-zero3-fp8-gather": (4, dict(dp=4, dp_replicate=2), "tiny", dict(zero=3, gather=True)),
     "pp2-tp2-sp-rowwise": (4, dict(pp=2, tp=2), "tiny", dict(zero=1, fp8="rowwise")),
 }
 # rule 2's re-runs at the FP8 noise floor (`_rounding`), where deviations saturate as Muon's do (tests/test_muon.py):
@@ -150,6 +151,7 @@ def _config(name: str) -> Config:
     cfg.parallel.cp, cfg.parallel.ep = dims.get("cp", 1), dims.get("ep", 1)
     cfg.parallel.tp, cfg.parallel.pp = dims.get("tp", 1), dims.get("pp", 1)
     cfg.parallel.sp = o.get("sp", dims.get("tp", 1) > 1)
+    cfg.parallel.dp_replicate = dims.get("dp_replicate", 1)
     cfg.pipeline.schedule = o.get("schedule", "1f1b")
     return cfg
 
