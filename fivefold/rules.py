@@ -313,6 +313,12 @@ RULES: tuple[Rule, ...] = (
         ("zero.fp8_gather", "zero.qwz", "zero.hpz"),
     ),
     Rule(
+        lambda l: l.cfg.zero.fp8_gather and l.cfg.zero.qgz,
+        "zero.fp8_gather gives each FP8 weight one owner, so ZeRO-3's shards differ in size, and "
+        "zero.qgz's int8 all-to-all assumes equal ones: drop one of them",
+        ("zero.fp8_gather", "zero.qgz"),
+    ),
+    Rule(
         lambda l: l.cfg.zero.fp8_gather and l.cfg.zero.constant_buffers,
         "zero.fp8_gather with zero.constant_buffers: an FP8 unit gathers into a byte buffer of its "
         "own, not a shared gather slot; drop one or the other",

@@ -111,6 +111,15 @@ def check_float8_shapes(
     weight gradient's inner dimension); the CPU takes any (docs/design.md#fp8-training)."""
     if rules.device_type_of(device) != "cuda":
         return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        name = torch.cuda.get_device_name()
+        raise ConfigError(
+            f"precision.fp8={cfg.precision.fp8}: this GPU ({name}, compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has no FP8 tensor cores "
+            "(8.9 and later: Ada, Hopper, Blackwell); use precision.fp8 off"
+        )
     tp, head = dims.tp, model.head_dim
     features = {
         "model.dim": model.dim,
@@ -119,6 +128,10 @@ def check_float8_shapes(
         "ffn_hidden / tp": model.ffn_hidden // tp,
         "micro_batch × seq_len / cp (tokens)": micro_batch * cfg.train.seq_len // dims.cp,
     }
+    moe = model.moe
+    if moe is not None and moe.shared_experts:  # the shared experts' feed-forward is an FP8 linear
+        shared = moe.shared_hidden or (moe.hidden or model.ffn_hidden) * moe.shared_experts
+        features["moe shared experts' hidden width / tp"] = shared // tp
     for what, n in features.items():
         if n % 16:
             raise ConfigError(

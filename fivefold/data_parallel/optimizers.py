@@ -54,11 +54,11 @@ def muon_class() -> type | None:
 
 
 # Optimizers that step each parameter on its own but not elementwise: whole-parameter owners serve
-# them exactly (Muon orthogonalises a matrix, Adafactor factors its second moment by rows and
-# columns). An optimizer that couples parameters (LBFGS) is neither and stays refused.
-PER_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(
-    c for c in (muon_class(), getattr(torch.optim, "Adafactor", None)) if c is not None
-)
+# them exactly (Muon orthogonalises a matrix). Adafactor would be one too, but its factored state
+# (a row and a column per matrix) is not what a checkpoint's per-element pieces hold: not listed
+# (elementwise=False takes it, checkpoints excepted). An optimizer that couples parameters (LBFGS)
+# is neither and stays refused.
+PER_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(c for c in (muon_class(),) if c is not None)
 
 # fp32 optimizer-state bytes (per element, per optimizer tensor) for the memory formulas: Adam's
 # m and v and its `step` counter; Muon's momentum buffer (no step). Others: Adam's, stated.
@@ -108,8 +108,7 @@ def inner_optimizer(
             known = ELEMENTWISE_OPTIMIZERS + PER_PARAMETER_OPTIMIZERS
             raise ValueError(
                 f"{cls.__name__} is not known to step each parameter on its own: ZeRO shards its "
-                "state by element (elementwise optimizers) or by whole parameter (Muon, "
-                "Adafactor). "
+                "state by element (elementwise optimizers) or by whole parameter (Muon). "
                 f"Use one of {', '.join(c.__name__ for c in known)}, or pass elementwise=True "
                 "(any slice of a parameter can be stepped alone) or elementwise=False (each "
                 "parameter is stepped whole, on its own)"

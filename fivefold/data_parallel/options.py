@@ -135,6 +135,11 @@ def check_options(o: ZeroOptions, comm: Comm) -> None:
             "ZeRO++'s qwz / qgz / hpz_comm assume equal shards: turn them off, or use an "
             "elementwise optimizer (AdamW)"
         )
+    if o.fp8_gather is not None and o.qgz:
+        raise ValueError(
+            "fp8_gather gives each FP8 weight one owner, so shards differ in size; qgz's int8 "
+            "all-to-all assumes equal shards: use one or the other"
+        )
     if o.constant_buffers and _replicas(o) and comm.size == 1:
         raise ValueError(
             "constant_buffers with HSDP over one-rank shard groups: nothing is sharded (that is "

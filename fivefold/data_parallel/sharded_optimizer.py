@@ -346,9 +346,12 @@ class ShardedOptimizer:
         optimizers take ``found_inf`` (fused kernels; fivefold's `Muon`), no loss scaler (its
         scale is updated on the host) and the masters live on the device (offload's host
         optimizer would need the flag on the host)."""
+        # (decided by what every rank of the group shares — offload, the optimizers' kind —, never
+        # by the masters this rank happens to hold: one that owns none must choose as the others)
         return (
             takes_found_inf(self.optimizer)
             and self.loss_scaler is None
+            and not any(f.offload for f in self.flats)
             and all(mp.device == self.comm.device for f in self.flats for mp in f.master_params)
         )
 

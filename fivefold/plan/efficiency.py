@@ -239,6 +239,15 @@ def stage_work(
             f_bytes, b_bytes = float8_cast_bytes(int(rows), n, k, s, cfg.precision.fp8)
             bw = hw.hbm_gbps * GB * hw.memory_efficiency
             work.add("elementwise", f_bytes / bw, (b_bytes + (f_bytes if again else 0)) / bw)
+            # the scales' amax all-reduces (docs/design.md#fp8-training): 2 over tp where the
+            # linear is split, 2 over cp; one each way, a latency each on the critical path
+            calls = (2 if d.tp > 1 else 0) + (2 if d.cp > 1 else 0)
+            latency = hw.collective_latency_us * 1e-6
+            work.add(
+                "fp8 amax all-reduces",
+                calls / 2 * latency,
+                (calls / 2 + (calls / 2 if again else 0)) * latency,
+            )
         work.flops += 6 * rows * n * k + (2 * rows * n * k if again else 0)
     attention = attention_flops_per_token(run, cfg, len(blocks)) * tokens
     # the eager core computes the whole L × L square and masks half: twice the causal FLOPs

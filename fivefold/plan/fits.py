@@ -36,7 +36,7 @@ from fivefold.pipeline.builders import build_schedule
 from fivefold.pipeline.split import split_layers
 from fivefold.plan.assembly import precision_bytes, resolved
 from fivefold.plan.hardware import GB
-from fivefold.plan.memory import RankMemory, activation_bytes, in_flight
+from fivefold.plan.memory import RankMemory, activation_bytes, in_flight, rank_memory
 from fivefold.run_plan import RunPlan, validate_layout
 
 __all__ = [
@@ -340,7 +340,12 @@ def _in_flight(
 
 def predict_rank(cfg: Config, run: RunPlan, pp_rank: int = 0) -> RankMemory:
     """`memory.rank_memory(cfg, run, pp_rank)` computed from the model's shape: nothing is built, a
-    405B or a 10,000-block shape costs milliseconds. The same `RankMemory`, part for part."""
+    405B or a 10,000-block shape costs milliseconds. The same `RankMemory`, part for part. A layout
+    with whole-parameter owners (Muon; ZeRO-3's FP8 gather), whose buffers follow the greedy owners
+    and the optimizers' state rates, is priced by `rank_memory` itself (the meta-device assembly:
+    exact, seconds for the largest shapes)."""
+    if cfg.optim.name != "adamw" or cfg.zero.fp8_gather:
+        return rank_memory(cfg, run, pp_rank)
     cfg = resolved(cfg, run)
     m, dims, z, p = run.model, run.dims, cfg.zero, cfg.pipeline
     if dims.pp > 1:

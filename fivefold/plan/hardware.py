@@ -229,6 +229,14 @@ def local_hardware(device_type: str, compute_bytes: int, ranks_per_node: int) ->
             f"no hardware preset or peak for {props.name!r}: plan with fivefold plan --hardware "
             "and --peak-tflops, then give the layout to fivefold train"
         )
+    # FP8 tensor cores (NVIDIA's compute capability 8.9 and later; AMD's MI300) run dense FP8 at
+    # twice the bf16 rate
+    nvidia_fp8 = torch.version.hip is None and (props.major, props.minor) >= (8, 9)
+    fp8 = 2 * table / 1e12 if nvidia_fp8 or "MI3" in props.name else 0.0
     return Hardware(
-        name=props.name, memory_gb=memory_gb, peak_tflops=table / 1e12, gpus_per_node=ranks_per_node
+        name=props.name,
+        memory_gb=memory_gb,
+        peak_tflops=table / 1e12,
+        fp8_peak_tflops=fp8,
+        gpus_per_node=ranks_per_node,
     ).check()
