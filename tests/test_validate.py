@@ -112,6 +112,22 @@ BAD = [
     (["--train.lr", "inf"], 2, "train.lr=inf must be a finite number"),
     (["--train.lr", "nan"], 2, "train.lr=nan must be a finite number"),
     (["--train.grad_clip", "-inf"], 2, "train.grad_clip=-inf must be a finite number"),
+    # Muon and FP8 (docs/design.md#muon-under-zero, docs/design.md#fp8-training)
+    (["--optim.name", "muon", "--parallel.tp", "2"], 2, "optim.name=muon with parallel.tp=2: Muon orthogonalises"),
+    (["--optim.name", "muon", "--zero", "3", "--zero.qwz", "true"], 2, "optim.name=muon gives each rank whole matrices"),
+    (["--optim.name", "muon", "--optim.muon_ns_steps", "0"], 2, "optim.muon_ns_steps=0: Muon runs 1 to 99"),
+    (["--precision.fp8", "tensorwise", "--precision.param", "fp16"], 2, "precision.fp8=tensorwise with precision.param=fp16"),
+    (["--precision.fp8", "rowwise", "--zero", "3", "--zero.fp8_gather", "true"], 2,
+     "zero.fp8_gather all-gathers each FP8 linear's weight cast once"),
+    (["--precision.fp8", "tensorwise", "--zero", "2", "--zero.fp8_gather", "true"], 2,
+     "zero.fp8_gather casts ZeRO-3's parameter all-gathers to FP8: set zero.stage 3"),
+    (["--precision.fp8", "tensorwise", "--zero", "3", "--zero.fp8_gather", "true", "--zero.qwz", "true"], 2,
+     "zero.fp8_gather replaces ZeRO-3's gather as qwZ's"),
+    (["--precision.fp8", "tensorwise", "--zero", "3", "--zero.fp8_gather", "true", "--zero.qgz", "true"], 2,
+     "zero.fp8_gather gives each FP8 weight one owner"),
+    (["--precision.fp8", "tensorwise", "--zero", "3", "--zero.fp8_gather", "true", "--zero.constant_buffers", "true"], 2,
+     "zero.fp8_gather with zero.constant_buffers"),
+    (["--precision.fp8", "fp4"], 2, "precision.fp8"),
     # ZeRO++ (docs/design.md#zero-qwz-qgz-hpz)
     (["--zero", "2", "--zero.qwz", "true"], 2, "zero.qwz quantises ZeRO-3's parameter all-gathers: set zero.stage 3"),
     (["--zero", "1", "--zero.qgz", "true"], 2, "zero.qgz replaces the gradient reduce-scatter of ZeRO-2/3"),
@@ -299,3 +315,16 @@ def test_the_gpu_profile_is_a_layer_of_defaults_that_validates_for_one_gpu(tmp_p
         load_config(profile="tpu")
     assert main(["plan", "--profile", "gpu", "--gpus", "1", "--json"]) == 0
     assert capsys.readouterr().out.lstrip().startswith("{")
+
+
+def test_fp8_on_cuda_wants_every_gemm_dimension_a_multiple_of_16():
+    """torch._scaled_mm on CUDA: features per tp rank and the tokens of a rank's micro-batch; the CPU takes any."""
+    from fivefold.run_plan import validate_layout
+
+    cfg = load_config(None, ["--preset", "tiny", "--precision.fp8", "tensorwise", "--precision.param", "bf16",
+                             "--train.micro_batch", "1", "--train.seq_len", "100", "--train.global_batch", "2"])
+    validate_layout(cfg, 2, device_type="cpu")
+    with pytest.raises(ConfigError, match=r"micro_batch × seq_len / cp \(tokens\) = 100 is not a multiple of 16"):
+        validate_layout(cfg, 2, device_type="cuda")
+    cfg.train.seq_len = 128
+    validate_layout(cfg, 2, device_type="cuda")
