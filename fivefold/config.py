@@ -29,6 +29,7 @@ MoEScore = Literal["softmax", "sigmoid"]  # moe.score
 MoEAuxConvention = Literal["switch", "hf"]  # moe.aux_convention
 CpLayout = Literal["zigzag", "contiguous"]  # parallel.cp_layout
 CpKernel = Literal["auto", "math", "flash"]  # parallel.cp_kernel
+CpMode = Literal["ring", "ulysses", "hybrid"]  # parallel.cp_mode
 Recompute = Literal["none", "full", "selective", "selective-op"]  # train.recompute
 ZeroStage = Literal[0, 1, 2, 3]  # zero.stage
 P2P = Literal["auto", "buffered", "rendezvous"]  # pipeline.p2p
@@ -123,11 +124,21 @@ class ParallelSection:
     # ring attention's block kernel: auto (the device's fused SDPA kernel, else fp32 math), math
     # (the portable reference) or flash (the fused kernel; refused on a device without one)
     cp_kernel: CpKernel = "auto"
+    # how cp attends: ring (K/V around the cp group), ulysses (an all-to-all over heads: each rank
+    # attends the whole sequence for cp-th of the heads) or hybrid (Ulysses over cp_ulysses
+    # consecutive ranks × ring across them)
+    cp_mode: CpMode = "ring"
+    cp_ulysses: int = 2  # the hybrid's Ulysses degree U (cp = U × ring degree); hybrid only
     # manual: the degrees above | auto (--layout auto): the planner's fastest layout that fits the
     # world and this machine, chosen before any worker starts; the keys among tp, pp, cp, dp, ep,
     # zero.stage, train.recompute given on the command line or in --config stay fixed
     # (docs/training.md#choosing-the-layout-automatically)
     layout: LayoutMode = "manual"
+
+    def ulysses_degree(self, cp: int) -> int:
+        """The Ulysses degree U of ``cp_mode`` at a cp degree: 1 (ring), cp (ulysses), cp_ulysses
+        (hybrid)."""
+        return {"ring": 1, "ulysses": cp, "hybrid": self.cp_ulysses}[self.cp_mode]
 
 
 @dataclass

@@ -380,6 +380,34 @@ def ring_attention_p2p_elements(
     }
 
 
+def ulysses_kv_heads(n_heads: int, n_kv_heads: int, ulysses: int) -> int:
+    """The kv heads a rank puts into Ulysses' all-to-all over `ulysses` ranks: its own when U
+    divides them, else each repeated U / H_kv times (U heads); H and H_kv per tp rank."""
+    return n_kv_heads if n_kv_heads % ulysses == 0 else ulysses
+
+
+def ulysses_all_to_all_elements(
+    batch: int,
+    seq_len: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    cp: int,
+    ulysses: int,
+) -> dict[str, int]:
+    """Elements one rank puts into Ulysses' all-to-alls per attention layer (the message, its own
+    1/U included; it sends (U-1)/U of it) over U = `ulysses` of the `cp` ranks, with S = L/C
+    local tokens and H, H_kv per tp rank: q, k, v packed in one, then the output, in forward; the
+    output's gradient, then q's, k's and v's in backward. Constant in C at fixed S·C = L: each is
+    B·(L/C)·(H + 2·H_kv')·d with U ≤ C — against ring attention's C-1 K/V hops."""
+    if ulysses <= 1:
+        return {"forward_qkv": 0, "forward_out": 0, "backward_out": 0, "backward_qkv": 0}
+    local = batch * (seq_len // cp) * head_dim
+    qkv = local * (n_heads + 2 * ulysses_kv_heads(n_heads, n_kv_heads, ulysses))
+    out = local * n_heads
+    return {"forward_qkv": qkv, "forward_out": out, "backward_out": out, "backward_qkv": qkv}
+
+
 # -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) ---------
 
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from fivefold import rules
 from fivefold.checkpoint.hf import read_hf_config
-from fivefold.config import Config, ConfigError, check_choices, resolve_batch
-from fivefold.context_parallel.layout import SequenceLayout
+from fivefold.config import Config, ConfigError, ParallelSection, check_choices, resolve_batch
+from fivefold.context_parallel.layout import layout_for
 from fivefold.data_parallel.mixed_precision import parse_dtype
 from fivefold.distributed.topology import ParallelDims
 from fivefold.models import LlamaConfig, get_config
@@ -74,8 +74,15 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
     if t.recompute == "selective-op":
         save_plan(t.recompute_save)  # a preset or known op groups: else one ConfigError line
     _check_numbers(cfg, world_size)
+    _check_cp_mode(p)
     dims = ParallelDims(
-        pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate
+        pp=p.pp,
+        dp=p.dp,
+        cp=p.cp,
+        tp=p.tp,
+        ep=p.ep,
+        dp_replicate=p.dp_replicate,
+        cp_ulysses=p.ulysses_degree(p.cp),
     ).resolve(world_size)
     global_batch, micro_batch, grad_accum = resolve_batch(
         t.global_batch, t.micro_batch, t.grad_accum, dims.dp
@@ -85,7 +92,7 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
         check_divisible(model, LLAMA_TP_PLAN, dims.tp)
     if dims.cp > 1:
         try:
-            SequenceLayout(p.cp_layout, dims.cp).check(t.seq_len)
+            layout_for(p, dims.cp).check(t.seq_len)
         except ValueError as e:
             raise ConfigError(f"train.seq_len: {e}") from None
     schedule = None
@@ -139,6 +146,20 @@ def check_float8_shapes(
                 "16, which torch._scaled_mm needs of every FP8 GEMM dimension; change the model, "
                 "the batch or the layout, or use precision.fp8 off"
             )
+
+
+def _check_cp_mode(p: ParallelSection) -> None:
+    """The hybrid's Ulysses degree: a proper divisor of cp (else it is one of the pure modes)."""
+    if p.cp_mode != "hybrid" or p.cp < 1:
+        return
+    u = p.cp_ulysses
+    if not 1 < u < p.cp or p.cp % u:
+        raise ConfigError(
+            f"parallel.cp_ulysses={u} with cp_mode hybrid and cp={p.cp}: the hybrid is Ulysses "
+            "over cp_ulysses ranks × ring over cp / cp_ulysses, so cp_ulysses must divide cp and "
+            "lie between 1 and cp; use cp_mode ulysses (cp_ulysses = cp) or ring (1), or another "
+            "degree"
+        )
 
 
 def _check_numbers(cfg: Config, world_size: int) -> None:

@@ -86,8 +86,9 @@ class ParallelMesh:
                 )
 
     def _derived_groups(self) -> dict[str, dist.ProcessGroup]:
-        """dp_cp, ep, ep_dp, dp_shard, dp_replicate as `ParallelDims.groups` lists them; every rank
-        creates every group in the same order (a collective), reusing equal ones."""
+        """dp_cp, ep, ep_dp, dp_shard, dp_replicate, cp_ulysses, cp_ring as `ParallelDims.groups`
+        lists them; every rank creates every group in the same order (a collective), reusing equal
+        ones."""
         d = self.dims
         groups: dict[str, dist.ProcessGroup] = {}
         if d.cp == 1:
@@ -108,6 +109,15 @@ class ParallelMesh:
             # blocks of consecutive ranks shard the model; a column (same place) holds the same
             # shard
             groups.update(self._new_groups("dp_shard", "dp_replicate"))
+        # Ulysses (cp_ulysses 1: none; cp: the whole cp group) and the ring across its groups
+        cp = self.device_mesh.get_group("cp")
+        if d.cp_ulysses == 1:
+            groups["cp_ulysses"], groups["cp_ring"] = self._rank_alone(), cp
+        elif d.cp_ulysses == d.cp:
+            groups["cp_ulysses"], groups["cp_ring"] = cp, self._rank_alone()
+        else:
+            groups.update(self._new_groups("cp_ulysses"))
+            groups.update(self._new_groups("cp_ring"))
         return groups
 
     def _rank_alone(self) -> dist.ProcessGroup:

@@ -6,7 +6,9 @@ order (tp innermost, so TP peers share a node; pp outermost), every group of a m
 the derived groups cut from the dp × cp rows (one per (pp, tp) coordinate, its ranks in (dp, cp)
 order): ``dp_cp`` the rows themselves, ``ep`` / ``dp_shard`` / ``dp_hpz`` blocks of consecutive
 ranks of a row, ``ep_dp`` / ``dp_replicate`` the columns across a row's blocks (the same place in
-every block). `fivefold.distributed.mesh.ParallelMesh` creates exactly these groups;
+every block); and two cut from each cp group for Ulysses (``parallel.cp_mode``): ``cp_ulysses``
+blocks of U consecutive cp ranks (the all-to-all), ``cp_ring`` the columns across them (the
+ring). `fivefold.distributed.mesh.ParallelMesh` creates exactly these groups;
 `fivefold.plan.assembly.PlanningMesh` and `fivefold.plan.hardware.link` read them (`derived_rank`,
 `group_span`).
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["DERIVED_DIMS", "MESH_DIMS", "CommLike", "MeshLike", "ParallelDims"]
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
-DERIVED_DIMS = ("dp_cp", "ep", "ep_dp", "dp_shard", "dp_replicate")
+DERIVED_DIMS = ("dp_cp", "ep", "ep_dp", "dp_shard", "dp_replicate", "cp_ulysses", "cp_ring")
 # A derived group cut from the dp × cp rows: the block size it cuts them into, and whether it is the
 # columns across the blocks ("dp_hpz"'s block is the caller's)
 _CUTS = {
@@ -39,6 +41,8 @@ _CUTS = {
     "dp_shard": ("dp_shard", False),
     "dp_replicate": ("dp_shard", True),
 }
+# Cut from each cp group instead: Ulysses' blocks of consecutive ranks and the ring across them
+_CP_CUTS = {"cp_ulysses": False, "cp_ring": True}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class ParallelDims:
     ep: int = 1  # carved from dp × cp (not a factor of the world)
     # HSDP: copies of the sharded model, a factor of dp (shards span dp/dp_replicate × cp)
     dp_replicate: int = 1
+    # Ulysses: the inner degree U of cp (1: ring attention only, cp: Ulysses only, else the hybrid)
+    cp_ulysses: int = 1
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp and check that the product of the degrees is the world size."""
@@ -88,6 +94,11 @@ class ParallelDims:
                 "dp into dp_replicate copies of dp/dp_replicate shard ranks (× cp); choose a "
                 "divisor of dp"
             )
+        if self.cp % self.cp_ulysses:
+            raise ValueError(
+                f"parallel.cp_ulysses={self.cp_ulysses} must divide cp({self.cp}): cp = Ulysses × "
+                "ring degree; choose a divisor of cp"
+            )
         return self
 
     @property
@@ -102,6 +113,8 @@ class ParallelDims:
             return self.dp * self.cp // self.ep
         if dim == "dp_shard":
             return self.dp * self.cp // self.dp_replicate
+        if dim == "cp_ring":
+            return self.cp // self.cp_ulysses
         return getattr(self, dim)
 
     def shape(self) -> tuple[int, ...]:
@@ -154,6 +167,13 @@ def _listed(dims: ParallelDims, dim: str, block: int) -> tuple[tuple[int, ...], 
         step, n = strides[dim], getattr(dims, dim)
         firsts = [r for r in range(dims.world_size) if (r // step) % n == 0]
         return tuple(tuple(first + k * step for k in range(n)) for first in firsts)
+    if dim in _CP_CUTS:  # each cp group cut into blocks of U consecutive ranks (or their columns)
+        out = []
+        for group in _listed(dims, "cp", 1):
+            u = dims.cp_ulysses
+            blocks = [group[i : i + u] for i in range(0, len(group), u)]
+            out += list(zip(*blocks)) if _CP_CUTS[dim] else blocks
+        return tuple(tuple(g) for g in out)
     rows = [  # one per (pp, tp) coordinate, its ranks in (dp, cp) order
         tuple(p * strides["pp"] + i * dims.tp + t for i in range(dims.dp * dims.cp))
         for p in range(dims.pp)

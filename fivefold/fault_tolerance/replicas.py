@@ -362,7 +362,7 @@ class TorchftReplicas(NoReplicas):
         except HealFailed:
             raise
         except Exception as e:  # torchft's own: a gRPC timeout, a failed reconfiguration
-            waited = (timeout.total_seconds() if timeout else self.ft.timeout_s)
+            waited = timeout.total_seconds() if timeout else self.ft.timeout_s
             raise QuorumLost(
                 f"replica group {self.group}: no quorum for step {step + 1} within {waited:g} s "
                 f"({type(e).__name__}): the lighthouse at {self.ft.lighthouse} is down or fewer "

@@ -15,6 +15,10 @@ the forward or backward has to read device values on the host:
   the sdpa core (causal SDPA on each document's slice: 3-6× faster than a dense mask on the CPU,
   bench/documents.py), and ``mask`` [B, 1, L, L], query i may read key j (same document, j <= i),
   for the eager core (built on first use);
+- Ulysses and the hybrid (`UlyssesLayout`): ``gathered``, the documents of the tokens a rank holds
+  after Ulysses' all-to-all (its ring rank's part): single-rank spans for pure Ulysses, the ring
+  layout's block plan for the hybrid; ``positions`` stay this rank's own tokens' (RoPE is applied
+  before the all-to-all, each token rotated by its own position: the same rotation);
 - context parallel: ``chunk_kinds``, the host-side block plan — for every (query chunk, key chunk)
   pair of the layout, whether ring attention skips it (no row of the batch has an allowed pair),
   runs the unmasked kernel (every row's pairs lie inside one document: `FULL` below the diagonal,
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # (not imported: ring attention imports this module)
-    from fivefold.context_parallel.layout import SequenceLayout
+    from fivefold.context_parallel.layout import SequenceLayout, UlyssesLayout
 
 __all__ = [
     "BLOCK_KINDS",
@@ -61,7 +65,8 @@ class Documents:
 
     positions: torch.Tensor  # [B, L_local] int64: in-document position of each local token
     doc_ids: torch.Tensor  # [B, L] int64: document index (0, 1, ... per row) of the whole row
-    layout: SequenceLayout | None = None  # context parallel's layout (None: one rank)
+    # context parallel's layout (None: one rank)
+    layout: SequenceLayout | UlyssesLayout | None = None
     cp_rank: int = 0
     # single rank only: each row's documents, (start, end) host integers
     spans: tuple[tuple[tuple[int, int], ...], ...] = ()
@@ -69,6 +74,8 @@ class Documents:
     chunk_kinds: Mapping[tuple[int, int], str] = field(default_factory=dict)
     # context parallel only: [B, c, c] bool for this rank's MASKED pairs
     block_masks: Mapping[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Ulysses / hybrid only: what the attention after the all-to-all reads (see the module)
+    gathered: Documents | None = None
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
@@ -115,7 +122,7 @@ def document_mask(
 def find_documents(
     tokens: torch.Tensor,
     eos_id: int,
-    layout: SequenceLayout | None = None,
+    layout: SequenceLayout | UlyssesLayout | None = None,
     cp_rank: int = 0,
     device: torch.device | str | None = None,
 ) -> Documents:
@@ -152,6 +159,18 @@ def find_documents(
             spans=tuple(spans),
         )
     layout.check(seq)
+    if hasattr(layout, "ulysses"):  # a UlyssesLayout (not imported: its package imports this one)
+        ring = layout.ring
+        gathered = find_documents(
+            tokens, eos_id, ring if ring.cp > 1 else None, cp_rank // layout.ulysses, device
+        )
+        return Documents(
+            positions=to_device(positions[:, layout.positions(cp_rank, seq)].contiguous(), device),
+            doc_ids=gathered.doc_ids,
+            layout=layout,
+            cp_rank=cp_rank,
+            gathered=gathered,
+        )
     chunk = seq // layout.n_chunks
     bounds = [doc_ids[:, [c * chunk, (c + 1) * chunk - 1]] for c in range(layout.n_chunks)]
     kinds = {

@@ -549,14 +549,16 @@ class Attention(nn.Module):
             raise ValueError("a KV cache decodes one sequence: no packed documents")
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        core = (
-            self.core if self.window is None else functools.partial(self.core, window=self.window)
-        )
+        # A core with collectives of its own (Ulysses' all-to-alls) recomputes only its inside
+        inside = getattr(self.core, "recompute_inside", None) if self.recompute_core else None
+        core = inside or self.core
+        core = core if self.window is None else functools.partial(core, window=self.window)
         if cache is not None:
             out = cache.attend(q, k, v, core, self.window)
         else:
             args = (q, k, v) if documents is None else (q, k, v, documents)
-            out = recompute(core, *args) if self.recompute_core else core(*args)
+            again = self.recompute_core and inside is None
+            out = recompute(core, *args) if again else core(*args)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, n_heads * self.head_dim))
 
 

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.context_parallel import SequenceLayout, apply_context_parallel
+from fivefold.context_parallel import (
+    SequenceLayout,
+    UlyssesGroups,
+    UlyssesLayout,
+    apply_context_parallel,
+    layout_for,
+)
 from fivefold.data_parallel import MixedPrecision, ZeroDataParallel, ZeroOptions
 from fivefold.data_parallel.flat_param import Float8Units
 from fivefold.data_parallel.optimizers import (
@@ -331,7 +337,7 @@ def _engines(
     if mesh.size("cp") > 1:
         apply_context_parallel(
             module,
-            mesh.comm("cp"),
+            _cp_groups(cfg, mesh),
             _layout(cfg, mesh),
             cfg.train.seq_len,
             LLAMA_CP_PLAN,
@@ -370,8 +376,15 @@ def set_aux_grad_scale(modules: Any, scale: float) -> None:
             layer.aux_grad_scale = scale
 
 
-def _layout(cfg: Config, mesh: MeshLike) -> SequenceLayout:
-    return SequenceLayout(cfg.parallel.cp_layout, mesh.size("cp"))
+def _layout(cfg: Config, mesh: MeshLike) -> SequenceLayout | UlyssesLayout:
+    return layout_for(cfg.parallel, mesh.size("cp"))
+
+
+def _cp_groups(cfg: Config, mesh: MeshLike) -> Any:
+    """What context parallel's cores run over: the cp group (ring), or Ulysses' and the ring's."""
+    if cfg.parallel.cp_mode == "ring":
+        return mesh.comm("cp")
+    return UlyssesGroups(mesh.comm("cp_ulysses"), mesh.comm("cp_ring"))
 
 
 class _Parts:

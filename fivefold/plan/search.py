@@ -53,7 +53,13 @@ def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> 
     p, t = trial.parallel, trial.train
     try:
         dims = ParallelDims(
-            pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate
+            pp=p.pp,
+            dp=p.dp,
+            cp=p.cp,
+            tp=p.tp,
+            ep=p.ep,
+            dp_replicate=p.dp_replicate,
+            cp_ulysses=p.ulysses_degree(p.cp),
         ).resolve(world)
         schedule = None
         if dims.pp > 1:

@@ -488,8 +488,14 @@ class CheckpointSaver(TrainObserver):
             waited = self.checkpoints.save(step, "abort")
             if waited is not None:
                 self.record.write(
-                    {"kind": "checkpoint", "step": step, "steps_done": step, "reason": "abort",
-                     "seconds": waited, "async": self.checkpoints.cfg.checkpoint.async_save}
+                    {
+                        "kind": "checkpoint",
+                        "step": step,
+                        "steps_done": step,
+                        "reason": "abort",
+                        "seconds": waited,
+                        "async": self.checkpoints.cfg.checkpoint.async_save,
+                    }
                 )
                 self.record.say(
                     f"fivefold: the state after {step} steps is saved in "

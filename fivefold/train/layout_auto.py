@@ -106,7 +106,13 @@ def held_batch(cfg: Config, world: int) -> list[str]:
     t, p = cfg.train, cfg.parallel
     try:
         dims = ParallelDims(
-            pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate
+            pp=p.pp,
+            dp=p.dp,
+            cp=p.cp,
+            tp=p.tp,
+            ep=p.ep,
+            dp_replicate=p.dp_replicate,
+            cp_ulysses=p.ulysses_degree(p.cp),
         ).resolve(world)
         global_batch, micro, accum = resolve_batch(
             t.global_batch, t.micro_batch, t.grad_accum, dims.dp
