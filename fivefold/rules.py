@@ -25,6 +25,7 @@ import torch
 
 from fivefold.config import Config, ConfigError
 from fivefold.context_parallel.kernels import FUSED
+from fivefold.context_parallel.ulysses import kv_repeats
 from fivefold.pipeline.actions import Schedule, W
 from fivefold.pipeline.builders import build_schedule
 
@@ -79,6 +80,24 @@ class Layout:
     @functools.cached_property
     def device_type(self) -> str:
         return device_type_of(self.device)
+
+
+def _ring_attends(l: Layout) -> bool:
+    """Ring attention computes attention: cp > 1 in the ring or hybrid mode."""
+    return l.size("cp") > 1 and l.cfg.parallel.cp_mode != "ulysses"
+
+
+def _ulysses_heads_error(l: Layout) -> str | None:
+    """Why Ulysses cannot split this model's heads per tp rank (None: it can, or no Ulysses)."""
+    u = l.size("cp_ulysses") if l.size("cp") > 1 else 1
+    if u == 1 or l.model is None:
+        return None
+    tp = l.size("tp")
+    try:
+        kv_repeats(l.model.n_heads // tp, max(l.model.n_kv_heads // tp, 1), u)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 @dataclass(frozen=True)
@@ -398,27 +417,43 @@ RULES: tuple[Rule, ...] = (
         _sp_message,
         ("train.seq_len", "parallel.tp"),
     ),
+    # context parallelism (docs/design.md#context-parallelism): pure Ulysses runs the model's own
+    # core on whole sequences; the ring and the hybrid run ring attention
     Rule(
-        lambda l: l.cfg.model.attention != "sdpa" and l.size("cp") > 1,
+        lambda l: l.cfg.model.attention != "sdpa" and _ring_attends(l),
         lambda l: (
-            f"model.attention={l.cfg.model.attention}: under parallel.cp={l.size('cp')} attention "
-            "is ring attention whatever the core; drop model.attention or use cp 1"
+            f"model.attention={l.cfg.model.attention}: under parallel.cp={l.size('cp')} "
+            f"(cp_mode {l.cfg.parallel.cp_mode}) attention is ring attention whatever the "
+            "core; drop model.attention, use cp_mode ulysses (the model's core on whole "
+            "sequences) or cp 1"
         ),
-        ("model.attention", "parallel.cp"),
+        ("model.attention", "parallel.cp_mode", "parallel.cp"),
     ),
     Rule(
         lambda l: (
             l.model is not None
             and l.model.sliding_window is not None
             and l.model.sliding_window < l.cfg.train.seq_len
-            and l.size("cp") > 1
+            and _ring_attends(l)
         ),
         lambda l: (
             f"a sliding window of {l.model.sliding_window} keys (Mistral's) under "
-            f"parallel.cp={l.size('cp')}: ring attention attends to the whole prefix; use cp 1 "
-            f"(or train.seq_len ≤ {l.model.sliding_window}, where the window is the whole prefix)"
+            f"parallel.cp={l.size('cp')} (cp_mode {l.cfg.parallel.cp_mode}): ring attention "
+            "attends to the whole prefix; use cp_mode ulysses (it runs the model's windowed core) "
+            f"or cp 1 (or train.seq_len ≤ {l.model.sliding_window}, where the window is the whole "
+            "prefix)"
         ),
-        ("parallel.cp", "train.seq_len"),
+        ("parallel.cp_mode", "parallel.cp", "train.seq_len"),
+    ),
+    Rule(
+        lambda l: _ulysses_heads_error(l) is not None,
+        lambda l: (
+            f"parallel.cp_mode={l.cfg.parallel.cp_mode} (Ulysses over "
+            f"{l.size('cp_ulysses')} ranks) with parallel.tp={l.size('tp')}: "
+            f"{_ulysses_heads_error(l)}; choose a Ulysses degree (parallel.cp, or cp_ulysses for "
+            "the hybrid) that divides the heads per tp rank, or cp_mode ring"
+        ),
+        ("parallel.cp_mode", "parallel.cp_ulysses", "parallel.cp"),
     ),
     Rule(
         lambda l: (
@@ -467,7 +502,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda l: l.size("cp") > 1,
-        lambda l: f"parallel.cp={l.size('cp')}: both passes would exchange ring-attention messages",
+        lambda l: (
+            f"parallel.cp={l.size('cp')}: both passes would exchange context-parallel messages "
+            "(the ring's, Ulysses' all-to-alls)"
+        ),
         ("parallel.cp",),
         "overlap",
     ),

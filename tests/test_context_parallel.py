@@ -4,7 +4,8 @@ One spawn per cp size (2 and 4, `multiprocess`): zig-zag and contiguous layouts,
 and multi-head, either block kernel. Outputs and dQ/dK/dV, put back in sequence order, must equal
 single-process SDPA on the whole sequence within tests/tolerance.py's bound; each rank's p2p volume
 equals `formulas.ring_attention_p2p_elements`; saved activations fall as 1/C; cp 2, dp 2 × cp 2, cp
-2 × tp 2 + SP and pp 2 × cp 2 training equals single-process training. The layout's shard / unshard
+2 × tp 2 + SP and pp 2 × cp 2 training equals single-process training, with the ring, with Ulysses
+(cp_mode ulysses) and the hybrid at cp 4 (Ulysses 2 × ring 2, zig-zag and contiguous). The layout's shard / unshard
 checks run in-process."""
 
 from __future__ import annotations
@@ -231,10 +232,19 @@ SEQ, ROWS, STEPS, LR, WD, EPS, CLIP = 16, 8, 5, 1e-2, 0.1, 1e-4, 0.5
 TRAIN_TERMS = max(ROWS * SEQ, MODEL_CFG["ffn_hidden"], MODEL_CFG["vocab_size"])
 MODEL_RUNS = {  # world: [(name, mesh dims, config overrides)]
     2: [("cp2-zero0", dict(cp=2, dp=1), dict(zero=0)),
-        ("cp2-zero2-contiguous", dict(cp=2, dp=1), dict(zero=2, layout="contiguous"))],
+        ("cp2-zero2-contiguous", dict(cp=2, dp=1), dict(zero=2, layout="contiguous")),
+        ("cp2-ulysses-zero0", dict(cp=2, dp=1, cp_ulysses=2), dict(zero=0, mode="ulysses"))],
     4: [("dp2-cp2-zero3", dict(dp=2, cp=2), dict(zero=3)),
         ("cp2-tp2-sp-zero1", dict(cp=2, tp=2, dp=1), dict(zero=1, tp=2, sp=True)),
-        ("pp2-cp2-1f1b", dict(pp=2, cp=2, dp=1), dict(zero=1, pp=2))],
+        ("pp2-cp2-1f1b", dict(pp=2, cp=2, dp=1), dict(zero=1, pp=2)),
+        # the same layouts with Ulysses (cp_mode ulysses: U = cp) and the hybrid (Ulysses 2 × ring 2)
+        ("dp2-cp2-ulysses-zero3", dict(dp=2, cp=2, cp_ulysses=2), dict(zero=3, mode="ulysses")),
+        ("cp2-tp2-sp-ulysses-zero1", dict(cp=2, tp=2, dp=1, cp_ulysses=2), dict(zero=1, tp=2, sp=True,
+                                                                                  mode="ulysses")),
+        ("pp2-cp2-ulysses-1f1b", dict(pp=2, cp=2, dp=1, cp_ulysses=2), dict(zero=1, pp=2, mode="ulysses")),
+        ("cp4-hybrid-zero0", dict(cp=4, dp=1, cp_ulysses=2), dict(zero=0, mode="hybrid")),
+        ("cp4-hybrid-contiguous-zero2", dict(cp=4, dp=1, cp_ulysses=2), dict(zero=2, mode="hybrid",
+                                                                              layout="contiguous"))],
 }
 
 
@@ -259,6 +269,7 @@ def _train_worker(world: int) -> dict:
         cfg = Config()
         cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = dims["cp"], o.get("tp", 1), o.get("pp", 1)
         cfg.parallel.sp, cfg.parallel.cp_layout = o.get("sp", False), o.get("layout", "zigzag")
+        cfg.parallel.cp_mode, cfg.parallel.cp_ulysses = o.get("mode", "ring"), dims.get("cp_ulysses", 2)
         cfg.zero.stage = o["zero"]
         cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, EPS
         cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed, cfg.train.warmup_steps = 2, SEQ, 0, 0

@@ -5,7 +5,9 @@ every few tokens, the loss not taken across a boundary: ``loss_across_documents`
 weight rows / targets kept) with attention masked per document under DDP, ZeRO-2, ZeRO-3 with full
 recompute, ZeRO-Offload, tp 2 with SP and selective recompute, pp 2 (1F1B, ZB-H1, interleaved),
 cp 2 (zig-zag and contiguous: ring attention skipping and masking blocks), MoE ep 2, and at world
-4 dp × tp with ZeRO-3, pp × dp, pp × tp with SP, HSDP and dp × cp with ZeRO-3, and the model families' options
+4 dp × tp with ZeRO-3, pp × dp, pp × tp with SP, HSDP and dp × cp with ZeRO-3; Ulysses (cp 2 alone, with a sliding
+window, with MoE ep 2, with tp 2 + SP and selective recompute, with pp 2) and the hybrid (cp 4 = Ulysses 2 × ring 2,
+ZeRO-3, full recompute); and the model families' options
 where they meet a dimension (q/k norms under cp and tp + SP, wo's bias under SP, a sliding window under pp, a gated
 shared expert with q/k/v biases under ep + ZeRO-3) — each against a
 single-process reference of the same masked training held to the bound tests/tolerance.py derives. tests/test_documents.py shows the single-process
@@ -49,6 +51,17 @@ LAYOUTS = {  # name: (world, mesh dims, preset, config: zero stage and what else
     "qwen3-biased-tp2-sp": (2, dict(tp=2), "tiny-qwen3+bias", dict(zero=2)),
     "mistral-window-pp2": (2, dict(pp=2), "tiny-mistral+w6", dict(zero=1)),
     "qwen2-moe-ep2-zero3": (2, dict(dp=2, ep=2), "tiny-qwen2-moe", dict(zero=3)),
+    # Ulysses (its all-to-alls around the model's own core: document spans, a window) and the hybrid (Ulysses 2 ×
+    # ring 2: the ring's block plan on what the all-to-all gathered), composed with tp + SP (kv heads repeated),
+    # pp, ep, ZeRO 0-3 and recompute
+    "ulysses-cp2": (2, dict(cp=2, cp_ulysses=2), "tiny", dict(zero=0, cp_mode="ulysses")),
+    "ulysses-cp2-window": (2, dict(cp=2, cp_ulysses=2), "tiny-mistral+w6", dict(zero=2, cp_mode="ulysses")),
+    "ulysses-moe-ep2": (2, dict(cp=2, ep=2, cp_ulysses=2), "tiny-moe", dict(zero=1, cp_mode="ulysses")),
+    "ulysses-cp2-tp2-sp-selective": (4, dict(cp=2, tp=2, cp_ulysses=2), "tiny",
+                                     dict(zero=1, cp_mode="ulysses", recompute="selective")),
+    "ulysses-pp2-cp2": (4, dict(pp=2, cp=2, cp_ulysses=2), "tiny", dict(zero=1, cp_mode="ulysses")),
+    "hybrid-cp4-zero3-full-recompute": (4, dict(cp=4, cp_ulysses=2), "tiny",
+                                        dict(zero=3, cp_mode="hybrid", recompute="full")),
 }
 # a preset with options laid over it: "preset+name"
 VARIANTS = {"bias": dict(attention_bias="all"), "w6": dict(sliding_window=6)}
@@ -123,6 +136,7 @@ def _train(name: str) -> dict:
     cfg.parallel.tp, cfg.parallel.pp = dims.get("tp", 1), dims.get("pp", 1)
     cfg.parallel.dp_replicate = dims.get("dp_replicate", 1)
     cfg.parallel.cp_layout, cfg.parallel.sp = o.get("cp_layout", "zigzag"), dims.get("tp", 1) > 1
+    cfg.parallel.cp_mode, cfg.parallel.cp_ulysses = o.get("cp_mode", "ring"), dims.get("cp_ulysses", 2)
     cfg.pipeline.schedule, cfg.pipeline.virtual = o.get("schedule", "1f1b"), o.get("virtual", 1)
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
     parts = parallelize(cfg, _model(preset), mesh, "cpu", documents_eos=EOS)

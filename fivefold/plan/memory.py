@@ -165,7 +165,8 @@ def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
         m.n_heads,
         m.n_kv_heads,
         m.ffn_hidden,
-        attention=cfg.model.attention if p.cp == 1 else "sdpa",
+        # (pure Ulysses runs the model's own core on whole sequences; the ring its kernels)
+        attention=cfg.model.attention if p.cp == p.cp_ulysses else "sdpa",
         recompute=recompute,
         ffn_bytes=ffn,
         save=save_plan(cfg.train.recompute_save) if recompute == "selective-op" else None,
@@ -321,6 +322,18 @@ def rank_memory(cfg: Config, run: RunPlan, pp_rank: int, parts: Parts | None = N
     )
     if mask:
         transient["attention mask"] = mask
+    if run.dims.cp_ulysses > 1:  # the q, k, v message of Ulysses' all-to-all: sent and received
+        m, d = run.model, run.dims
+        qkv = formulas.ulysses_all_to_all_elements(
+            run.micro_batch,
+            cfg.train.seq_len,
+            m.n_heads // d.tp,
+            max(m.n_kv_heads // d.tp, 1),
+            m.head_dim,
+            d.cp,
+            d.cp_ulysses,
+        )["forward_qkv"]
+        transient["Ulysses all-to-all"] = 2 * qkv * precision_bytes(cfg)[0]
     held = sum(sum(n.values()) for n in local_numels(parts).values())
     return RankMemory(pp_rank, held, states, transient, _activations(cfg, run, parts, pp_rank))
 
@@ -331,7 +344,9 @@ def communicators(run: RunPlan, cfg: Config) -> list[str]:
     shard and replica groups instead), the experts' gradient group (ep_dp), hpZ's secondary group;
     and the world (the launcher's barrier)."""
     d = run.dims
-    dims = [dim for dim in ("tp", "pp", "cp", "ep") if d.size(dim) > 1]
+    # (the hybrid talks in Ulysses' and the ring's groups, not in the cp group itself)
+    cp = ("cp_ulysses", "cp_ring") if 1 < d.cp_ulysses < d.cp else ("cp",)
+    dims = [dim for dim in ("tp", "pp", *cp, "ep") if d.size(dim) > 1]
     if d.dp_replicate > 1:  # HSDP: shard groups and replica groups
         dp = [dim for dim in ("dp_shard", "dp_replicate") if d.size(dim) > 1]
     else:  # ZeRO's group spans dp × cp

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Callable, Collection
 
 from fivefold import rules
@@ -24,6 +25,7 @@ SEARCHED = (
     "parallel.tp",
     "parallel.pp",
     "parallel.cp",
+    "parallel.cp_mode",
     "parallel.dp",
     "parallel.ep",
     "zero.stage",
@@ -76,12 +78,13 @@ def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> 
 def candidate_layouts(
     cfg: Config, world: int, hardware: Hardware, fixed: Collection[str] = ()
 ) -> list[list[str]]:
-    """Every (tp, pp, cp, ep, ZeRO stage, recompute) for `world` GPUs that the rule table allows, as
-    overrides: tp a divisor of a node's GPU count (with SP), pp up to the number of blocks (1F1B),
-    cp up to 16, dp the rest, ep a divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp =
-    1), recompute none / full / selective / selective-op (its save set as the config has it:
-    `train.recompute_save`). A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value.
-    The trainer's other checks (what the model divides) then drop the rest."""
+    """Every (tp, pp, cp, cp mode, ep, ZeRO stage, recompute) for `world` GPUs that the rule table
+    allows, as overrides: tp a divisor of a node's GPU count (with SP), pp up to the number of
+    blocks (1F1B), cp up to 16 (over 1: the ring, Ulysses, and the hybrid at each proper divisor of
+    cp as its Ulysses degree; ``parallel.cp_ulysses`` with the mode when it is fixed), dp the rest,
+    ep a divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none /
+    full / selective / selective-op (its save set as the config has it: `train.recompute_save`).
+    A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's other checks (what the model divides) then drop the rest."""
     model = _model(cfg)
     blocks = model.n_layers
     p, z, t = cfg.parallel, cfg.zero, cfg.train
@@ -119,9 +122,25 @@ def candidate_layouts(
                 dp = world // (tp * pp * cp)
                 if "parallel.dp" in fixed and dp != p.dp:
                     continue
+                # how cp attends: the ring, Ulysses, the hybrid at every proper Ulysses degree
+                # (the table drops what the heads do not divide)
+                modes = [["--parallel.cp_mode", "ring"]]
+                if cp > 1:
+                    modes.append(["--parallel.cp_mode", "ulysses"])
+                    modes += [
+                        ["--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", str(u)]
+                        for u in _divisors(cp)
+                        if 1 < u < cp
+                    ]
+                if "parallel.cp_mode" in fixed:
+                    modes = [m for m in modes if m[1] == p.cp_mode]
+                    if p.cp_mode == "hybrid":
+                        modes = [m for m in modes if m[3] == str(p.cp_ulysses)]
                 # (a dense model has no experts to split: ep 1; the table drops what the experts do
                 # not divide)
-                for ep in choices("ep", _divisors(dp * cp) if model.moe is not None else [1]):
+                for ep, mode in itertools.product(
+                    choices("ep", _divisors(dp * cp) if model.moe is not None else [1]), modes
+                ):
                     for stage in choices("stage", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                         for recompute in choices("recompute", list(RECOMPUTE_MODES)):
                             overrides = [
@@ -133,6 +152,7 @@ def candidate_layouts(
                                 str(pp),
                                 "--parallel.cp",
                                 str(cp),
+                                *mode,
                                 "--parallel.dp",
                                 str(dp),
                                 "--parallel.ep",

@@ -120,6 +120,36 @@ def _tp_ends(
     return {"all_gather": ends, "reduce_scatter": ends, "all_reduce": 0 if last else loss + dim * s}
 
 
+def cp_transfers(cfg: Config, run: RunPlan, batch: int, recompute: str) -> list[Transfer]:
+    """What context parallelism sends per attention layer and micro-batch of `batch` sequences
+    (docs/design.md#context-parallelism), by ``parallel.cp_mode``: the ring's K/V hops over the cp
+    group (its forward again under full or selective recompute, which recompute the ring); Ulysses'
+    all-to-alls over its U ranks (their forward again under full recompute only: selective
+    recomputes the attention inside them) and, in the hybrid, the ring over the R = cp / U ranks
+    with the kv heads a rank holds after the all-to-all. Heads per tp rank."""
+    m, d, s = run.model, run.dims, precision_bytes(cfg)[0]
+    heads, kv_heads = m.n_heads // d.tp, max(m.n_kv_heads // d.tp, 1)
+    u, ring = d.cp_ulysses, d.cp // d.cp_ulysses
+    out: list[Transfer] = []
+    if u > 1:
+        a2a = formulas.ulysses_all_to_all_elements(
+            batch, cfg.train.seq_len, heads, kv_heads, m.head_dim, d.cp, u
+        )
+        forward = (a2a["forward_qkv"] + a2a["forward_out"]) * (2 if recompute == "full" else 1)
+        nbytes = (forward + a2a["backward_out"] + a2a["backward_qkv"]) * s
+        out.append(Transfer("cp_ulysses", "all_to_all", "model", nbytes, u))
+        kv_heads = formulas.ulysses_kv_heads(heads, kv_heads, u) // u
+    if ring > 1:
+        p2p = formulas.ring_attention_p2p_elements(
+            batch, cfg.train.seq_len, kv_heads, m.head_dim, ring
+        )
+        again = 2 if recompute in ("full", "selective") else 1
+        nbytes = (p2p["forward_kv"] * again + p2p["backward_kv"] + p2p["backward_dkv"]) * s
+        dim = "cp" if u == 1 else "cp_ring"
+        out += [Transfer(dim, op, "model", nbytes, ring) for op in ("send", "recv")]
+    return out
+
+
 def _model(parts: Parts, cfg: Config, run: RunPlan, pp_rank: int) -> list[Transfer]:
     """What the model's layers send per step on this rank: TP/SP (`formulas.tp_comm_formula` for its
     blocks), ring attention's K/V, expert all-to-alls and the load-balancing sums, and the
@@ -146,13 +176,9 @@ def _model(parts: Parts, cfg: Config, run: RunPlan, pp_rank: int) -> list[Transf
                 for op, nbytes in tp.items()
             ]
         if d.cp > 1:
-            ring = formulas.ring_attention_p2p_elements(
-                B, t.seq_len, m.n_kv_heads, m.head_dim, d.cp
-            )
-            per_block = (ring["forward_kv"] * runs + ring["backward_kv"] + ring["backward_dkv"]) * s
             out += [
-                Transfer("cp", op, "model", M * per_block * len(blocks), d.cp)
-                for op in ("send", "recv")
+                x._replace(nbytes=M * x.nbytes * len(blocks))
+                for x in cp_transfers(cfg, run, B, t.recompute)
             ]
         moe_blocks = sum(1 for b in blocks if getattr(b.feed_forward, "router", None) is not None)
         if moe_blocks and m.moe is not None:

@@ -94,6 +94,8 @@ def fixed_keys(cfg: Config, given: Collection[str] | None) -> set[str]:
         fixed.discard("parallel.dp")
     if set(given) & set(PIPELINE_KEYS):
         fixed.add("pipeline.schedule")
+    if "parallel.cp_ulysses" in given:  # the hybrid's degree: the mode it belongs to is chosen
+        fixed.add("parallel.cp_mode")
     return fixed
 
 
