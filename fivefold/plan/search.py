@@ -84,7 +84,8 @@ def candidate_layouts(
     cp as its Ulysses degree; ``parallel.cp_ulysses`` with the mode when it is fixed), dp the rest,
     ep a divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none /
     full / selective / selective-op (its save set as the config has it: `train.recompute_save`).
-    A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's other checks (what the model divides) then drop the rest."""
+    A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's other checks (what the
+    model divides) then drop the rest."""
     model = _model(cfg)
     blocks = model.n_layers
     p, z, t = cfg.parallel, cfg.zero, cfg.train
