@@ -55,6 +55,12 @@ LAYOUTS: dict[str, list[str]] = {
     "pp2 dp2 zb-h1 z3": ["--parallel.pp", "2", "--zero", "3", "--train.grad_accum", "2",
                          "--pipeline.schedule", "zb-h1"],
     "cp2 dp2 z2": ["--parallel.cp", "2", "--zero", "2"],
+    "cp2 tp2 z1 selective": ["--parallel.cp", "2", "--parallel.tp", "2", "--zero", "1",
+                             "--train.recompute", "selective"],  # the ring's forward again in backward
+    "cp2 ulysses dp2 z1 selective": ["--parallel.cp", "2", "--parallel.cp_mode", "ulysses", "--zero", "1",
+                                     "--train.recompute", "selective"],  # the all-to-alls once
+    "cp4 hybrid2 z3 full": ["--parallel.cp", "4", "--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", "2",
+                            "--zero", "3", "--train.recompute", "full"],
     "hsdp 2x2 z3": ["--parallel.dp_replicate", "2", "--zero", "3"],
     "dp4 z3 hpz2 qwz": ["--zero", "3", "--zero.hpz", "2", "--zero.qwz", "true", "--zero.quant_block", "64"],
     "dp4 z2 bf16 offload qgz": ["--zero", "2", "--precision.param", "bf16", "--zero.offload_optimizer", "true",
@@ -67,7 +73,7 @@ LAYOUTS: dict[str, list[str]] = {
 # Layouts whose whole memory (every storage alive, model states to activations) is also measured over a third step.
 # Not "pp2 dp2 zb-h1 z3": zero-bubble under ZeRO-3 measured up to 15 % above its plan on the last stage (docs/plan.md).
 WHOLE = ("dp4 z0 bf16", "dp4 z3", "tp2 sp dp2 z3 full", "cp2 dp2 z2", "pp2 tp2 gpipe z0", "pp2 dp2 1f1b z2",
-         "pp2 dp2 dualpipev z1", "moe ep4 dp4 z3 selective")
+         "pp2 dp2 dualpipev z1", "moe ep4 dp4 z3 selective", "cp2 ulysses dp2 z1 selective")
 
 
 def config_of(name: str):

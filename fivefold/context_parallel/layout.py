@@ -57,6 +57,10 @@ class SequenceLayout(_TokenSplit):
     def n_chunks(self) -> int:
         return 2 * self.cp if self.kind == "zigzag" else self.cp
 
+    def describe(self) -> str:
+        """A few words for a layout line: the ring's layout kind."""
+        return self.kind
+
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The global chunk indices `rank` holds, in the order they sit in its local sequence."""
         return (rank, 2 * self.cp - 1 - rank) if self.kind == "zigzag" else (rank,)
@@ -103,6 +107,11 @@ class UlyssesLayout(_TokenSplit):
         holds after the all-to-all); pure Ulysses (R = 1): the whole sequence in order."""
         ring = self.cp // self.ulysses
         return SequenceLayout(self.kind if ring > 1 else "contiguous", ring)
+
+    def describe(self) -> str:
+        """A few words for a layout line: ``ulysses``, or ``ulysses U × ring R <kind>``."""
+        ring = self.ring
+        return "ulysses" if ring.cp == 1 else f"ulysses {self.ulysses} × ring {ring.cp} {self.kind}"
 
     def check(self, seq_len: int) -> None:
         ring = self.ring

@@ -508,7 +508,7 @@ class _Parts:
             + (" Muon (whole matrices)" if cfg.optim.name == "muon" else "")
             + (f" HSDP {hsdp} replicas × {mesh.size('dp_shard')} shards" if hsdp > 1 else "")
             + (" +SP" if cfg.parallel.sp else "")
-            + (f" cp={cp} {cfg.parallel.cp_layout}" if cp > 1 else "")
+            + (f" cp={cp} {self.layout.describe()}" if cp > 1 else "")
             + (f" ep={mesh.size('ep')}" if mesh.size("ep") > 1 else "")
             + (f" {cfg.pipeline.schedule}" if pp > 1 else "")
             + self._overlap_note()

@@ -9,6 +9,7 @@ from typing import Any
 
 from fivefold import formulas
 from fivefold.config import Config
+from fivefold.context_parallel.layout import layout_for
 from fivefold.distributed.mesh import ParallelDims
 from fivefold.models.llama import LlamaConfig, param_counts
 from fivefold.plan.assembly import Parts, precision_bytes, rank_parts, resolved, stages_of
@@ -235,7 +236,7 @@ def _describe(cfg: Config, run: RunPlan) -> str:
     parts = [
         f"tp {d.tp}" + ("+SP" if cfg.parallel.sp and d.tp > 1 else ""),
         f"pp {d.pp}",
-        f"cp {d.cp}",
+        f"cp {d.cp}" + (f" {layout_for(cfg.parallel, d.cp).describe()}" if d.cp > 1 else ""),
         f"dp {d.dp}",
         f"ZeRO-{z.stage}",
     ]
