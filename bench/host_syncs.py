@@ -32,6 +32,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, int], dict[str, Any]]] = {  # name: (wor
     # packed documents (data.documents mask, id 5 ends a document; no loss across a boundary)
     "dp2-documents": (2, dict(dp=2), dict(zero=1, documents=5)),
     "cp2-documents": (2, dict(cp=2), dict(zero=1, cp=2, documents=5)),
+    # Ulysses' all-to-alls (with documents: the spans of the gathered rows) and the hybrid's ring inside them
+    "cp2-ulysses-documents": (2, dict(cp=2, cp_ulysses=2), dict(zero=1, cp=2, cp_mode="ulysses", documents=5)),
+    "cp4-hybrid-zero3": (4, dict(cp=4, cp_ulysses=2), dict(zero=3, cp=4, cp_mode="hybrid")),
     # FP8 linears (their amax all-reduces over tp / cp, ZeRO-3's FP8 gathers) and Muon (whole matrices owned)
     "dp2-zero2-fp8": (2, dict(dp=2), dict(zero=2, fp8="tensorwise", param="bf16")),
     "tp2-sp-fp8-rowwise": (2, dict(dp=1, tp=2), dict(zero=1, tp=2, sp=True, fp8="rowwise", param="bf16")),
@@ -76,6 +79,7 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
     cfg.parallel.tp, cfg.parallel.pp = o.get("tp", 1), o.get("pp", 1)
     cfg.parallel.sp, cfg.parallel.cp = o.get("sp", False), o.get("cp", 1)
     cfg.parallel.dp_replicate = o.get("dp_replicate", 1)
+    cfg.parallel.cp_mode, cfg.parallel.cp_ulysses = o.get("cp_mode", "ring"), dims.get("cp_ulysses", 2)
     cfg.zero.qwz, cfg.zero.qgz, cfg.zero.hpz = o.get("qwz", False), o.get("qgz", False), o.get("hpz", 0)
     cfg.pipeline.schedule = o.get("schedule", "1f1b")
     cfg.pipeline.layers_per_stage = o.get("layers", "")

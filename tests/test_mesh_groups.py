@@ -27,6 +27,10 @@ LAYOUTS = {
     # HSDP: shard groups of dp/2 × cp consecutive dp_cp ranks, replicas at the same place in each (with ep beside)
     "dp4-cp2-replicate2-ep2": ParallelDims(dp=4, cp=2, ep=2, dp_replicate=2),
     "pp2-dp2-cp2-replicate2": ParallelDims(pp=2, dp=2, cp=2, dp_replicate=2),
+    # Ulysses × ring: each cp group cut into blocks of cp_ulysses consecutive ranks and the columns across them
+    "dp2-cp4-ulysses2": ParallelDims(dp=2, cp=4, cp_ulysses=2),
+    "cp4-tp2-ulysses2": ParallelDims(dp=1, cp=4, tp=2, cp_ulysses=2),
+    "dp4-cp2-ulysses2": ParallelDims(dp=4, cp=2, cp_ulysses=2),  # pure Ulysses: the cp group, the ring each alone
 }
 
 
@@ -68,8 +72,11 @@ def _expected(dims: ParallelDims, rank: int) -> dict[str, list[int]]:
     dp_shard = [r for r in dp_cp if _coords(dims, r)["dp"] // per_shard == coords["dp"] // per_shard]
     dp_replicate = [r for r in dp_cp if _coords(dims, r)["dp"] % per_shard == coords["dp"] % per_shard
                     and _coords(dims, r)["cp"] == coords["cp"]]
-    return dict(pp=ranks(("pp",)), dp=ranks(("dp",)), cp=ranks(("cp",)), tp=ranks(("tp",)), dp_cp=dp_cp, ep=ep,
-                ep_dp=ep_dp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    cp, u, c = ranks(("cp",)), dims.cp_ulysses, coords["cp"]  # Ulysses: consecutive cp ranks; the ring across
+    cp_ulysses = cp[c // u * u:(c // u + 1) * u]
+    cp_ring = [r for i, r in enumerate(cp) if i % u == c % u]
+    return dict(pp=ranks(("pp",)), dp=ranks(("dp",)), cp=cp, tp=ranks(("tp",)), dp_cp=dp_cp, ep=ep,
+                ep_dp=ep_dp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp_ulysses=cp_ulysses, cp_ring=cp_ring)
 
 
 def _coords(dims: ParallelDims, rank: int) -> dict[str, int]:
