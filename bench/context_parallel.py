@@ -26,14 +26,27 @@ math) on the attention of one cp rank, cp emulated by blocks — the rank's quer
 shards the ring would bring it, handed over in memory (`_LocalRing`), so the rank computes exactly
 the ring's blocks and merges. At 8k tokens on a GPU (``python bench/run.py cp-kernel``), at a small
 size on CPU (``--dry-run``).
+
+`bench_cp_modes` compares the three context-parallel modes at one cp size (default 4 gloo ranks), each
+contestant a whole training step like `bench_cp`'s: ``fivefold-ring`` (ring attention over all cp ranks,
+zig-zag), ``fivefold-ulysses`` (Ulysses: an all-to-all turns the sequence split into a head split, the model's
+own core attends the whole sequence for H/U heads, an all-to-all turns it back; U = cp) and ``fivefold-hybrid``
+(Ulysses U=2 inside, ring attention over the cp/U ring groups across; `UlyssesLayout`, `UlyssesGroups` from
+`ParallelDims.groups` "cp_ulysses" / "cp_ring"). Each rank's local loss is averaged over cp ranks (one scalar
+all-reduce, outside the logged traffic) so the losses of modes that give a rank different tokens compare. Per
+contestant, untimed at build: the activations autograd saves, and the resident peak of one forward + backward
+above the resident size before it (VmHWM after resetting it; the contest runs with freed large blocks returned to
+the system, `freed_blocks_returned`), both the maximum over ranks.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -46,25 +59,34 @@ from bench.harness import (
     Runner,
     blocks,
     contest_config,
+    freed_blocks_returned,
     lm_loss,
     log_bytes,
     markdown_table,
     mib,
     ops_text,
     ratio_line,
+    resident_kib,
     run_contest,
     time_rows,
 )
-from fivefold.context_parallel import SequenceLayout, apply_context_parallel, ring_attention
+from fivefold.context_parallel import (
+    SequenceLayout,
+    UlyssesGroups,
+    UlyssesLayout,
+    apply_context_parallel,
+    ring_attention,
+)
 from fivefold.context_parallel.kernels import choose_kernel
 from fivefold.data_parallel import ZeroDataParallel
 from fivefold.distributed.comm import Comm, CommLog
+from fivefold.distributed.topology import ParallelDims
 from fivefold.models import build_model
 from fivefold.models.plans import LLAMA_CP_PLAN
 from fivefold.tensor_parallel.comm_ops import gather_from_sp
 
-__all__ = ["CPKernelSpec", "CPSpec", "bench_cp", "bench_cp_kernels", "format_cp_kernel_table",
-           "format_cp_table"]
+__all__ = ["CPKernelSpec", "CPModesSpec", "CPSpec", "bench_cp", "bench_cp_kernels", "bench_cp_modes",
+           "format_cp_kernel_table", "format_cp_modes_table", "format_cp_table"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +222,169 @@ def format_cp_table(results: dict) -> str:
         out += [f"- {note}" for note in r["notes"]]
     out.append("- torch context_parallel: not run — on CPU it fails (no sharding strategy for "
                "aten._scaled_dot_product_flash_attention_for_cpu); see bench/context_parallel.py")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring, Ulysses and the ring × Ulysses hybrid, whole training steps at one cp size.
+@dataclass(frozen=True)
+class CPModesSpec(CPSpec):
+    """A contest of the cp modes (picklable): ``cp`` gloo ranks, the hybrid Ulysses ``hybrid_ulysses`` × ring
+    cp / ``hybrid_ulysses``. ``long_steps`` (if set): the timed steps at ``seq_len >= long_from`` (fewer where a
+    step is slow)."""
+
+    cp: int = 4
+    hybrid_ulysses: int = 2
+    steps: int = 4
+    repeats: int = 2
+    long_from: int = 8192
+    long_steps: int | None = None
+
+
+def _ulysses_groups(cp: int, ulysses: int, log: CommLog) -> UlyssesGroups:
+    """Ulysses over U consecutive cp ranks, the ring across them (`ParallelDims.groups`); every rank creates every
+    group, in the same order."""
+    import torch.distributed as dist
+
+    dims = ParallelDims(dp=1, cp=cp, cp_ulysses=ulysses).resolve(cp)
+    made = {}
+    for dim in ("cp_ulysses", "cp_ring"):
+        for ranks in dims.groups(dim):
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                made[dim] = group
+    return UlyssesGroups(Comm(made["cp_ulysses"], "cp_ulysses", log), Comm(made["cp_ring"], "cp_ring", log))
+
+
+def _resident_peak_bytes(run: Any) -> int:
+    """Resident high-water mark of ``run()`` above the resident size before it (Linux; 0 elsewhere)."""
+    gc.collect()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = resident_kib()["VmRSS"]
+    except OSError:
+        return 0
+    run()
+    return (resident_kib()["VmHWM"] - before) * 1024
+
+
+def build_cp_mode(config: Any, spec: CPModesSpec, world: Comm, mode: str) -> Runner:
+    log = CommLog()
+    cp = spec.cp
+    if mode == "ring":
+        comm: Comm | UlyssesGroups = Comm(None, "cp_ring", log)
+        layout: SequenceLayout | UlyssesLayout = SequenceLayout("zigzag", cp)
+    else:
+        ulysses = cp if mode == "ulysses" else spec.hybrid_ulysses
+        comm, layout = _ulysses_groups(cp, ulysses, log), UlyssesLayout("zigzag", cp, ulysses)
+    rank = comm.rank
+    model = build_model(config, seed=spec.seed)
+    apply_context_parallel(model, comm, layout, spec.seq_len, LLAMA_CP_PLAN)
+    engine = ZeroDataParallel(model, Comm(None, "cp_grads", CommLog(enabled=False)), zero_stage=0,
+                              optimizer_class=torch.optim.AdamW, lr=spec.lr, weight_decay=spec.weight_decay)
+    probe = layout.shard(torch.zeros(spec.batch, spec.seq_len, dtype=torch.long), rank)
+    saved = _saved_activation_bytes(model, probe)
+
+    def forward_backward() -> None:
+        engine.backward(lm_loss(engine(probe), probe))
+
+    peak = _resident_peak_bytes(forward_backward)
+    engine.zero_grad()
+    measured = torch.tensor([saved, peak], dtype=torch.float64)
+    world.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+    log.reset()
+
+    def step(x: torch.Tensor, y: torch.Tensor, during_backward: Any) -> torch.Tensor:
+        x, y = layout.shard(x, rank), layout.shard(y, rank)
+        loss = lm_loss(engine(x), y)
+        with during_backward:
+            engine.backward(loss)
+        total = loss.detach().clone()
+        world.all_reduce(total)  # the mean over cp ranks: the modes give a rank different tokens
+        return total / world.size
+
+    name = {"ring": f"ring attention over {cp} ranks (zig-zag, blocks above the diagonal skipped)",
+            "ulysses": f"Ulysses {cp}: all-to-all of Q/K/V to whole sequences of H/{cp} heads, the model's own core "
+                       "(SDPA), all-to-all back",
+            "hybrid": f"Ulysses {spec.hybrid_ulysses} × ring {cp // spec.hybrid_ulysses} (zig-zag): all-to-all "
+                      f"within groups of {spec.hybrid_ulysses} consecutive ranks, ring attention across them"}[mode]
+    return Runner(step, update=lambda: engine.step(), reset_comm=log.reset, comm=log_bytes(log, cp),
+                  comm_source="measured (CommLog): the attention's traffic only (gradient all-reduce excluded)",
+                  notes=[f"{name}; gradients averaged over cp by a fivefold ZeRO-0 engine, AdamW"],
+                  info=dict(saved_activation_bytes=int(measured[0]), peak_fwd_bwd_bytes=int(measured[1]),
+                            layout=layout.describe() if isinstance(layout, UlyssesLayout) else f"ring {cp} zigzag"))
+
+
+def cp_mode_contestants() -> tuple[Contestant, ...]:
+    return (Contestant("fivefold-ring", functools.partial(build_cp_mode, mode="ring")),
+            Contestant("fivefold-ulysses", functools.partial(build_cp_mode, mode="ulysses"),
+                       baseline="fivefold-ring"),
+            Contestant("fivefold-hybrid", functools.partial(build_cp_mode, mode="hybrid"),
+                       baseline="fivefold-ring"))
+
+
+def bench_cp_modes(spec: CPModesSpec | None = None, **overrides: Any) -> dict:
+    """Ring attention, Ulysses and the hybrid at each of ``spec.seq_lens``, one launch of ``spec.cp`` gloo ranks
+    per length. Returns ``runs``: the `run_contest` result per sequence length."""
+    spec = replace(spec or CPModesSpec(), **overrides)
+    u = spec.hybrid_ulysses
+    if not 1 < u < spec.cp or spec.cp % u:
+        raise ValueError(f"the hybrid needs 1 < Ulysses degree < cp and dividing it, got {u} at cp {spec.cp}")
+    runs = []
+    for seq_len in spec.seq_lens:
+        for layout in (SequenceLayout("zigzag", spec.cp), UlyssesLayout("zigzag", spec.cp, spec.cp),
+                       UlyssesLayout("zigzag", spec.cp, u)):
+            layout.check(seq_len)
+        steps = spec.long_steps if spec.long_steps and seq_len >= spec.long_from else spec.steps
+        with freed_blocks_returned():  # resident peaks show what a step holds, not what the heap kept
+            runs.append(run_contest("cp-modes", replace(spec, seq_len=seq_len, steps=steps),
+                                    cp_mode_contestants(), min_warmup=0))
+    return dict(kind="cp-modes", spec=asdict(spec), runs=runs)
+
+
+_OP_NAMES = {"all_to_all": "A2A", "send": "send", "recv": "recv"}
+
+
+def _traffic_text(by_op: dict[str, Any]) -> str:
+    """``A2A×32 8.00 + send×16 4.00 + recv×16 4.00``: calls and MiB per op."""
+    return " + ".join(f"{_OP_NAMES.get(op, op)}×{v[0]} {mib(v[1])}" for op, v in by_op.items()) or "none"
+
+
+def format_cp_modes_table(results: dict) -> str:
+    """One row per (sequence length, mode): step time, ratio against ring, attention traffic by op, saved
+    activations and the resident peak of a forward + backward."""
+    spec = results["spec"]
+    rows = [("seq_len", "impl", "median step s", "ratio / ring (paired)", "attention traffic per step and rank: "
+             "calls MiB by op", "sent KiB per local token", "activations saved by forward, MiB per rank",
+             "peak fwd+bwd MiB per rank")]
+    for run in results["runs"]:
+        seq_len = run["spec"]["seq_len"]
+        for r in run["impls"]:
+            sent = sum(b for op, (_, b) in r["comm_by_op"].items() if op != "recv")
+            rows.append((str(seq_len), r["name"], f"{r['median_s']:.2f}",
+                         f"{r['ratio']:.3f} ({r['ratio_paired']:.3f})" if r.get("ratio") is not None else "1",
+                         _traffic_text(r["comm_by_op"]), f"{sent / 1024 / (seq_len * spec['batch'] / spec['cp']):.1f}",
+                         mib(r["info"]["saved_activation_bytes"]), mib(r["info"]["peak_fwd_bwd_bytes"])))
+    out = markdown_table(rows)
+    out += [RATIO_LEGEND, CPU_LEGEND, ""]
+    for run in results["runs"]:
+        out.append(f"seq_len {run['spec']['seq_len']}, {run['spec']['steps']} timed steps:")
+        out += [ratio_line(p, cpu=True) for p in run["pairs"]]
+        out += markdown_table(time_rows(run, cpu=True))
+        out.append("")
+    c = contest_config(replace(CPSpec(), preset=spec["preset"]))
+    long = (f" ({spec['long_steps']} at seq_len >= {spec['long_from']})" if spec.get("long_steps") else "")
+    out.append(f"preset {spec['preset']} (n={c.n_layers} layers, D={c.dim}, heads {c.n_heads}/{c.n_kv_heads} kv), "
+               f"cp {spec['cp']} (gloo, {spec['threads']} thread(s)/rank), B={spec['batch']}, {spec['steps']} timed "
+               f"steps{long} (+{spec['warmup']} warmup) per impl in alternating blocks ({spec['repeats']} per impl); "
+               "step = forward + loss + backward + gradient all-reduce + AdamW, slowest rank; loss = the mean over "
+               "cp ranks")
+    out.append("traffic: payload bytes as logged (an all-to-all counts its whole input, the 1/U kept local "
+               "included); sent = all-to-all + send. activations saved: unique storages autograd saves in one forward; "
+               "peak: resident high-water mark of one forward + backward above the size before it (freed large blocks "
+               "returned to the system); both the max over ranks")
+    for r in results["runs"][0]["impls"]:
+        out += [f"- {r['name']}: {note}" for note in r["notes"]]
     return "\n".join(out)
 
 

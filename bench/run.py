@@ -12,6 +12,8 @@
     python bench/run.py tp                        # TP (and TP+SP) vs torch DTensor TP, tp 2
     python bench/run.py pp                        # schedules vs torch.distributed.pipelining, P 2
     python bench/run.py cp                        # ring attention vs all-gather K/V, cp 2, seq 2k-8k
+    python bench/run.py cp-modes                  # ring vs Ulysses vs ring × Ulysses hybrid, cp 4 (hybrid
+                                                  # Ulysses 2 × ring 2), seq 2k-8k: step, traffic, memory
     python bench/run.py cp-kernel                 # ring attention's block kernels, fused vs fp32 math, one
                                                   # device (a GPU: 8k tokens, cp 4 emulated by blocks);
                                                   # --dry-run: a CPU-sized run in seconds
@@ -73,10 +75,13 @@ from bench.checkpoint import (  # noqa: E402
 from bench.compile import CompileSpec, bench_compile, format_compile_table  # noqa: E402
 from bench.context_parallel import (  # noqa: E402
     CPKernelSpec,
+    CPModesSpec,
     CPSpec,
     bench_cp,
     bench_cp_kernels,
+    bench_cp_modes,
     format_cp_kernel_table,
+    format_cp_modes_table,
     format_cp_table,
 )
 from bench.data_parallel import (  # noqa: E402
@@ -127,7 +132,7 @@ __all__ = ["main"]
 
 WHAT = {  # command -> the benchmarks it runs, in order
     "ddp": ("ddp",), "zero": ("zero",), "offload": ("offload",), "tp": ("tp",), "pp": ("pp",), "cp": ("cp",),
-    "cp-kernel": ("cp-kernel",), "syncs": ("syncs",),
+    "cp-kernel": ("cp-kernel",), "cp-modes": ("cp-modes",), "syncs": ("syncs",),
     "ep": ("ep", "ep-overlap"), "experts": ("experts",),
     "parallel": ("tp", "pp", "cp", "ep", "ep-overlap"), "ckpt": ("ckpt",), "ckpt-share": ("ckpt-share",), "debug": ("debug",), "zeropp": ("zeropp",),
     "recompute": ("recompute",), "scaling": ("scaling",), "compile": ("compile",), "init": ("init",),
@@ -206,6 +211,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tp", parents=[common, tp_opts], help="fivefold TP/SP vs torch DTensor TP")
     sub.add_parser("pp", parents=[common, micro, pp_opts], help="fivefold schedules vs torch.distributed.pipelining")
     sub.add_parser("cp", parents=[common, cp_opts], help="fivefold ring attention vs all-gather K/V (context parallel)")
+    cm_ = CPModesSpec()
+    cmp = sub.add_parser("cp-modes", parents=[common],
+                         help="ring attention vs Ulysses vs the ring × Ulysses hybrid (context parallel, cp 4)")
+    cmp.add_argument("--cp", type=int, default=None, help=f"context-parallel degree = gloo ranks ({cm_.cp})")
+    cmp.add_argument("--seq-lens", default=None,
+                     help=f"comma-separated sequence lengths ({','.join(map(str, cm_.seq_lens))})")
+    cmp.add_argument("--hybrid-ulysses", type=int, default=None,
+                     help=f"the hybrid's Ulysses degree (ring: cp / it) ({cm_.hybrid_ulysses})")
+    cmp.add_argument("--long-steps", type=int, default=None,
+                     help=f"timed steps at seq_len >= {cm_.long_from} (default: --steps)")
     ck_ = CPKernelSpec()
     ckp = sub.add_parser("cp-kernel", parents=[common],
                          help="ring attention's block kernels side by side on one device (fused vs fp32 math)")
@@ -311,6 +326,8 @@ def _runs(args: argparse.Namespace) -> dict[str, tuple[Callable[[], dict], Calla
         "pp": (lambda: bench_pp(PPSpec(**common, **pp)), format_pp_table),
         "cp": (lambda: bench_cp(CPSpec(**cp_common, **cp)), format_cp_table),
         "cp-kernel": (lambda: bench_cp_kernels(_cp_kernel_spec(args)), format_cp_kernel_table),
+        "cp-modes": (lambda: bench_cp_modes(CPModesSpec(**cp_common, **cp, **_given(
+            hybrid_ulysses=opt.get("hybrid_ulysses"), long_steps=opt.get("long_steps")))), format_cp_modes_table),
         "ep": (lambda: bench_ep(EPSpec(**common, **_given(ep=opt.get("ep"), micro_batch=opt.get("micro_batch")))),
                format_ep_table),
         "experts": (lambda: bench_experts(ExpertsSpec(**_given(

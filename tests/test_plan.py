@@ -346,3 +346,36 @@ def test_search_keeps_a_given_schedule(capsys):
                 "--top", "3", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     assert plans and all("zb-h1" in p["layout"] for p in plans)
+
+
+def test_the_plan_prices_ring_ulysses_and_the_hybrid_and_search_chooses():
+    """Each cp mode's traffic per step is its formula (docs/design.md#ulysses-and-the-hybrid) × layers; with slow
+    links and a fixed cp 8 the search tries the ring, Ulysses and every hybrid and ranks Ulysses (the least
+    exposed traffic) first."""
+    from fivefold.plan import candidate_layouts, search
+
+    model = ["--preset", "tiny", "--model.n_layers", "8", "--model.dim", "256", "--model.n_heads", "8",
+             "--model.n_kv_heads", "8", "--model.ffn_hidden", "512"]
+    C, L, n = 8, 4096, 8
+    common = [*model, "--parallel.cp", str(C), "--train.micro_batch", "1", "--train.seq_len", str(L),
+              "--zero.stage", "0"]
+    ring = _plan(C, *common).traffic
+    uly = _plan(C, *common, "--parallel.cp_mode", "ulysses").traffic
+    hyb = _plan(C, *common, "--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", "2").traffic
+    a2a = formulas.ulysses_all_to_all_elements(1, L, 8, 8, 32, C, C)
+    assert uly["cp_ulysses"]["ops"] == {"all_to_all": n * 2 * sum(a2a.values())} and "cp" not in uly
+    a2a2 = formulas.ulysses_all_to_all_elements(1, L, 8, 8, 32, C, 2)
+    p2p = formulas.ring_attention_p2p_elements(1, L, 4, 32, C // 2)  # 4 kv heads a rank after the all-to-all
+    assert hyb["cp_ulysses"]["ops"] == {"all_to_all": n * 2 * sum(a2a2.values())}
+    assert hyb["cp_ring"]["ops"]["send"] == n * 2 * sum(p2p.values())
+    assert uly["cp_ulysses"]["wire_bytes"] < ring["cp"]["wire_bytes"] / 4
+    cfg = load_config(None, ["--precision.param", "bf16", *common])
+    slow = dataclasses.replace(HARDWARE["h100"], intra_node_gbps=1.0, inter_node_gbps=1.0)
+    fixed = {"parallel.tp", "parallel.pp", "parallel.cp", "zero.stage", "train.recompute"}
+    modes = set()
+    for o in candidate_layouts(cfg, C, slow, fixed):
+        mode = o[o.index("--parallel.cp_mode") + 1]
+        modes.add(mode + (o[o.index("--parallel.cp_ulysses") + 1] if mode == "hybrid" else ""))
+    assert modes == {"ring", "ulysses", "hybrid2", "hybrid4"}
+    best = search(cfg, C, slow, top=4, fixed=fixed).plans
+    assert "cp 8 ulysses," in best[0].layout, [p.layout for p in best]
