@@ -235,8 +235,8 @@ class CPModesSpec(CPSpec):
 
     cp: int = 4
     hybrid_ulysses: int = 2
-    steps: int = 4
-    repeats: int = 2
+    steps: int = 12
+    repeats: int = 6
     long_from: int = 8192
     long_steps: int | None = None
 

@@ -79,7 +79,8 @@ def build_rank(dims: dict[str, int], o: dict[str, Any], log_every: int = 1, devi
     cfg.parallel.tp, cfg.parallel.pp = o.get("tp", 1), o.get("pp", 1)
     cfg.parallel.sp, cfg.parallel.cp = o.get("sp", False), o.get("cp", 1)
     cfg.parallel.dp_replicate = o.get("dp_replicate", 1)
-    cfg.parallel.cp_mode, cfg.parallel.cp_ulysses = o.get("cp_mode", "ring"), dims.get("cp_ulysses", 2)
+    cfg.parallel.cp_mode = o.get("cp_mode", "ring")
+    cfg.parallel.cp_ulysses = dims["cp_ulysses"] if cfg.parallel.cp_mode == "hybrid" else None
     cfg.zero.qwz, cfg.zero.qgz, cfg.zero.hpz = o.get("qwz", False), o.get("qgz", False), o.get("hpz", 0)
     cfg.pipeline.schedule = o.get("schedule", "1f1b")
     cfg.pipeline.layers_per_stage = o.get("layers", "")

@@ -128,7 +128,8 @@ class ParallelSection:
     # attends the whole sequence for cp-th of the heads) or hybrid (Ulysses over cp_ulysses
     # consecutive ranks × ring across them)
     cp_mode: CpMode = "ring"
-    cp_ulysses: int = 2  # the hybrid's Ulysses degree U (cp = U × ring degree); hybrid only
+    # the hybrid's Ulysses degree U (cp = U × ring degree; none: 2); refused with another mode
+    cp_ulysses: int | None = None
     # manual: the degrees above | auto (--layout auto): the planner's fastest layout that fits the
     # world and this machine, chosen before any worker starts; the keys among tp, pp, cp, dp, ep,
     # zero.stage, train.recompute given on the command line or in --config stay fixed
@@ -137,8 +138,9 @@ class ParallelSection:
 
     def ulysses_degree(self, cp: int) -> int:
         """The Ulysses degree U of ``cp_mode`` at a cp degree: 1 (ring), cp (ulysses), cp_ulysses
-        (hybrid)."""
-        return {"ring": 1, "ulysses": cp, "hybrid": self.cp_ulysses}[self.cp_mode]
+        (hybrid; 2 when not given)."""
+        hybrid = self.cp_ulysses if self.cp_ulysses is not None else 2
+        return {"ring": 1, "ulysses": cp, "hybrid": hybrid}[self.cp_mode]
 
 
 @dataclass

@@ -408,6 +408,35 @@ def ulysses_all_to_all_elements(
     return {"forward_qkv": qkv, "forward_out": out, "backward_out": out, "backward_qkv": qkv}
 
 
+def cp_kept_elements(
+    batch: int,
+    seq_len: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    cp: int,
+    ulysses: int,
+) -> int:
+    """Elements one attention layer's context-parallel collectives receive in forward, which
+    selective-op recompute keeps until the backward (`ops.collective_outputs`: issued once, not
+    again): Ulysses' q, k, v and output messages over U = `ulysses` ranks, and the ring's R - 1
+    incoming K/V shards over R = cp / U ranks with the kv heads a rank holds after the all-to-all
+    (H, H_kv per tp rank)."""
+    kept = 0
+    if ulysses > 1:
+        a2a = ulysses_all_to_all_elements(
+            batch, seq_len, n_heads, n_kv_heads, head_dim, cp, ulysses
+        )
+        kept += a2a["forward_qkv"] + a2a["forward_out"]
+        n_kv_heads = ulysses_kv_heads(n_heads, n_kv_heads, ulysses) // ulysses
+    ring = cp // ulysses
+    if ring > 1:
+        kept += ring_attention_p2p_elements(batch, seq_len, n_kv_heads, head_dim, ring)[
+            "forward_kv"
+        ]
+    return kept
+
+
 # -- activation memory (Korthikanti et al. 2023 Table 2; docs/design.md#activation-memory) ---------
 
 

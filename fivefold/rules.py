@@ -420,14 +420,24 @@ RULES: tuple[Rule, ...] = (
     # context parallelism (docs/design.md#context-parallelism): pure Ulysses runs the model's own
     # core on whole sequences; the ring and the hybrid run ring attention
     Rule(
-        lambda l: l.cfg.model.attention != "sdpa" and _ring_attends(l),
+        lambda l: l.cfg.model.attention != "sdpa" and l.size("cp") > 1,
         lambda l: (
             f"model.attention={l.cfg.model.attention}: under parallel.cp={l.size('cp')} "
-            f"(cp_mode {l.cfg.parallel.cp_mode}) attention is ring attention whatever the "
-            "core; drop model.attention, use cp_mode ulysses (the model's core on whole "
-            "sequences) or cp 1"
+            f"(cp_mode {l.cfg.parallel.cp_mode}) attention is "
+            + ("sdpa on whole sequences" if not _ring_attends(l) else "ring attention")
+            + " whatever the core (the eager core keeps L×L scores, which context parallelism "
+            "is there to avoid); drop model.attention or use cp 1"
         ),
-        ("model.attention", "parallel.cp_mode", "parallel.cp"),
+        ("model.attention", "parallel.cp"),
+    ),
+    Rule(
+        lambda l: l.cfg.parallel.cp_ulysses is not None and l.cfg.parallel.cp_mode != "hybrid",
+        lambda l: (
+            f"parallel.cp_ulysses={l.cfg.parallel.cp_ulysses} is the hybrid's Ulysses degree, "
+            f"but parallel.cp_mode={l.cfg.parallel.cp_mode}; set cp_mode hybrid or drop "
+            "cp_ulysses"
+        ),
+        ("parallel.cp_ulysses", "parallel.cp_mode"),
     ),
     Rule(
         lambda l: (
@@ -457,7 +467,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda l: (
-            l.cfg.parallel.cp_kernel == "flash" and l.size("cp") > 1 and l.device_type not in FUSED
+            l.cfg.parallel.cp_kernel == "flash" and _ring_attends(l) and l.device_type not in FUSED
         ),
         lambda l: (
             f"parallel.cp_kernel=flash: ring attention has no fused block kernel on "

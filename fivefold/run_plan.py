@@ -75,15 +75,7 @@ def validate_layout(cfg: Config, world_size: int, device_type: str | None = None
         save_plan(t.recompute_save)  # a preset or known op groups: else one ConfigError line
     _check_numbers(cfg, world_size)
     _check_cp_mode(p)
-    dims = ParallelDims(
-        pp=p.pp,
-        dp=p.dp,
-        cp=p.cp,
-        tp=p.tp,
-        ep=p.ep,
-        dp_replicate=p.dp_replicate,
-        cp_ulysses=p.ulysses_degree(p.cp),
-    ).resolve(world_size)
+    dims = ParallelDims.of(p).resolve(world_size)
     global_batch, micro_batch, grad_accum = resolve_batch(
         t.global_batch, t.micro_batch, t.grad_accum, dims.dp
     )
@@ -152,7 +144,7 @@ def _check_cp_mode(p: ParallelSection) -> None:
     """The hybrid's Ulysses degree: a proper divisor of cp (else it is one of the pure modes)."""
     if p.cp_mode != "hybrid" or p.cp < 1:
         return
-    u = p.cp_ulysses
+    u = p.ulysses_degree(p.cp)
     if not 1 < u < p.cp or p.cp % u:
         raise ConfigError(
             f"parallel.cp_ulysses={u} with cp_mode hybrid and cp={p.cp}: the hybrid is Ulysses "

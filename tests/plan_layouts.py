@@ -59,6 +59,8 @@ LAYOUTS: dict[str, list[str]] = {
                              "--train.recompute", "selective"],  # the ring's forward again in backward
     "cp2 ulysses dp2 z1 selective": ["--parallel.cp", "2", "--parallel.cp_mode", "ulysses", "--zero", "1",
                                      "--train.recompute", "selective"],  # the all-to-alls once
+    "cp4 hybrid2 z1 selective-op": ["--parallel.cp", "4", "--parallel.cp_mode", "hybrid", "--zero", "1",
+                                    "--train.recompute", "selective-op"],  # received buffers kept to backward
     "cp4 hybrid2 z3 full": ["--parallel.cp", "4", "--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", "2",
                             "--zero", "3", "--train.recompute", "full"],
     "hsdp 2x2 z3": ["--parallel.dp_replicate", "2", "--zero", "3"],

@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (mesh dims, ZeRO stage, recompute, preset)
     "tp2": (dict(tp=2), 0, "none", "tiny"),
     "pp2": (dict(pp=2), 0, "none", "tiny"),
     "cp2": (dict(cp=2), 0, "none", "tiny"),  # ring attention: a graph break inside the attention
+    "cp2-ulysses": (dict(cp=2, cp_ulysses=2), 0, "none", "tiny"),  # graph breaks at Ulysses' all-to-alls
     "moe-ep2": (dict(dp=2, ep=2), 0, "none", "tiny-moe"),  # the attention half compiled, the experts eager
 }
 
@@ -90,6 +91,7 @@ def _train(name: str, compiled: bool) -> dict:
     cfg.zero.stage, cfg.train.recompute, cfg.train.compile = stage, recompute, compiled
     cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
     cfg.parallel.cp, cfg.parallel.ep, cfg.pipeline.schedule = dims.get("cp", 1), dims.get("ep", 1), "1f1b"
+    cfg.parallel.cp_mode = "ulysses" if dims.get("cp_ulysses", 1) > 1 else "ring"
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
     parts = parallelize(cfg, _model_config(preset), mesh, "cpu")
     seen: list[bool] = []

@@ -269,7 +269,8 @@ def _train_worker(world: int) -> dict:
         cfg = Config()
         cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.pp = dims["cp"], o.get("tp", 1), o.get("pp", 1)
         cfg.parallel.sp, cfg.parallel.cp_layout = o.get("sp", False), o.get("layout", "zigzag")
-        cfg.parallel.cp_mode, cfg.parallel.cp_ulysses = o.get("mode", "ring"), dims.get("cp_ulysses", 2)
+        cfg.parallel.cp_mode = o.get("mode", "ring")
+        cfg.parallel.cp_ulysses = dims["cp_ulysses"] if cfg.parallel.cp_mode == "hybrid" else None
         cfg.zero.stage = o["zero"]
         cfg.train.lr, cfg.train.weight_decay, cfg.train.beta2, cfg.train.eps = LR, WD, 0.999, EPS
         cfg.train.grad_accum, cfg.train.seq_len, cfg.train.seed, cfg.train.warmup_steps = 2, SEQ, 0, 0

@@ -59,12 +59,16 @@ LAYOUTS = {  # name: (world, mesh dims, preset, config: zero stage and what else
     "ulysses-moe-ep2": (2, dict(cp=2, ep=2, cp_ulysses=2), "tiny-moe", dict(zero=1, cp_mode="ulysses")),
     "ulysses-cp2-tp2-sp-selective": (4, dict(cp=2, tp=2, cp_ulysses=2), "tiny",
                                      dict(zero=1, cp_mode="ulysses", recompute="selective")),
+    "ulysses-cp2-selective-op": (2, dict(cp=2, cp_ulysses=2), "tiny",
+                                 dict(zero=1, cp_mode="ulysses", recompute="selective-op")),
     "ulysses-pp2-cp2": (4, dict(pp=2, cp=2, cp_ulysses=2), "tiny", dict(zero=1, cp_mode="ulysses")),
+    # a window as long as the rows is the whole prefix: the hybrid's ring runs it (a shorter one is refused)
+    "mistral-window-hybrid-cp4": (4, dict(cp=4, cp_ulysses=2), "tiny-mistral+w32", dict(zero=0, cp_mode="hybrid")),
     "hybrid-cp4-zero3-full-recompute": (4, dict(cp=4, cp_ulysses=2), "tiny",
                                         dict(zero=3, cp_mode="hybrid", recompute="full")),
 }
 # a preset with options laid over it: "preset+name"
-VARIANTS = {"bias": dict(attention_bias="all"), "w6": dict(sliding_window=6)}
+VARIANTS = {"bias": dict(attention_bias="all"), "w6": dict(sliding_window=6), "w32": dict(sliding_window=SEQ)}
 
 
 def _model(preset: str):
@@ -136,7 +140,8 @@ def _train(name: str) -> dict:
     cfg.parallel.tp, cfg.parallel.pp = dims.get("tp", 1), dims.get("pp", 1)
     cfg.parallel.dp_replicate = dims.get("dp_replicate", 1)
     cfg.parallel.cp_layout, cfg.parallel.sp = o.get("cp_layout", "zigzag"), dims.get("tp", 1) > 1
-    cfg.parallel.cp_mode, cfg.parallel.cp_ulysses = o.get("cp_mode", "ring"), dims.get("cp_ulysses", 2)
+    cfg.parallel.cp_mode = o.get("cp_mode", "ring")
+    cfg.parallel.cp_ulysses = dims["cp_ulysses"] if cfg.parallel.cp_mode == "hybrid" else None
     cfg.pipeline.schedule, cfg.pipeline.virtual = o.get("schedule", "1f1b"), o.get("virtual", 1)
     mesh = ParallelMesh(ParallelDims(**dims), "cpu", CommLog())
     parts = parallelize(cfg, _model(preset), mesh, "cpu", documents_eos=EOS)

@@ -44,6 +44,7 @@ LAYOUTS = {  # name: (world, mesh dims, preset, options)
     "pp2-zb-h1-rowwise": (2, dict(pp=2), "tiny", dict(zero=1, schedule="zb-h1", fp8="rowwise")),
     "cp2": (2, dict(cp=2), "tiny", dict(zero=0)),
     "cp2-rowwise": (2, dict(cp=2), "tiny", dict(zero=1, fp8="rowwise")),
+    "cp2-ulysses": (2, dict(cp=2, cp_ulysses=2), "tiny", dict(zero=1, cp_mode="ulysses")),
     "moe-ep2": (2, dict(dp=2, ep=2), "tiny-moe", dict(zero=1)),
     "dp2-tp2-zero3-fp8-gather": (4, dict(dp=2, tp=2), "tiny", dict(zero=3, gather=True)),
     "dp2-cp2-zero2": (4, dict(dp=2, cp=2), "tiny", dict(zero=2)),
@@ -149,6 +150,7 @@ def _config(name: str) -> Config:
     cfg.train.recompute, cfg.train.compile = o.get("recompute", "none"), o.get("compile", False)
     cfg.train.grad_accum, cfg.train.seq_len, cfg.train.warmup_steps, cfg.train.eps = MICRO, SEQ, 0, EPS
     cfg.parallel.cp, cfg.parallel.ep = dims.get("cp", 1), dims.get("ep", 1)
+    cfg.parallel.cp_mode = o.get("cp_mode", "ring")
     cfg.parallel.tp, cfg.parallel.pp = dims.get("tp", 1), dims.get("pp", 1)
     cfg.parallel.sp = o.get("sp", dims.get("tp", 1) > 1)
     cfg.parallel.dp_replicate = dims.get("dp_replicate", 1)

@@ -3,7 +3,8 @@ full attention.
 
 One spawn per cp size (2 and 4, `multiprocess`): pure Ulysses at cp 2 and 4, the hybrid at cp 4 (Ulysses 2 × ring
 2; at cp 2 there is no hybrid: it needs 1 < U < cp), causal, multi-head, GQA with kv heads split and repeated
-(fewer kv heads than U), packed documents, a sliding window (pure Ulysses runs the model's own core). Outputs and
+(fewer kv heads than U), packed documents, a sliding window (pure Ulysses runs the model's own core: sdpa, and the
+eager core with documents). Outputs and
 dQ/dK/dV, put back in sequence order, equal single-process attention on the whole sequence within
 tests/tolerance.py's bound; bf16 within twice bf16 SDPA's own error plus one bf16 rounding. Each rank's all-to-all
 bytes equal `formulas.ulysses_all_to_all_elements` exactly, forward and backward, and (hybrid) its ring bytes
@@ -45,6 +46,7 @@ def _cases(cp: int) -> list[dict]:
         for kernel in ("cpu_flash", "math") if mode == "hybrid" else ("-",):
             out.append(dict(mode=mode, u=u, heads=heads, docs=docs, layout=layout, kernel=kernel, window=None))
     out.append(dict(mode="ulysses", u=cp, heads=(4, 2), docs=False, layout="zigzag", kernel="-", window=5))
+    out.append(dict(mode="ulysses", u=cp, heads=(4, 2), docs=True, layout="zigzag", kernel="eager", window=None))
     return out
 
 
@@ -97,10 +99,11 @@ def _layout(case: dict, cp: int) -> UlyssesLayout:
 
 
 def _core(case: dict, groups: UlyssesGroups, layout: UlyssesLayout):
-    from fivefold.models.llama import causal_attention
+    from fivefold.models.llama import causal_attention, eager_attention
 
     ring = layout.ring
-    inner = causal_attention if ring.cp == 1 else RingAttention(groups.ring, ring, L, kernel=case["kernel"])
+    model_core = eager_attention if case["kernel"] == "eager" else causal_attention  # pure Ulysses: the model's
+    inner = model_core if ring.cp == 1 else RingAttention(groups.ring, ring, L, kernel=case["kernel"])
     return UlyssesAttention(groups.ulysses, inner, L, L // layout.cp)
 
 
@@ -285,3 +288,10 @@ def test_the_head_rule_splits_repeats_or_refuses():
         kv_repeats(6, 2, 4)
     with pytest.raises(ValueError, match="6 kv heads"):
         kv_repeats(12, 6, 4)
+
+
+def test_ring_attention_refuses_a_window_shorter_than_the_sequence():
+    """(A window as long as the sequence is the whole prefix: the hybrid runs it, tests/test_documents_layouts.py.)"""
+    q = torch.zeros(1, 2, L // 2, D_HEAD)
+    with pytest.raises(ValueError, match="a sliding window of 8 keys is shorter than the 32-token sequence"):
+        RingAttention(None, SequenceLayout("zigzag", 2), L)(q, q, q, window=8)

@@ -6,6 +6,7 @@ i of C) is the textbook layout, kept for tests and non-causal attention."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,13 +116,16 @@ class UlyssesLayout(_TokenSplit):
 
     def check(self, seq_len: int) -> None:
         ring = self.ring
-        ring.check(seq_len)
-        if (seq_len // ring.cp) % self.ulysses:
+        # the ring's chunks whole, and each ring rank's part in U equal slices
+        multiple = math.lcm(ring.n_chunks, ring.cp * self.ulysses)
+        if seq_len % multiple:
+            parts = f"Ulysses {self.ulysses}" + (
+                f" × ring {ring.cp} {ring.kind} ({ring.n_chunks} chunks)" if ring.cp > 1 else ""
+            )
             raise ValueError(
-                f"context parallel (Ulysses {self.ulysses} × ring {ring.cp}, {self.kind}) cuts the "
-                f"sequence into {self.cp} equal parts of whole chunks of {ring.n_chunks}: "
-                f"seq_len={seq_len} is not divisible by {ring.n_chunks * self.ulysses}; use a "
-                f"multiple of {ring.n_chunks * self.ulysses}"
+                f"context parallel (cp={self.cp}: {parts}) cuts the sequence into {self.cp} equal "
+                f"parts: seq_len={seq_len} is not divisible by {multiple}; use a multiple of "
+                f"{multiple}"
             )
 
     def positions(

@@ -252,7 +252,14 @@ class RingAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         documents: Documents | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None and window < self.seq_len:
+            raise ValueError(
+                f"ring attention attends to the whole prefix: a sliding window of {window} keys "
+                f"is shorter than the {self.seq_len}-token sequence (use cp_mode ulysses or cp 1)"
+            )
+        # (a window as long as the sequence is the whole prefix: plain causal attention)
         if q.shape[2] * self.comm.size != self.seq_len:
             raise ValueError(
                 f"context parallel was set up for sequences of {self.seq_len} tokens (each rank's "

@@ -4,7 +4,7 @@ hybrid (Fang & Zhao 2024, USP): docs/design.md#context-parallelism, "Ulysses and
 A rank holds L/C tokens of every head. Before attention one all-to-all over the Ulysses group of U
 ranks turns q, k and v from [B, H, L/C, d] (all heads, this rank's tokens) into
 [B, H/U, U·L/C, d] (H/U heads, the group's tokens); attention runs on those heads with any core —
-the model's own (sdpa or eager, document spans and sliding windows included) when U = C, ring
+the model's own (document spans and sliding windows included) when U = C, ring
 attention over the R = C/U ring ranks in the hybrid; a second all-to-all turns the output back.
 The pair is two autograd functions, each the other's backward (`to_heads`, `to_sequence`). q, k and
 v travel in one message per peer (one all-to-all, not three).
@@ -95,33 +95,29 @@ def _sequence(comm: Comm, tensors: Sequence[torch.Tensor], tag: str) -> list[tor
     return out
 
 
-class _ToHeads(torch.autograd.Function):
+_DIRECTIONS = {"heads": (_heads, _sequence), "sequence": (_sequence, _heads)}
+
+
+class _AllToAll(torch.autograd.Function):
+    """One of the pair (``direction``: "heads" or "sequence"); its backward is the other's forward
+    on the gradients (tag + "_grad")."""
+
     @staticmethod
-    def forward(ctx, comm: Comm, tag: str, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.comm, ctx.tag = comm, tag
-        return tuple(_heads(comm, tensors, tag))
+    def forward(ctx, comm: Comm, tag: str, direction: str, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.comm, ctx.tag, ctx.direction = comm, tag, direction
+        return tuple(_DIRECTIONS[direction][0](comm, tensors, tag))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return None, None, *_sequence(ctx.comm, grads, ctx.tag + "_grad")
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm: Comm, tag: str, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.comm, ctx.tag = comm, tag
-        return tuple(_sequence(comm, tensors, tag))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return None, None, *_heads(ctx.comm, grads, ctx.tag + "_grad")
+        back = _DIRECTIONS[ctx.direction][1]
+        return None, None, None, *back(ctx.comm, grads, ctx.tag + "_grad")
 
 
 @eager_region
 def to_heads(comm: Comm, *tensors: torch.Tensor, tag: str = "cp_heads") -> tuple[torch.Tensor, ...]:
     """Sequence-split [B, h, S, d] tensors -> head-split [B, h/U, U·S, d] over `comm` (U ranks),
     in one all-to-all; its backward is `to_sequence`'s forward."""
-    return _ToHeads.apply(comm, tag, *tensors)
+    return _AllToAll.apply(comm, tag, "heads", *tensors)
 
 
 @eager_region
@@ -130,7 +126,7 @@ def to_sequence(
 ) -> tuple[torch.Tensor, ...]:
     """Head-split [B, h, U·S, d] tensors -> sequence-split [B, U·h, S, d] over `comm`: the inverse
     of `to_heads` (and its backward)."""
-    return _ToSequence.apply(comm, tag, *tensors)
+    return _AllToAll.apply(comm, tag, "sequence", *tensors)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -58,6 +58,21 @@ class ParallelDims:
     dp_replicate: int = 1
     # Ulysses: the inner degree U of cp (1: ring attention only, cp: Ulysses only, else the hybrid)
     cp_ulysses: int = 1
+
+    @classmethod
+    def of(cls, parallel: Any) -> ParallelDims:
+        """The degrees a ``[parallel]`` section (`fivefold.config.ParallelSection`) asks for, not
+        resolved: its Ulysses degree from ``cp_mode`` (`ParallelSection.ulysses_degree`)."""
+        p = parallel
+        return cls(
+            pp=p.pp,
+            dp=p.dp,
+            cp=p.cp,
+            tp=p.tp,
+            ep=p.ep,
+            dp_replicate=p.dp_replicate,
+            cp_ulysses=p.ulysses_degree(p.cp),
+        )
 
     def resolve(self, world_size: int) -> ParallelDims:
         """Fill in dp and check that the product of the degrees is the world size."""

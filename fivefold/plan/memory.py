@@ -145,7 +145,8 @@ def micro_batch(cfg: Config, run: RunPlan) -> formulas.MicroBatch:
 
 def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
     """`block_bytes` of a dense block or (``is_moe``) an MoE one, told by its kind instead of its
-    module (selective-op: with `train.recompute_save`'s save set)."""
+    module (selective-op: with `train.recompute_save`'s save set, and the buffers context
+    parallelism's collectives received, which it keeps: `formulas.cp_kept_elements`)."""
     m, p, mb = run.model, run.dims, micro_batch(cfg, run)
     ffn = None
     moe = m.moe if is_moe else None
@@ -160,13 +161,23 @@ def kind_bytes(cfg: Config, run: RunPlan, is_moe: bool, recompute: str) -> int:
             moe.shared_experts * hidden,
             dtype_bytes=mb.dtype_bytes,
         )
-    return formulas.activation_bytes_per_block(
+    kept = 0
+    if recompute == "selective-op" and p.cp > 1:  # the cp collectives' received buffers, kept
+        kept = mb.dtype_bytes * formulas.cp_kept_elements(
+            mb.batch,
+            cfg.train.seq_len,
+            m.n_heads // p.tp,
+            max(m.n_kv_heads // p.tp, 1),
+            m.head_dim,
+            p.cp,
+            p.cp_ulysses,
+        )
+    return kept + formulas.activation_bytes_per_block(
         mb,
         m.n_heads,
         m.n_kv_heads,
         m.ffn_hidden,
-        # (pure Ulysses runs the model's own core on whole sequences; the ring its kernels)
-        attention=cfg.model.attention if p.cp == p.cp_ulysses else "sdpa",
+        attention=cfg.model.attention if p.cp == 1 else "sdpa",
         recompute=recompute,
         ffn_bytes=ffn,
         save=save_plan(cfg.train.recompute_save) if recompute == "selective-op" else None,

@@ -54,15 +54,7 @@ def _kept(cfg: Config, overrides: list[str], world: int, model: LlamaConfig) -> 
     trial = apply_overrides(copy.deepcopy(cfg), overrides)
     p, t = trial.parallel, trial.train
     try:
-        dims = ParallelDims(
-            pp=p.pp,
-            dp=p.dp,
-            cp=p.cp,
-            tp=p.tp,
-            ep=p.ep,
-            dp_replicate=p.dp_replicate,
-            cp_ulysses=p.ulysses_degree(p.cp),
-        ).resolve(world)
+        dims = ParallelDims.of(p).resolve(world)
         schedule = None
         if dims.pp > 1:
             accum = resolve_batch(t.global_batch, t.micro_batch, t.grad_accum, dims.dp)[2]
@@ -81,7 +73,7 @@ def candidate_layouts(
     """Every (tp, pp, cp, cp mode, ep, ZeRO stage, recompute) for `world` GPUs that the rule table
     allows, as overrides: tp a divisor of a node's GPU count (with SP), pp up to the number of
     blocks (1F1B), cp up to 16 (over 1: the ring, Ulysses, and the hybrid at each proper divisor of
-    cp as its Ulysses degree; ``parallel.cp_ulysses`` with the mode when it is fixed), dp the rest,
+    cp as its Ulysses degree; that degree alone when ``parallel.cp_ulysses`` is set), dp the rest,
     ep a divisor of dp × cp (MoE), ZeRO 0-3 (stage 0 alone when dp × cp = 1), recompute none /
     full / selective / selective-op (its save set as the config has it: `train.recompute_save`).
     A key in `fixed` (one of `SEARCHED`) keeps `cfg`'s value. The trainer's other checks (what the
@@ -135,8 +127,8 @@ def candidate_layouts(
                     ]
                 if "parallel.cp_mode" in fixed:
                     modes = [m for m in modes if m[1] == p.cp_mode]
-                    if p.cp_mode == "hybrid":
-                        modes = [m for m in modes if m[3] == str(p.cp_ulysses)]
+                if p.cp_ulysses is not None:  # a hybrid degree was chosen: that hybrid only
+                    modes = [m for m in modes if m[1] == "hybrid" and m[3] == str(p.cp_ulysses)]
                 # (a dense model has no experts to split: ep 1; the table drops what the experts do
                 # not divide)
                 for ep, mode in itertools.product(

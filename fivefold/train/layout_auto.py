@@ -94,8 +94,6 @@ def fixed_keys(cfg: Config, given: Collection[str] | None) -> set[str]:
         fixed.discard("parallel.dp")
     if set(given) & set(PIPELINE_KEYS):
         fixed.add("pipeline.schedule")
-    if "parallel.cp_ulysses" in given:  # the hybrid's degree: the mode it belongs to is chosen
-        fixed.add("parallel.cp_mode")
     return fixed
 
 
@@ -107,15 +105,7 @@ def held_batch(cfg: Config, world: int) -> list[str]:
     batch keys as given."""
     t, p = cfg.train, cfg.parallel
     try:
-        dims = ParallelDims(
-            pp=p.pp,
-            dp=p.dp,
-            cp=p.cp,
-            tp=p.tp,
-            ep=p.ep,
-            dp_replicate=p.dp_replicate,
-            cp_ulysses=p.ulysses_degree(p.cp),
-        ).resolve(world)
+        dims = ParallelDims.of(p).resolve(world)
         global_batch, micro, accum = resolve_batch(
             t.global_batch, t.micro_batch, t.grad_accum, dims.dp
         )
